@@ -1,0 +1,166 @@
+"""`bie-trt build`: checkpoint -> validated, planned, repacked, deterministic engine directory."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from . import engine_format as ef
+from .checkpoint.loader import TOKENIZER_FILES, Checkpoint
+from .checkpoint.registry import resolve_checkpoint
+from .config import KVCacheConfig
+from .errors import BieError, PlanError
+from .kernels.w4_layout import awq_to_w4
+from .plan import MemoryPlan, solve_plan
+from .profiles import BuildProfile, resolve_profile
+from .templates import render
+
+# Fused at build time: one GEMM reads the shared input once.
+FUSED = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+
+
+@dataclass
+class BuildOptions:
+    checkpoint: str
+    out: str
+    profile: str = "auto"
+    max_model_len: int | None = None
+    kv_cache_dtype: str | None = None
+    kv_group_size: int | None = None
+    kv_sink_tokens: int | None = None
+    kv_window: int | None = None
+    kv_rotation: str = "hadamard"
+    max_num_seqs: int | None = None
+    force: bool = False
+
+
+def resolve_kv(opts: BuildOptions, profile: BuildProfile) -> KVCacheConfig:
+    d = profile.defaults
+
+    def pick(value, default):
+        return default if value is None else value
+
+    return KVCacheConfig(
+        dtype=pick(opts.kv_cache_dtype, d.kv_cache_dtype),
+        group_size=pick(opts.kv_group_size, d.kv_group_size),
+        sink_tokens=pick(opts.kv_sink_tokens, d.kv_sink_tokens),
+        window=pick(opts.kv_window, d.kv_window),
+        rotation=opts.kv_rotation,
+        block_size=d.block_size,
+    )
+
+
+def _repack_layer(ckpt: Checkpoint, i: int) -> dict[str, torch.Tensor]:
+    m, p = ckpt.model, f"model.layers.{i}."
+    out = {
+        f"layers.{i}.attn_norm": ckpt.tensor(p + "input_layernorm.weight").half(),
+        f"layers.{i}.mlp_norm": ckpt.tensor(p + "post_attention_layernorm.weight").half(),
+    }
+    for fused, parts in FUSED.items():
+        packed = [awq_to_w4(*(ckpt.tensor(p + part + s) for s in (".qweight", ".qzeros", ".scales"))) for part in parts]
+        for key in ("qweight", "scales", "zeros"):
+            out[f"layers.{i}.{fused}.{key}"] = torch.cat([t[key] for t in packed]).contiguous()
+    if m.qkv_bias:
+        out[f"layers.{i}.qkv.bias"] = torch.cat(
+            [ckpt.tensor(p + f"self_attn.{x}_proj.bias") for x in "qkv"]).half()
+    return out
+
+
+def _toolchain() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("transformers", "triton"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = "absent"
+    return versions
+
+
+def plan_for(ckpt: Checkpoint, profile: BuildProfile, kv: KVCacheConfig, max_model_len: int,
+             max_num_seqs: int) -> MemoryPlan:
+    return solve_plan(ckpt.model, profile, max_model_len=max_model_len, kv=kv, max_num_seqs=max_num_seqs,
+                      chunk_tokens=profile.defaults.chunked_prefill_size,
+                      weight_group_size=ckpt.quant.group_size)
+
+
+def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path:
+    out = Path(opts.out)
+    if out.exists() and any(out.iterdir()) and not opts.force:
+        raise BieError(f"{out} exists and is not empty; pass --force to replace it, or choose another --out.")
+    ckpt = Checkpoint(resolve_checkpoint(opts.checkpoint))
+    profile, how = resolve_profile(opts.profile)
+    log(f"profile: {profile.name} ({how})")
+    kv = resolve_kv(opts, profile)
+    try:
+        kv.validate(ckpt.model.head_dim)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    max_len = opts.max_model_len or min(profile.defaults.max_model_len, ckpt.model.max_position_embeddings)
+    max_seqs = opts.max_num_seqs or profile.defaults.max_num_seqs
+    plan = plan_for(ckpt, profile, kv, max_len, max_seqs)   # refuse before any heavy work
+    if not plan.fits:
+        raise PlanError(
+            f"the memory plan does not fit {profile.name}:\n{plan.format_table()}\n"
+            f"Largest max_model_len that fits: {plan.max_model_len_that_fits}. Use --max-model-len "
+            f"{plan.max_model_len_that_fits} or a smaller KV format (--kv-cache-dtype int4_asym).")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build into a sibling temp dir and rename: a failed build leaves nothing half-written.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        m = ckpt.model
+        weights = {"embed_tokens": ckpt.tensor("model.embed_tokens.weight").half(),
+                   "norm": ckpt.tensor("model.norm.weight").half()}
+        if not m.tie_word_embeddings:
+            weights["lm_head"] = ckpt.tensor("lm_head.weight").half()
+        for i in tqdm(range(m.num_layers), desc="repack", unit="layer"):
+            weights.update(_repack_layer(ckpt, i))
+        save_file(weights, str(tmp / ef.WEIGHTS))
+        for f in TOKENIZER_FILES + EXTRA_TOKENIZER_FILES:
+            if (ckpt.path / f).exists():
+                shutil.copyfile(ckpt.path / f, tmp / f)
+        manifest = {
+            "schema_version": ef.SCHEMA_VERSION,
+            "bie_trt_version": ef.bie_trt_version(),
+            "model": {"architecture": m.architecture, "config": m.to_dict(),
+                      "name": Path(str(opts.checkpoint)).name},
+            "source": {"checkpoint": str(opts.checkpoint),
+                       "digest": ef.digest_files(ckpt.digest_files(), ckpt.path),
+                       "weight_group_size": ckpt.quant.group_size},
+            "profile": profile.to_dict(),
+            "target": {"gpu": profile.description, "sm": profile.sm},
+            "kv": dataclasses.asdict(kv),
+            "max_model_len": max_len,
+            "max_num_seqs": max_seqs,
+            "chunked_prefill_size": profile.defaults.chunked_prefill_size,
+            "plan": plan.to_dict(),
+            "kernels": {},
+            "toolchain": _toolchain(),
+        }
+        (tmp / "README.md").write_text(render("engine_README.md.j2", manifest=manifest, plan=plan))
+        ef.write_manifest(tmp, manifest)
+        (tmp / "build-info.json").write_text(json.dumps({"host": platform.node()}, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"engine written to {out} ({plan.total_bytes / 2**30:.2f} GiB planned of {plan.budget_bytes / 2**30:.2f} GiB)")
+    return out

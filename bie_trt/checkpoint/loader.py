@@ -1,0 +1,182 @@
+"""Open and validate an AutoAWQ gemm checkpoint directory.
+
+Every malformed input raises one CheckpointError naming the file or tensor, what was
+expected and what was found. Tensors are read lazily, one at a time, from safetensors.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig
+from ..errors import CheckpointError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+LINEARS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    bits: int
+    group_size: int
+    version: str
+    zero_point: bool
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}).") from None
+
+
+def read_quant_config(ckpt: Path, hf: dict) -> QuantConfig:
+    """AWQ settings live in config.json's quantization_config (or AutoAWQ's older quant_config.json)."""
+    qc = hf.get("quantization_config")
+    where = "config.json quantization_config"
+    if qc is None and (ckpt / "quant_config.json").exists():
+        qc, where = _read_json(ckpt / "quant_config.json"), "quant_config.json"
+    if qc is None:
+        raise CheckpointError(
+            f"{ckpt}/config.json has no quantization_config: this is not an AWQ checkpoint. "
+            f"Make one with `bie-trt quantize --model {ckpt} --out DIR`."
+        )
+    method = str(qc.get("quant_method", "awq")).lower()
+    if method != "awq":
+        raise CheckpointError(f"{where}: quant_method is {method!r}; bie-trt needs 'awq' (AutoAWQ gemm).")
+    bits = int(qc.get("bits", qc.get("w_bit", 0)))
+    group = int(qc.get("group_size", qc.get("q_group_size", 0)))
+    version = str(qc.get("version", "gemm")).lower()
+    zero_point = bool(qc.get("zero_point", True))
+    if bits != 4:
+        raise CheckpointError(f"{where}: bits is {bits}; bie-trt supports 4-bit AWQ only.")
+    if version != "gemm":
+        raise CheckpointError(f"{where}: version is {version!r}; bie-trt reads the 'gemm' packing only (re-export with version='gemm').")
+    if not zero_point:
+        raise CheckpointError(f"{where}: zero_point is false; bie-trt needs asymmetric AWQ (zero_point=true).")
+    if group <= 0:
+        raise CheckpointError(f"{where}: group_size is {group}; expected a positive group size such as 128.")
+    return QuantConfig(bits, group, version, zero_point)
+
+
+class Checkpoint:
+    """A validated AWQ checkpoint: model config, quant config, lazy tensor access."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: no such checkpoint directory.")
+        cfg_path = self.path / "config.json"
+        if not cfg_path.exists():
+            raise CheckpointError(f"{cfg_path}: missing; a checkpoint needs its Hugging Face config.json.")
+        self.hf_config = _read_json(cfg_path)
+        self.model = ModelConfig.from_hf(self.hf_config, str(cfg_path))
+        self.quant = read_quant_config(self.path, self.hf_config)
+        if not any((self.path / f).exists() for f in TOKENIZER_FILES):
+            raise CheckpointError(
+                f"{self.path}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})."
+            )
+        self._index = self._weight_index()
+        self._check_tensors()
+
+    # -- weights -----------------------------------------------------------------
+    def _weight_index(self) -> dict[str, Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            wm = _read_json(index).get("weight_map")
+            if not isinstance(wm, dict):
+                raise CheckpointError(f"{index}: has no 'weight_map' object.")
+            out = {name: self.path / f for name, f in wm.items()}
+            for f in sorted(set(out.values())):
+                if not f.exists():
+                    raise CheckpointError(f"{index} names shard {f.name}, which is missing.")
+            return out
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path}: no weights (no *.safetensors and no model.safetensors.index.json).")
+        out = {}
+        for f in files:
+            with safe_open(f, "pt") as h:
+                out.update({k: f for k in h.keys()})
+        return out
+
+    def has(self, name: str) -> bool:
+        return name in self._index
+
+    def _meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        with safe_open(self._index[name], "pt") as h:
+            sl = h.get_slice(name)
+            dtype = {"I32": torch.int32, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}.get(
+                sl.get_dtype(), sl.get_dtype())
+            return dtype, tuple(sl.get_shape())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._index:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the weights.")
+        with safe_open(self._index[name], "pt") as h:
+            return h.get_tensor(name)
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Per-layer linear name -> (in_features, out_features)."""
+        m = self.model
+        return {
+            "self_attn.q_proj": (m.hidden_size, m.q_size),
+            "self_attn.k_proj": (m.hidden_size, m.kv_size),
+            "self_attn.v_proj": (m.hidden_size, m.kv_size),
+            "self_attn.o_proj": (m.q_size, m.hidden_size),
+            "mlp.gate_proj": (m.hidden_size, m.intermediate_size),
+            "mlp.up_proj": (m.hidden_size, m.intermediate_size),
+            "mlp.down_proj": (m.intermediate_size, m.hidden_size),
+        }
+
+    def _expect(self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
+        if name not in self._index:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing (expected shape {list(shape)}).")
+        dtype, found = self._meta(name)
+        if found != shape:
+            raise CheckpointError(f"tensor {name!r} in {self._index[name].name}: expected shape {list(shape)}, found {list(found)}.")
+        if dtype not in dtypes:
+            want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise CheckpointError(f"tensor {name!r} in {self._index[name].name}: expected dtype {want}, found {str(dtype).replace('torch.', '')}.")
+
+    def _check_tensors(self) -> None:
+        m, G = self.model, self.quant.group_size
+        floats = (torch.float16, torch.bfloat16, torch.float32)
+        for sub, (k, n) in self.linear_shapes().items():
+            if k % G:
+                raise CheckpointError(
+                    f"group_size {G} does not divide in_features {k} of {sub}; "
+                    f"quantise with a group size that divides {k} (e.g. 64 or 32)."
+                )
+            if n % 8:
+                raise CheckpointError(f"{sub}: out_features {n} is not a multiple of 8, which AWQ packing needs.")
+        for i in range(m.num_layers):
+            p = f"model.layers.{i}."
+            for sub, (k, n) in self.linear_shapes().items():
+                self._expect(p + sub + ".qweight", (torch.int32,), (k, n // 8))
+                self._expect(p + sub + ".qzeros", (torch.int32,), (k // G, n // 8))
+                self._expect(p + sub + ".scales", (torch.float16,), (k // G, n))
+            if m.qkv_bias:
+                for sub, n in (("q_proj", m.q_size), ("k_proj", m.kv_size), ("v_proj", m.kv_size)):
+                    self._expect(p + f"self_attn.{sub}.bias", floats, (n,))
+            self._expect(p + "input_layernorm.weight", floats, (m.hidden_size,))
+            self._expect(p + "post_attention_layernorm.weight", floats, (m.hidden_size,))
+        self._expect("model.embed_tokens.weight", floats, (m.vocab_size, m.hidden_size))
+        self._expect("model.norm.weight", floats, (m.hidden_size,))
+        if not m.tie_word_embeddings:
+            self._expect("lm_head.weight", floats, (m.vocab_size, m.hidden_size))
+
+    def digest_files(self) -> list[Path]:
+        """Files whose bytes define the checkpoint (for the manifest's source digest)."""
+        names = {"config.json", "quant_config.json", "model.safetensors.index.json", *TOKENIZER_FILES,
+                 "special_tokens_map.json", "generation_config.json", "chat_template.jinja"}
+        files = {p for p in set(self._index.values())}
+        files |= {self.path / n for n in names if (self.path / n).exists()}
+        return sorted(files)

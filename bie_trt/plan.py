@@ -1,0 +1,419 @@
+"""The fixed memory plan: every byte the engine will hold on the GPU, computed before loading anything.
+
+Pure functions of the model's config.json, a build profile and the user's settings. The runtime
+allocates exactly what the plan says (the KV pools through `kv_pool_blocks`), once, so that
+nothing can spill to host memory during decode (DESIGN §1-2). See docs/memory-plan.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .config import KVCacheConfig, ModelConfig
+from .errors import PlanError
+from .kv.pool import quant_bytes_per_token_per_layer
+from .profiles import EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile
+
+MIB = 2**20
+GIB = 2**30
+FP16 = 2
+FP32 = 4
+# A captured decode graph keeps its own memory pool for the step's intermediates; at decode
+# shapes (a few tokens) those are a few MiB, so a flat 16 MiB per captured batch size is a
+# generous bound rather than a measurement.
+CUDA_GRAPH_BYTES_PER_BATCH_SIZE = 16 * MIB
+# Allocator fragmentation and small buffers nobody itemised (block tables, sampling state).
+MARGIN_FRACTION = 0.02
+MIN_MARGIN_BYTES = 64 * MIB
+DEFAULT_DRAFT_WINDOW_TOKENS = 1024
+
+
+@dataclass
+class PlanItem:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    items: list[PlanItem]
+    budget_bytes: int
+    kv_bytes_per_token: int
+    max_model_len_that_fits: int
+    num_fp_blocks: int
+    num_quant_blocks: int
+    inputs: dict[str, Any]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.budget_bytes
+
+    def bytes_of(self, name: str) -> int:
+        """Bytes of the item called `name` (0 when the plan has no such item, e.g. no draft)."""
+        return sum(i.bytes for i in self.items if i.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits,
+            "total_bytes": self.total_bytes,
+            "budget_bytes": self.budget_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "max_model_len_that_fits": self.max_model_len_that_fits,
+            "num_fp_blocks": self.num_fp_blocks,
+            "num_quant_blocks": self.num_quant_blocks,
+            "items": [dataclasses.asdict(i) for i in self.items],
+            "inputs": self.inputs,
+        }
+
+    def format_table(self) -> str:
+        i = self.inputs
+        kv = i["kv"]
+        lines = [
+            f"memory plan: {i['model']['architecture']} on profile {i['profile']}, "
+            f"max_model_len {i['max_model_len']:,}, max_num_seqs {i['max_num_seqs']}",
+            f"KV cache: {kv['dtype']} (group {kv['group_size']}, {kv['sink_tokens']} sink tokens, "
+            f"window {kv['window']}, block {kv['block_size']}): {self.kv_bytes_per_token:,} bytes/token; "
+            f"blocks: {self.num_fp_blocks:,} fp16 + {self.num_quant_blocks:,} quantised",
+            "",
+        ]
+        width = max(len(it.name) for it in self.items)
+        for it in self.items:
+            lines.append(f"  {it.name:<{width}}  {format_bytes(it.bytes):>10}  {it.note}")
+        rule = "  " + "-" * (width + 12)
+        lines += [
+            rule,
+            f"  {'total':<{width}}  {format_bytes(self.total_bytes):>10}",
+            f"  {'budget':<{width}}  {format_bytes(self.budget_bytes):>10}  "
+            f"{format_bytes(i['vram_bytes'])} x {i['gpu_memory_utilization']}",
+        ]
+        spare = self.budget_bytes - self.total_bytes
+        verdict = (f"fits, {format_bytes(spare)} spare" if self.fits
+                   else f"DOES NOT FIT: {format_bytes(-spare)} over budget")
+        lines.append(f"{verdict}; the largest max_model_len that fits is {self.max_model_len_that_fits:,}.")
+        return "\n".join(lines)
+
+
+def format_bytes(n: int) -> str:
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    if abs(n) >= MIB:
+        return f"{n / MIB:.1f} MiB"
+    if abs(n) >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n} B"
+
+
+# --- weights ---------------------------------------------------------------------------------
+
+def linear_shapes(model: ModelConfig) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of one decoder layer's linears."""
+    h, i = model.hidden_size, model.intermediate_size
+    return [
+        ("q_proj", h, model.q_size), ("k_proj", h, model.kv_size), ("v_proj", h, model.kv_size),
+        ("o_proj", model.q_size, h),
+        ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h),
+    ]
+
+
+def awq_linear_bytes(in_features: int, out_features: int, group_size: int) -> int:
+    """AWQ storage (DESIGN §5): 4-bit weights, an fp16 scale and a 4-bit zero per group of inputs."""
+    groups = in_features // group_size
+    return in_features * out_features // 2 + groups * out_features * FP16 + groups * out_features // 2
+
+
+def linear_weight_bytes(model: ModelConfig, group_size: int) -> int:
+    per_layer = sum(awq_linear_bytes(i, o, group_size) for _, i, o in linear_shapes(model))
+    return model.num_layers * per_layer
+
+
+def default_weight_group_size(model: ModelConfig) -> int:
+    """The largest AWQ group size that divides every linear's in_features (128 for 8B models)."""
+    for g in (128, 64, 32):
+        if all(i % g == 0 for _, i, _ in linear_shapes(model)):
+            return g
+    raise PlanError(
+        f"no AWQ group size (128, 64, 32) divides the model's in_features "
+        f"{sorted({i for _, i, _ in linear_shapes(model)})}; this model cannot be 4-bit AWQ-packed."
+    )
+
+
+def lm_head_bytes(model: ModelConfig, dtype: str) -> int:
+    rows = model.vocab_size * model.hidden_size
+    # int8: one byte a weight plus a per-row (per vocab entry) fp16 scale.
+    return rows + model.vocab_size * FP16 if dtype == "int8" else rows * FP16
+
+
+def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding: str) -> list[PlanItem]:
+    h, v = model.hidden_size, model.vocab_size
+    items = [PlanItem(
+        "linear_weights", linear_weight_bytes(model, group_size),
+        f"4-bit AWQ, group {group_size}: q,k,v,o,gate,up,down x {model.num_layers} layers",
+    )]
+    if model.qkv_bias:
+        items.append(PlanItem("qkv_bias", model.num_layers * (model.q_size + 2 * model.kv_size) * FP16, "fp16"))
+    if model.tie_word_embeddings and embedding == "gpu" and lm_head_dtype == "fp16":
+        items.append(PlanItem("lm_head", 0, "tied: shares the fp16 embedding table"))
+    else:
+        tied = "; a GPU copy of the tied embedding" if model.tie_word_embeddings else ""
+        scale = " + per-row fp16 scale" if lm_head_dtype == "int8" else ""
+        items.append(PlanItem("lm_head", lm_head_bytes(model, lm_head_dtype), f"{lm_head_dtype}{scale}{tied}"))
+    if embedding == "host":
+        items.append(PlanItem(
+            "embedding", 0, f"pinned host memory ({format_bytes(v * h * FP16)}); "
+            f"only {h * FP16:,} bytes/token cross PCIe",
+        ))
+    else:
+        items.append(PlanItem("embedding", v * h * FP16, "fp16 table on the GPU"))
+    items.append(PlanItem("norms", (2 * model.num_layers + 1) * h * FP16, "fp16 RMSNorm weights"))
+    return items
+
+
+# --- KV cache --------------------------------------------------------------------------------
+
+def fp16_kv_bytes_per_token(model: ModelConfig) -> int:
+    """K and V of one token in every layer, fp16."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * FP16
+
+
+def kv_bytes_per_token(model: ModelConfig, kv: KVCacheConfig) -> int:
+    """What one more token of context costs: the quantised body's bytes, or fp16 when KV is fp16."""
+    if kv.dtype == "fp16":
+        return fp16_kv_bytes_per_token(model)
+    return quant_bytes_per_token_per_layer(model, kv) * model.num_layers
+
+
+def bounded_fp_blocks_per_seq(kv: KVCacheConfig, window: int, chunk_tokens: int) -> int:
+    """FP16 blocks one sequence needs when only its sinks and recent window stay FP16.
+
+    Sinks and window as blocks, plus one prefill chunk (its tokens land in FP16 before older
+    blocks are quantised or dropped; speculative tokens also land here), plus one block because
+    the window rarely starts on a block boundary.
+    """
+    b = kv.block_size
+    return math.ceil(kv.sink_tokens / b) + math.ceil(window / b) + math.ceil(chunk_tokens / b) + 1
+
+
+def kv_pool_blocks(
+    model: ModelConfig, kv: KVCacheConfig, max_model_len: int, max_num_seqs: int, chunk_tokens: int
+) -> tuple[int, int]:
+    """(FP16 blocks, quantised blocks) the runtime allocates with `kv.pool.allocate_pools`."""
+    _check_max_model_len(model, max_model_len)
+    full = max_num_seqs * math.ceil(max_model_len / kv.block_size)
+    if kv.dtype == "fp16":
+        return full, 0
+    return max_num_seqs * bounded_fp_blocks_per_seq(kv, kv.window, chunk_tokens), full
+
+
+def kv_pool_bytes(model: ModelConfig, kv: KVCacheConfig, num_fp_blocks: int, num_quant_blocks: int) -> tuple[int, int]:
+    """Bytes of the FP16 pool and the quantised pool with fp16 activations (= `KVPools.nbytes()`)."""
+    b = kv.block_size
+    fp = num_fp_blocks * b * fp16_kv_bytes_per_token(model)
+    if kv.dtype == "fp16":
+        return fp, 0
+    return fp, num_quant_blocks * b * quant_bytes_per_token_per_layer(model, kv) * model.num_layers
+
+
+def draft_kv_blocks(kv: KVCacheConfig, draft_window_tokens: int, max_num_seqs: int, chunk_tokens: int) -> int:
+    """FP16 blocks of the draft model's KV: bounded (sinks + a sliding window), never the whole context."""
+    return max_num_seqs * bounded_fp_blocks_per_seq(kv, draft_window_tokens, chunk_tokens)
+
+
+# --- activations -----------------------------------------------------------------------------
+
+def activation_workspace_bytes(
+    model: ModelConfig, chunk_tokens: int, dtype_bytes: int = FP16, block_size: int = 16
+) -> int:
+    """Peak activation bytes of one decoder layer over a prefill chunk of T tokens.
+
+    Layers run one after another and reuse the same buffers, so one layer's peak is the whole
+    forward's. The residual stream (T*H) lives across the layer; on top of it the larger of:
+      attention: normed T*H + qkv T*(q+2kv) + attention output T*q + o_proj output T*H
+                 + the block-wise online-softmax scores T*heads*block_size in fp32
+      MLP:       normed T*H + gate_up T*2I + silu(gate)*up T*I + down output T*H
+    For 8B models the MLP phase dominates (the T*2I gate_up product).
+    """
+    t, h, i = chunk_tokens, model.hidden_size, model.intermediate_size
+    residual = t * h * dtype_bytes
+    attention = (t * h + t * (model.q_size + 2 * model.kv_size) + t * model.q_size + t * h) * dtype_bytes
+    attention += t * model.num_heads * block_size * FP32
+    mlp = (t * h + 2 * t * i + t * i + t * h) * dtype_bytes
+    return residual + max(attention, mlp)
+
+
+# --- validation ------------------------------------------------------------------------------
+
+def _check_max_model_len(model: ModelConfig, max_model_len: int) -> None:
+    if max_model_len <= 0:
+        raise PlanError(f"max_model_len must be positive; got {max_model_len}.")
+    if max_model_len > model.max_position_embeddings:
+        raise PlanError(
+            f"max_model_len {max_model_len:,} is beyond the model's limit of {model.max_position_embeddings:,} "
+            f"tokens (max_position_embeddings in config.json); use --max-model-len <= "
+            f"{model.max_position_embeddings:,}."
+        )
+
+
+def _check_inputs(
+    model: ModelConfig, kv: KVCacheConfig, max_model_len: int, max_num_seqs: int, chunk_tokens: int,
+    weight_group_size: int, draft: ModelConfig | None, lm_head_dtype: str, embedding: str, utilisation: float,
+) -> None:
+    _check_max_model_len(model, max_model_len)
+    for m in (model, draft) if draft is not None else (model,):
+        try:
+            kv.validate(m.head_dim)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        bad = sorted({i for _, i, _ in linear_shapes(m) if i % weight_group_size})
+        if bad:
+            raise PlanError(
+                f"weight group size {weight_group_size} does not divide the in_features {bad}; "
+                f"use a group size that does (e.g. {default_weight_group_size(m)})."
+            )
+    if draft is not None and draft.vocab_size != model.vocab_size:
+        raise PlanError(
+            f"the draft's vocab_size {draft.vocab_size} differs from the target's {model.vocab_size}: "
+            f"a draft with another tokenizer or vocabulary cannot propose tokens for this model; "
+            f"use a draft from the same family (e.g. Llama-3.2-1B for Llama-3.1-8B) or n-gram speculation."
+        )
+    if max_num_seqs < 1 or chunk_tokens < 1:
+        raise PlanError(f"max_num_seqs and chunk size must be >= 1; got {max_num_seqs} and {chunk_tokens}.")
+    if lm_head_dtype not in LM_HEAD_DTYPES:
+        raise PlanError(f"lm_head dtype {lm_head_dtype!r} is unknown; use one of {LM_HEAD_DTYPES}.")
+    if embedding not in EMBEDDING_PLACEMENTS:
+        raise PlanError(f"embedding placement {embedding!r} is unknown; use one of {EMBEDDING_PLACEMENTS}.")
+    if not 0 < utilisation <= 1:
+        raise PlanError(f"gpu_memory_utilization must be in (0, 1]; got {utilisation}.")
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+def solve_plan(
+    model: ModelConfig,
+    profile: BuildProfile,
+    *,
+    max_model_len: int,
+    kv: KVCacheConfig,
+    max_num_seqs: int = 1,
+    chunk_tokens: int = 512,
+    weight_group_size: int = 128,
+    draft: ModelConfig | None = None,
+    draft_window_tokens: int = DEFAULT_DRAFT_WINDOW_TOKENS,
+    num_speculative_tokens: int | None = None,
+    lm_head_dtype: str | None = None,
+    embedding_placement: str | None = None,
+    gpu_memory_utilization: float | None = None,
+    cuda_graph_batch_sizes: Sequence[int] | None = None,
+) -> MemoryPlan:
+    """Every GPU allocation of an engine serving `model` under `profile`, and whether it fits.
+
+    Settings left as None take the profile's defaults. `num_speculative_tokens` (gamma) defaults
+    to the profile's when a draft is given, else 0 (pass it for n-gram speculation).
+    """
+    d = profile.defaults
+    lm_head_dtype = lm_head_dtype or d.lm_head_dtype
+    embedding = embedding_placement or d.embedding_placement
+    utilisation = gpu_memory_utilization if gpu_memory_utilization is not None else d.gpu_memory_utilization
+    graph_sizes = d.cuda_graph_batch_sizes if cuda_graph_batch_sizes is None else tuple(cuda_graph_batch_sizes)
+    gamma = num_speculative_tokens if num_speculative_tokens is not None else (d.num_draft_tokens if draft else 0)
+    _check_inputs(model, kv, max_model_len, max_num_seqs, chunk_tokens, weight_group_size, draft,
+                  lm_head_dtype, embedding, utilisation)
+    budget = int(profile.vram_bytes * utilisation)
+
+    # Everything except the KV pools is independent of max_model_len.
+    weights = _weights(model, weight_group_size, lm_head_dtype, embedding)
+    draft_items: list[PlanItem] = []
+    workspace = activation_workspace_bytes(model, chunk_tokens, block_size=kv.block_size)
+    if draft is not None:
+        draft_items = _draft_items(draft, kv, draft_window_tokens, max_num_seqs, chunk_tokens, gamma,
+                                   weight_group_size, lm_head_dtype, embedding)
+        # Draft and target run one after the other and share the workspace.
+        workspace = max(workspace, activation_workspace_bytes(draft, chunk_tokens, block_size=kv.block_size))
+    captured = [s for s in graph_sizes if s <= max_num_seqs]  # a bigger batch never runs
+    runtime = [
+        PlanItem("activations", workspace, f"one {chunk_tokens}-token prefill chunk, peak of one layer"),
+        PlanItem("logits", max_num_seqs * (1 + gamma) * model.vocab_size * FP32,
+                 f"fp32, {max_num_seqs} seq(s) x {1 + gamma} position(s)"),
+        *draft_items,
+        PlanItem("cuda_graphs", len(captured) * CUDA_GRAPH_BYTES_PER_BATCH_SIZE,
+                 f"decode graphs for batch sizes {captured}" if captured else "no CUDA graphs"),
+        PlanItem("cuda_context", profile.cuda_context_reserve_bytes, "CUDA context and library workspaces"),
+        PlanItem("margin", max(int(MARGIN_FRACTION * budget), MIN_MARGIN_BYTES), "fragmentation and small buffers"),
+    ]
+    fixed_bytes = sum(it.bytes for it in weights + runtime)
+
+    def kv_items(length: int) -> tuple[list[PlanItem], int, int]:
+        n_fp, n_q = kv_pool_blocks(model, kv, length, max_num_seqs, chunk_tokens)
+        fp_bytes, q_bytes = kv_pool_bytes(model, kv, n_fp, n_q)
+        q_note = f"{kv.dtype}, {n_q:,} blocks" if kv.dtype != "fp16" else "fp16 KV: no quantised pool"
+        return [PlanItem("kv_fp16_pool", fp_bytes, f"{n_fp:,} blocks of {kv.block_size} tokens"),
+                PlanItem("kv_quant_pool", q_bytes, q_note)], n_fp, n_q
+
+    def fits(length: int) -> bool:
+        return fixed_bytes + sum(it.bytes for it in kv_items(length)[0]) <= budget
+
+    kv_list, n_fp, n_q = kv_items(max_model_len)
+    inputs = {
+        "model": model.to_dict(),
+        "profile": profile.name,
+        "vram_bytes": profile.vram_bytes,
+        "gpu_memory_utilization": utilisation,
+        "max_model_len": max_model_len,
+        "kv": dataclasses.asdict(kv),
+        "max_num_seqs": max_num_seqs,
+        "chunk_tokens": chunk_tokens,
+        "weight_group_size": weight_group_size,
+        "lm_head_dtype": lm_head_dtype,
+        "embedding_placement": embedding,
+        "cuda_graph_batch_sizes": captured,
+        "draft": draft.to_dict() if draft is not None else None,
+        "draft_window_tokens": draft_window_tokens if draft is not None else None,
+        "num_speculative_tokens": gamma,
+    }
+    return MemoryPlan(
+        items=weights + kv_list + runtime,
+        budget_bytes=budget,
+        kv_bytes_per_token=kv_bytes_per_token(model, kv),
+        max_model_len_that_fits=_largest_fitting_len(model.max_position_embeddings, kv.block_size, fits),
+        num_fp_blocks=n_fp,
+        num_quant_blocks=n_q,
+        inputs=inputs,
+    )
+
+
+def _draft_items(
+    draft: ModelConfig, kv: KVCacheConfig, window: int, max_num_seqs: int, chunk_tokens: int, gamma: int,
+    group_size: int, lm_head_dtype: str, embedding: str,
+) -> list[PlanItem]:
+    weights = sum(it.bytes for it in _weights(draft, group_size, lm_head_dtype, embedding))
+    blocks = draft_kv_blocks(kv, window, max_num_seqs, chunk_tokens)
+    return [
+        PlanItem("draft_weights", weights, f"{draft.num_layers}-layer draft: 4-bit linears, {lm_head_dtype} "
+                 f"lm_head, embedding on {embedding}"),
+        PlanItem("draft_kv", blocks * kv.block_size * fp16_kv_bytes_per_token(draft),
+                 f"fp16, {blocks:,} blocks: sinks + {window}-token window + a chunk, per seq"),
+        PlanItem("draft_probs", max_num_seqs * gamma * draft.vocab_size * FP32,
+                 f"fp32 draft distributions for {gamma} proposed token(s)"),
+    ]
+
+
+def _largest_fitting_len(limit: int, block_size: int, fits: Callable[[int], bool]) -> int:
+    """Largest multiple of block_size <= limit for which `fits(length)` holds; 0 if none.
+
+    Binary search: the plan grows monotonically with the context length.
+    """
+    lo, hi = 0, limit // block_size  # in blocks; lo always fits (or is 0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * block_size):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * block_size

@@ -1,0 +1,51 @@
+"""Turning one sequence's logits into the next token: penalties, temperature, top-k/p, min-p, seed."""
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+
+
+def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generator:
+    """Per-request generator on the CPU: the same seed gives the same tokens on any device."""
+    g = torch.Generator()
+    g.manual_seed(params.seed if params.seed is not None else fallback_seed)
+    return g
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> torch.Tensor:
+    if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(output_ids, dtype=torch.long).unique(return_counts=True)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+    return logits
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The filtered distribution sampling draws from (temperature > 0); speculation reuses it."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return probs / probs.sum()
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                prompt_ids: list[int], output_ids: list[int]) -> int:
+    """logits [V] float32 -> one token id."""
+    logits = apply_penalties(logits.float().cpu().clone(), params, prompt_ids, output_ids)
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))

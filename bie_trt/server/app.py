@@ -1,0 +1,204 @@
+"""OpenAI-compatible HTTP server over one BieEngine.
+
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (each
+streamed as server-sent events ending in `data: [DONE]` when `stream` is true). Bad requests get
+HTTP 400 with an OpenAI-style error body, and the server keeps serving.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Iterator
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..config import SamplingParams
+from ..errors import BieError
+from ..executor.engine import BieEngine, RequestOutput, StreamEvent
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")   # unknown OpenAI fields are accepted and ignored
+
+    model: str | None = None
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+def openai_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def _params(req: _Request, max_tokens: int | None) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        max_tokens=max_tokens if max_tokens is not None else 16, stop=stop, stop_token_ids=req.stop_token_ids,
+        seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos)
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    u = out.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+
+
+def _text(content: str | list[dict[str, Any]] | None) -> str:
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+    return content or ""
+
+
+async def _iterate(events: Iterator[StreamEvent]) -> AsyncIterator[StreamEvent]:
+    """Drive the engine's blocking iterator from worker threads; always close it, so a client
+    that goes away mid-stream frees its blocks at once."""
+    done = object()
+    try:
+        while (event := await anyio.to_thread.run_sync(next, events, done)) is not done:
+            yield event
+    finally:
+        await anyio.to_thread.run_sync(events.close)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def create_app(engine: BieEngine) -> FastAPI:
+    app = FastAPI(title="bie-trt", description="OpenAI-compatible server for a bie-trt engine")
+    model_id = engine.model_name
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return openai_error(400, f"invalid request: {where}: {first.get('msg', exc)}", param=where)
+
+    @app.exception_handler(BieError)
+    async def _bad(_: Request, exc: BieError) -> JSONResponse:
+        return openai_error(400, str(exc))
+
+    def check_model(req: _Request) -> JSONResponse | None:
+        if req.model not in (None, model_id):
+            return openai_error(404, f"model {req.model!r} does not exist; this server serves {model_id!r}.",
+                                param="model", code="model_not_found")
+        if req.n != 1:
+            return openai_error(400, "only n=1 is supported.", param="n")
+        return None
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
+                                            "owned_by": "bie-trt", "max_model_len": engine.max_model_len}]}
+
+    async def run(prompt, params: SamplingParams, chat: bool, req: _Request, base: dict, make_chunk, make_body):
+        events = engine.stream(prompt, params, chat=chat)   # validates before any byte is sent
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        if not req.stream:
+            last = None
+            async for event in _iterate(events):
+                last = event
+            return make_body(last.output)
+
+        async def sse() -> AsyncIterator[str]:
+            first = True
+            async for event in _iterate(events):
+                for chunk in make_chunk(event, first):
+                    yield _sse(chunk)
+                first = False
+                if event.output is not None and include_usage:
+                    yield _sse(dict(base, choices=[], usage=_usage(event.output)))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        if (err := check_model(req)) is not None:
+            return err
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
+            if len(req.prompt) != 1:
+                return openai_error(400, "send one prompt per request (batched prompts are not supported).",
+                                    param="prompt")
+            prompt = req.prompt[0]
+        else:
+            prompt = req.prompt
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "text_completion", "created": created, "model": model_id}
+
+        def make_chunk(event: StreamEvent, first: bool) -> list[dict]:
+            return [dict(base, choices=[{"index": 0, "text": event.delta, "logprobs": None,
+                                         "finish_reason": event.finish_reason}])]
+
+        def make_body(out: RequestOutput) -> dict:
+            return dict(base, choices=[{"index": 0, "text": out.text, "logprobs": None,
+                                        "finish_reason": out.finish_reason}], usage=_usage(out))
+
+        return await run(prompt, _params(req, req.max_tokens), False, req, base, make_chunk, make_body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest):
+        if (err := check_model(req)) is not None:
+            return err
+        if not req.messages:
+            return openai_error(400, "messages must not be empty.", param="messages")
+        messages = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_id}
+
+        def make_chunk(event: StreamEvent, first: bool) -> list[dict]:
+            chunks = []
+            if first:
+                chunks.append(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "finish_reason": None}]))
+            delta = {"content": event.delta} if event.delta else {}
+            chunks.append(dict(base, choices=[{"index": 0, "delta": delta, "finish_reason": event.finish_reason}]))
+            return chunks
+
+        def make_body(out: RequestOutput) -> dict:
+            return dict(base, object="chat.completion", choices=[{
+                "index": 0, "message": {"role": "assistant", "content": out.text},
+                "finish_reason": out.finish_reason}], usage=_usage(out))
+
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return await run(messages, _params(req, max_tokens), True, req, base, make_chunk, make_body)
+
+    return app

@@ -1,0 +1,14 @@
+"""Render the jinja2 templates in the repository's `templates/` folder."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+
+TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "templates"
+
+
+def render(name: str, **context) -> str:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    return env.get_template(name).render(**context)

@@ -1,0 +1,303 @@
+"""The memory plan, checked against the hand arithmetic of DESIGN §2 and against the real pool allocator."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from bie_trt.cli import main
+from bie_trt.config import KVCacheConfig, ModelConfig
+from bie_trt.errors import PlanError
+from bie_trt.kv.pool import allocate_pools
+from bie_trt.plan import (
+    activation_workspace_bytes,
+    draft_kv_blocks,
+    kv_pool_blocks,
+    solve_plan,
+)
+from bie_trt.profiles import list_profiles, load_profile
+
+GIB = 2**30
+MIB = 2**20
+
+# meta-llama/Llama-3.1-8B-Instruct config.json, verbatim.
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+# meta-llama/Llama-3.2-1B-Instruct: same tokenizer, a natural draft for the 8B.
+LLAMA_32_1B = {
+    **LLAMA_31_8B,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "rope_scaling": {**LLAMA_31_8B["rope_scaling"], "factor": 32.0},
+}
+
+
+@pytest.fixture(scope="module")
+def llama() -> ModelConfig:
+    return ModelConfig.from_hf(LLAMA_31_8B)
+
+
+@pytest.fixture(scope="module")
+def ti() -> object:
+    return load_profile("rtx4060ti-8gb")
+
+
+def kv_cfg(dtype: str = "int4_asym", **kw) -> KVCacheConfig:
+    return KVCacheConfig(dtype=dtype, group_size=64, sink_tokens=8, window=128, **kw)
+
+
+def plan64k(model, profile, dtype="int4_asym", **kw):
+    return solve_plan(model, profile, max_model_len=65536, kv=kv_cfg(dtype), max_num_seqs=1, **kw)
+
+
+# --- acceptance: Llama-3.1-8B at 64k on an 8 GB card --------------------------------------
+
+def test_llama_int4_64k_fits_on_rtx4060ti(llama, ti):
+    plan = plan64k(llama, ti)
+    assert plan.kv_bytes_per_token == 36864
+    assert plan.fits
+    assert plan.total_bytes <= 7.2 * GIB
+    assert plan.max_model_len_that_fits >= 65536
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp8"])
+def test_wider_kv_does_not_fit_64k_but_reports_a_shorter_length(llama, ti, dtype):
+    plan = plan64k(llama, ti, dtype)
+    assert not plan.fits
+    n = plan.max_model_len_that_fits
+    assert 0 < n < 65536 and n % 16 == 0
+    # n is the boundary: it fits, one more block does not.
+    assert solve_plan(llama, ti, max_model_len=n, kv=kv_cfg(dtype)).fits
+    assert not solve_plan(llama, ti, max_model_len=n + 16, kv=kv_cfg(dtype)).fits
+
+
+def test_sizes_match_design_arithmetic(llama, ti):
+    plan = plan64k(llama, ti)
+    # 6.98 B linear parameters, 4 bits each + an fp16 scale and a 4-bit zero per 128 inputs.
+    params = 32 * (4096 * (4096 + 1024 + 1024) + 4096 * 4096 + 3 * 4096 * 14336)
+    assert params == 6_979_321_856
+    assert plan.bytes_of("linear_weights") == params * (64 + 2 + 0.5) // 128
+    # DESIGN's 3.45 GiB counts an fp16 zero (4.25 bit); AWQ packs zeros in 4 bits: ~2% less.
+    assert abs(plan.bytes_of("linear_weights") / (3.45 * GIB) - 1) < 0.03
+    assert plan.bytes_of("kv_quant_pool") == 36 * 1024 * 65536 == 2.25 * GIB
+    assert plan.bytes_of("kv_fp16_pool") == 42 * 16 * 128 * 1024  # sink 1 + window 8 + chunk 32 + 1 blocks
+    assert plan.bytes_of("lm_head") == 128256 * 4096 + 128256 * 2  # int8 + per-row fp16 scale
+    assert plan.bytes_of("embedding") == 0  # pinned host memory on 8 GB profiles
+    assert plan.bytes_of("norms") == 65 * 4096 * 2
+    assert plan.bytes_of("logits") == 128256 * 4
+    assert plan.bytes_of("cuda_context") == ti.cuda_context_reserve_bytes
+    assert plan.budget_bytes == int(8 * GIB * 0.92)
+
+    fp16 = plan64k(llama, ti, "fp16")
+    assert fp16.kv_bytes_per_token == 128 * 1024
+    assert fp16.bytes_of("kv_fp16_pool") == 8 * GIB
+    assert fp16.bytes_of("kv_quant_pool") == 0
+    assert plan64k(llama, ti, "fp8").bytes_of("kv_quant_pool") == 2 * 32 * 8 * (128 + 2) * 65536
+
+    on_gpu = plan64k(llama, ti, lm_head_dtype="fp16", embedding_placement="gpu")
+    assert on_gpu.bytes_of("embedding") == on_gpu.bytes_of("lm_head") == 128256 * 4096 * 2  # ~0.98 GiB each
+
+
+def test_activation_workspace_is_the_mlp_phase_for_8b(llama):
+    t, h, i = 512, 4096, 14336
+    residual = t * h * 2
+    mlp = (t * h + 2 * t * i + t * i + t * h) * 2
+    attention = (t * h + t * (4096 + 2 * 1024) + t * 4096 + t * h) * 2 + t * 32 * 16 * 4
+    assert attention < mlp
+    assert activation_workspace_bytes(llama, 512) == residual + mlp == 54 * MIB
+    assert activation_workspace_bytes(llama, 256) == 27 * MIB  # linear in the chunk
+
+
+# --- the plan equals what the runtime allocates ----------------------------------------------
+
+def tiny(layers=2, heads=4, kv_heads=2, head_dim=64) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", hidden_size=heads * head_dim, intermediate_size=3 * heads * head_dim,
+        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=512,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+    )
+
+
+@pytest.mark.parametrize("model,kv,max_len,seqs,chunk", [
+    (tiny(), kv_cfg("int4_asym"), 1000, 1, 512),
+    (tiny(), kv_cfg("fp8"), 4096, 3, 256),
+    (tiny(), kv_cfg("fp16"), 777, 2, 512),
+    (tiny(3, 8, 4, 128), KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=4, window=64,
+                                       block_size=32), 2048, 2, 128),
+    (ModelConfig.from_hf(LLAMA_31_8B), kv_cfg("int4_asym"), 65536, 1, 512),
+])
+def test_plan_kv_items_equal_allocated_pools(model, kv, max_len, seqs, chunk):
+    n_fp, n_q = kv_pool_blocks(model, kv, max_len, seqs, chunk)
+    # meta tensors: real shapes and dtypes without the memory (the Llama case is 2.3 GiB).
+    pools = allocate_pools(model, kv, n_fp, n_q, dtype=torch.float16, device="meta")
+    plan = solve_plan(model, load_profile("cpu"), max_model_len=max_len, kv=kv, max_num_seqs=seqs,
+                      chunk_tokens=chunk, weight_group_size=64)
+    assert (plan.num_fp_blocks, plan.num_quant_blocks) == (n_fp, n_q)
+    assert pools.nbytes() == {"fp16": plan.bytes_of("kv_fp16_pool"), "quant": plan.bytes_of("kv_quant_pool")}
+
+
+def test_kv_pool_blocks(llama):
+    assert kv_pool_blocks(llama, kv_cfg("int4_asym"), 65536, 1, 512) == (1 + 8 + 32 + 1, 4096)
+    assert kv_pool_blocks(llama, kv_cfg("int4_asym"), 65536, 2, 512) == (84, 8192)
+    assert kv_pool_blocks(llama, kv_cfg("fp16"), 1000, 3, 512) == (3 * 63, 0)
+
+
+# --- draft, bias, ties ------------------------------------------------------------------------
+
+def test_draft_adds_weights_and_bounded_kv(llama, ti):
+    draft = ModelConfig.from_hf(LLAMA_32_1B)
+    base = plan64k(llama, ti)
+    plan = plan64k(llama, ti, draft=draft, draft_window_tokens=1024)
+    blocks = draft_kv_blocks(kv_cfg(), 1024, 1, 512)
+    assert blocks == 1 + 64 + 32 + 1
+    assert plan.bytes_of("draft_kv") == blocks * 16 * 2 * 16 * 8 * 64 * 2
+    # Bounded: the draft's KV does not grow with the target's context.
+    longer = solve_plan(llama, ti, max_model_len=131072, kv=kv_cfg(), draft=draft, draft_window_tokens=1024)
+    assert longer.bytes_of("draft_kv") == plan.bytes_of("draft_kv")
+    linears = 16 * (2048 * (2048 + 512 + 512) + 2048 * 2048 + 3 * 2048 * 8192)
+    lm_head = 128256 * 2048 + 128256 * 2
+    norms = 33 * 2048 * 2
+    assert plan.bytes_of("draft_weights") == linears * 133 // 256 + lm_head + norms
+    gamma = ti.defaults.num_draft_tokens
+    assert plan.bytes_of("logits") == (1 + gamma) * 128256 * 4
+    assert plan.bytes_of("draft_probs") == gamma * 128256 * 4
+    assert plan.total_bytes > base.total_bytes
+
+
+def test_qkv_bias_and_tied_embeddings():
+    qwen = ModelConfig.from_hf({
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
+        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+        "max_position_embeddings": 32768, "tie_word_embeddings": True,
+    })
+    cpu = load_profile("cpu")
+    plan = solve_plan(qwen, cpu, max_model_len=4096, kv=kv_cfg("fp16"), weight_group_size=64,
+                      lm_head_dtype="fp16", embedding_placement="gpu")
+    assert plan.bytes_of("qkv_bias") == 24 * (896 + 2 * 128) * 2
+    assert plan.bytes_of("lm_head") == 0  # shares the fp16 embedding table
+    host = solve_plan(qwen, cpu, max_model_len=4096, kv=kv_cfg("fp16"), weight_group_size=64,
+                      lm_head_dtype="int8", embedding_placement="host")
+    assert host.bytes_of("lm_head") == 151936 * 896 + 151936 * 2  # a GPU copy of the tied table
+
+
+# --- every shipped profile's defaults --------------------------------------------------------
+
+@pytest.mark.parametrize("name", list_profiles())
+def test_llama_fits_every_profile_at_its_defaults(llama, name):
+    p = load_profile(name)
+    d = p.defaults
+    plan = solve_plan(llama, p, max_model_len=min(d.max_model_len, llama.max_position_embeddings),
+                      kv=d.kv_config(), max_num_seqs=d.max_num_seqs, chunk_tokens=d.chunked_prefill_size)
+    assert plan.fits, plan.format_table()
+
+
+# --- validation -------------------------------------------------------------------------------
+
+def test_max_model_len_beyond_model_limit(llama, ti):
+    with pytest.raises(PlanError, match="131,072"):
+        solve_plan(llama, ti, max_model_len=131073, kv=kv_cfg())
+
+
+def test_kv_group_must_divide_head_dim(ti):
+    odd = tiny(head_dim=96)
+    with pytest.raises(PlanError, match="head_dim 96"):
+        solve_plan(odd, ti, max_model_len=1024, kv=kv_cfg(), weight_group_size=32)
+
+
+def test_weight_group_must_divide_in_features(llama, ti):
+    with pytest.raises(PlanError, match="weight group size 96"):
+        solve_plan(llama, ti, max_model_len=1024, kv=kv_cfg(), weight_group_size=96)
+
+
+def test_draft_with_another_vocabulary(llama, ti):
+    other = ModelConfig.from_hf({**LLAMA_32_1B, "vocab_size": 32000})
+    with pytest.raises(PlanError, match="another tokenizer or vocabulary"):
+        plan64k(llama, ti, draft=other)
+
+
+def test_nothing_fits_gives_zero(llama, ti):
+    small = dataclasses.replace(ti, vram_bytes=3 * GIB)
+    plan = plan64k(llama, small)
+    assert not plan.fits and plan.max_model_len_that_fits == 0
+
+
+def test_to_dict_is_json_ready(llama, ti):
+    d = json.loads(json.dumps(plan64k(llama, ti).to_dict()))
+    for key in ("fits", "total_bytes", "budget_bytes", "kv_bytes_per_token", "max_model_len_that_fits", "inputs"):
+        assert key in d
+    assert {"name": "kv_quant_pool", "bytes": 2.25 * GIB}.items() <= d["items"][5].items()
+    assert sum(i["bytes"] for i in d["items"]) == d["total_bytes"]
+    assert d["inputs"]["max_model_len"] == 65536 and d["inputs"]["kv"]["dtype"] == "int4_asym"
+
+
+# --- `bie-trt plan` ---------------------------------------------------------------------------
+
+@pytest.fixture()
+def llama_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_31_8B))
+    return path
+
+
+def test_cli_plan_fits(llama_json):
+    r = CliRunner().invoke(main, ["plan", "--model-config", str(llama_json), "--profile", "rtx4060ti-8gb"])
+    assert r.exit_code == 0, r.output
+    assert "kv_quant_pool" in r.stdout and "fits" in r.stdout and "36,864 bytes/token" in r.stdout
+
+
+def test_cli_plan_does_not_fit_says_what_to_change(llama_json):
+    r = CliRunner().invoke(main, ["plan", "--model-config", str(llama_json), "--profile", "rtx4060ti-8gb",
+                                  "--kv-cache-dtype", "fp16"])
+    assert r.exit_code == 3
+    assert "DOES NOT FIT" in r.stdout
+    assert "--kv-cache-dtype int4_asym" in r.stdout and "--max-model-len 23632" in r.stdout
+
+
+def test_cli_plan_json_and_checkpoint_dir(llama_json):
+    r = CliRunner().invoke(main, ["plan", "--checkpoint", str(llama_json.parent), "--profile", "rtx4060ti-8gb",
+                                  "--max-model-len", "32768", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["fits"] and d["inputs"]["max_model_len"] == 32768 and d["advice"] is None
+
+
+def test_cli_plan_errors_are_one_line(llama_json):
+    r = CliRunner().invoke(main, ["plan", "--model-config", str(llama_json), "--profile", "rtx9999"])
+    assert r.exit_code == 2 and "known profiles" in r.stderr
