@@ -171,7 +171,7 @@ def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding:
             f"only {h * FP16:,} bytes/token cross PCIe",
         ))
     else:
-        items.append(PlanItem("embedding", v * h * FP16, "fp16 table on the GPU"))
+        items.append(PlanItem("embedding", v * h * FP16, "fp16 table in device memory"))
     items.append(PlanItem("norms", (2 * model.num_layers + 1) * h * FP16, "fp16 RMSNorm weights"))
     return items
 

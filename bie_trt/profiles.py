@@ -156,7 +156,7 @@ def match_profile(device_name: str, total_memory: int, major: int, minor: int) -
 
 
 def generic_profile(device_name: str, total_memory: int, major: int, minor: int) -> BuildProfile:
-    """A profile for a GPU we ship none for: its own memory and SM, defaults of the closest card by memory."""
+    """A profile for a GPU we ship none for: its own memory and SM, defaults of a similar shipped card."""
     sm = major * 10 + minor
     return BuildProfile(
         name=f"generic-sm{sm}",
@@ -171,8 +171,11 @@ def generic_profile(device_name: str, total_memory: int, major: int, minor: int)
 
 
 def _closest_gpu_profile(total_memory: int) -> BuildProfile:
-    gpus = [p for p in map(load_profile, list_profiles()) if not p.is_cpu]
-    return min(gpus, key=lambda p: abs(p.vram_bytes - total_memory))
+    """The biggest shipped card that is not bigger than this one, whose defaults should fit it;
+    the smallest card for a GPU below them all (the plan then says what to change)."""
+    gpus = sorted((p for p in map(load_profile, list_profiles()) if not p.is_cpu), key=lambda p: p.vram_bytes)
+    fitting = [p for p in gpus if p.vram_bytes <= total_memory * (1 + VRAM_TOLERANCE)]
+    return fitting[-1] if fitting else gpus[0]
 
 
 def resolve_profile(name: str) -> tuple[BuildProfile, str]:

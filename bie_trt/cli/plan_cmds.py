@@ -62,7 +62,8 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
 @click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
               help="The model's Hugging Face config.json. Nothing else is read: no weights are loaded.")
 @click.option("--checkpoint", metavar="DIR|NAME",
-              help="A checkpoint directory (its config.json is read) or a built-in name such as smollm2-135m.")
+              help="A checkpoint directory (its config.json is read) or a built-in name such as "
+                   "smollm2-135m (converted once and cached on first use).")
 @click.option("--profile", default="auto", show_default=True,
               help="Build profile (a GPU, see build_profiles/): auto picks this machine's GPU, cpu without one.")
 @click.option("--max-model-len", type=int, help="Context length to plan for, in tokens. [default: the profile's]")

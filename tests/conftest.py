@@ -1,0 +1,43 @@
+"""Shared fixtures: the SmolLM2 checkpoint (converted once into the user cache) and engines built from it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bie_trt.build import BuildOptions, build_engine
+from bie_trt.checkpoint.registry import resolve_checkpoint
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    return resolve_checkpoint("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def build(tmp_path_factory, smollm2_checkpoint):
+    """build(**options) -> engine dir; identical options reuse one engine."""
+    made = {}
+
+    def _build(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            out = tmp_path_factory.mktemp("engine")
+            kw = {"profile": "cpu", "max_model_len": 2048, **kw}
+            made[key] = build_engine(BuildOptions(checkpoint=str(smollm2_checkpoint), out=str(out), force=True, **kw),
+                                     log=lambda m: None)
+        return made[key]
+
+    return _build
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(build):
+    return build()

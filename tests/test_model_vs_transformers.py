@@ -1,0 +1,107 @@
+"""The engine's logits equal transformers' LlamaForCausalLM on the same dequantised weights."""
+from __future__ import annotations
+
+import random
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+
+from bie_trt.checkpoint.awq import awq_dequantize
+from bie_trt.checkpoint.loader import Checkpoint
+from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.engine import BieEngine
+from bie_trt.executor.model_runner import ModelRunner
+from bie_trt.executor.sequence import Sequence
+from bie_trt.model.llama import SeqInput
+from bie_trt.sampling import make_generator
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_background.txt"
+DECODE_STEPS = 32
+
+
+def hf_model(ckpt: Checkpoint):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {k: v for k, v in ckpt.hf_config.items() if k != "quantization_config"}
+    model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="eager")).float().eval()
+    sd = {"model.embed_tokens.weight": ckpt.tensor("model.embed_tokens.weight").float(),
+          "model.norm.weight": ckpt.tensor("model.norm.weight").float()}
+    G = ckpt.quant.group_size
+    for i in range(ckpt.model.num_layers):
+        p = f"model.layers.{i}."
+        for sub in ckpt.linear_shapes():
+            t = [ckpt.tensor(p + sub + s) for s in (".qweight", ".qzeros", ".scales")]
+            sd[p + sub + ".weight"] = awq_dequantize(*t, G).t().contiguous()
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            sd[p + norm + ".weight"] = ckpt.tensor(p + norm + ".weight").float()
+    if not ckpt.model.tie_word_embeddings:
+        sd["lm_head.weight"] = ckpt.tensor("lm_head.weight").float()
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return model
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    text = " ".join(DATA.read_text().splitlines()[:6])
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) >= n
+    return ids[:n]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_checkpoint, smollm2_engine):
+    engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu"))
+    ids = prompt_ids(engine.tokenizer, 320)
+    model = hf_model(Checkpoint(smollm2_checkpoint))
+    # greedy continuation by transformers, then one pass over everything for per-position logits
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, min_new_tokens=64)
+        full = out[0].tolist()
+        logits = model(torch.tensor([full[: len(ids) + DECODE_STEPS]])).logits[0]
+    return engine, ids, full[len(ids):], logits
+
+
+def run_engine_logits(engine: BieEngine, ids: list[int], continuation: list[int], scatter: bool,
+                      chunk: int) -> list[torch.Tensor]:
+    """Prefill `ids` in chunks (logits for every position), then decode the given continuation."""
+    runner: ModelRunner = engine.runner
+    blocks = BlockManager(runner.kv_config, runner.pools.num_fp_blocks, runner.pools.num_quant_blocks)
+    if scatter:
+        order = list(blocks.free_fp)
+        random.Random(0).shuffle(order)
+        blocks.free_fp = deque(order)
+    seq = Sequence(list(ids), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
+    rows = []
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        blocks.grow(seq, start + len(part))
+        rows.append(runner.forward([SeqInput(torch.tensor(part), start, seq.block_table, all_logits=True)])[0])
+        seq.num_cached = start + len(part)
+    for t in continuation[:DECODE_STEPS]:
+        blocks.grow(seq, seq.num_cached + 1)
+        rows.append(runner.forward([SeqInput(torch.tensor([t]), seq.num_cached, seq.block_table)])[0][None])
+        seq.num_cached += 1
+    if scatter:
+        assert seq.block_table != sorted(seq.block_table)
+    blocks.free(seq)
+    return rows
+
+
+@pytest.mark.parametrize("scatter,chunk", [(False, 512), (True, 100)])
+def test_logits_match_transformers(reference, scatter, chunk):
+    engine, ids, continuation, hf_logits = reference
+    ours = torch.cat(run_engine_logits(engine, ids, continuation, scatter, chunk))
+    # ours[i] predicts position i+1; hf_logits covers prompt + 32 decode inputs
+    hf = hf_logits[: len(ids) + DECODE_STEPS]
+    assert ours.shape == hf.shape
+    diff = (ours - hf).abs().max().item()
+    assert diff <= 1e-3, f"max |Δlogit| = {diff}"
+
+
+def test_64_greedy_tokens_identical(reference):
+    engine, ids, continuation, _ = reference
+    out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    assert out.token_ids == continuation
