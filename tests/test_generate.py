@@ -1,0 +1,101 @@
+"""SDK and `bie-trt generate`: tokenisation, sampling knobs, seeds, stop conditions, prompt limits."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bie_trt import BieEngine, EngineConfig, RequestError, SamplingParams
+from bie_trt.sampling import probabilities
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_engine):
+    return BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=512))
+
+
+def test_generate_cli_json(smollm2_engine, engine):
+    prompt = "The capital of France is"
+    cmd = [sys.executable, "-m", "bie_trt.cli", "generate", "--engine", str(smollm2_engine), "--prompt", prompt,
+           "--max-tokens", "8", "--json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["prompt_token_ids"] == engine.tokenizer(prompt)["input_ids"]
+    want = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=8))
+    assert out["token_ids"] == want.token_ids and out["text"] == want.text
+    assert out["finish_reason"] == "length" and out["tokens_per_s"] > 0
+
+
+def test_chat_uses_the_template(engine):
+    ids = engine.encode("hi", chat=True)
+    assert ids == engine.encode([{"role": "user", "content": "hi"}])
+    text = engine.tokenizer.decode(ids)
+    assert "<|im_start|>user\nhi<|im_end|>" in text and text.rstrip().endswith("<|im_start|>assistant")
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(engine):
+    p = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    a = engine.generate("Tell me a story", SamplingParams(seed=1, **p)).token_ids
+    b = engine.generate("Tell me a story", SamplingParams(seed=1, **p)).token_ids
+    c = engine.generate("Tell me a story", SamplingParams(seed=2, **p)).token_ids
+    assert a == b and a != c
+
+
+def test_top_k_1_is_greedy(engine):
+    greedy = engine.generate("Water boils at", SamplingParams(temperature=0, max_tokens=8)).token_ids
+    top1 = engine.generate("Water boils at", SamplingParams(temperature=1.5, top_k=1, max_tokens=8, seed=3)).token_ids
+    assert top1 == greedy
+
+
+def test_probabilities_filters():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = probabilities(logits.clone(), SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))
+    p = probabilities(logits.clone(), SamplingParams(temperature=1.0, top_p=0.8))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))
+    p = probabilities(logits.clone(), SamplingParams(temperature=1.0, top_p=0.81))
+    assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95)
+    p = probabilities(logits.clone(), SamplingParams(temperature=1.0, min_p=0.5))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))
+    hot = probabilities(logits.clone(), SamplingParams(temperature=2.0))
+    assert torch.allclose(hot, torch.softmax(logits / 2, -1))
+
+
+def test_stop_string_cuts_text(engine):
+    full = engine.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=12))
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    out = engine.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=12, stop=[stop]))
+    assert out.finish_reason == "stop" and stop not in out.text and full.text.startswith(out.text)
+
+
+def test_stream_deltas_add_up(engine):
+    events = list(engine.stream("The sun is", SamplingParams(temperature=0, max_tokens=10)))
+    assert "".join(e.delta for e in events) == events[-1].output.text
+    assert [e.finish_reason for e in events[:-1]] == [None] * (len(events) - 1)
+
+
+def test_prompt_limits_and_bad_params(engine):
+    with pytest.raises(RequestError, match="max_model_len"):
+        engine.generate("word " * 600, SamplingParams(max_tokens=4))
+    with pytest.raises(RequestError, match="top_k"):
+        SamplingParams(top_k=-5)
+    with pytest.raises(RequestError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    # generation that reaches max_model_len ends with "length", not an error
+    ids = engine.encode("word " * 600)[:505]
+    out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == 512
+
+
+def test_blocks_return_to_the_pool(engine):
+    free = len(engine.blocks.free_fp)
+    stream = engine.stream("Hello there", SamplingParams(temperature=0, max_tokens=30))
+    next(stream)
+    assert len(engine.blocks.free_fp) < free
+    stream.close()  # a consumer that stops early
+    assert len(engine.blocks.free_fp) == free

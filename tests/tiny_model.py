@@ -1,0 +1,43 @@
+"""A tiny random Llama checkpoint (real safetensors, the SmolLM2 tokenizer) for format and error tests."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=49152, max_position_embeddings=1024, rms_norm_eps=1e-5,
+            rope_theta=10000.0, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+            model_type="llama", bos_token_id=1, eos_token_id=2)
+
+
+def write_tiny_hf(out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
+    """An unquantised fp16 checkpoint directory."""
+    cfg = {**TINY, **overrides}
+    g = torch.Generator().manual_seed(seed)
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.05).half()
+
+    t = {"model.embed_tokens.weight": rnd(cfg["vocab_size"], h), "model.norm.weight": torch.ones(h).half(),
+         "lm_head.weight": rnd(cfg["vocab_size"], h)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        t.update({p + "self_attn.q_proj.weight": rnd(h, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                  p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, h),
+                  p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
+                  p + "mlp.down_proj.weight": rnd(h, i),
+                  p + "input_layernorm.weight": torch.ones(h).half(),
+                  p + "post_attention_layernorm.weight": torch.ones(h).half()})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_from / f).exists():
+            shutil.copyfile(tokenizer_from / f, out / f)
+    return out
