@@ -138,12 +138,17 @@ class KVCacheConfig:
     window: int = 128
     rotation: str = "hadamard"
     block_size: int = 16
+    # "group": a scale and zero per group of channels per token per head (the format).
+    # "block": one scale and zero for a whole block of a layer -- an ablation for the quality table.
+    scale_scope: str = "group"
 
     def validate(self, head_dim: int | None = None) -> None:
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"kv cache dtype {self.dtype!r} is unknown; choose one of {KV_DTYPES}.")
         if self.rotation not in KV_ROTATIONS:
             raise ValueError(f"kv rotation {self.rotation!r} is unknown; choose one of {KV_ROTATIONS}.")
+        if self.scale_scope not in ("group", "block"):
+            raise ValueError(f"kv scale scope {self.scale_scope!r} is unknown; choose 'group' or 'block'.")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"kv group size {self.group_size} is not allowed; use 32, 64 or 128.")
         if head_dim is not None and self.dtype == "int4_asym" and head_dim % self.group_size:
@@ -170,6 +175,18 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # None: from the memory plan
     seed: int = 0
+    # KV-cache overrides (None: the engine's). Used by `bie-trt eval` for ablations; a larger
+    # format than the engine was planned for may not fit the GPU budget.
+    kv_cache_dtype: str | None = None
+    kv_group_size: int | None = None
+    kv_sink_tokens: int | None = None
+    kv_window: int | None = None
+    kv_rotation: str | None = None
+
+    def kv_overrides(self) -> dict[str, Any]:
+        names = {"kv_cache_dtype": "dtype", "kv_group_size": "group_size", "kv_sink_tokens": "sink_tokens",
+                 "kv_window": "window", "kv_rotation": "rotation"}
+        return {field: getattr(self, name) for name, field in names.items() if getattr(self, name) is not None}
 
 
 @dataclass

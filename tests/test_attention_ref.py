@@ -1,6 +1,7 @@
 """Paged mixed-precision attention reference against dense softmax attention."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -183,3 +184,12 @@ def test_dense_reference_matches_torch_sdpa() -> None:
         attn_mask=torch.arange(21)[None, :] <= pos[:, None], scale=SCALE,
     ).transpose(0, 1)
     torch.testing.assert_close(dense_attention_ref(q, k[1], v[1], pos, SCALE), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [2, 3, 64])
+def test_multi_block_tiles_compute_the_same_attention(tile: int) -> None:
+    pools, table, _, _ = mixed_case("int4_asym")
+    q, pos = queries([3, 17, 36], seed=5)
+    one = paged_attention_ref(q, pools, 1, table, pos, SCALE)
+    tiled = paged_attention_ref(q, pools, 1, table, pos, SCALE, blocks_per_tile=tile)
+    assert torch.isfinite(tiled).all() and (one - tiled).abs().max().item() <= 1e-5

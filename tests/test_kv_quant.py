@@ -284,3 +284,20 @@ def test_rotation_shrinks_int4_error_on_outlier_keys() -> None:
 
     # The rotation is orthonormal, so the error norm compares like for like.
     assert err(rotate(k)) < 0.5 * err(k)
+
+
+def test_block_scale_scope_shares_one_range_per_layer() -> None:
+    model = model_config()
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, block_size=4, scale_scope="block")
+    pools = allocate_pools(model, kv, num_fp_blocks=2, num_quant_blocks=2, dtype=torch.float32)
+    pools.k[:, 1] = with_outliers(pools.k[:, 1].shape, seed=3)
+    pools.v[:, 1] = torch.randn(pools.v[:, 1].shape)
+    quantize_block(pools, None, 1, 0)
+    for layer in range(model.num_layers):
+        zero, scale = pools.k_zero[layer, 0].float(), pools.k_scale[layer, 0].float()
+        assert torch.unique(zero).numel() == 1 and torch.unique(scale).numel() == 1
+        x = pools.k[layer, 1]
+        assert zero.flatten()[0] <= x.min() and x.min() - zero.flatten()[0] < 1e-2
+        assert abs(scale.flatten()[0] - (x.max() - x.min()) / 15) <= 1e-2 * scale.flatten()[0]
+        k, _ = dequantize_block(pools, layer, encode_quant_block(0))
+        assert ((k - x).abs() <= scale.flatten()[0] / 2 + 1e-3).all()

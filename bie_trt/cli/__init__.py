@@ -34,4 +34,4 @@ def main() -> None:
 
 
 # Registration: importing a module adds its commands to `main`.
-from . import model_cmds, plan_cmds, serve_cmds  # noqa: E402,F401
+from . import eval_cmds, model_cmds, plan_cmds, serve_cmds  # noqa: E402,F401

@@ -1,6 +1,7 @@
 """Load an engine directory onto a device: check it, allocate the plan once, run forward steps."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -34,7 +35,11 @@ class ModelRunner:
         self.dtype = {"auto": torch.float16 if self.device.type == "cuda" else torch.float32,
                       "float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
         self.model_config = ModelConfig.from_dict(self.manifest["model"]["config"])
-        self.kv_config = KVCacheConfig(**self.manifest["kv"])
+        self.kv_config = dataclasses.replace(KVCacheConfig(**self.manifest["kv"]), **config.kv_overrides())
+        try:
+            self.kv_config.validate(self.model_config.head_dim)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         built_len = int(self.manifest["max_model_len"])
         self.max_model_len = min(config.max_model_len or built_len, built_len)
         self.max_num_seqs = min(config.max_num_seqs, int(self.manifest["max_num_seqs"]))
@@ -43,7 +48,7 @@ class ModelRunner:
         if not weights_path.exists():
             raise EngineError(f"{weights_path}: missing; the engine directory is incomplete (rebuild it).")
         self._cap_memory()
-        self.model = LlamaModel(self.model_config, self.kv_config, load_file(str(weights_path)), self.device, self.dtype)
+        self.model = LlamaModel(self.model_config, load_file(str(weights_path)), self.device, self.dtype)
         n_fp, n_q = kv_pool_blocks(self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunk_size)
         if config.num_kv_blocks is not None:  # tests and small hosts shrink the pool on purpose
             n_fp = config.num_kv_blocks

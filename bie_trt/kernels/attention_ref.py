@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from ..kv.pool import KVPools
-from ..kv.quant import dequantize_block
+from ..kv.quant import dequantize_blocks
 
 
 def paged_attention_ref(
@@ -23,11 +23,14 @@ def paged_attention_ref(
     block_table: Sequence[int] | torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    blocks_per_tile: int = 1,
 ) -> torch.Tensor:
     """Attention of q [T, H_q, D] over one sequence's cache; query t sees tokens j <= positions[t].
 
     The chunk's own K/V must already be in the cache. Query head h reads kv head
-    h // (H_q // H_kv). Returns [T, H_q, D] in q's dtype.
+    h // (H_q // H_kv). Returns [T, H_q, D] in q's dtype. `blocks_per_tile` > 1 folds
+    several blocks per softmax step (the CPU runtime's speed setting; same algorithm,
+    bounded memory).
     """
     T, Hq, D = q.shape
     Hkv, B = pools.k.shape[2], pools.k.shape[3]
@@ -43,13 +46,14 @@ def paged_attention_ref(
     running_max = torch.full((Hkv, T, group), -torch.inf, device=q.device)
     running_sum = torch.zeros((Hkv, T, group), device=q.device)
     acc = torch.zeros((Hkv, T, group, D), device=q.device)
-    for i in range(num_blocks):  # blocks wholly beyond the last query's position are never read
-        k, v = dequantize_block(pools, layer, int(block_table[i]))
+    for first in range(0, num_blocks, blocks_per_tile):  # blocks beyond the last query are never read
+        entries = [int(block_table[i]) for i in range(first, min(first + blocks_per_tile, num_blocks))]
+        k, v = dequantize_blocks(pools, layer, entries)
         # Slots past the context in the last block hold stale data; like the kernel's
         # masked loads, never touch them (a stale NaN would otherwise poison p @ v).
-        valid = min(B, context_len - i * B)
+        valid = min(len(entries) * B, context_len - first * B)
         k, v = k[:, :valid], v[:, :valid]
-        j = torch.arange(i * B, i * B + valid, device=q.device)
+        j = torch.arange(first * B, first * B + valid, device=q.device)
         visible = j[None, :] <= pos[:, None]  # [T, valid]
         s = torch.einsum("htgd,hjd->htgj", qg, k) * scale
         s = s.masked_fill(~visible[None, :, None, :], -torch.inf)

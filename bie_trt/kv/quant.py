@@ -20,14 +20,21 @@ _MIN_SCALE = torch.finfo(torch.float16).tiny
 
 
 def quantize_int4_asym(
-    x: torch.Tensor, group_size: int
+    x: torch.Tensor, group_size: int, shared_dims: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric INT4 per group of `group_size` consecutive channels -> (packed, scale, zero)."""
+    """Asymmetric INT4 per group of `group_size` consecutive channels -> (packed, scale, zero).
+
+    `shared_dims` > 0 makes the last `shared_dims` leading dims share one range (the
+    "block" scale-scope ablation); the stored layout is the same either way.
+    """
     D = x.shape[-1]
     if D % 2 or D % group_size:
         raise ValueError(f"INT4 KV needs an even head_dim divisible by the group size; got {D} and {group_size}.")
     g = x.float().unflatten(-1, (D // group_size, group_size))
     lo, hi = g.amin(-1), g.amax(-1)
+    if shared_dims:
+        dims = tuple(range(-1 - shared_dims, 0))
+        lo, hi = lo.amin(dims, keepdim=True).expand_as(lo), hi.amax(dims, keepdim=True).expand_as(hi)
     # Codes are computed against the *stored* fp16 zero and scale, so the bound
     # |x - x̂| <= scale / 2 holds for what the kernel actually dequantises with.
     # Rounding the zero down keeps every value at or above the grid's bottom even
@@ -81,7 +88,8 @@ def quantize_block(pools: KVPools, layer: int | None, fp_block: int, q_block: in
     for side in ("k", "v"):
         src = getattr(pools, side)[layers, fp_block]
         if pools.cfg.dtype == "int4_asym":
-            packed, scale, zero = quantize_int4_asym(src, pools.cfg.group_size)
+            shared = 2 if pools.cfg.scale_scope == "block" else 0   # heads and tokens of the block
+            packed, scale, zero = quantize_int4_asym(src, pools.cfg.group_size, shared)
             getattr(pools, f"{side}_zero")[layers, q_block] = zero
         else:
             packed, scale = quantize_fp8(src)
@@ -89,18 +97,30 @@ def quantize_block(pools: KVPools, layer: int | None, fp_block: int, q_block: in
         getattr(pools, f"{side}_scale")[layers, q_block] = scale
 
 
-def dequantize_block(pools: KVPools, layer: int, entry: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k, v) of the block a block-table entry names, each [H_kv, B, D] fp32, from either pool."""
-    quantised, block = decode_block(entry)
-    if not quantised:
-        return pools.k[layer, block].float(), pools.v[layer, block].float()
+def dequantize_blocks(pools: KVPools, layer: int, entries: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) of the blocks that block-table entries name, in order, each [H_kv, n·B, D] fp32."""
+    decoded = [decode_block(e) for e in entries]
+    fp_pos = [i for i, (quantised, _) in enumerate(decoded) if not quantised]
+    q_pos = [i for i, (quantised, _) in enumerate(decoded) if quantised]
     out = []
     for side in ("k", "v"):
-        q = getattr(pools, f"{side}_q")[layer, block]
-        scale = getattr(pools, f"{side}_scale")[layer, block]
-        if pools.cfg.dtype == "int4_asym":
-            zero = getattr(pools, f"{side}_zero")[layer, block]
-            out.append(dequantize_int4_asym(q, scale, zero, pools.cfg.group_size))
-        else:
-            out.append(dequantize_fp8(q, scale))
+        fp_pool = getattr(pools, side)
+        blocks = torch.empty((len(entries),) + tuple(fp_pool.shape[2:]), dtype=torch.float32, device=fp_pool.device)
+        if fp_pos:
+            blocks[fp_pos] = fp_pool[layer, [decoded[i][1] for i in fp_pos]].float()
+        if q_pos:
+            ids = [decoded[i][1] for i in q_pos]
+            q = getattr(pools, f"{side}_q")[layer, ids]
+            scale = getattr(pools, f"{side}_scale")[layer, ids]
+            if pools.cfg.dtype == "int4_asym":
+                zero = getattr(pools, f"{side}_zero")[layer, ids]
+                blocks[q_pos] = dequantize_int4_asym(q, scale, zero, pools.cfg.group_size)
+            else:
+                blocks[q_pos] = dequantize_fp8(q, scale)
+        out.append(blocks.transpose(0, 1).flatten(1, 2))   # [H_kv, n·B, D]
     return out[0], out[1]
+
+
+def dequantize_block(pools: KVPools, layer: int, entry: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) of the block a block-table entry names, each [H_kv, B, D] fp32, from either pool."""
+    return dequantize_blocks(pools, layer, [entry])

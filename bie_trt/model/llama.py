@@ -15,6 +15,11 @@ from .rope import Rope
 LINEARS = ("qkv", "o", "gate_up", "down")
 
 
+def rotates_keys(kv: KVCacheConfig) -> bool:
+    """Keys are stored Hadamard-rotated whenever they may be quantised; FP16-only caches stay exact."""
+    return kv.dtype != "fp16" and kv.rotation == "hadamard"
+
+
 @dataclass
 class SeqInput:
     """One sequence's slice of a step: tokens at positions start_pos.., their blocks already allocated."""
@@ -37,9 +42,8 @@ class Layer:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, kv_cfg: KVCacheConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype):
-        self.cfg, self.kv_cfg, self.device, self.dtype = cfg, kv_cfg, device, dtype
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
 
         def t(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
@@ -59,7 +63,6 @@ class LlamaModel:
                     bias=weights[q + "bias"].to(device=device, dtype=dtype) if q + "bias" in weights else None)
             self.layers.append(Layer(t(p + "attn_norm"), t(p + "mlp_norm"), lin))
         self.rope = Rope(cfg, device)
-        self.rotate_keys = kv_cfg.dtype != "fp16" and kv_cfg.rotation == "hadamard"
         self.scale = cfg.head_dim ** -0.5
 
     @torch.inference_mode()
@@ -93,7 +96,7 @@ class LlamaModel:
         q = Rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = Rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if self.rotate_keys:
+        if rotates_keys(pools.cfg):
             # Hadamard-rotated keys quantise without outlier channels; rotating q too keeps q·k.
             from ..kv.rotation import rotate
             q, k = rotate(q), rotate(k)

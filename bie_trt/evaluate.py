@@ -1,0 +1,133 @@
+"""KV-cache quality: perplexity and KL divergence from the FP16-KV run, scored as decode sees them.
+
+Every variant runs over the same windows in lockstep with an FP16-KV baseline, sharing one copy
+of the weights. Tokens go through in chunks of `chunk` tokens (default: one KV block) and the
+cache is compacted (blocks leaving the window quantised) after every chunk. With block-aligned
+chunks and a window that is a multiple of the block size this is exactly what decode does: token
+p attends to the quantised state of every block that decode would have quantised by then.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .config import EngineConfig, KVCacheConfig, SamplingParams
+from .errors import BieError
+from .executor.block_manager import BlockManager
+from .executor.model_runner import ModelRunner
+from .executor.sequence import Sequence
+from .kv.pool import KVPools, allocate_pools
+from .model.llama import SeqInput
+from .plan import kv_bytes_per_token
+from .sampling import make_generator
+
+
+@dataclass
+class EvalResult:
+    label: str
+    kv: dict
+    ppl: float
+    kld: float
+    tokens: int
+    context: int
+    kv_bytes_per_token: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class _Variant:
+    label: str
+    kv: KVCacheConfig
+    pools: KVPools
+    blocks: BlockManager | None = None
+    seq: Sequence | None = None
+    nll: float = 0.0
+    kl: float = 0.0
+
+
+def ablation_variants(base: KVCacheConfig) -> dict[str, KVCacheConfig]:
+    """The quality table's rows: each ingredient of the INT4 cache taken away in turn."""
+    int4 = dataclasses.replace(base, dtype="int4_asym")
+    return {
+        "fp8": dataclasses.replace(base, dtype="fp8"),
+        "int4 (all on)": int4,
+        "int4 no sinks": dataclasses.replace(int4, sink_tokens=0),
+        "int4 no window": dataclasses.replace(int4, window=0),
+        "int4 no rotation": dataclasses.replace(int4, rotation="none"),
+        "int4 none of the three": dataclasses.replace(int4, sink_tokens=0, window=0, rotation="none"),
+        "int4 one scale per block": dataclasses.replace(int4, scale_scope="block"),
+    }
+
+
+def _windows(n_tokens: int, context: int, stride: int, max_windows: int | None) -> list[int]:
+    starts = list(range(0, n_tokens - context + 1, stride))
+    return starts[:max_windows] if max_windows else starts
+
+
+def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variants: dict[str, KVCacheConfig],
+             stride: int | None = None, chunk: int | None = None, max_windows: int | None = None,
+             device: str = "cpu", progress: bool = True) -> list[EvalResult]:
+    """Perplexity and mean KL(P_fp16 || P_variant) per variant; the FP16 baseline comes first."""
+    stride = stride or context
+    if not 0 < stride <= context:
+        raise BieError(f"stride must be in (0, context]; got {stride}.")
+    runner = ModelRunner(EngineConfig(engine_dir=str(engine_dir), device=device, max_num_seqs=1,
+                                      num_kv_blocks=1, kv_cache_dtype="fp16"))
+    model_cfg = runner.model_config
+    if context > model_cfg.max_position_embeddings:
+        raise BieError(f"context {context} is beyond the model's {model_cfg.max_position_embeddings} positions.")
+    starts = _windows(len(token_ids), context, stride, max_windows)
+    if not starts:
+        raise BieError(f"the text has {len(token_ids)} tokens, fewer than one window of {context}; "
+                       f"use a smaller --context or a longer file.")
+    base_kv = runner.kv_config
+    chunk = chunk or base_kv.block_size
+    for label, kv in variants.items():
+        kv.validate(model_cfg.head_dim)
+        if kv.dtype != "fp16" and kv.window and kv.window < chunk:
+            raise BieError(f"{label}: chunk {chunk} is larger than the window {kv.window}; decode would "
+                           f"see quantised tokens the chunk sees in FP16. Use --chunk <= the window.")
+    n_blocks = -(-context // base_kv.block_size) + 1
+    fp16 = dataclasses.replace(base_kv, dtype="fp16")
+    all_variants = [_Variant("fp16", fp16, allocate_pools(model_cfg, fp16, n_blocks, 0, runner.dtype, runner.device))]
+    for label, kv in variants.items():
+        all_variants.append(_Variant(label, kv, allocate_pools(model_cfg, kv, n_blocks, n_blocks, runner.dtype,
+                                                              runner.device)))
+    scored = 0
+    bar = tqdm(total=len(starts) * context, desc=f"eval ctx {context}", unit="tok", disable=not progress)
+    for start in starts:
+        window = token_ids[start:start + context]
+        score_from = 0 if start == 0 else context - stride   # score only tokens no earlier window scored
+        for v in all_variants:
+            v.blocks = BlockManager(v.kv, v.pools.num_fp_blocks, v.pools.num_quant_blocks)
+            v.seq = Sequence(list(window), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
+        for pos in range(0, context - 1, chunk):
+            ids = window[pos:min(pos + chunk, context - 1)]
+            targets = torch.tensor(window[pos + 1:pos + 1 + len(ids)])
+            keep = torch.arange(pos, pos + len(ids)) + 1 >= max(score_from, 1)
+            base_logp = None
+            for v in all_variants:
+                v.blocks.grow(v.seq, pos + len(ids))
+                logits = runner.model.forward([SeqInput(torch.tensor(ids), pos, v.seq.block_table, all_logits=True)],
+                                              v.pools)[0]
+                v.seq.num_cached = pos + len(ids)
+                v.blocks.compact(v.seq, v.pools)
+                logp = torch.log_softmax(logits.double(), -1)[keep]
+                v.nll -= logp.gather(-1, targets[keep, None].to(logp.device)).sum().item()
+                if base_logp is None:
+                    base_logp = logp
+                else:
+                    v.kl += (base_logp.exp() * (base_logp - logp)).sum().item()
+            scored += int(keep.sum())
+            bar.update(len(ids))
+        bar.update(1)
+    bar.close()
+    return [EvalResult(v.label, dataclasses.asdict(v.kv), math.exp(v.nll / scored), v.kl / scored, scored, context,
+                       kv_bytes_per_token(model_cfg, v.kv)) for v in all_variants]

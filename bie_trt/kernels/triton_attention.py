@@ -1,0 +1,422 @@
+"""Triton paged mixed-precision attention: flash-decoding for decode, and chunked prefill over the same cache.
+
+Both entry points run one kernel. A program owns one *query tile* (one decoding
+sequence, or BLOCK_M consecutive queries of a prefill chunk), one kv head, and one
+*partition* of the context; its score tile has a row for every (query, query head)
+pair of the tile that reads that kv head, so each K/V byte crosses the memory bus
+once per tile however many query heads share it (GQA). A partition walks its slice
+of the block table TILE tokens at a time with an online softmax and writes the
+unnormalised partial (max, sum, accumulator) to a workspace; a second small kernel
+merges the partitions. Splitting the context is what fills the GPU at batch 1.
+
+Every block-table entry carries its block's precision (`kv/pool.py`): e >= 0 is FP16
+block e, e < 0 is quantised block -e-1, and the quantised pool's format (INT4 asym
+or FP8) is fixed per engine, so it is a compile-time constant here. Quantised rows
+are dequantised in registers as they are loaded; no dequantised copy is written.
+
+INT4 packs channel 2j in the low nibble and 2j+1 in the high nibble of byte j. The
+kernel never re-interleaves: it keeps every head vector as two halves, even and odd
+channels, and a score is q_even·k_even + q_odd·k_odd. In FP16 and FP8 caches the
+halves are simply the first and second half of the channels, which keeps loads
+contiguous. Scores run in the log2 domain (exp2 with log2(e) folded into the scale).
+
+The reference twins are `paged_attention_ref` (prefill, one sequence) and
+`paged_decode_attention_ref` below (decode, a batch).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from ..kv.pool import KVPools
+from .attention_ref import paged_attention_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: without it the runtime uses the reference twins
+    triton = None
+
+# How the quantised pool stores rows: the kernels' KV_MODE constexpr (0 no quantised pool, 1 INT4, 2 FP8).
+_FP16_ONLY, _INT4, _FP8 = 0, 1, 2
+_CONFIG_KEYS = frozenset({"tile_blocks", "block_m", "num_partitions", "num_warps", "num_stages"})
+# Programs per SM the default partition count aims for: a few waves keep the memory
+# system busy while some programs wait on their loads.
+_PROGRAMS_PER_SM = 4
+
+
+def available() -> bool:
+    """True when the kernels can run: triton imports, and there is a GPU or the interpreter is on."""
+    if triton is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _jit(fn):
+    # With `from __future__ import annotations` the `tl.constexpr` annotations stay strings (triton
+    # reads them as such), so without triton the kernels are plain, never-called functions.
+    return triton.jit(fn) if triton is not None else fn
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@_jit
+def _channel_halves(HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Channel indices of the two halves every head vector is kept in."""
+    j = tl.arange(0, HEAD_DIM // 2)
+    if INTERLEAVED:  # INT4 byte j holds channels 2j and 2j+1: even/odd halves avoid re-interleaving nibbles
+        first = 2 * j
+        second = 2 * j + 1
+    else:
+        first = j
+        second = j + HEAD_DIM // 2
+    return first, second
+
+
+@_jit
+def _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, rows,
+                  TILE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """Even and odd channels [TILE, HEAD_DIM // 2] of INT4 rows: x = q · scale + zero per group of channels."""
+    # Byte j carries channels 2j and 2j+1, both in group j // (QUANT_GROUP // 2); laying the
+    # bytes out as [group, byte in group] lets one scale and zero per group broadcast.
+    g = tl.arange(0, HEAD_DIM // QUANT_GROUP)
+    byte = g[:, None] * (QUANT_GROUP // 2) + tl.arange(0, QUANT_GROUP // 2)[None, :]
+    mask = rows[:, None, None]
+    packed = tl.load(qd_ptr + qd_off[:, None, None] + byte[None, :, :], mask=mask, other=0)
+    scale = tl.load(sc_ptr + sc_off[:, None, None] + g[None, :, None], mask=mask, other=0.0).to(tl.float32)
+    zero = tl.load(zr_ptr + sc_off[:, None, None] + g[None, :, None], mask=mask, other=0.0).to(tl.float32)
+    even = ((packed & 0xF).to(tl.float32) * scale + zero).to(DTYPE)
+    odd = ((packed >> 4).to(tl.float32) * scale + zero).to(DTYPE)
+    return tl.reshape(even, (TILE, HEAD_DIM // 2)), tl.reshape(odd, (TILE, HEAD_DIM // 2))
+
+
+@_jit
+def _dequant_fp8(qd_ptr, sc_ptr, qd_off, sc_off, rows, ch_a, ch_b, DTYPE: tl.constexpr):
+    """Both channel halves of FP8 e4m3 rows: x = q · scale, one scale per token."""
+    scale = tl.load(sc_ptr + sc_off, mask=rows, other=0.0).to(tl.float32)[:, None]
+    a = tl.load(qd_ptr + qd_off[:, None] + ch_a[None, :], mask=rows[:, None], other=0.0)
+    b = tl.load(qd_ptr + qd_off[:, None] + ch_b[None, :], mask=rows[:, None], other=0.0)
+    return (a.to(tl.float32) * scale).to(DTYPE), (b.to(tl.float32) * scale).to(DTYPE)
+
+
+@_jit
+def _load_kv_tile(fp_ptr, qd_ptr, sc_ptr, zr_ptr, fp_off, qd_off, sc_off, plain, quant, has_plain, ch_a, ch_b,
+                  TILE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr,
+                  QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """A K or V tile as its two channel halves [TILE, HEAD_DIM // 2], each row read from the pool its block is in.
+
+    Rows in neither `plain` nor `quant` (past the context) come back as zeros and are never loaded.
+    """
+    if KV_MODE == 0:
+        a = tl.load(fp_ptr + fp_off[:, None] + ch_a[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
+        b = tl.load(fp_ptr + fp_off[:, None] + ch_b[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
+    else:
+        # The quantised body is nearly every tile, so its loads stay unconditional (and free to be
+        # software-pipelined); only the few tiles holding sink or window blocks visit the FP16 pool.
+        if KV_MODE == 1:
+            a, b = _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, quant, TILE, HEAD_DIM, QUANT_GROUP, DTYPE)
+        else:
+            a, b = _dequant_fp8(qd_ptr, sc_ptr, qd_off, sc_off, quant, ch_a, ch_b, DTYPE)
+        if has_plain:
+            fa = tl.load(fp_ptr + fp_off[:, None] + ch_a[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
+            fb = tl.load(fp_ptr + fp_off[:, None] + ch_b[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
+            a = tl.where(plain[:, None], fa, a)
+            b = tl.where(plain[:, None], fb, b)
+    return a, b
+
+
+@_jit
+def _paged_attention_partial_kernel(
+    q_ptr, pos_ptr, table_ptr,
+    k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+    m_ws_ptr, l_ws_ptr, acc_ws_ptr,
+    num_queries, num_partitions, qk_scale,
+    stride_q_tok, stride_q_head, stride_table,
+    stride_fp_blk, stride_fp_head, stride_fp_tok,
+    stride_qd_blk, stride_qd_head, stride_qd_tok,
+    stride_sc_blk, stride_sc_head, stride_sc_tok,
+    NUM_Q_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+
+    # Row r of the score tile is query r // GROUP_PAD of the tile and query head r % GROUP_PAD of
+    # the group; padding rows (tl.dot wants >= 16 rows, and aranges are powers of two) stay masked.
+    r = tl.arange(0, ROWS)
+    qi = q_tile * BLOCK_M + r // GROUP_PAD
+    q_head = kv_head * GROUP_HEADS + r % GROUP_PAD
+    row_ok = (r // GROUP_PAD < BLOCK_M) & (r % GROUP_PAD < GROUP_HEADS) & (qi < num_queries)
+    ch_a, ch_b = _channel_halves(HEAD_DIM, KV_MODE == 1)
+    q_off = qi * stride_q_tok + q_head * stride_q_head
+    q_a = tl.load(q_ptr + q_off[:, None] + ch_a[None, :], mask=row_ok[:, None], other=0.0)
+    q_b = tl.load(q_ptr + q_off[:, None] + ch_b[None, :], mask=row_ok[:, None], other=0.0)
+    # A query at position p sees cached tokens 0..p; padding rows (and an empty decode slot, p = -1) see none.
+    pos = tl.load(pos_ptr + qi, mask=row_ok, other=-1)
+    context = tl.max(pos, 0) + 1
+
+    # This partition's tiles: the tile's context split into num_partitions runs of whole tiles.
+    num_tiles = tl.cdiv(context, TILE)
+    tiles_per_part = tl.cdiv(num_tiles, num_partitions)
+    tile_begin = part * tiles_per_part
+    tile_end = tl.minimum(tile_begin + tiles_per_part, num_tiles)
+    table = table_ptr + q_tile * stride_table
+
+    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    acc_a = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
+    acc_b = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
+    for t in range(tile_begin, tile_end):
+        kv = t * TILE + tl.arange(0, TILE)
+        live = kv < context
+        entry = tl.load(table + kv // BLOCK_SIZE, mask=live, other=0)
+        plain = live & (entry >= 0)
+        quant = live & (entry < 0)
+        slot = kv % BLOCK_SIZE
+        # Block ids in 64 bits: a large pool's element offset can pass 2**31.
+        fp_blk = tl.where(plain, entry, 0).to(tl.int64)
+        q_blk = tl.where(quant, -entry - 1, 0).to(tl.int64)
+        fp_off = fp_blk * stride_fp_blk + kv_head * stride_fp_head + slot * stride_fp_tok
+        qd_off = q_blk * stride_qd_blk + kv_head * stride_qd_head + slot * stride_qd_tok
+        sc_off = q_blk * stride_sc_blk + kv_head * stride_sc_head + slot * stride_sc_tok
+        has_plain = tl.max(plain.to(tl.int32), 0) > 0
+
+        k_a, k_b = _load_kv_tile(k_ptr, kq_ptr, ks_ptr, kz_ptr, fp_off, qd_off, sc_off, plain, quant, has_plain,
+                                 ch_a, ch_b, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
+        s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
+        s += tl.dot(q_b, tl.trans(k_b), input_precision="ieee")
+        s = tl.where(kv[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
+
+        # Online softmax. A row may see nothing in this tile or even this whole partition
+        # (an early query of a chunk, a padding row): subtracting 0 instead of a -inf max
+        # keeps exp2 at a clean 0 rather than NaN.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+        v_a, v_b = _load_kv_tile(v_ptr, vq_ptr, vs_ptr, vz_ptr, fp_off, qd_off, sc_off, plain, quant, has_plain,
+                                 ch_a, ch_b, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
+        p = p.to(DTYPE)
+        acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a, input_precision="ieee")
+        acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision="ieee")
+
+    # Partials, unnormalised: workspace [query, q_head, partition] (+ channel for the accumulator).
+    ws = (qi * NUM_Q_HEADS + q_head) * num_partitions + part
+    tl.store(m_ws_ptr + ws, m_i, mask=row_ok)
+    tl.store(l_ws_ptr + ws, l_i, mask=row_ok)
+    tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + ch_a[None, :], acc_a, mask=row_ok[:, None])
+    tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + ch_b[None, :], acc_b, mask=row_ok[:, None])
+
+
+@_jit
+def _combine_partitions_kernel(m_ws_ptr, l_ws_ptr, acc_ws_ptr, out_ptr, num_partitions,
+                               stride_out_tok, stride_out_head,
+                               NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PART_CHUNK: tl.constexpr):
+    """out = Σ_p 2^(m_p - M) acc_p / Σ_p 2^(m_p - M) l_p for one (query, head); empty partitions weigh 0."""
+    qi = tl.program_id(0)
+    head = tl.program_id(1)
+    base = (qi * NUM_Q_HEADS + head) * num_partitions
+    c = tl.arange(0, PART_CHUNK)
+    d = tl.arange(0, HEAD_DIM)
+
+    m_run = tl.full((PART_CHUNK,), float("-inf"), tl.float32)
+    for p0 in range(0, num_partitions, PART_CHUNK):
+        m_run = tl.maximum(m_run, tl.load(m_ws_ptr + base + p0 + c, mask=p0 + c < num_partitions,
+                                          other=float("-inf")))
+    m_max = tl.max(m_run, 0)
+    # A query that saw no token at all (an empty decode slot) has every max at -inf: 0 keeps
+    # the weights at exp2(-inf) = 0 and the output at 0 instead of NaN.
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+
+    l_run = tl.zeros((PART_CHUNK,), tl.float32)
+    out = tl.zeros((HEAD_DIM,), tl.float32)
+    for p0 in range(0, num_partitions, PART_CHUNK):
+        part = p0 + c
+        live = part < num_partitions
+        w = tl.exp2(tl.load(m_ws_ptr + base + part, mask=live, other=float("-inf")) - m_ref)
+        l_run += w * tl.load(l_ws_ptr + base + part, mask=live, other=0.0)
+        acc = tl.load(acc_ws_ptr + (base + part)[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+        out += tl.sum(w[:, None] * acc, 0)
+    denom = tl.sum(l_run, 0)
+    out = out / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + qi * stride_out_tok + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _kv_mode(pools: KVPools) -> int:
+    if pools.k_q is None:
+        return _FP16_ONLY
+    return _INT4 if pools.cfg.dtype == "int4_asym" else _FP8
+
+
+def _tl_dtype(dtype: torch.dtype) -> Any:
+    table = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+    if dtype not in table:
+        raise TypeError(f"paged attention takes fp16, bf16 or fp32 queries, not {dtype}.")
+    return table[dtype]
+
+
+def default_num_partitions(programs_per_partition: int, max_tiles: int, device: torch.device) -> int:
+    """Partitions per context when none are given: a few programs per SM, at most one per KV tile.
+
+    Depends on shapes only (never on the lengths, which live on the GPU), so it is fixed for a
+    captured CUDA graph.
+    """
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one after another: splitting only adds work
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = -(-_PROGRAMS_PER_SM * sms // programs_per_partition)
+    return max(1, min(wanted, max_tiles))
+
+
+def _resolve_config(config: dict | None, device: torch.device, group_pad: int) -> dict:
+    cfg = dict(config or {})
+    unknown = set(cfg) - _CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"unknown paged-attention config keys {sorted(unknown)}; known: {sorted(_CONFIG_KEYS)}.")
+    cfg.setdefault("tile_blocks", 4 if device.type == "cuda" else 2)
+    # Prefill: about 64 score rows a program on the GPU (a few queries times the heads of a group).
+    cfg.setdefault("block_m", max(1, 64 // group_pad) if device.type == "cuda" else max(1, 16 // group_pad))
+    cfg.setdefault("num_warps", 4)
+    return cfg
+
+
+def _check_inputs(q: torch.Tensor, pools: KVPools, table: torch.Tensor) -> None:
+    _, num_q_heads, head_dim = q.shape
+    num_kv_heads, pool_dim = pools.k.shape[2], pools.k.shape[4]
+    if head_dim != pool_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q [*, {num_q_heads}, {head_dim}] does not fit a cache of {num_kv_heads} kv heads "
+                         f"of dim {pool_dim}.")
+    if head_dim < 32 or head_dim & (head_dim - 1):
+        raise ValueError(f"the Triton attention needs a power-of-two head_dim >= 32, not {head_dim}.")
+    if pools.cfg.dtype == "int4_asym" and pools.k_q is not None and head_dim % pools.cfg.group_size:
+        raise ValueError(f"INT4 group size {pools.cfg.group_size} does not divide head_dim {head_dim}.")
+    if table.dtype != torch.int32:
+        raise TypeError(f"block tables must be int32, not {table.dtype}.")
+    if q.stride(-1) != 1 or pools.k.stride(-1) != 1:
+        raise ValueError("q and the KV pools need a contiguous last (channel) dimension.")
+
+
+def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.Tensor, stride_table: int,
+                     table_width: int, positions: torch.Tensor, scale: float, block_m: int,
+                     num_partitions: int | None, cfg: dict) -> torch.Tensor:
+    """Launch the partial kernel over (query tiles, kv heads, partitions), then the combine kernel."""
+    num_queries, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = pools.k.shape[2], pools.k.shape[3]
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    rows = max(16, block_m * group_pad)  # tl.dot wants at least 16 rows
+    tile = cfg["tile_blocks"] * block_size
+    num_q_tiles = triton.cdiv(num_queries, block_m)
+    max_tiles = triton.cdiv(table_width * block_size, tile)
+    parts = num_partitions or cfg.get("num_partitions") or default_num_partitions(num_q_tiles * num_kv_heads,
+                                                                                 max_tiles, q.device)
+    mode = _kv_mode(pools)
+
+    k, v = pools.k[layer], pools.v[layer]
+    if mode == _FP16_ONLY:  # no quantised pool: the pointers are never dereferenced
+        kq = vq = ks = vs = kz = vz = k
+    else:
+        kq, vq, ks, vs = pools.k_q[layer], pools.v_q[layer], pools.k_scale[layer], pools.v_scale[layer]
+        kz = pools.k_zero[layer] if mode == _INT4 else ks  # FP8 has no zero point
+        vz = pools.v_zero[layer] if mode == _INT4 else vs
+
+    m_ws = torch.empty((num_queries, num_q_heads, parts), dtype=torch.float32, device=q.device)
+    l_ws = torch.empty_like(m_ws)
+    acc_ws = torch.empty((num_queries, num_q_heads, parts, head_dim), dtype=torch.float32, device=q.device)
+    launch = {key: cfg[key] for key in ("num_warps", "num_stages") if key in cfg}
+    _paged_attention_partial_kernel[(num_q_tiles, num_kv_heads, parts)](
+        q, positions, table,
+        k, v, kq, vq, ks, vs, kz, vz,
+        m_ws, l_ws, acc_ws,
+        num_queries, parts, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), stride_table,
+        k.stride(0), k.stride(1), k.stride(2),
+        kq.stride(0), kq.stride(1), kq.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        NUM_Q_HEADS=num_q_heads, GROUP_HEADS=group, GROUP_PAD=group_pad, BLOCK_M=block_m, ROWS=rows,
+        BLOCK_SIZE=block_size, TILE=tile, HEAD_DIM=head_dim, KV_MODE=mode,
+        QUANT_GROUP=pools.cfg.group_size if mode == _INT4 else 1, DTYPE=_tl_dtype(q.dtype),
+        **launch,
+    )
+    out = torch.empty_like(q)
+    _combine_partitions_kernel[(num_queries, num_q_heads)](
+        m_ws, l_ws, acc_ws, out, parts, out.stride(0), out.stride(1),
+        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PART_CHUNK=min(triton.next_power_of_2(parts), 16),
+    )
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    pools: KVPools,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_partitions: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """One query token per sequence, q [S, H_q, D], attending all context_lens[s] cached tokens -> [S, H_q, D].
+
+    block_tables int32 [S, max_blocks] of signed entries (anything past a sequence's length is
+    ignored); the current token's K/V must already be in the cache. A sequence of length 0 (a
+    padding slot) gets zeros. `num_partitions` splits each context (default: enough programs to
+    fill the GPU); `config` takes tile_blocks, num_warps, num_stages.
+    """
+    _check_inputs(q, pools, block_tables)
+    cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]))
+    positions = context_lens.to(device=q.device, dtype=torch.int32) - 1  # the query sits at the last position
+    return _paged_attention(q, pools, layer, block_tables, block_tables.stride(0), block_tables.shape[1],
+                            positions, scale, 1, num_partitions, cfg)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    pools: KVPools,
+    layer: int,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Chunk attention of one sequence, q [T, H_q, D]: query t sees cached tokens j <= positions[t] -> [T, H_q, D].
+
+    Same semantics as `paged_attention_ref`: the chunk's K/V are already written into the
+    cache (FP16 tail) and block_table int32 [max_blocks] covers positions.max(). Also the
+    verification pass of speculative decoding (a few queries). `config` takes block_m,
+    tile_blocks, num_partitions, num_warps, num_stages.
+    """
+    _check_inputs(q, pools, block_table)
+    cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]))
+    pos = positions.to(device=q.device, dtype=torch.int32)
+    return _paged_attention(q, pools, layer, block_table, 0, block_table.shape[0], pos, scale,
+                            cfg["block_m"], None, cfg)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    pools: KVPools,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference twin of `paged_decode_attention`: each sequence through `paged_attention_ref`."""
+    out = torch.zeros_like(q)
+    for s, n in enumerate(context_lens.tolist()):
+        if n > 0:
+            pos = torch.tensor([n - 1], device=q.device)
+            out[s] = paged_attention_ref(q[s:s + 1], pools, layer, block_tables[s], pos, scale)[0]
+    return out

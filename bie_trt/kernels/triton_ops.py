@@ -1,0 +1,266 @@
+"""Triton twins of the small per-token ops and the KV-cache writers.
+
+Reference twins: `rms_norm_ref`, `silu_mul_ref`, `write_kv_ref` (reference.py) and
+`bie_trt.kv.quant.quantize_block`. The block quantiser is byte-identical to its twin: it follows
+the same fp32 operation order, uses IEEE division (`div_rn`, where Triton's `/` is approximate
+on NVIDIA GPUs) and rounds codes half-to-even. FP8 codes are made with integer bit operations
+rather than a cast, because the cast's rounding differs between the Triton interpreter and the
+GPU; the bit recipe is the one torch uses, so every backend writes the same bytes.
+
+Importing this module needs triton; `available()` says whether the kernels can run.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kv.pool import KVPools
+
+# The smallest normal fp16 (2^-14): quant.py's floor for scales. Globals a kernel reads must be constexpr.
+_MIN_SCALE = tl.constexpr(6.103515625e-05)
+_FP8_MAX = tl.constexpr(448.0)
+
+
+def available() -> bool:
+    """True when the kernels can run: a CUDA GPU, or the Triton CPU interpreter (tests)."""
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [rows, D] with a unit stride along D."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+# --- RMSNorm with the residual add fused in front ------------------------------------------------
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+                     stride_x, stride_r, stride_o, stride_s, D, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0)
+    if HAS_RESIDUAL:
+        # Added in the activation dtype, as the reference does, so the residual stream matches it.
+        x = x + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0)
+        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual) * weight, x + residual); without a residual the second item is x itself."""
+    D = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty_like(x2)
+    summed = torch.empty_like(x2) if residual is not None else x2
+    r2 = _rows(residual) if residual is not None else x2
+    block = triton.next_power_of_2(D)
+    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight, out, summed,
+        x2.stride(0), r2.stride(0), out.stride(0), summed.stride(0), D, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=warps)
+    return out.view(x.shape), (summed.view(x.shape) if residual is not None else x)
+
+
+# --- SiLU(gate) * up ----------------------------------------------------------------------------
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    gate = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_gu + I + offs, mask=mask, other=0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate, then up) -> silu(gate) * up [..., I]."""
+    I = gate_up.shape[-1] // 2
+    gu = _rows(gate_up)
+    out = torch.empty((gu.shape[0], I), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(I))
+    _silu_mul_kernel[(gu.shape[0], triton.cdiv(I, block))](
+        gu, out, I, gu.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out.view(*gate_up.shape[:-1], I)
+
+
+# --- K/V scatter into the FP16 pool -------------------------------------------------------------
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, table_ptr, pos_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cb, stride_ch, stride_cs, H, D,
+                     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program: token t's K and V, all heads, into slot pos % B of block table[pos // B]."""
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    entry = tl.load(table_ptr + pos // BLOCK_SIZE)
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    # A negative entry names a quantised block, which this kernel must never touch; the caller
+    # guarantees FP16 blocks, and the mask turns a broken guarantee into a no-op, not a stray write.
+    mask = (offs_h < H) & (offs_d < D) & (entry >= 0)
+    dst = entry * stride_cb + offs_h * stride_ch + (pos % BLOCK_SIZE) * stride_cs + offs_d
+    k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,
+                    block_table: Sequence[int] | torch.Tensor, positions: torch.Tensor) -> None:
+    """Store k, v [T, H_kv, D] at `positions` (FP16 blocks only); twin of `write_kv_ref`."""
+    T, H, D = k.shape
+    if T == 0:
+        return
+    if isinstance(block_table, torch.Tensor):
+        table = block_table.to(k.device)
+    else:
+        table = torch.tensor(list(block_table), dtype=torch.int32, device=k.device)
+    pos = positions.to(k.device)
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    kc, vc = pools.k[layer], pools.v[layer]  # [N_fp, H, B, D]; the same strides for k and v
+    _write_kv_kernel[(T,)](
+        k, v, kc, vc, table, pos,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), H, D,
+        BLOCK_SIZE=pools.cfg.block_size, BLOCK_H=triton.next_power_of_2(H),
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+
+
+# --- The fused block quantiser ------------------------------------------------------------------
+
+@triton.jit
+def _round_half_even(v):
+    """Round to the nearest integer, ties to even: torch.round's rule."""
+    f = tl.floor(v)
+    d = v - f
+    odd = (f.to(tl.int32) & 1) == 1
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def _fp16_at_or_below(lo):
+    """fp32 -> the fp16 nearest to lo that is not above it (quant.py's zero: nearest, then nextafter down)."""
+    z = lo.to(tl.float16)
+    bits = z.to(tl.int16, bitcast=True)
+    # One fp16 step towards -inf: positive values lose one from their bit pattern, negative ones
+    # (including -0) gain one, and +0 goes to the smallest negative subnormal (0x8001).
+    down = tl.where(bits > 0, bits - 1, tl.where(bits == 0, -32767, bits + 1)).to(tl.int16)
+    return tl.where(z.to(tl.float32) > lo, down.to(tl.float16, bitcast=True), z)
+
+
+@triton.jit
+def _quant_int4_head(src, dst_q, dst_s, dst_z,
+                     BLOCK_SIZE: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr):
+    """One head's [B, D] tile -> packed codes [B, D/2], scale and zero [B, D/G] (quantize_int4_asym)."""
+    NG: tl.constexpr = D // GROUP
+    HALF: tl.constexpr = GROUP // 2
+    # [token, group, channel pair]: channel 2c of a pair is the low nibble, 2c + 1 the high one.
+    t = tl.arange(0, BLOCK_SIZE)[:, None, None]
+    g = tl.arange(0, NG)[None, :, None]
+    c = tl.arange(0, HALF)[None, None, :]
+    even = src + t * D + g * GROUP + 2 * c
+    x_lo = tl.load(even).to(tl.float32)
+    x_hi = tl.load(even + 1).to(tl.float32)
+    lo = tl.minimum(tl.min(x_lo, axis=2), tl.min(x_hi, axis=2))
+    hi = tl.maximum(tl.max(x_lo, axis=2), tl.max(x_hi, axis=2))
+    zero = _fp16_at_or_below(lo)
+    zf = zero.to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(hi - zf, 15.0), _MIN_SCALE).to(tl.float16)
+    sf = scale.to(tl.float32)[:, :, None]
+    zf = zf[:, :, None]
+    q_lo = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x_lo - zf, sf)), 0.0), 15.0)
+    q_hi = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x_hi - zf, sf)), 0.0), 15.0)
+    packed = q_lo.to(tl.int32) | (q_hi.to(tl.int32) << 4)
+    tl.store(dst_q + t * (D // 2) + g * HALF + c, packed.to(tl.uint8))
+    ts = tl.arange(0, BLOCK_SIZE)[:, None] * NG + tl.arange(0, NG)[None, :]
+    tl.store(dst_s + ts, scale)
+    tl.store(dst_z + ts, zero)
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """fp32 in [-448, 448] -> float8_e4m3fn bit pattern, round-half-even (torch's c10 recipe)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # Normal range (|v| >= 2^-6): rebias the exponent (127 -> 7) and round the mantissa to
+    # 3 bits by adding just under half an ulp plus the kept mantissa's lowest bit.
+    normal = (mag + ((7 - 127) << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+    # Subnormals are the multiples of 2^-9; 8 · 2^-9 is the smallest normal, code 0x08, so the
+    # rounded count is the code either way.
+    sub = _round_half_even(mag.to(tl.float32, bitcast=True) * 512.0).to(tl.int32)
+    return (tl.where(mag >= (121 << 23), normal, sub) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _quant_fp8_head(src, dst_q, dst_s, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+    """One head's [B, D] tile -> e4m3 bytes [B, D] and one scale per token (quantize_fp8)."""
+    offs = tl.arange(0, BLOCK_SIZE)[:, None] * D + tl.arange(0, D)[None, :]
+    x = tl.load(src + offs).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX), _MIN_SCALE).to(tl.float16)
+    v = tl.math.div_rn(x, scale.to(tl.float32)[:, None])
+    tl.store(dst_q + offs, _e4m3_bits(tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)))
+    tl.store(dst_s + tl.arange(0, BLOCK_SIZE), scale)
+
+
+@triton.jit
+def _quantize_block_kernel(k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+                           stride_l, stride_h, stride_ql, stride_qh, stride_sl, stride_sh,
+                           IS_INT4: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+                           GROUP: tl.constexpr):
+    """One program per (layer, head), K then V: a whole block leaves the window in one launch."""
+    layer = tl.program_id(0)
+    head = tl.program_id(1)
+    src = layer * stride_l + head * stride_h
+    q = layer * stride_ql + head * stride_qh
+    s = layer * stride_sl + head * stride_sh
+    if IS_INT4:
+        _quant_int4_head(k_ptr + src, kq_ptr + q, ks_ptr + s, kz_ptr + s, BLOCK_SIZE, D, GROUP)
+        _quant_int4_head(v_ptr + src, vq_ptr + q, vs_ptr + s, vz_ptr + s, BLOCK_SIZE, D, GROUP)
+    else:
+        _quant_fp8_head(k_ptr + src, kq_ptr + q, ks_ptr + s, BLOCK_SIZE, D)
+        _quant_fp8_head(v_ptr + src, vq_ptr + q, vs_ptr + s, BLOCK_SIZE, D)
+
+
+def quantize_block_triton(pools: KVPools, fp_block: int, q_block: int) -> None:
+    """FP16 block `fp_block` -> quantised block `q_block`, every layer, K and V, in one launch.
+
+    Twin of `quantize_block(pools, None, fp_block, q_block)`, byte for byte.
+    """
+    if pools.k_q is None:
+        raise ValueError(f"the KV cache ({pools.cfg.dtype}) has no quantised pool to quantise into.")
+    L, _, H, B, D = pools.k.shape
+    is_int4 = pools.cfg.dtype == "int4_asym"
+    group = pools.cfg.group_size if is_int4 else D
+    if D & (D - 1) or group & (group - 1) or D % group:
+        raise ValueError(f"the Triton block quantiser needs a power-of-two head_dim and group; got {D} and {group}.")
+    src_k, src_v = pools.k[:, fp_block], pools.v[:, fp_block]  # [L, H, B, D], contiguous inside a head
+    kq, vq = pools.k_q[:, q_block], pools.v_q[:, q_block]
+    if not is_int4:
+        # Written as raw bytes: see the module docstring.
+        kq, vq = kq.view(torch.uint8), vq.view(torch.uint8)
+    ks, vs = pools.k_scale[:, q_block], pools.v_scale[:, q_block]
+    kz = pools.k_zero[:, q_block] if is_int4 else ks  # fp8 has no zero; never written
+    vz = pools.v_zero[:, q_block] if is_int4 else vs
+    _quantize_block_kernel[(L, H)](
+        src_k, src_v, kq, vq, ks, vs, kz, vz,
+        src_k.stride(0), src_k.stride(1), kq.stride(0), kq.stride(1), ks.stride(0), ks.stride(1),
+        IS_INT4=is_int4, BLOCK_SIZE=B, D=D, GROUP=group, num_warps=4)

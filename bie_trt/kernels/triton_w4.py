@@ -1,0 +1,382 @@
+"""Triton W4A16 linear: y = x · Wᵀ (+ bias) straight from the runtime 4-bit layout (`w4_layout.py`).
+
+Two kernels, picked by the number of rows M of x (`w4_linear_ref` in reference.py is the twin):
+
+* **GEMV, M = 1** (decode). Bound by reading the weights once, so its job is to keep HBM busy
+  with as few instructions per weight as possible. A thread owns four consecutive words of a
+  row (one 16-byte load, 32 weights) and the 32 x values they multiply (four 16-byte loads);
+  the math runs on *nibble planes* (plane i of a word tile holds weights k = 8·word + i, and x
+  is split into the matching planes), so the dot product is a plain chain of FMAs and threads
+  only exchange data once per step. Triton does not software-pipeline a loop without `tl.dot`,
+  so the next step's weights are requested by hand while the current step computes.
+* **MMA, M ≥ 2** (batched decode, speculative verification, prefill chunks). The weight tile
+  is dequantised in registers and multiplied on the tensor cores. With 2..8 rows the tile is
+  padded to 16 rows: compiled for sm_90, an FMA GEMV costs about 15 instructions per weight at
+  M = 4 against about 6 here, because the tensor cores take over the per-row multiply-adds.
+
+Both split K when there are too few output tiles to fill the GPU: each K-slice writes fp32
+partial sums to a workspace that a small kernel adds up in a fixed order (deterministic, unlike
+atomics, and with no memset). A K-step never straddles a quantisation group (BLOCK_K divides
+the group size), so a step needs one scale and one zero per output row, not one per weight.
+
+Tile sizes obey two rules found by compiling for sm_90 and reading the SASS: a [BLOCK_K] or
+[BLOCK_N] vector loaded every step must have fewer elements than the program has threads, or
+Triton loads it once and reshuffles it through shared memory with barriers in the loop; and
+nibble masks arrive as a run-time argument, because as immediates ptxas re-creates one in a
+register before every use (about one extra instruction per weight).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from .w4_layout import W4Weight, pack_w4
+
+_GEMV_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"}
+_MMA_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"}
+_NIBBLE_MASK = 0xF
+
+
+@triton.jit
+def _nibble(words, i: tl.constexpr, zero, nib_mask):
+    """(q - z) in fp32 for nibble i of every word [BN, BKW]; zero is [BN], nib_mask is 0xF.
+
+    Masking nibble i in place and OR-ing in the exponent of 2^(23 - 4i) gives the bit pattern of
+    the fp32 number 2^(23 - 4i) + q, so one logic op and one exact subtraction replace a shift,
+    a mask and an int->float conversion (a quarter-rate instruction). Nibbles 5..7 would overlap
+    the exponent field, so they are first moved down by 12 bits (one shift shared by all three).
+    """
+    SHIFT: tl.constexpr = 12 if i >= 5 else 0
+    POS: tl.constexpr = i - SHIFT // 4
+    bits = ((words >> SHIFT) & (nib_mask << (4 * POS))) | ((150 - 4 * POS) << 23)
+    return bits.to(tl.float32, bitcast=True) - ((1 << (23 - 4 * POS)) + zero[:, None])
+
+
+@triton.jit
+def _split_planes(x):
+    """x [8·W] -> (x0, ..., x7), each [W] with xi[j] = x[8j + i]; only renumbers registers."""
+    e, o = tl.split(tl.reshape(x, (x.shape[0] // 2, 2)))
+    ee, eo = tl.split(tl.reshape(e, (e.shape[0] // 2, 2)))
+    oe, oo = tl.split(tl.reshape(o, (o.shape[0] // 2, 2)))
+    x0, x4 = tl.split(tl.reshape(ee, (ee.shape[0] // 2, 2)))
+    x2, x6 = tl.split(tl.reshape(eo, (eo.shape[0] // 2, 2)))
+    x1, x5 = tl.split(tl.reshape(oe, (oe.shape[0] // 2, 2)))
+    x3, x7 = tl.split(tl.reshape(oo, (oo.shape[0] // 2, 2)))
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _load_step(qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw, live_rows, stride_qn, stride_sn,
+               GROUP: tl.constexpr):
+    """One K-step's packed words [BN, BKW] and its group's scale and zero [BN], for rows < live_rows."""
+    mask = offs_n < live_rows
+    words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (kw + offs_w)[None, :],
+                    mask=mask[:, None], other=0, eviction_policy="evict_first")
+    group = kw * 8 // GROUP
+    scale = tl.load(s_ptr + offs_n * stride_sn + group, mask=mask, other=0).to(tl.float32)
+    zero = tl.load(z_ptr + offs_n * stride_sn + group, mask=mask, other=0).to(tl.float32)
+    return words, scale, zero
+
+
+@triton.jit
+def _w4_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
+    N, KW, KW_PER_SPLIT, nib_mask, stride_qn, stride_sn,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program: BLOCK_N output rows × one K-slice of a single row of x."""
+    BLOCK_KW: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_KW)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+
+    # The loop runs over packed words, not K: K // 8 would lose the compiler's knowledge that
+    # addresses are 16-byte aligned, and with it the vectorised loads.
+    kw_start = pid_k * KW_PER_SPLIT
+    kw_end = tl.minimum(kw_start + KW_PER_SPLIT, KW)
+    words, scale, zero = _load_step(qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw_start,
+                                    tl.where(kw_start < kw_end, N, 0), stride_qn, stride_sn, GROUP)
+    for kw in range(kw_start, kw_end, BLOCK_KW):
+        # Request the next step now (nothing past the slice's end) so it is in flight meanwhile.
+        next_words, next_scale, next_zero = _load_step(
+            qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw + BLOCK_KW,
+            tl.where(kw + BLOCK_KW < kw_end, N, 0), stride_qn, stride_sn, GROUP)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split_planes(tl.load(x_ptr + kw * 8 + offs_k).to(tl.float32))
+        t = _nibble(words, 0, zero, nib_mask) * x0[None, :]
+        t += _nibble(words, 1, zero, nib_mask) * x1[None, :]
+        t += _nibble(words, 2, zero, nib_mask) * x2[None, :]
+        t += _nibble(words, 3, zero, nib_mask) * x3[None, :]
+        t += _nibble(words, 4, zero, nib_mask) * x4[None, :]
+        t += _nibble(words, 5, zero, nib_mask) * x5[None, :]
+        t += _nibble(words, 6, zero, nib_mask) * x6[None, :]
+        t += _nibble(words, 7, zero, nib_mask) * x7[None, :]
+        # The group's scale multiplies the row sums, not every weight.
+        acc += tl.sum(t, axis=1) * scale
+        words, scale, zero = next_words, next_scale, next_zero
+
+    mask = offs_n < N
+    if SPLIT:
+        tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask, other=0).to(tl.float32)
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _w4_mma_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, KW, KW_PER_SPLIT, nib_mask, stride_xm, stride_qn, stride_sn, stride_om,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program: a [BLOCK_M, BLOCK_N] output tile over one K-slice, on the tensor cores."""
+    BLOCK_KW: tl.constexpr = BLOCK_K // 8
+    # Program id 0 walks M fastest, so the programs sharing a weight tile run together and
+    # read it from L2 rather than HBM.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_KW)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    kw_start = pid_k * KW_PER_SPLIT
+    kw_end = tl.minimum(kw_start + KW_PER_SPLIT, KW)
+    for kw in range(kw_start, kw_end, BLOCK_KW):
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (kw * 8 + offs_k)[None, :],
+                    mask=mask_m[:, None], other=0)
+        words, scale, zero = _load_step(qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw, N,
+                                        stride_qn, stride_sn, GROUP)
+        # Three rounds of interleaving put weight k = 8·word + i back in K order; like the
+        # splits in the GEMV, they only renumber registers.
+        even = tl.interleave(
+            tl.interleave(_nibble(words, 0, zero, nib_mask), _nibble(words, 4, zero, nib_mask)),
+            tl.interleave(_nibble(words, 2, zero, nib_mask), _nibble(words, 6, zero, nib_mask)))
+        odd = tl.interleave(
+            tl.interleave(_nibble(words, 1, zero, nib_mask), _nibble(words, 5, zero, nib_mask)),
+            tl.interleave(_nibble(words, 3, zero, nib_mask), _nibble(words, 7, zero, nib_mask)))
+        w = tl.interleave(even, odd)
+        if BLOCK_M < BLOCK_K:
+            # Few rows: q - z is a small integer, exact in any float type, so the tensor cores
+            # take it as is and the scale multiplies the smaller [BLOCK_M, BLOCK_N] product.
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PRECISION) * scale[None, :]
+        else:
+            # Many rows: scaling each weight once is cheaper; (q - z) · s is rounded once to the
+            # activation dtype, as the reference's dense weight is.
+            w = (w * scale[:, None]).to(a.dtype)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om,
+                          SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[m] = the SPLIT_K partials added in split order + bias, cast to the output dtype."""
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + m) * N + offs_n, mask=mask, other=0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask, other=0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --- Configs ------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100/H200; off the GPU it only shapes the interpreter's grid
+
+
+def _split_for(tiles: int, k_steps: int, num_sms: int) -> int:
+    """Split K until there are ~4 programs per SM, keeping ≥ 4 steps per slice and equal slices."""
+    want = max(1, min(triton.cdiv(4 * num_sms, tiles), k_steps // 4))
+    per = triton.cdiv(k_steps, want)
+    return triton.cdiv(k_steps, per)
+
+
+# GEMV tiles per BLOCK_K: BLOCK_N and num_warps such that both per-step vectors stay below the
+# thread count and every thread holds whole 16-byte vectors (two rows each at BLOCK_K = 128).
+_GEMV_TILES = {128: (128, 8), 64: (64, 4), 32: (64, 2)}
+
+
+def default_config(M: int, N: int, K: int, group_size: int = 128,
+                   device: torch.device | str = "cpu") -> dict[str, int]:
+    """A sensible untuned config for this shape (the keys depend on the kernel M selects)."""
+    sms = _num_sms(torch.device(device))
+    if M == 1:
+        block_k = min(group_size, 128)
+        block_n, warps = _GEMV_TILES[block_k]
+        split = _split_for(triton.cdiv(N, block_n), K // block_k, sms)
+        return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps}
+    block_m = min(64, max(16, triton.next_power_of_2(M)))
+    block_n = 64 if M <= 16 else 128
+    block_k = min(group_size, 128 if M <= 16 else 64)
+    # Prefill-sized M has tiles enough, and its partial sums would cost more traffic than they save.
+    split = _split_for(triton.cdiv(N, block_n), K // block_k, sms) if M <= 16 else 1
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
+            "num_warps": 8 if block_m * block_n >= 8192 else 4, "num_stages": 3}
+
+
+def candidate_configs(M: int, N: int, K: int, group_size: int = 128) -> list[dict[str, int]]:
+    """The configs the build's autotuner times for one shape, the default first."""
+    out = [default_config(M, N, K, group_size)]
+    splits = (1, 2, 4, 8, 16)
+    if M == 1:
+        for (block_n, block_k, warps), split in itertools.product(
+                [(128, 128, 8), (64, 128, 8), (256, 128, 16), (64, 64, 4), (128, 64, 8), (64, 32, 2)], splits):
+            if block_k <= group_size and split <= K // block_k:
+                out.append({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps})
+    else:
+        cap = max(16, triton.next_power_of_2(M))
+        for block_m, block_n, block_k, warps, split in itertools.product(
+                (16, 32, 64, 128), (64, 128), (32, 64, 128), (4, 8), splits):
+            if block_m > cap or block_k > group_size or split > K // block_k:
+                continue
+            if split > 1 and block_m > 32:
+                continue  # prefill-sized tiles are plentiful already
+            out.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
+                        "num_warps": warps, "num_stages": 3})
+    unique: dict[tuple, dict[str, int]] = {}
+    for c in out:
+        unique.setdefault(tuple(sorted(c.items())), c)
+    return list(unique.values())
+
+
+def _resolve_config(M: int, N: int, K: int, group_size: int, device: torch.device,
+                    config: dict[str, Any] | None) -> dict[str, int]:
+    cfg = default_config(M, N, K, group_size, device)
+    if config:
+        allowed = _GEMV_KEYS if M == 1 else _MMA_KEYS
+        unknown = set(config) - allowed
+        if unknown:
+            kernel = "GEMV (M = 1)" if M == 1 else "MMA (M >= 2)"
+            raise ValueError(f"w4 config keys {sorted(unknown)} do not apply to the {kernel} kernel; "
+                             f"allowed: {sorted(allowed)}.")
+        cfg.update({k: int(v) for k, v in config.items()})
+    bk = cfg["BLOCK_K"]
+    if bk < 8 or bk & (bk - 1) or group_size % bk:
+        raise ValueError(f"BLOCK_K={bk} must be a power of two that divides the group size {group_size}.")
+    if cfg["SPLIT_K"] < 1:
+        raise ValueError(f"SPLIT_K must be at least 1; got {cfg['SPLIT_K']}.")
+    return cfg
+
+
+# --- Entry points -------------------------------------------------------------------------------
+
+def w4_linear_triton(x: torch.Tensor, w: W4Weight, config: dict[str, Any] | None = None) -> torch.Tensor:
+    """x [..., K] (fp16 or fp32) · Wᵀ + bias -> [..., N] in x's dtype; twin of `w4_linear_ref`.
+
+    `config` overrides the default tile config (see `candidate_configs` for its keys).
+    """
+    K = w.qweight.shape[1] * 8
+    N = w.out_features
+    G = w.group_size
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features but the 4-bit weight expects {K}.")
+    if K % G:
+        raise ValueError(f"K={K} is not a multiple of the group size {G}.")
+    for name in ("qweight", "scales", "zeros"):
+        if not getattr(w, name).is_contiguous():
+            raise ValueError(f"W4Weight.{name} must be contiguous (row n, then K).")
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*x.shape[:-1], N)
+    cfg = _resolve_config(M, N, K, G, x.device, config)
+    KW = K // 8
+    step = cfg["BLOCK_K"] // 8
+    kw_per_split = triton.cdiv(KW // step, cfg["SPLIT_K"]) * step
+    split = triton.cdiv(KW, kw_per_split)  # slices actually used once rounded to whole steps
+    part = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    has_bias = w.bias is not None
+    bias = w.bias if has_bias else w.scales  # any tensor: never read without HAS_BIAS
+
+    if M == 1:
+        grid = (triton.cdiv(N, cfg["BLOCK_N"]), split)
+        _w4_gemv_kernel[grid](
+            x2, w.qweight, w.scales, w.zeros, bias, out, part,
+            N, KW, kw_per_split, _NIBBLE_MASK, w.qweight.stride(0), w.scales.stride(0),
+            GROUP=G, HAS_BIAS=has_bias, SPLIT=split > 1,
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    else:
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split)
+        _w4_mma_kernel[grid](
+            x2, w.qweight, w.scales, w.zeros, bias, out, part,
+            M, N, KW, kw_per_split, _NIBBLE_MASK,
+            x2.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+            GROUP=G, HAS_BIAS=has_bias, SPLIT=split > 1,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split > 1:
+        block = 256
+        _splitk_reduce_kernel[(M, triton.cdiv(N, block))](
+            part, bias, out, M, N, out.stride(0),
+            SPLIT_K=split, HAS_BIAS=has_bias, BLOCK_N=block, num_warps=2)
+    return out.reshape(*x.shape[:-1], N)
+
+
+def random_w4(N: int, K: int, group_size: int = 128, bias: bool = False,
+              device: torch.device | str = "cpu", seed: int = 0) -> W4Weight:
+    """A random weight in the runtime layout, for tests, tuning and benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    # ~1/sqrt(K) so that outputs stay O(1) at any K, as trained weights roughly do.
+    scales = ((torch.rand(N, K // group_size, generator=g) + 0.5) * (0.5 / math.sqrt(K))).half()
+    zeros = torch.randint(0, 16, (N, K // group_size), generator=g, dtype=torch.uint8)
+    b = torch.randn(N, generator=g).half() if bias else None
+    return W4Weight(pack_w4(q).to(device), scales.to(device), zeros.to(device),
+                    None if b is None else b.to(device))
+
+
+def tune_w4(M: int, N: int, K: int, device: torch.device | str, group_size: int = 128) -> dict[str, int]:
+    """Time every candidate with `triton.testing.do_bench` and return the fastest config.
+
+    Off CUDA there is nothing to time and the default config comes back. A candidate that does
+    not compile on this GPU (too much shared memory, too many registers) is skipped.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return default_config(M, N, K, group_size, device)
+    w = random_w4(N, K, group_size, device=device)
+    x = torch.randn(M, K, dtype=torch.float16, device=device)
+    best, best_ms = default_config(M, N, K, group_size, device), math.inf
+    for cfg in candidate_configs(M, N, K, group_size):
+        try:
+            ms = triton.testing.do_bench(lambda: w4_linear_triton(x, w, cfg), warmup=10, rep=40,
+                                         return_mode="median")
+        except (triton.CompilationError, triton.OutOfResources):
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best

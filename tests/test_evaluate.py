@@ -1,0 +1,114 @@
+"""`bie-trt eval`: scoring math, and that chunked scoring sees the cache exactly as decode does."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from bie_trt.cli import main
+from bie_trt.config import EngineConfig, KVCacheConfig, SamplingParams
+from bie_trt.evaluate import evaluate
+from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.model_runner import ModelRunner
+from bie_trt.executor.sequence import Sequence
+from bie_trt.kv.pool import allocate_pools
+from bie_trt.model.llama import SeqInput
+from bie_trt.sampling import make_generator
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_background.txt"
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_engine):
+    return ModelRunner(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_num_seqs=1, num_kv_blocks=1))
+
+
+@pytest.fixture(scope="module")
+def ids(runner):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(runner.engine_dir)
+    return tok(DATA.read_text()[:4000])["input_ids"]
+
+
+def logits_by(runner, kv: KVCacheConfig, tokens: list[int], chunk: int) -> torch.Tensor:
+    """Teacher-forced logits for every position, `chunk` tokens per forward, compacting after each."""
+    n = -(-len(tokens) // kv.block_size) + 1
+    pools = allocate_pools(runner.model_config, kv, n, n, runner.dtype)
+    blocks = BlockManager(kv, n, n)
+    seq = Sequence(list(tokens), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
+    rows = []
+    for pos in range(0, len(tokens), chunk):
+        part = tokens[pos:pos + chunk]
+        blocks.grow(seq, pos + len(part))
+        rows.append(runner.model.forward([SeqInput(torch.tensor(part), pos, seq.block_table, all_logits=True)], pools)[0])
+        seq.num_cached = pos + len(part)
+        blocks.compact(seq, pools)
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("dtype", ["int4_asym", "fp8"])
+def test_block_chunks_see_exactly_what_decode_sees(runner, ids, dtype):
+    kv = KVCacheConfig(dtype=dtype, window=32, sink_tokens=8)
+    tokens = ids[:120]
+    decode = logits_by(runner, kv, tokens, chunk=1)      # one token at a time: decode
+    chunked = logits_by(runner, kv, tokens, chunk=16)    # what eval does
+    exact = logits_by(runner, dataclasses.replace(kv, dtype="fp16"), tokens, chunk=16)
+    effect = (exact - chunked).abs().mean().item()       # what quantising the body changes
+    # Same quantised state: only fp32 summation order differs, which can flip a rare code at a
+    # rounding boundary (an FP8 ulp is 6%), so compare means against the quantisation effect.
+    assert (decode - chunked).abs().mean().item() <= 0.05 * effect
+    assert effect > 1e-3
+    # Chunks wider than a block would see blocks in FP16 that decode already sees quantised.
+    wide = logits_by(runner, kv, tokens, chunk=48)
+    assert (decode - wide).abs().mean().item() > (decode - chunked).abs().mean().item()
+
+
+def test_perplexity_is_the_mean_nll_of_the_targets(smollm2_engine, runner, ids):
+    context = 96
+    results = evaluate(smollm2_engine, ids, context, {}, max_windows=2, progress=False)
+    nll, count = 0.0, 0
+    for start in (0, context):
+        window = ids[start:start + context]
+        logp = torch.log_softmax(logits_by(runner, KVCacheConfig(), window, chunk=context).double(), -1)
+        nll -= logp[:-1].gather(-1, torch.tensor(window[1:])[:, None]).sum().item()
+        count += context - 1
+    assert results[0].tokens == count
+    assert math.isclose(results[0].ppl, math.exp(nll / count), rel_tol=1e-6)
+
+
+def test_variants_against_fp16(smollm2_engine, ids):
+    variants = {
+        "fp16 again": KVCacheConfig(dtype="fp16"),
+        "int4 window covers all": KVCacheConfig(dtype="int4_asym", window=128),
+        "int4": KVCacheConfig(dtype="int4_asym", window=16),
+    }
+    res = {r.label: r for r in evaluate(smollm2_engine, ids, 112, variants, max_windows=1, progress=False)}
+    assert res["fp16 again"].kld < 1e-9 and res["fp16 again"].ppl == pytest.approx(res["fp16"].ppl, rel=1e-9)
+    # nothing leaves a window that covers the context: exactly fp16
+    assert res["int4 window covers all"].kld < 1e-9
+    assert res["int4"].kld > 1e-5 and abs(res["int4"].ppl / res["fp16"].ppl - 1) < 0.1
+    assert res["int4"].kv_bytes_per_token == 30 * 2 * 3 * (32 + 4)
+
+
+def test_eval_cli_json(smollm2_engine):
+    out = CliRunner().invoke(main, ["eval", "--engine", str(smollm2_engine), "--text", str(DATA), "--context", "64",
+                                    "--max-windows", "1", "--kv-cache-dtype", "int4_asym", "--kv-window", "16",
+                                    "--json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert {"ppl", "kld", "tokens", "context", "kv"} <= set(data)
+    assert data["kv"]["dtype"] == "int4_asym" and data["kv"]["window"] == 16 and data["tokens"] == 63
+
+
+def test_eval_rejects_chunks_larger_than_the_window(smollm2_engine, ids):
+    from bie_trt.errors import BieError
+
+    with pytest.raises(BieError, match="larger than the window"):
+        evaluate(smollm2_engine, ids, 64, {"int4": KVCacheConfig(dtype="int4_asym", window=16)}, chunk=32,
+                 progress=False)

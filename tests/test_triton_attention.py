@@ -1,0 +1,211 @@
+"""Triton paged mixed-precision attention (decode and chunked prefill) against the plain-torch reference.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 (set here, before the kernel module
+and so triton's jit decorator see it), at small shapes: head_dim 64, 6 query heads on 2 kv
+heads (GQA 3, a group that is not a power of two), 16-token blocks.
+
+Tolerances. With fp32 activations and pools every product and sum is fp32 in both kernel and
+reference, so they differ by summation order only (about 1e-6); the bound is 2e-3, the
+project's bar for kernels. With fp16 activations the kernel feeds fp16 operands to tl.dot
+(dequantised K/V, the probabilities) while the reference stays fp32, and both round the output
+to fp16, which alone can differ by one ulp = 2^-10 |x|: the bound is 2e-3 + 2^-10 |ref|.
+
+Every pool slot a sequence does not own is NaN, and block tables are padded with ids that do
+not exist, so any read outside a sequence's context turns its output into NaN.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
+from bie_trt.kernels.attention_ref import paged_attention_ref  # noqa: E402
+from bie_trt.kernels.triton_attention import (  # noqa: E402
+    available,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+)
+from bie_trt.kv.pool import KVPools, allocate_pools, encode_quant_block  # noqa: E402
+from bie_trt.kv.quant import quantize_block  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not available(), reason="triton is not importable (or no CUDA and no interpreter)")
+
+LAYERS, HQ, HKV, D, B = 2, 6, 2, 64, 16
+SCALE = D**-0.5
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (kv dtype, INT4 group size): each quantised format, INT4 at two group sizes.
+KINDS = [("fp16", 64), ("int4_asym", 32), ("int4_asym", 64), ("fp8", 64)]
+KIND_IDS = ["fp16", "int4-g32", "int4-g64", "fp8"]
+FP_BLOCKS, Q_BLOCKS = 20, 12
+TABLE_WIDTH = 7  # wider than any sequence here: the tail of every row is padding
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", hidden_size=HQ * D, intermediate_size=4 * HQ * D,
+        num_layers=LAYERS, num_heads=HQ, num_kv_heads=HKV, head_dim=D, vocab_size=256,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+    )
+
+
+def poisoned_pools(dtype: str, group: int, act: torch.dtype) -> KVPools:
+    """Pools that are NaN everywhere until written (fp8 and fp16 scale/zero bytes 0x7F are NaN too)."""
+    pools = allocate_pools(model_config(), KVCacheConfig(dtype=dtype, group_size=group), FP_BLOCKS, Q_BLOCKS,
+                           dtype=act, device=DEVICE)
+    pools.k.fill_(torch.nan)
+    pools.v.fill_(torch.nan)
+    for name, t in pools.tensors().items():
+        if name not in ("k", "v"):
+            t.view(torch.uint8).fill_(0x7F)
+    return pools
+
+
+class Cache:
+    """Hands out scattered block ids and stores sequences into poisoned pools, block by block."""
+
+    def __init__(self, pools: KVPools, seed: int) -> None:
+        self.pools = pools
+        self.gen = torch.Generator().manual_seed(seed)
+        self.scratch = FP_BLOCKS - 1  # quantised blocks pass through it, and it is poisoned again after
+        self.fp_free = torch.randperm(FP_BLOCKS - 1, generator=self.gen).tolist()
+        self.q_free = torch.randperm(Q_BLOCKS, generator=self.gen).tolist()
+
+    def sequence(self, length: int, quantised: set[int]) -> list[int]:
+        """A random sequence of `length` tokens; the blocks in `quantised` go to the quantised pool."""
+        pools = self.pools
+        k = torch.randn(LAYERS, HKV, length, D, generator=self.gen)
+        k[..., 7] *= 20.0  # an outlier channel, as real keys have, so INT4 error is not negligible
+        v = torch.randn(LAYERS, HKV, length, D, generator=self.gen)
+        k, v = k.to(pools.k.device, pools.k.dtype), v.to(pools.v.device, pools.v.dtype)
+        table = []
+        for i in range(-(-length // B)):
+            n = min(B, length - i * B)
+            quant = i in quantised and pools.k_q is not None
+            target = self.scratch if quant else self.fp_free.pop()
+            pools.k[:, target, :, :n] = k[:, :, i * B:i * B + n]
+            pools.v[:, target, :, :n] = v[:, :, i * B:i * B + n]
+            if quant:
+                assert n == B, "only whole blocks are quantised"
+                qb = self.q_free.pop()
+                quantize_block(pools, None, self.scratch, qb)
+                pools.k[:, self.scratch] = torch.nan
+                pools.v[:, self.scratch] = torch.nan
+                table.append(encode_quant_block(qb))
+            else:
+                table.append(target)
+        return table
+
+
+def padded(tables: list[list[int]]) -> torch.Tensor:
+    """[S, TABLE_WIDTH] int32; padding alternates between ids past either pool's end, positive and negative."""
+    pad = [10_000, encode_quant_block(10_000)]
+    rows = [t + [pad[(i + j) % 2] for j in range(TABLE_WIDTH - len(t))] for i, t in enumerate(tables)]
+    return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+
+
+def decode_batch(dtype: str, group: int, act: torch.dtype = torch.float32, seed: int = 0
+                 ) -> tuple[KVPools, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pools, block tables, lengths, q) of three sequences: FP16 sink + quantised body + partial FP16
+    tail (45 tokens), a single token (1), and a longer one with a three-block quantised body (70 = 4·16 + 6).
+    With an fp16 cache every block is FP16."""
+    pools = poisoned_pools(dtype, group, act)
+    cache = Cache(pools, seed)
+    lengths = [45, 1, 70]
+    tables = [cache.sequence(45, {1}), cache.sequence(1, set()), cache.sequence(70, {1, 2, 3})]
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, act)
+    return pools, padded(tables), lens, q
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert torch.isfinite(out).all(), "NaN/inf: the kernel read a slot outside the sequence"
+    diff = (out.float() - ref.float()).abs()
+    bound = 2e-3 + (2.0**-10 * ref.float().abs() if out.dtype == torch.float16 else 0.0)
+    assert (diff <= bound).all(), f"max |Δ| {diff.max().item():.3g}"
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_decode_matches_reference(kind: tuple[str, int], parts: int) -> None:
+    pools, tables, lens, q = decode_batch(*kind)
+    for layer in range(LAYERS):
+        out = paged_decode_attention(q, pools, layer, tables, lens, SCALE, num_partitions=parts)
+        assert_close(out, paged_decode_attention_ref(q, pools, layer, tables, lens, SCALE))
+
+
+@pytest.mark.parametrize("kind", [("int4_asym", 32), ("fp8", 64)], ids=["int4-g32", "fp8"])
+def test_decode_fp16_activations(kind: tuple[str, int]) -> None:
+    pools, tables, lens, q = decode_batch(*kind, act=torch.float16, seed=3)
+    out = paged_decode_attention(q, pools, 1, tables, lens, SCALE, num_partitions=2)
+    assert out.dtype == torch.float16
+    assert_close(out, paged_decode_attention_ref(q, pools, 1, tables, lens, SCALE))
+
+
+def test_decode_more_partitions_than_tiles_and_empty_slot() -> None:
+    """Most partitions hold no tile; a length-0 slot (CUDA-graph padding) yields zeros and no NaN."""
+    pools, tables, lens, q = decode_batch("int4_asym", 64, seed=5)
+    lens[1] = 0
+    out = paged_decode_attention(q, pools, 0, tables, lens, SCALE, num_partitions=8, config={"tile_blocks": 1})
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_close(out, paged_decode_attention_ref(q, pools, 0, tables, lens, SCALE))
+
+
+def test_decode_default_config_and_tile_sizes() -> None:
+    pools, tables, lens, q = decode_batch("int4_asym", 64, seed=7)
+    ref = paged_decode_attention_ref(q, pools, 1, tables, lens, SCALE)
+    assert_close(paged_decode_attention(q, pools, 1, tables, lens, SCALE), ref)
+    assert_close(paged_decode_attention(q, pools, 1, tables, lens, SCALE, num_partitions=2,
+                                        config={"tile_blocks": 4, "num_warps": 2}), ref)
+
+
+# (first position, chunk length, config): a chunk ending a 40-token context (FP16 sink, quantised
+# body, FP16 tail holding the chunk), a first chunk at position 0, and a long chunk with a query
+# tile (46..49) straddling a block boundary, so the one-tile partition of tokens 48.. lies wholly
+# past that tile's early queries: they see nothing there (the online softmax's -inf guard).
+PREFILL_CASES = {
+    "chunk-at-end": (35, 5, {"block_m": 2, "num_partitions": 2}),
+    "chunk-at-start": (0, 5, {"block_m": 2, "num_partitions": 2}),
+    "long-chunk": (38, 20, {"block_m": 4, "num_partitions": 4, "tile_blocks": 1}),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_matches_reference(kind: tuple[str, int], case: str) -> None:
+    start, n, config = PREFILL_CASES[case]
+    pools = poisoned_pools(*kind, torch.float32)
+    cache = Cache(pools, seed=11)
+    # The chunk itself is in the FP16 tail: only whole blocks after the sink and before it are quantised.
+    quantised = {i for i in range(1, start // B)}
+    table = padded([cache.sequence(start + n, quantised)])[0]
+    q = torch.randn(n, HQ, D, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    positions = torch.arange(start, start + n, dtype=torch.int32, device=DEVICE)
+    out = paged_prefill_attention(q, pools, 1, table, positions, SCALE, config=config)
+    assert_close(out, paged_attention_ref(q, pools, 1, table, positions, SCALE))
+
+
+def test_prefill_fp16_speculative_verify() -> None:
+    """Speculative verification: a few queries (γ+1 = 4) over a mixed cache, fp16, default config."""
+    pools = poisoned_pools("int4_asym", 64, torch.float16)
+    cache = Cache(pools, seed=13)
+    table = padded([cache.sequence(52, {1, 2})])[0]
+    q = torch.randn(4, HQ, D, generator=torch.Generator().manual_seed(14)).to(DEVICE, torch.float16)
+    positions = torch.arange(48, 52, dtype=torch.int32, device=DEVICE)
+    out = paged_prefill_attention(q, pools, 0, table, positions, SCALE)
+    assert_close(out, paged_attention_ref(q, pools, 0, table, positions, SCALE))
+
+
+def test_rejects_bad_inputs() -> None:
+    pools, tables, lens, q = decode_batch("fp16", 64)
+    with pytest.raises(TypeError, match="int32"):
+        paged_decode_attention(q, pools, 0, tables.long(), lens, SCALE)
+    with pytest.raises(ValueError, match="unknown"):
+        paged_decode_attention(q, pools, 0, tables, lens, SCALE, config={"BLOCK": 64})
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_decode_attention(q[:, :5], pools, 0, tables, lens, SCALE)
