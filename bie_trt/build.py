@@ -19,6 +19,7 @@ from .checkpoint.loader import TOKENIZER_FILES, Checkpoint
 from .checkpoint.registry import resolve_checkpoint
 from .config import KVCacheConfig
 from .errors import BieError, PlanError
+from .kernels.int8_rows import quantize_rows_int8
 from .kernels.w4_layout import awq_to_w4
 from .plan import MemoryPlan, solve_plan
 from .profiles import BuildProfile, resolve_profile
@@ -81,6 +82,16 @@ def _repack_layer(ckpt: Checkpoint, i: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _lm_head(ckpt: Checkpoint, dtype: str) -> dict[str, torch.Tensor]:
+    """The output head in the plan's dtype; a tied fp16 head is the embedding itself (nothing stored)."""
+    tied = ckpt.model.tie_word_embeddings
+    head = ckpt.tensor("model.embed_tokens.weight" if tied else "lm_head.weight")
+    if dtype == "int8":
+        q, scale = quantize_rows_int8(head)
+        return {"lm_head.q": q, "lm_head.scale": scale}
+    return {} if tied else {"lm_head": head.half()}
+
+
 def _toolchain() -> dict[str, str]:
     from importlib import metadata
 
@@ -128,8 +139,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         m = ckpt.model
         weights = {"embed_tokens": ckpt.tensor("model.embed_tokens.weight").half(),
                    "norm": ckpt.tensor("model.norm.weight").half()}
-        if not m.tie_word_embeddings:
-            weights["lm_head"] = ckpt.tensor("lm_head.weight").half()
+        weights.update(_lm_head(ckpt, plan.inputs["lm_head_dtype"]))
         for i in tqdm(range(m.num_layers), desc="repack", unit="layer"):
             weights.update(_repack_layer(ckpt, i))
         save_file(weights, str(tmp / ef.WEIGHTS))

@@ -48,7 +48,9 @@ class ModelRunner:
         if not weights_path.exists():
             raise EngineError(f"{weights_path}: missing; the engine directory is incomplete (rebuild it).")
         self._cap_memory()
-        self.model = LlamaModel(self.model_config, load_file(str(weights_path)), self.device, self.dtype)
+        placement = self.manifest["plan"]["inputs"].get("embedding_placement", "gpu")
+        self.model = LlamaModel(self.model_config, load_file(str(weights_path)), self.device, self.dtype,
+                                embedding_on_host=placement == "host")
         n_fp, n_q = kv_pool_blocks(self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunk_size)
         if config.num_kv_blocks is not None:  # tests and small hosts shrink the pool on purpose
             n_fp = config.num_kv_blocks

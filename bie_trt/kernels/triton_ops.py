@@ -111,8 +111,8 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, table_ptr, pos_ptr,
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     # A negative entry names a quantised block, which this kernel must never touch; the caller
-    # guarantees FP16 blocks, and the mask turns a broken guarantee into a no-op, not a stray write.
-    mask = (offs_h < H) & (offs_d < D) & (entry >= 0)
+    # guarantees FP16 blocks, and no live head turns a broken guarantee into a no-op, not a stray write.
+    mask = (offs_h < tl.where(entry >= 0, H, 0)) & (offs_d < D)
     dst = entry * stride_cb + offs_h * stride_ch + (pos % BLOCK_SIZE) * stride_cs + offs_d
     k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
@@ -247,6 +247,9 @@ def quantize_block_triton(pools: KVPools, fp_block: int, q_block: int) -> None:
     """
     if pools.k_q is None:
         raise ValueError(f"the KV cache ({pools.cfg.dtype}) has no quantised pool to quantise into.")
+    if pools.cfg.dtype == "int4_asym" and pools.cfg.scale_scope != "group":
+        raise ValueError(f"the Triton block quantiser keeps one range per group of one token and head; the "
+                         f"{pools.cfg.scale_scope!r} scale scope is an evaluation ablation: use quantize_block.")
     L, _, H, B, D = pools.k.shape
     is_int4 = pools.cfg.dtype == "int4_asym"
     group = pools.cfg.group_size if is_int4 else D

@@ -244,9 +244,10 @@ def default_config(M: int, N: int, K: int, group_size: int = 128,
             "num_warps": 8 if block_m * block_n >= 8192 else 4, "num_stages": 3}
 
 
-def candidate_configs(M: int, N: int, K: int, group_size: int = 128) -> list[dict[str, int]]:
+def candidate_configs(M: int, N: int, K: int, group_size: int = 128,
+                      device: torch.device | str = "cpu") -> list[dict[str, int]]:
     """The configs the build's autotuner times for one shape, the default first."""
-    out = [default_config(M, N, K, group_size)]
+    out = [default_config(M, N, K, group_size, device)]
     splits = (1, 2, 4, 8, 16)
     if M == 1:
         for (block_n, block_k, warps), split in itertools.product(
@@ -254,15 +255,14 @@ def candidate_configs(M: int, N: int, K: int, group_size: int = 128) -> list[dic
             if block_k <= group_size and split <= K // block_k:
                 out.append({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps})
     else:
-        cap = max(16, triton.next_power_of_2(M))
+        # Decode-sized M: one 16-row tile and split K; prefill-sized M: bigger tiles, whole K.
+        block_ms = [16] if M <= 16 else [b for b in (32, 64, 128) if b <= max(32, triton.next_power_of_2(M))]
+        block_ks = sorted({min(group_size, 64), min(group_size, 128)})
         for block_m, block_n, block_k, warps, split in itertools.product(
-                (16, 32, 64, 128), (64, 128), (32, 64, 128), (4, 8), splits):
-            if block_m > cap or block_k > group_size or split > K // block_k:
-                continue
-            if split > 1 and block_m > 32:
-                continue  # prefill-sized tiles are plentiful already
-            out.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
-                        "num_warps": warps, "num_stages": 3})
+                block_ms, (64, 128), block_ks, (4, 8), splits if M <= 16 else (1,)):
+            if split <= K // block_k:
+                out.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
+                            "num_warps": warps, "num_stages": 3})
     unique: dict[tuple, dict[str, int]] = {}
     for c in out:
         unique.setdefault(tuple(sorted(c.items())), c)
@@ -371,7 +371,7 @@ def tune_w4(M: int, N: int, K: int, device: torch.device | str, group_size: int 
     w = random_w4(N, K, group_size, device=device)
     x = torch.randn(M, K, dtype=torch.float16, device=device)
     best, best_ms = default_config(M, N, K, group_size, device), math.inf
-    for cfg in candidate_configs(M, N, K, group_size):
+    for cfg in candidate_configs(M, N, K, group_size, device):
         try:
             ms = triton.testing.do_bench(lambda: w4_linear_triton(x, w, cfg), warmup=10, rep=40,
                                          return_mode="median")

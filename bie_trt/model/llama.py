@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ..config import KVCacheConfig, ModelConfig
 from ..kernels import ops
+from ..kernels.int8_rows import Int8Rows
 from ..kernels.w4_layout import W4Weight
 from ..kv.pool import KVPools
 from .rope import Rope
@@ -42,14 +43,25 @@ class Layer:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 embedding_on_host: bool = False):
         self.cfg, self.device, self.dtype = cfg, device, dtype
 
         def t(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
-        self.embed = t("embed_tokens")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else t("lm_head")
+        # On the host, only the gathered rows (2·hidden bytes a token) cross the bus each step.
+        self.embed_on_host = embedding_on_host and device.type != "cpu"
+        embed = weights["embed_tokens"]
+        self.embed = (embed.half().pin_memory() if torch.cuda.is_available() else embed.half()) \
+            if self.embed_on_host else t("embed_tokens")
+        if "lm_head.q" in weights:
+            self.lm_head: Int8Rows | torch.Tensor = Int8Rows(weights["lm_head.q"].to(device),
+                                                             weights["lm_head.scale"].to(device))
+        elif "lm_head" in weights:
+            self.lm_head = t("lm_head")
+        else:  # tied, fp16: share the table, or keep a device copy when the table lives on the host
+            self.lm_head = embed.to(device=device, dtype=dtype) if self.embed_on_host else self.embed
         self.norm = t("norm")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -73,7 +85,7 @@ class LlamaModel:
         positions = torch.cat([s.positions for s in seqs]).to(self.device)
         lengths = [len(s.token_ids) for s in seqs]
         cos, sin = self.rope.cos_sin(positions, self.dtype)
-        h = F.embedding(ids, self.embed)
+        h = self._embed(ids)
         residual = None
         for li, layer in enumerate(self.layers):
             x, residual = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps, residual)
@@ -84,9 +96,19 @@ class LlamaModel:
         out, start = [], 0
         for s, n in zip(seqs, lengths):
             rows = h[start:start + n] if s.all_logits else h[start + n - 1]
-            out.append(F.linear(rows, self.lm_head).float())
+            out.append(self._logits(rows).float())
             start += n
         return out
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_on_host:
+            return self.embed[ids.cpu()].to(self.device, self.dtype, non_blocking=True)
+        return F.embedding(ids, self.embed)
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, Int8Rows):
+            return self.lm_head.linear(rows)
+        return F.linear(rows, self.lm_head)
 
     def _attention(self, li: int, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    positions: torch.Tensor, seqs: list[SeqInput], lengths: list[int], pools: KVPools) -> torch.Tensor:
