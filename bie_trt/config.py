@@ -172,6 +172,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the engine's
     max_num_seqs: int = 8
     chunked_prefill_size: int = 512
+    max_num_batched_tokens: int | None = None  # tokens per step; None: chunked_prefill_size + max_num_seqs
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # None: from the memory plan
     seed: int = 0
@@ -205,6 +206,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None     # return the top-N log-probabilities of each sampled token (0..20)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -229,3 +231,5 @@ class SamplingParams:
             raise bad(f"repetition_penalty must be > 0; got {self.repetition_penalty!r}.")
         if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
             raise bad("presence_penalty and frequency_penalty must be in [-2, 2].")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad(f"logprobs must be an integer in [0, 20]; got {self.logprobs!r}.")

@@ -90,8 +90,6 @@ def bench_w4(m: int, k: int, n: int, args: argparse.Namespace, time_ms: Callable
 
 
 def sweep_w4(m: int, k: int, n: int, args: argparse.Namespace, time_ms: Callable[[Callable], float]) -> dict:
-    import triton
-
     from bie_trt.kernels.triton_w4 import candidate_configs, random_w4, w4_linear_triton
 
     w = random_w4(n, k, GROUP, device=DEVICE)
@@ -101,8 +99,8 @@ def sweep_w4(m: int, k: int, n: int, args: argparse.Namespace, time_ms: Callable
     for cfg in candidates:
         try:
             timed.append((time_ms(lambda: w4_linear_triton(x, w, cfg)), cfg))
-        except (triton.CompilationError, triton.OutOfResources) as e:
-            print(f"  skip {cfg}: {type(e).__name__}")
+        except Exception as e:  # noqa: BLE001 - a config this GPU cannot compile or launch is skipped
+            print(f"  skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     ms, best = min(timed, key=lambda t: t[0])
     default_ms = next((t for t, c in timed if c == candidates[0]), float("nan"))
     return {"M": m, "K": k, "N": n, "winner": best, "default_us": default_ms * 1e3,
@@ -153,18 +151,18 @@ def bench_quantize(args: argparse.Namespace, time_ms: Callable[[Callable], float
         written = sum(t[:, 0].nbytes for n, t in pools.tensors().items() if n not in ("k", "v"))
         results[name] = {"byte_identical_to_cpu_reference": identical,
                          **roof(read + written, time_ms(lambda: quantize_block_triton(pools, 1, 0)), args.bandwidth)}
-    # write_kv: one decode token, all kv heads, into a scattered block.
+    # write_kv: one decode token, all kv heads, into slot 5 of FP16 block 7.
     pools = allocate_pools(model, KVCacheConfig(), 8, 0, device=DEVICE)
     ref = KVPools(pools.cfg, **{n: t.clone() for n, t in pools.tensors().items()})
     k = torch.randn(1, 8, 128, dtype=torch.float16, device=DEVICE)
     v = torch.randn_like(k)
-    table = torch.tensor([5, 2, 7], dtype=torch.int32, device=DEVICE)
-    pos = torch.tensor([37], device=DEVICE)
-    write_kv_triton(pools, 3, k, v, table, pos)
-    write_kv_ref(ref, 3, k, v, table.tolist(), pos)
+    blocks = torch.tensor([7], device=DEVICE)
+    offsets = torch.tensor([5], device=DEVICE)
+    write_kv_triton(pools, 3, k, v, blocks, offsets)
+    write_kv_ref(ref, 3, k, v, blocks, offsets)
     results["write_kv_1_token"] = {
         "exact": all(torch.equal(t, getattr(ref, n)) for n, t in pools.tensors().items()),
-        **roof(4 * k.nbytes, time_ms(lambda: write_kv_triton(pools, 3, k, v, table, pos)), args.bandwidth)}
+        **roof(4 * k.nbytes, time_ms(lambda: write_kv_triton(pools, 3, k, v, blocks, offsets)), args.bandwidth)}
     return results
 
 

@@ -1,8 +1,16 @@
 """Shared fixtures: the SmolLM2 checkpoint (converted once into the user cache) and engines built from it."""
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Triton reads this when kernels are defined (at import): set it before anything imports them,
+# so every Triton kernel runs in the interpreter on CPU-only machines (CI).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from bie_trt.build import BuildOptions, build_engine
 from bie_trt.checkpoint.registry import resolve_checkpoint

@@ -1,20 +1,32 @@
-"""`BieEngine`: the in-process SDK. Chunked prefill, then decode, one step at a time."""
+"""`BieEngine`: the in-process SDK over one engine loop (DESIGN §3, §7).
+
+While requests are in flight a background thread runs the loop: admit, prefix-cache lookup,
+chunked prefill mixed with decodes, sample, stream, free. Only that thread touches the scheduler,
+the blocks and the model; callers talk to it through queues. `stream()` and `generate()` submit
+requests and read their events; closing a stream aborts its request, whose blocks are free by the
+time `close()` returns.
+"""
 from __future__ import annotations
 
+import collections
+import itertools
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import torch
 
 from ..config import EngineConfig, SamplingParams
-from ..errors import RequestError
+from ..errors import EngineError, RequestError
 from ..model.llama import SeqInput
+from ..plan import bounded_fp_blocks_per_seq
 from ..sampling import make_generator, sample_next
-from .block_manager import BlockManager
+from .block_manager import BlockManager, copy_blocks
 from .model_runner import ModelRunner
-from .sequence import Detokenizer, Sequence, Status
+from .scheduler import Scheduler
+from .sequence import Detokenizer, Sequence
 
 
 @dataclass
@@ -37,6 +49,7 @@ class RequestOutput:
     usage: Usage
     time_to_first_token_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    logprobs: list[dict[int, float]] | None = None   # per token: top-N and the sampled one, when asked
 
 
 @dataclass
@@ -47,12 +60,83 @@ class StreamEvent:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     output: RequestOutput | None = None   # set on the last event
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class EngineStats:
+    """The loop's counters and the KV pools at one moment (what /metrics exports)."""
+
+    requests: dict[str, int]                # finished requests by finish reason: stop, length, abort
+    prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    kv_blocks: dict[str, dict[str, int]]    # pool (fp16, quant) -> used / cached / free
+    running: int
+    waiting: int
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: Detokenizer
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    done: threading.Event = field(default_factory=threading.Event)   # set once its blocks are free
+
+
+_CLOSED = object()   # wakes a reader blocked on a closed stream
+
+
+class RequestStream:
+    """One request's StreamEvents in order; the last carries its RequestOutput. Closing the stream (or
+    dropping it) aborts the request; `close()` is safe from any thread, also while another waits in
+    `next()`."""
+
+    def __init__(self, engine: "BieEngine", request: _Request):
+        self._engine, self._request, self._done = engine, request, False
+
+    def __iter__(self) -> "RequestStream":
+        return self
+
+    def __next__(self) -> StreamEvent:
+        if self._done:
+            raise StopIteration
+        item = self._request.events.get()
+        if item is _CLOSED:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.output is not None
+        return item
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._abort(self._request, wait=True)
+            self._request.events.put(_CLOSED)
+
+    def __del__(self) -> None:
+        # Dropped unclosed: abort without waiting, since a finaliser may run on any thread, even the loop's.
+        if not self._done:
+            self._engine._abort(self._request, wait=False)
 
 
 def _load_tokenizer(engine_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(engine_dir)
+
+
+def _top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """Log-probabilities of the model's distribution (before sampling filters): top n and the sampled token."""
+    logp = torch.log_softmax(logits.float(), -1)
+    values, ids = torch.topk(logp, n)
+    top = dict(zip(ids.tolist(), values.tolist()))
+    top[token] = float(logp[token])
+    return top
 
 
 class BieEngine:
@@ -62,14 +146,28 @@ class BieEngine:
         self.tokenizer = _load_tokenizer(self.config.engine_dir)
         self.model_name = self.runner.manifest["model"]["name"]
         self.max_model_len = self.runner.max_model_len
-        pools = self.runner.pools
-        self.blocks = BlockManager(self.runner.kv_config, pools.num_fp_blocks, pools.num_quant_blocks)
+        pools, kv, chunk = self.runner.pools, self.runner.kv_config, self.runner.chunk_size
+        # The scheduler relies on one sequence always fitting alone, so it can always make progress.
+        per_seq = -(-self.max_model_len // kv.block_size)
+        if kv.dtype != "fp16":
+            per_seq = min(per_seq, bounded_fp_blocks_per_seq(kv, kv.window, chunk))
+        if pools.num_fp_blocks < per_seq:
+            raise EngineError(f"the FP16 KV pool has {pools.num_fp_blocks} blocks but one sequence of max_model_len "
+                              f"{self.max_model_len} needs {per_seq}; raise num_kv_blocks or lower max_model_len.")
+        self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching)
+        budget = self.config.max_num_batched_tokens or chunk + self.runner.max_num_seqs
+        self.scheduler = Scheduler(self.blocks, self.runner.max_num_seqs, budget, chunk)
         cfg = self.runner.model_config
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self._lock = threading.Lock()   # one request at a time; the scheduler (issue 6) lifts this
-        self._seed_counter = self.config.seed
+        self._seeds = itertools.count(self.config.seed + 1)   # atomic: requests arrive from many threads
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._requests: dict[Sequence, _Request] = {}
+        self._loop_lock = threading.Lock()                    # guards starting and ending the loop thread
+        self._loop_thread: threading.Thread | None = None
+        self._finished: collections.Counter[str] = collections.Counter()
+        self._prompt_tokens = self._generation_tokens = 0
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
@@ -96,20 +194,106 @@ class BieEngine:
         vocab = self.runner.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab}).")
-        self._seed_counter += 1
-        return Sequence(prompt_ids, params, make_generator(params, self._seed_counter))
+        return Sequence(prompt_ids, params, make_generator(params, next(self._seeds)))
 
-    # -- the loop ------------------------------------------------------------------------------
-    def _step(self, seq: Sequence) -> torch.Tensor | None:
-        """Run the next chunk of `seq` (a prefill chunk or one decode token). Returns logits once
-        the whole prompt is cached, else None."""
-        pending = seq.token_ids[seq.num_cached:]
-        chunk = pending[: self.runner.chunk_size]
-        self.blocks.grow(seq, seq.num_cached + len(chunk))
-        logits = self.runner.forward([SeqInput(torch.tensor(chunk), seq.num_cached, seq.block_table)])[0]
-        seq.num_cached += len(chunk)
-        self.blocks.compact(seq, self.runner.pools)
-        return logits if seq.num_cached == seq.num_tokens else None
+    # -- talking to the loop ---------------------------------------------------------------------
+    def _on_loop(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop thread, between steps, in the order calls arrive."""
+        self._inbox.put(fn)
+        with self._loop_lock:
+            if self._loop_thread is None:
+                self._loop_thread = threading.Thread(target=self._loop, name="bie-engine-loop", daemon=True)
+                self._loop_thread.start()
+
+    def _loop(self) -> None:
+        """Step while there is work; the thread ends when there is none (the next call starts another)."""
+        while True:
+            while True:
+                try:
+                    self._inbox.get_nowait()()
+                except queue.Empty:
+                    break
+            if not self.scheduler.has_work():
+                with self._loop_lock:
+                    if self._inbox.empty():
+                        self._loop_thread = None
+                        return
+                continue
+            try:
+                self._step()
+            except Exception as e:  # a bug: every request in flight gets the error instead of hanging
+                for request in list(self._requests.values()):
+                    self._end(request, "abort")
+                    request.events.put(e)
+
+    def _submit(self, seqs: list[Sequence]) -> list[RequestStream]:
+        requests = [_Request(seq, Detokenizer(self.tokenizer, seq.params.stop)) for seq in seqs]
+        self._on_loop(lambda: self._add(requests))   # one call: all are admitted in the same step
+        return [RequestStream(self, r) for r in requests]
+
+    def _add(self, requests: list[_Request]) -> None:
+        for request in requests:
+            self._requests[request.seq] = request
+            self.scheduler.add(request.seq)
+            self._prompt_tokens += len(request.seq.prompt_ids)
+
+    def _abort(self, request: _Request, wait: bool) -> None:
+        """Abort on the loop thread. Without `wait` (a finaliser, which may run on any thread, even inside
+        `_on_loop`) only the reentrant queue is touched: a request not done yet keeps the loop alive."""
+        def abort() -> None:
+            if not request.done.is_set():
+                self._end(request, "abort")
+
+        if request.done.is_set():
+            return
+        if wait:
+            self._on_loop(abort)
+            request.done.wait()
+        else:
+            self._inbox.put(abort)
+
+    def _end(self, request: _Request, reason: str) -> None:
+        self.scheduler.finish(request.seq, reason)
+        del self._requests[request.seq]
+        self._finished[reason] += 1
+        request.done.set()
+
+    # -- one step --------------------------------------------------------------------------------
+    def _step(self) -> None:
+        batch = self.scheduler.schedule()
+        if not batch.chunks:
+            raise RuntimeError("the scheduler made no progress with requests waiting (a KV accounting bug)")
+        pools = self.runner.pools
+        copy_blocks(pools, batch.copies)
+        for seq, _ in batch.chunks:   # a prefix hit can bring FP16 blocks already out of seq's window
+            self.blocks.compact(seq, pools)
+        inputs = [SeqInput(torch.tensor(seq.token_ids[seq.num_cached:seq.num_cached + n]), seq.num_cached,
+                           seq.block_table) for seq, n in batch.chunks]
+        logits = self.runner.forward(inputs)
+        for (seq, n), row in zip(batch.chunks, logits):
+            self.blocks.commit(seq, n)
+            self.blocks.compact(seq, pools)
+            if seq.num_pending == 0:   # the whole prompt (or the last sampled token) is cached: sample
+                self._sample(self._requests[seq], row)
+
+    def _sample(self, request: _Request, logits: torch.Tensor) -> None:
+        seq = request.seq
+        token = sample_next(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+        seq.output_ids.append(token)
+        top = None
+        if seq.params.logprobs is not None:
+            top = _top_logprobs(logits, token, seq.params.logprobs)
+            seq.logprobs.append(top)
+        seq.first_token_time = seq.first_token_time or time.perf_counter()
+        self._generation_tokens += 1
+        reason = self._finish_reason(seq, token)
+        # a stop token ends the text but is not part of it (OpenAI semantics)
+        delta, hit = request.detok.update(seq, final=reason is not None, drop_last=reason == "stop")
+        reason = "stop" if hit else reason
+        if reason:
+            self._end(request, reason)
+        request.events.put(StreamEvent(delta, [token], reason, self._output(seq) if reason else None,
+                                       [top] if top is not None else None))
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -119,61 +303,59 @@ class BieEngine:
             return "length"
         return None
 
-    def _run(self, seq: Sequence) -> Iterator[StreamEvent]:
-        detok = Detokenizer(self.tokenizer, seq.params.stop)
-        seq.status = Status.RUNNING
-        start = time.perf_counter()
-        first = None
-        try:
-            while True:
-                logits = self._step(seq)
-                if logits is None:
-                    continue
-                token = sample_next(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
-                first = first or time.perf_counter()
-                seq.output_ids.append(token)
-                reason = self._finish_reason(seq, token)
-                # a stop token ends the text but is not part of it (OpenAI semantics)
-                delta, hit = detok.update(seq, final=reason is not None, drop_last=reason == "stop")
-                if hit:
-                    reason = "stop"
-                if reason:
-                    seq.finish_reason, seq.status = reason, Status.FINISHED
-                    yield StreamEvent(delta, [token], reason, self._output(seq, start, first))
-                    return
-                yield StreamEvent(delta, [token])
-        finally:
-            self.blocks.free(seq)   # also when the consumer stops early (a dropped client)
-
-    def _output(self, seq: Sequence, start: float, first: float | None) -> RequestOutput:
-        now = time.perf_counter()
-        n = len(seq.output_ids)
-        ttft = (first or now) - start
-        rate = (n - 1) / (now - first) if first and n > 1 and now > first else 0.0
+    def _output(self, seq: Sequence) -> RequestOutput:
+        now, n, first = time.perf_counter(), len(seq.output_ids), seq.first_token_time
+        rate = (n - 1) / (now - first) if n > 1 and now > first else 0.0
         return RequestOutput(seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), seq.finish_reason,
-                             Usage(len(seq.prompt_ids), n), ttft, rate)
+                             Usage(len(seq.prompt_ids), n), first - seq.arrival_time, rate,
+                             list(seq.logprobs) if seq.params.logprobs is not None else None)
 
     # -- public API ----------------------------------------------------------------------------
     def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
-               chat: bool = False) -> Iterator[StreamEvent]:
+               chat: bool = False) -> RequestStream:
         """Validate now (raising RequestError), then yield StreamEvents as tokens decode; the last
-        one carries the RequestOutput. Closing the iterator early frees the request's blocks."""
+        one carries the RequestOutput. Closing the iterator early aborts the request and frees its blocks."""
         seq = self._new_sequence(self.encode(prompt, chat), params or SamplingParams())
-        return self._locked_run(seq)
+        return self._submit([seq])[0]
 
-    def _locked_run(self, seq: Sequence) -> Iterator[StreamEvent]:
-        with self._lock:
-            yield from self._run(seq)
-
-    def generate(self, prompts: str | list[int] | Seq[str | list[int]], params: SamplingParams | None = None,
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
                  chat: bool = False) -> RequestOutput | list[RequestOutput]:
-        """One prompt -> one RequestOutput; a list of prompts -> a list, in order."""
+        """One prompt -> one RequestOutput; a list of prompts (batched together, one SamplingParams or
+        one per prompt) -> a list, in order."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(batch):
+                raise RequestError(f"{len(params)} SamplingParams for {len(batch)} prompts; send one, or one each.")
+            per_prompt = list(params)
+        else:
+            per_prompt = [params or SamplingParams()] * len(batch)
+        seqs = [self._new_sequence(self.encode(p, chat), sp) for p, sp in zip(batch, per_prompt)]
+        streams = self._submit(seqs)
         outputs = []
-        for p in batch:
-            last = None
-            for event in self.stream(p, params, chat):
-                last = event
-            outputs.append(last.output)
+        try:
+            for stream in streams:
+                for event in stream:
+                    pass
+                outputs.append(event.output)
+        finally:
+            for stream in streams:
+                stream.close()
         return outputs[0] if single else outputs
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached blocks no request holds (benchmarks use it to measure cold prefills)."""
+        done = threading.Event()
+        self._on_loop(lambda: (self.blocks.reset_prefix_cache(), done.set()))
+        done.wait()
+
+    def stats(self) -> EngineStats:
+        """Read from any thread without stopping the loop: each number is read atomically, so a snapshot
+        may straddle one step."""
+        s = self.scheduler
+        pools = {"fp16": self.blocks.usage(False)}
+        if self.blocks.quantised:
+            pools["quant"] = self.blocks.usage(True)
+        return EngineStats(dict(self._finished), self._prompt_tokens, self._generation_tokens, s.num_preemptions,
+                           s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting))

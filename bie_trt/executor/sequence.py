@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)   # compared by identity: the scheduler keys dicts by sequence
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
@@ -27,9 +28,15 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0            # tokens whose K/V are in the cache
+    # Prefix-cache keys of the first full blocks of token_ids, in order; they depend on the tokens
+    # only, so they survive preemption.
+    block_keys: list[bytes] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     text: str = ""                 # detokenised output, stop strings already cut
+    logprobs: list[dict[int, float]] = field(default_factory=list)   # per output token, when params.logprobs
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -38,6 +45,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model (the prompt's rest, or the newest sampled token)."""
+        return self.num_tokens - self.num_cached
 
     @property
     def is_finished(self) -> bool:

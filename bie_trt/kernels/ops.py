@@ -1,26 +1,89 @@
 """The one dispatcher: every device-specific op the model calls goes through here.
 
-CUDA tensors take the Triton kernels once they land (issue 5); CPU tensors take the
-plain-torch reference twins, which are also the kernels' test oracles.
+CUDA tensors take the Triton kernels; CPU tensors take the plain-torch reference twins, which
+are also the kernels' test oracles. `BIE_TRT_KERNELS=triton` forces the Triton kernels (tests run
+them on the CPU under TRITON_INTERPRET=1); `=reference` forces the twins everywhere.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import os
 
 import torch
 
 from ..kv.pool import KVPools
+from . import reference as ref
 from .attention_ref import paged_attention_ref
-from .reference import rms_norm_ref as rms_norm  # noqa: F401
-from .reference import silu_mul_ref as silu_mul  # noqa: F401
-from .reference import w4_linear_ref as w4_linear  # noqa: F401
-from .reference import write_kv_ref as write_kv  # noqa: F401
+from .w4_layout import W4Weight
 
 # The CPU path folds 64 blocks (1,024 tokens) per online-softmax step: same algorithm as the
 # one-block oracle, far fewer Python iterations.
 CPU_BLOCKS_PER_TILE = 64
 
 
-def paged_attention(q: torch.Tensor, pools: KVPools, layer: int, block_table: Sequence[int],
-                    positions: torch.Tensor, scale: float) -> torch.Tensor:
+def use_triton(x: torch.Tensor) -> bool:
+    choice = os.environ.get("BIE_TRT_KERNELS", "auto")
+    if choice == "reference" or not (choice == "triton" or x.is_cuda):
+        return False
+    try:
+        from . import triton_ops
+    except ImportError:  # no triton on this machine: the twins run everywhere
+        return False
+    return triton_ops.available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        from .triton_ops import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return ref.rms_norm_ref(x, weight, eps, residual)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if use_triton(gate_up):
+        from .triton_ops import silu_mul_triton
+
+        return silu_mul_triton(gate_up)
+    return ref.silu_mul_ref(gate_up)
+
+
+def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
+    if use_triton(x):
+        from .triton_w4 import w4_linear_triton
+
+        return w4_linear_triton(x, w)
+    return ref.w4_linear_ref(x, w)
+
+
+def write_kv(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,
+             slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+    if use_triton(k):
+        from .triton_ops import write_kv_triton
+
+        return write_kv_triton(pools, layer, k, v, slot_blocks, slot_offsets)
+    return ref.write_kv_ref(pools, layer, k, v, slot_blocks, slot_offsets)
+
+
+def paged_decode_attention(q: torch.Tensor, pools: KVPools, layer: int, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence, q [S, H_q, D]; block_tables int32 [S, max_blocks]."""
+    if use_triton(q):
+        from .triton_attention import paged_decode_attention as kernel
+
+        return kernel(q, pools, layer, block_tables, context_lens, scale)
+    out = torch.empty_like(q)
+    for s, n in enumerate(context_lens.tolist()):
+        out[s] = paged_attention_ref(q[s:s + 1], pools, layer, block_tables[s], torch.tensor([n - 1]), scale,
+                                     blocks_per_tile=CPU_BLOCKS_PER_TILE)[0]
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, pools: KVPools, layer: int, block_table: torch.Tensor,
+                            positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's chunk, q [T, H_q, D], over its cache (the chunk already written)."""
+    if use_triton(q):
+        from .triton_attention import paged_prefill_attention as kernel
+
+        return kernel(q, pools, layer, block_table, positions, scale)
     return paged_attention_ref(q, pools, layer, block_table, positions, scale, blocks_per_tile=CPU_BLOCKS_PER_TILE)

@@ -1,12 +1,10 @@
 """Plain-torch reference twins of the small kernels: the CPU path and the oracle for Triton."""
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 import torch.nn.functional as F
 
-from ..kv.pool import KVPools, decode_block
+from ..kv.pool import KVPools
 from .w4_layout import W4Weight
 
 
@@ -30,14 +28,7 @@ def w4_linear_ref(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
 
 
 def write_kv_ref(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,
-                 block_table: Sequence[int], positions: torch.Tensor) -> None:
-    """Store k, v [T, H_kv, D] at their positions; those blocks must be FP16 (the tail is never quantised)."""
-    bs = pools.cfg.block_size
-    pos = positions.tolist()
-    entries = [block_table[p // bs] for p in pos]
-    if any(decode_block(e)[0] for e in entries):
-        raise RuntimeError("write into a quantised KV block: the FP16 tail must cover every position written")
-    idx = torch.tensor(entries, device=k.device)
-    off = torch.tensor([p % bs for p in pos], device=k.device)
-    pools.k[layer, idx, :, off] = k.to(pools.k.dtype)
-    pools.v[layer, idx, :, off] = v.to(pools.v.dtype)
+                 slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+    """Store k, v [T, H_kv, D]: token t goes to FP16 block slot_blocks[t], offset slot_offsets[t]."""
+    pools.k[layer, slot_blocks, :, slot_offsets] = k.to(pools.k.dtype)
+    pools.v[layer, slot_blocks, :, slot_offsets] = v.to(pools.v.dtype)

@@ -12,8 +12,6 @@ Importing this module needs triton; `available()` says whether the kernels can r
 from __future__ import annotations
 
 import os
-from typing import Sequence
-
 import torch
 import triton
 import triton.language as tl
@@ -100,20 +98,18 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 # --- K/V scatter into the FP16 pool -------------------------------------------------------------
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, table_ptr, pos_ptr,
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, blocks_ptr, offsets_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_ch, stride_cs, H, D,
-                     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program: token t's K and V, all heads, into slot pos % B of block table[pos // B]."""
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program: token t's K and V, all heads, into slot offsets[t] of FP16 block blocks[t]."""
     t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t)
-    entry = tl.load(table_ptr + pos // BLOCK_SIZE)
+    block = tl.load(blocks_ptr + t)
+    slot = tl.load(offsets_ptr + t)
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
-    # A negative entry names a quantised block, which this kernel must never touch; the caller
-    # guarantees FP16 blocks, and no live head turns a broken guarantee into a no-op, not a stray write.
-    mask = (offs_h < tl.where(entry >= 0, H, 0)) & (offs_d < D)
-    dst = entry * stride_cb + offs_h * stride_ch + (pos % BLOCK_SIZE) * stride_cs + offs_d
+    mask = (offs_h < H) & (offs_d < D)
+    dst = block * stride_cb + offs_h * stride_ch + slot * stride_cs + offs_d
     k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
     tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
@@ -121,27 +117,21 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, table_ptr, pos_ptr,
 
 
 def write_kv_triton(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,
-                    block_table: Sequence[int] | torch.Tensor, positions: torch.Tensor) -> None:
-    """Store k, v [T, H_kv, D] at `positions` (FP16 blocks only); twin of `write_kv_ref`."""
+                    slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+    """Store k, v [T, H_kv, D]: token t to FP16 block slot_blocks[t], offset slot_offsets[t]; twin of `write_kv_ref`."""
     T, H, D = k.shape
     if T == 0:
         return
-    if isinstance(block_table, torch.Tensor):
-        table = block_table.to(k.device)
-    else:
-        table = torch.tensor(list(block_table), dtype=torch.int32, device=k.device)
-    pos = positions.to(k.device)
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
     kc, vc = pools.k[layer], pools.v[layer]  # [N_fp, H, B, D]; the same strides for k and v
     _write_kv_kernel[(T,)](
-        k, v, kc, vc, table, pos,
+        k, v, kc, vc, slot_blocks, slot_offsets,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), H, D,
-        BLOCK_SIZE=pools.cfg.block_size, BLOCK_H=triton.next_power_of_2(H),
-        BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+        BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D), num_warps=4)
 
 
 # --- The fused block quantiser ------------------------------------------------------------------

@@ -11,6 +11,7 @@ from ..kernels import ops
 from ..kernels.int8_rows import Int8Rows
 from ..kernels.w4_layout import W4Weight
 from ..kv.pool import KVPools
+from ..kv.rotation import rotate
 from .rope import Rope
 
 LINEARS = ("qkv", "o", "gate_up", "down")
@@ -29,10 +30,6 @@ class SeqInput:
     start_pos: int
     block_table: list[int]
     all_logits: bool = False         # prefill-for-eval / speculative verify want every position
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return torch.arange(self.start_pos, self.start_pos + len(self.token_ids))
 
 
 @dataclass
@@ -80,25 +77,23 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], pools: KVPools) -> list[torch.Tensor]:
         """Returns each sequence's logits: [V] for its last token, or [T, V] when all_logits."""
+        meta = StepMetadata.build(seqs, pools.cfg.block_size, self.device)
+        logits = self.forward_tokens(torch.cat([s.token_ids for s in seqs]).to(self.device), meta, pools)
+        return [rows if s.all_logits else rows[0] for rows, s in zip(logits.split(meta.logit_counts), seqs)]
+
+    def forward_tokens(self, ids: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
+        """The device part of a step: no host syncs in decode-only steps, so CUDA graphs can capture it."""
         cfg = self.cfg
-        ids = torch.cat([s.token_ids for s in seqs]).to(self.device)
-        positions = torch.cat([s.positions for s in seqs]).to(self.device)
-        lengths = [len(s.token_ids) for s in seqs]
-        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        cos, sin = self.rope.cos_sin(meta.positions, self.dtype)
         h = self._embed(ids)
         residual = None
         for li, layer in enumerate(self.layers):
             x, residual = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps, residual)
-            h = self._attention(li, layer, x, cos, sin, positions, seqs, lengths, pools)
+            h = self._attention(li, layer, x, cos, sin, meta, pools)
             x, residual = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps, residual)
             h = ops.w4_linear(ops.silu_mul(ops.w4_linear(x, layer.linears["gate_up"])), layer.linears["down"])
         h, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
-        out, start = [], 0
-        for s, n in zip(seqs, lengths):
-            rows = h[start:start + n] if s.all_logits else h[start + n - 1]
-            out.append(self._logits(rows).float())
-            start += n
-        return out
+        return self._logits(h[meta.logit_rows]).float()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_on_host:
@@ -111,7 +106,7 @@ class LlamaModel:
         return F.linear(rows, self.lm_head)
 
     def _attention(self, li: int, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   positions: torch.Tensor, seqs: list[SeqInput], lengths: list[int], pools: KVPools) -> torch.Tensor:
+                   meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
         cfg = self.cfg
         qkv = ops.w4_linear(x, layer.linears["qkv"])
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -120,12 +115,64 @@ class LlamaModel:
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if rotates_keys(pools.cfg):
             # Hadamard-rotated keys quantise without outlier channels; rotating q too keeps q·k.
-            from ..kv.rotation import rotate
             q, k = rotate(q), rotate(k)
-        outs, start = [], 0
-        for s, n in zip(seqs, lengths):
-            pos = positions[start:start + n]
-            ops.write_kv(pools, li, k[start:start + n], v[start:start + n], s.block_table, pos)
-            outs.append(ops.paged_attention(q[start:start + n], pools, li, s.block_table, pos, self.scale))
-            start += n
-        return ops.w4_linear(torch.cat(outs).reshape(-1, cfg.q_size), layer.linears["o"])
+        ops.write_kv(pools, li, k, v, meta.slot_blocks, meta.slot_offsets)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = ops.paged_decode_attention(q[meta.decode_rows], pools, li, meta.decode_tables,
+                                                               meta.decode_lens, self.scale)
+        for start, n, table in meta.prefills:
+            out[start:start + n] = ops.paged_prefill_attention(q[start:start + n], pools, li, table,
+                                                               meta.positions[start:start + n], self.scale)
+        return ops.w4_linear(out.reshape(-1, cfg.q_size), layer.linears["o"])
+
+
+@dataclass
+class StepMetadata:
+    """Where each token of a step lives, as device tensors built once per step (not per layer)."""
+
+    positions: torch.Tensor                  # [T] long
+    slot_blocks: torch.Tensor                # [T] FP16-pool block each token's K/V is written to
+    slot_offsets: torch.Tensor               # [T]
+    decode_rows: torch.Tensor | None         # rows of single-token sequences, attended in one batched call
+    decode_tables: torch.Tensor | None       # int32 [S_decode, max_blocks]
+    decode_lens: torch.Tensor | None         # int32 [S_decode]
+    prefills: list[tuple[int, int, torch.Tensor]]  # (first row, tokens, int32 table) of multi-token chunks
+    logit_rows: torch.Tensor                 # rows whose logits are wanted
+    logit_counts: list[int]
+
+    @classmethod
+    def build(cls, seqs: list[SeqInput], block_size: int, device: torch.device) -> "StepMetadata":
+        positions, blocks, offsets, logit_rows, counts = [], [], [], [], []
+        decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
+        row = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            pos = list(range(s.start_pos, s.start_pos + n))
+            entries = [s.block_table[p // block_size] for p in pos]
+            if min(entries) < 0:
+                raise RuntimeError("write into a quantised KV block: the FP16 tail must cover every position written")
+            positions += pos
+            blocks += entries
+            offsets += [p % block_size for p in pos]
+            logit_rows += list(range(row, row + n)) if s.all_logits else [row + n - 1]
+            counts.append(n if s.all_logits else 1)
+            table = s.block_table[: pos[-1] // block_size + 1]
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(pos[-1] + 1)
+            else:
+                prefills.append((row, n, torch.tensor(table, dtype=torch.int32, device=device)))
+            row += n
+
+        def t(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        width = max((len(tb) for tb in decode_tables), default=0)
+        padded = [tb + [0] * (width - len(tb)) for tb in decode_tables]
+        return cls(t(positions), t(blocks), t(offsets),
+                   t(decode_rows) if decode_rows else None,
+                   t(padded, torch.int32) if decode_rows else None,
+                   t(decode_lens, torch.int32) if decode_rows else None,
+                   prefills, t(logit_rows), counts)

@@ -1,25 +1,27 @@
 """OpenAI-compatible HTTP server over one BieEngine.
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (each
-streamed as server-sent events ending in `data: [DONE]` when `stream` is true). Bad requests get
-HTTP 400 with an OpenAI-style error body, and the server keeps serving.
+Routes: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions (each streamed as server-sent events ending in `data: [DONE]` when
+`stream` is true). Bad requests get HTTP 400 with an OpenAI-style error body, and the server keeps
+serving. Every request runs on the engine's one loop, batched with the others in flight.
 """
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..config import SamplingParams
 from ..errors import BieError
-from ..executor.engine import BieEngine, RequestOutput, StreamEvent
+from ..executor.engine import BieEngine, RequestOutput, RequestStream, StreamEvent
+from .metrics import CONTENT_TYPE, Metrics
 
 
 class _Request(BaseModel):
@@ -83,15 +85,23 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
     return content or ""
 
 
-async def _iterate(events: Iterator[StreamEvent]) -> AsyncIterator[StreamEvent]:
-    """Drive the engine's blocking iterator from worker threads; always close it, so a client
-    that goes away mid-stream frees its blocks at once."""
-    done = object()
+async def _iterate(events: RequestStream, metrics: Metrics, start: float) -> AsyncIterator[StreamEvent]:
+    """Wait for the engine's events in worker threads, timing them; always close the stream, so a client
+    that goes away mid-stream (the response is cancelled) aborts its request and frees its blocks."""
+    done, last = object(), None
     try:
-        while (event := await anyio.to_thread.run_sync(next, events, done)) is not done:
+        while (event := await anyio.to_thread.run_sync(next, events, done, abandon_on_cancel=True)) is not done:
+            now = time.perf_counter()
+            if event.token_ids:
+                if last is None:
+                    metrics.ttft.observe(now - start)
+                else:
+                    metrics.itl.observe((now - last) / len(event.token_ids))
+                last = now
             yield event
     finally:
-        await anyio.to_thread.run_sync(events.close)
+        with anyio.CancelScope(shield=True):   # a cancelled response must still abort its request
+            await anyio.to_thread.run_sync(events.close)   # also wakes the abandoned next() above
 
 
 def _sse(obj: dict) -> str:
@@ -101,6 +111,7 @@ def _sse(obj: dict) -> str:
 def create_app(engine: BieEngine) -> FastAPI:
     app = FastAPI(title="bie-trt", description="OpenAI-compatible server for a bie-trt engine")
     model_id = engine.model_name
+    metrics = Metrics()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -124,23 +135,28 @@ def create_app(engine: BieEngine) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(engine.stats()), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
                                             "owned_by": "bie-trt", "max_model_len": engine.max_model_len}]}
 
     async def run(prompt, params: SamplingParams, chat: bool, req: _Request, base: dict, make_chunk, make_body):
+        start = time.perf_counter()
         events = engine.stream(prompt, params, chat=chat)   # validates before any byte is sent
         include_usage = bool((req.stream_options or {}).get("include_usage"))
         if not req.stream:
             last = None
-            async for event in _iterate(events):
+            async for event in _iterate(events, metrics, start):
                 last = event
             return make_body(last.output)
 
         async def sse() -> AsyncIterator[str]:
             first = True
-            async for event in _iterate(events):
+            async for event in _iterate(events, metrics, start):
                 for chunk in make_chunk(event, first):
                     yield _sse(chunk)
                 first = False
