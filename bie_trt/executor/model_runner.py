@@ -13,6 +13,7 @@ from ..errors import EngineError
 from ..kv.pool import KVPools, allocate_pools
 from ..model.llama import LlamaModel, SeqInput
 from ..plan import kv_pool_blocks
+from .cuda_graphs import DecodeGraphs
 
 
 def pick_device(config: EngineConfig, manifest: dict) -> torch.device:
@@ -54,8 +55,15 @@ class ModelRunner:
         n_fp, n_q = kv_pool_blocks(self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunk_size)
         if config.num_kv_blocks is not None:  # tests and small hosts shrink the pool on purpose
             n_fp = config.num_kv_blocks
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
         # "fp16" KV is stored in the activation dtype: exact fp32 on the CPU reference.
-        self.pools: KVPools = allocate_pools(self.model_config, self.kv_config, n_fp, n_q, self.dtype, self.device)
+        self.pools: KVPools = allocate_pools(self.model_config, self.kv_config, n_fp, n_q, self.dtype, self.device,
+                                             scratch_block=use_graphs)
+        self.graphs = None
+        if use_graphs:
+            sizes = [b for b in self.manifest["profile"]["defaults"]["cuda_graph_batch_sizes"] if b <= self.max_num_seqs]
+            if sizes:
+                self.graphs = DecodeGraphs(self.model, self.pools, sizes, self.max_model_len, self.pools.scratch_block)
 
     def _cap_memory(self) -> None:
         """On CUDA, exceeding the plan must be an error, never a silent spill to host memory."""
@@ -66,4 +74,6 @@ class ModelRunner:
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
 
     def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
+        if self.graphs is not None and (logits := self.graphs.run(inputs)) is not None:
+            return logits
         return self.model.forward(inputs, self.pools)

@@ -49,10 +49,12 @@ class KVPools:
     v_scale: torch.Tensor | None = None
     k_zero: torch.Tensor | None = None
     v_zero: torch.Tensor | None = None
+    scratch_block: int | None = None   # an FP16 block no sequence owns: CUDA-graph padding writes here
 
     @property
     def num_fp_blocks(self) -> int:
-        return self.k.shape[1]
+        """FP16 blocks sequences may own (the scratch block, when there is one, is the last)."""
+        return self.k.shape[1] - (self.scratch_block is not None)
 
     @property
     def num_quant_blocks(self) -> int:
@@ -76,12 +78,14 @@ def allocate_pools(
     num_quant_blocks: int,
     dtype: torch.dtype = torch.float16,
     device: torch.device | str = "cpu",
+    scratch_block: bool = False,
 ) -> KVPools:
     """Allocate every pool tensor once. `num_quant_blocks` is ignored for fp16 KV."""
     L, H, B, D = model.num_layers, model.num_kv_heads, kv.block_size, model.head_dim
-    fp_shape = (L, num_fp_blocks, H, B, D)
+    fp_shape = (L, num_fp_blocks + scratch_block, H, B, D)
     pools = KVPools(kv, torch.zeros(fp_shape, dtype=dtype, device=device),
-                    torch.zeros(fp_shape, dtype=dtype, device=device))
+                    torch.zeros(fp_shape, dtype=dtype, device=device),
+                    scratch_block=num_fp_blocks if scratch_block else None)
     if kv.dtype == "fp16" or num_quant_blocks == 0:
         return pools
     qshape = (L, num_quant_blocks, H, B)

@@ -78,14 +78,15 @@ class LlamaModel:
     def forward(self, seqs: list[SeqInput], pools: KVPools) -> list[torch.Tensor]:
         """Returns each sequence's logits: [V] for its last token, or [T, V] when all_logits."""
         meta = StepMetadata.build(seqs, pools.cfg.block_size, self.device)
-        logits = self.forward_tokens(torch.cat([s.token_ids for s in seqs]).to(self.device), meta, pools)
+        logits = self.forward_hidden(self.embed_ids(torch.cat([s.token_ids for s in seqs])), meta, pools)
         return [rows if s.all_logits else rows[0] for rows, s in zip(logits.split(meta.logit_counts), seqs)]
 
-    def forward_tokens(self, ids: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
-        """The device part of a step: no host syncs in decode-only steps, so CUDA graphs can capture it."""
+    def forward_hidden(self, h: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
+        """Embedded rows [T, H] -> logits of meta.logit_rows. Device work only (no host syncs in
+        decode-only steps), so CUDA graphs can capture it; the embedding gather stays outside
+        because its table may live in host memory."""
         cfg = self.cfg
         cos, sin = self.rope.cos_sin(meta.positions, self.dtype)
-        h = self._embed(ids)
         residual = None
         for li, layer in enumerate(self.layers):
             x, residual = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps, residual)
@@ -95,10 +96,10 @@ class LlamaModel:
         h, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
         return self._logits(h[meta.logit_rows]).float()
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_on_host:
             return self.embed[ids.cpu()].to(self.device, self.dtype, non_blocking=True)
-        return F.embedding(ids, self.embed)
+        return F.embedding(ids.to(self.device), self.embed)
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, Int8Rows):
