@@ -17,7 +17,7 @@ from tqdm import tqdm
 from . import engine_format as ef
 from .checkpoint.loader import TOKENIZER_FILES, Checkpoint
 from .checkpoint.registry import resolve_checkpoint
-from .config import KVCacheConfig
+from .config import KVCacheConfig, ModelConfig
 from .errors import BieError, PlanError
 from .kernels.int8_rows import quantize_rows_int8
 from .kernels.w4_layout import awq_to_w4
@@ -92,6 +92,19 @@ def _lm_head(ckpt: Checkpoint, dtype: str) -> dict[str, torch.Tensor]:
     return {} if tied else {"lm_head": head.half()}
 
 
+def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> dict:
+    """On the target GPU, time each kernel's candidate configs at this engine's shapes; the winners
+    go into the manifest and `run` uses them. Elsewhere (CPU builds, another GPU) nothing is tuned."""
+    if profile.is_cpu or ef.present_gpu_sm() != profile.sm:
+        return {}
+    from .kernels.triton_w4 import tune_w4
+
+    shapes = {"qkv": (model.q_size + 2 * model.kv_size, model.hidden_size), "o": (model.hidden_size, model.q_size),
+              "gate_up": (2 * model.intermediate_size, model.hidden_size),
+              "down": (model.hidden_size, model.intermediate_size)}
+    return {"w4_gemv": {name: tune_w4(1, n, k, "cuda", group_size) for name, (n, k) in shapes.items()}}
+
+
 def _toolchain() -> dict[str, str]:
     from importlib import metadata
 
@@ -161,7 +174,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
             "max_num_seqs": max_seqs,
             "chunked_prefill_size": profile.defaults.chunked_prefill_size,
             "plan": plan.to_dict(),
-            "kernels": {},
+            "kernels": tune_kernels(m, profile, ckpt.quant.group_size),
             "toolchain": _toolchain(),
         }
         (tmp / "README.md").write_text(render("engine_README.md.j2", manifest=manifest, plan=plan))

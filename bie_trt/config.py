@@ -175,6 +175,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # tokens per step; None: chunked_prefill_size + max_num_seqs
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # None: from the memory plan
+    enforce_eager: bool = False       # True: no CUDA graphs (debugging)
     seed: int = 0
     # KV-cache overrides (None: the engine's). Used by `bie-trt eval` for ablations; a larger
     # format than the engine was planned for may not fit the GPU budget.

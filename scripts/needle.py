@@ -44,23 +44,27 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     trials = [(0.1 + 0.8 * i / max(1, args.trials - 1), rng.randint(10000, 99999)) for i in range(args.trials)]
-    results = {}
-    for dtype in args.kv.split(","):
-        engine = BieEngine(EngineConfig(engine_dir=args.engine, device="cpu", max_num_seqs=1, kv_cache_dtype=dtype))
-        filler = engine.tokenizer(DATA.read_text(), add_special_tokens=False)["input_ids"]
-        rows, start = [], time.time()
-        for depth, key in trials:
-            ids = haystack_prompt(engine.tokenizer, filler, args.context, depth, key)
+    rng.shuffle(trials)   # results are written after every trial: a partial run still covers all depths
+    engines = {d: BieEngine(EngineConfig(engine_dir=args.engine, device="cpu", max_num_seqs=1, kv_cache_dtype=d))
+               for d in args.kv.split(",")}
+    tokenizer = next(iter(engines.values())).tokenizer
+    filler = tokenizer(DATA.read_text(), add_special_tokens=False)["input_ids"]
+    rows = {d: [] for d in engines}
+    start = time.time()
+    for depth, key in trials:
+        ids = haystack_prompt(tokenizer, filler, args.context, depth, key)
+        for dtype, engine in engines.items():   # the same prompt through every cache, back to back
             out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=8))
-            rows.append({"depth": round(depth, 3), "key": key, "answer": out.text, "found": str(key) in out.text})
+            rows[dtype].append({"depth": round(depth, 3), "key": key, "answer": out.text, "found": str(key) in out.text})
             print(f"{dtype:>10} depth {depth:.2f} key {key} -> {out.text!r}", flush=True)
-        results[dtype] = {"found": sum(r["found"] for r in rows), "trials": len(rows), "rows": rows,
-                          "seconds": round(time.time() - start, 1), "kv": engine.runner.kv_config.__dict__}
-    summary = {k: f"{v['found']}/{v['trials']}" for k, v in results.items()}
+        summary = {d: f"{sum(r['found'] for r in rs)}/{len(rs)}" for d, rs in rows.items()}
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({
+                "context": args.context, "prompt_tokens": len(ids), "summary": summary,
+                "kv": {d: e.runner.kv_config.__dict__ for d, e in engines.items()},
+                "seconds": round(time.time() - start, 1), "results": rows}, indent=2))
     print(json.dumps(summary))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"context": args.context, "summary": summary, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -95,11 +95,10 @@ class BlockManager:
 
     def _keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Prefix-cache keys of seq's first `num_blocks` full blocks (computed once, kept on seq)."""
-        if len(seq.block_keys) < num_blocks:
-            bs, tokens = self.block_size, seq.token_ids
-            for b in range(len(seq.block_keys), num_blocks):
-                parent = seq.block_keys[b - 1] if b else None
-                seq.block_keys.append(block_key(parent, tokens[b * bs:(b + 1) * bs]))
+        bs = self.block_size
+        for b in range(len(seq.block_keys), num_blocks):
+            parent = seq.block_keys[b - 1] if b else None
+            seq.block_keys.append(block_key(parent, seq.token_slice(b * bs, (b + 1) * bs)))
         return seq.block_keys[:num_blocks]
 
     # -- admission -------------------------------------------------------------------------------
@@ -220,11 +219,11 @@ class BlockManager:
         again; a block this sequence quantises takes over the key, because the quantised copy is the one
         that lives on (the FP16 pool is only sinks + window + a chunk per sequence).
         """
-        if not self.quantised:
-            return
-        end = self._first_window_block(seq.num_cached)
+        first, end = -(-self.kv.sink_tokens // self.block_size), self._first_window_block(seq.num_cached)
+        if not self.quantised or end <= first or max(seq.block_table[first:end]) < 0:
+            return   # the common case, checked at C speed: nothing new has left the window
         keys = self._keys(seq, end) if self.cache else None
-        for b in range(-(-self.kv.sink_tokens // self.block_size), end):
+        for b in range(first, end):
             entry = seq.block_table[b]
             if entry < 0:
                 continue

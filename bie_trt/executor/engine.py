@@ -147,16 +147,11 @@ class BieEngine:
         self.model_name = self.runner.manifest["model"]["name"]
         self.max_model_len = self.runner.max_model_len
         pools, kv, chunk = self.runner.pools, self.runner.kv_config, self.runner.chunk_size
-        # The scheduler relies on one sequence always fitting alone, so it can always make progress.
-        per_seq = -(-self.max_model_len // kv.block_size)
-        if kv.dtype != "fp16":
-            per_seq = min(per_seq, bounded_fp_blocks_per_seq(kv, kv.window, chunk))
-        if pools.num_fp_blocks < per_seq:
-            raise EngineError(f"the FP16 KV pool has {pools.num_fp_blocks} blocks but one sequence of max_model_len "
-                              f"{self.max_model_len} needs {per_seq}; raise num_kv_blocks or lower max_model_len.")
+        max_num_seqs = self.runner.max_num_seqs
+        budget = self.config.max_num_batched_tokens or chunk + max_num_seqs
+        self._check_limits(pools.num_fp_blocks, budget, max_num_seqs)
         self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching)
-        budget = self.config.max_num_batched_tokens or chunk + self.runner.max_num_seqs
-        self.scheduler = Scheduler(self.blocks, self.runner.max_num_seqs, budget, chunk)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, budget, chunk)
         cfg = self.runner.model_config
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -168,6 +163,20 @@ class BieEngine:
         self._loop_thread: threading.Thread | None = None
         self._finished: collections.Counter[str] = collections.Counter()
         self._prompt_tokens = self._generation_tokens = 0
+
+    def _check_limits(self, num_fp_blocks: int, budget: int, max_num_seqs: int) -> None:
+        """The scheduler relies on one sequence always fitting the pool alone, and on a step's budget
+        holding a decode of every running sequence, so that it always makes progress."""
+        kv = self.runner.kv_config
+        per_seq = -(-self.max_model_len // kv.block_size)
+        if kv.dtype != "fp16":
+            per_seq = min(per_seq, bounded_fp_blocks_per_seq(kv, kv.window, self.runner.chunk_size))
+        if num_fp_blocks < per_seq:
+            raise EngineError(f"the FP16 KV pool has {num_fp_blocks} blocks but one sequence of max_model_len "
+                              f"{self.max_model_len} needs {per_seq}; raise num_kv_blocks or lower max_model_len.")
+        if budget < max_num_seqs:
+            raise EngineError(f"max_num_batched_tokens {budget} is below max_num_seqs {max_num_seqs}; every running "
+                              f"sequence must be able to decode in each step.")
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
@@ -198,28 +207,26 @@ class BieEngine:
 
     # -- talking to the loop ---------------------------------------------------------------------
     def _on_loop(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the loop thread, between steps, in the order calls arrive."""
+        """Run `fn` on the loop thread, between steps, in the order calls arrive. The thread is not a daemon:
+        interpreter exit waits for the requests in flight (killing it inside torch aborts the process)."""
         self._inbox.put(fn)
         with self._loop_lock:
             if self._loop_thread is None:
-                self._loop_thread = threading.Thread(target=self._loop, name="bie-engine-loop", daemon=True)
+                self._loop_thread = threading.Thread(target=self._loop, name="bie-engine-loop")
                 self._loop_thread.start()
 
     def _loop(self) -> None:
         """Step while there is work; the thread ends when there is none (the next call starts another)."""
         while True:
-            while True:
-                try:
-                    self._inbox.get_nowait()()
-                except queue.Empty:
-                    break
-            if not self.scheduler.has_work():
-                with self._loop_lock:
-                    if self._inbox.empty():
-                        self._loop_thread = None
-                        return
-                continue
             try:
+                while not self._inbox.empty():   # only this thread takes from the inbox
+                    self._inbox.get()()
+                if not self.scheduler.has_work():
+                    with self._loop_lock:
+                        if self._inbox.empty():
+                            self._loop_thread = None
+                            return
+                    continue
                 self._step()
             except Exception as e:  # a bug: every request in flight gets the error instead of hanging
                 for request in list(self._requests.values()):
@@ -267,7 +274,7 @@ class BieEngine:
         copy_blocks(pools, batch.copies)
         for seq, _ in batch.chunks:   # a prefix hit can bring FP16 blocks already out of seq's window
             self.blocks.compact(seq, pools)
-        inputs = [SeqInput(torch.tensor(seq.token_ids[seq.num_cached:seq.num_cached + n]), seq.num_cached,
+        inputs = [SeqInput(torch.tensor(seq.token_slice(seq.num_cached, seq.num_cached + n)), seq.num_cached,
                            seq.block_table) for seq, n in batch.chunks]
         logits = self.runner.forward(inputs)
         for (seq, n), row in zip(batch.chunks, logits):

@@ -51,7 +51,8 @@ class ModelRunner:
         self._cap_memory()
         placement = self.manifest["plan"]["inputs"].get("embedding_placement", "gpu")
         self.model = LlamaModel(self.model_config, load_file(str(weights_path)), self.device, self.dtype,
-                                embedding_on_host=placement == "host")
+                                embedding_on_host=placement == "host",
+                                gemv_configs=self.manifest.get("kernels", {}).get("w4_gemv"))
         n_fp, n_q = kv_pool_blocks(self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunk_size)
         if config.num_kv_blocks is not None:  # tests and small hosts shrink the pool on purpose
             n_fp = config.num_kv_blocks

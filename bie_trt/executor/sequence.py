@@ -42,6 +42,11 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop] without building the whole list (contexts run to 64k tokens)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[start:stop] + self.output_ids[max(0, start - n):max(0, stop - n)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

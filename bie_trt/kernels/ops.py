@@ -52,7 +52,7 @@ def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     if use_triton(x):
         from .triton_w4 import w4_linear_triton
 
-        return w4_linear_triton(x, w)
+        return w4_linear_triton(x, w, w.gemv_config if x.shape[0] == 1 else None)
     return ref.w4_linear_ref(x, w)
 
 

@@ -33,6 +33,7 @@ class W4Weight:
     scales: torch.Tensor
     zeros: torch.Tensor
     bias: torch.Tensor | None = None
+    gemv_config: dict | None = None     # tuned at build time for 1-row (decode) inputs
     _dense: torch.Tensor | None = None
 
     @property

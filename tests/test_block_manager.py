@@ -1,0 +1,175 @@
+"""The block manager and prefix cache as a state machine over tiny fake pools: whatever the sequence of
+admissions (with prefix hits), steps, forks, frees, cache resets and compactions, every block is owned
+exactly once, reference counts are exact, and no sequence's (or cached block's) K/V ever changes."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
+from bie_trt.executor.block_manager import BlockManager, copy_blocks
+from bie_trt.executor.sequence import Sequence
+from bie_trt.kv.pool import allocate_pools, decode_block
+from bie_trt.kv.quant import dequantize_block
+from bie_trt.sampling import make_generator
+
+MODEL = ModelConfig(architecture="LlamaForCausalLM", hidden_size=32, intermediate_size=32, num_layers=1, num_heads=1,
+                    num_kv_heads=1, head_dim=32, vocab_size=4, rms_norm_eps=1e-5, rope_theta=1e4,
+                    max_position_embeddings=64, tie_word_embeddings=True)
+B = 4
+NUM_FP, NUM_QUANT = 10, 12
+TOKENS = st.sampled_from([0, 1])
+BASE = [0, 1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0, 1, 1, 0, 1, 0]
+# Prompts mostly start with a piece of one shared text, so prefix hits (and hits on blocks that another
+# sequence has quantised meanwhile) are common.
+PROMPTS = st.builds(lambda k, tail: BASE[:k] + tail, st.integers(0, len(BASE)),
+                    st.lists(TOKENS, max_size=4)).filter(bool)
+
+
+def new_seq(prompt: list[int], output: list[int] = ()) -> Sequence:
+    return Sequence(list(prompt), SamplingParams(), make_generator(SamplingParams(), 0), output_ids=list(output))
+
+
+def content(prefix: list[int]) -> float:
+    """What a token's K holds: a function of the tokens up to it, as real K/V are. Every channel holds the
+    same small integer, which INT4 stores exactly (the group's range is a single point)."""
+    return float(1 + hash(tuple(prefix)) % 1000)
+
+
+def read(pools, entry: int, offset: int) -> tuple[float, float]:
+    k, v = dequantize_block(pools, 0, entry)
+    return float(k[0, offset, 0]), float(v[0, offset, 0])
+
+
+class BlockMachine(RuleBasedStateMachine):
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=4, window=8, rotation="none", block_size=B)
+
+    def __init__(self):
+        super().__init__()
+        self.pools = allocate_pools(MODEL, self.kv, NUM_FP, NUM_QUANT, torch.float32)
+        self.blocks = BlockManager(self.kv, NUM_FP, NUM_QUANT, enable_prefix_caching=True)
+        self.seqs: list[Sequence] = []
+        self.key_tokens: dict[bytes, list[int]] = {}   # every key ever made -> the tokens it stands for
+
+    def _run(self, seq: Sequence, n: int) -> None:
+        """One step of `seq` over its next n tokens, as the engine does it; the "model" writes content()."""
+        copy_blocks(self.pools, self.blocks.grow(seq, seq.num_cached + n))
+        tokens = seq.token_ids
+        for p in range(seq.num_cached, seq.num_cached + n):
+            block = seq.block_table[p // B]
+            self.pools.k[0, block, 0, p % B] = content(tokens[:p + 1])
+            self.pools.v[0, block, 0, p % B] = -content(tokens[:p + 1])
+        self.blocks.commit(seq, n)
+        self.blocks.compact(seq, self.pools)
+
+    @rule(prompt=PROMPTS, n=st.integers(1, 6))
+    def admit(self, prompt, n):
+        seq = new_seq(prompt)
+        hit = self.blocks.match(seq)
+        assert len(hit) * B < seq.num_tokens   # the last token is always computed: its logits are needed
+        n = min(n, seq.num_tokens - len(hit) * B)
+        if self.blocks.can_admit(hit, len(hit) * B + n):
+            self.blocks.admit(seq, hit)
+            self.seqs.append(seq)
+            self._run(seq, n)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99), n=st.integers(1, 6), token=TOKENS)
+    def step(self, i, n, token):
+        seq = self.seqs[i % len(self.seqs)]
+        if seq.num_pending == 0:
+            seq.output_ids.append(token)
+        n = min(n, seq.num_pending)
+        if self.blocks.can_grow(seq, seq.num_cached + n):
+            self._run(seq, n)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99))
+    def fork(self, i):
+        parent = self.seqs[i % len(self.seqs)]
+        child = new_seq(parent.prompt_ids, parent.output_ids)
+        self.blocks.fork(parent, child)
+        self.seqs.append(child)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99))
+    def free(self, i):
+        self.blocks.free(self.seqs.pop(i % len(self.seqs)))
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.blocks.reset_prefix_cache()
+
+    @invariant()
+    def every_block_owned_once_and_counted(self):
+        bm, cache = self.blocks, self.blocks.cache
+        held = Counter(e for s in self.seqs for e in s.block_table)
+        assert all(len(set(s.block_table)) == len(s.block_table) for s in self.seqs)
+        assert held == Counter(bm.ref_counts)
+        for quantised, free, total in ((False, bm.free_fp, NUM_FP), (True, bm.free_quant, NUM_QUANT)):
+            in_use = [decode_block(e)[1] for e in held if (e < 0) == quantised]
+            parked = [decode_block(e)[1] for e in cache.unused[quantised]]
+            assert all(e not in held and e in cache.key_of for e in cache.unused[quantised])
+            assert sorted([*free, *in_use, *parked]) == list(range(total))
+        assert cache.key_of == {e: k for k, e in cache.entry_of.items()}
+
+    @invariant()
+    def no_content_ever_changes(self):
+        for seq in self.seqs:
+            tokens = seq.token_ids
+            for p in range(seq.num_cached):
+                want = content(tokens[:p + 1])
+                assert read(self.pools, seq.block_table[p // B], p % B) == (want, -want), (seq, p)
+            for b, key in enumerate(seq.block_keys):
+                self.key_tokens[key] = tokens[:(b + 1) * B]
+        for key, entry in self.blocks.cache.entry_of.items():   # cached blocks too, held or not
+            tokens = self.key_tokens[key]
+            for p in range(len(tokens) - B, len(tokens)):
+                assert read(self.pools, entry, p % B) == (content(tokens[:p + 1]), -content(tokens[:p + 1]))
+
+    @invariant()
+    def precision_follows_the_window(self):
+        """Sink blocks and the recent window are FP16, everything older is quantised, hits included."""
+        sink_blocks = -(-self.kv.sink_tokens // B)
+        for seq in self.seqs:
+            old = max(0, (seq.num_cached - self.kv.window) // B) if self.blocks.quantised else 0
+            assert [e < 0 for e in seq.block_table] == [sink_blocks <= b < old for b in range(len(seq.block_table))]
+
+
+class FP16BlockMachine(BlockMachine):
+    kv = KVCacheConfig(dtype="fp16", block_size=B)
+
+
+TestBlockManagerInt4 = BlockMachine.TestCase
+TestBlockManagerFP16 = FP16BlockMachine.TestCase
+TestBlockManagerInt4.settings = TestBlockManagerFP16.settings = settings(max_examples=100, stateful_step_count=30,
+                                                                         deadline=None)
+
+
+def test_a_write_into_a_forked_block_copies_it_first():
+    kv = KVCacheConfig(dtype="fp16", block_size=B)
+    pools = allocate_pools(MODEL, kv, 4, 0, torch.float32)
+    bm = BlockManager(kv, 4, 0, enable_prefix_caching=True)
+    parent = new_seq([0, 1, 0, 1, 1, 1])
+    bm.admit(parent, [])
+    bm.grow(parent, 6)
+    pools.k[0, parent.block_table[1], 0, :2] = 7.0
+    bm.commit(parent, 6)
+    child = new_seq(parent.prompt_ids)
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table and bm.ref_counts[parent.block_table[1]] == 2
+
+    child.output_ids.append(0)
+    copies = bm.grow(child, 7)          # the partly filled block is shared: the child gets its own copy
+    assert copies == [(parent.block_table[1], child.block_table[1])]
+    copy_blocks(pools, copies)
+    pools.k[0, child.block_table[1], 0, 2] = 9.0
+    assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
+    assert pools.k[0, child.block_table[1], 0, :2].eq(7.0).all()      # the copy carries the shared tokens
+    assert pools.k[0, parent.block_table[1], 0, 2].eq(0.0).all()      # the parent's block is untouched
+    parent.output_ids.append(1)
+    assert bm.grow(parent, 7) == []     # now the parent holds its block alone: written in place

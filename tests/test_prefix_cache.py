@@ -1,0 +1,107 @@
+"""Prefix cache: what is shared, what is evicted and when, quantised blocks, and on the SmolLM2 engine a
+2k-token shared prefix that cuts the time to first token without changing the logits."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bie_trt import BieEngine, EngineConfig, SamplingParams
+from bie_trt.config import KVCacheConfig
+from bie_trt.executor.block_manager import BlockManager
+from bie_trt.kv.pool import allocate_pools
+from test_block_manager import MODEL, new_seq
+
+B = 4
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_background.txt"
+
+
+def run(bm: BlockManager, seq, pools=None) -> None:
+    """Admit seq with its prefix hit and compute all its tokens in one step."""
+    bm.admit(seq, bm.match(seq))
+    n = seq.num_pending
+    bm.grow(seq, seq.num_cached + n)
+    bm.commit(seq, n)
+    if pools is not None:
+        bm.compact(seq, pools)
+
+
+def test_a_hit_always_leaves_the_last_token_to_compute():
+    bm = BlockManager(KVCacheConfig(block_size=B), 8, 0, enable_prefix_caching=True)
+    run(bm, new_seq(list(range(8))))
+    assert len(bm.match(new_seq(list(range(8))))) == 1        # two full blocks cached, one reused
+    assert len(bm.match(new_seq(list(range(9))))) == 2
+    assert len(bm.match(new_seq([9] + list(range(8))))) == 0  # keys chain: same tokens, other prefix
+
+
+def test_unreferenced_blocks_wait_in_an_lru_and_yield_to_new_sequences():
+    bm = BlockManager(KVCacheConfig(block_size=B), 4, 0, enable_prefix_caching=True)
+    a = new_seq(list(range(13)))
+    run(bm, a)
+    bm.free(a)
+    assert bm.usage(False) == {"used": 0, "cached": 3, "free": 1} and bm.num_free_fp == 4
+    other = new_seq([7] * 5)                 # needs 2 blocks: the free one, then the LRU's oldest
+    run(bm, other)
+    assert bm.usage(False) == {"used": 2, "cached": 2, "free": 0}
+    # a freed sequence's tail goes first, so its prefix is still there
+    assert len(bm.match(new_seq(list(range(13))))) == 2
+    assert bm.can_grow(other, 4 * B)         # cached blocks never starve a running sequence
+    bm.grow(other, 4 * B)
+    assert bm.usage(False) == {"used": 4, "cached": 0, "free": 0}
+
+
+def test_a_quantised_block_takes_over_the_key_and_is_shared():
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=4, window=8, rotation="none", block_size=B)
+    pools = allocate_pools(MODEL, kv, 16, 16, torch.float32)
+    bm = BlockManager(kv, 16, 16, enable_prefix_caching=True)
+    prompt = list(range(20))
+    a = new_seq(prompt)
+    run(bm, a, pools)
+    assert [e < 0 for e in a.block_table] == [False, True, True, False, False]
+    assert bm.cache.get(a.block_keys[1]) == a.block_table[1]   # the key follows the quantised copy
+    # A shorter prompt would have its recent window in those quantised blocks: the hit stops short of it,
+    # and its own quantisation then reuses a's blocks instead of making new ones.
+    b = new_seq(prompt[:12])
+    assert bm.match(b) == a.block_table[:1]
+    run(bm, b, pools)
+    b.output_ids += [1, 2, 3, 4, 5, 6, 7, 8]
+    bm.grow(b, 20)
+    bm.commit(b, 8)
+    bm.compact(b, pools)
+    assert b.block_table[1:3] == a.block_table[1:3] and bm.usage(True)["used"] == 2
+    # a longer prompt whose window lies past them takes them straight from the cache
+    c = new_seq(prompt + [1, 2, 3, 4])
+    assert bm.match(c) == a.block_table
+
+
+def test_caching_off_shares_nothing():
+    bm = BlockManager(KVCacheConfig(block_size=B), 8, 0)
+    a = new_seq(list(range(9)))
+    run(bm, a)
+    bm.free(a)
+    assert bm.match(new_seq(list(range(9)))) == [] and bm.usage(False)["free"] == 8
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_engine):
+    return BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=2048))
+
+
+def test_a_shared_2k_prefix_cuts_time_to_first_token_and_keeps_the_logits(engine):
+    text = " ".join(DATA.read_text().split())
+    prefix = engine.encode(text)[:2000]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+    first = engine.generate(prefix + engine.encode(" Question one:"), params)     # cold: the whole prompt runs
+    second = engine.generate(prefix + engine.encode(" Another question:"), params)
+    again = engine.generate(first.prompt_token_ids, params)                       # all but the last block hit
+    ratio = second.time_to_first_token_s / first.time_to_first_token_s
+    print(f"TTFT cold {first.time_to_first_token_s:.3f}s, 2000-token prefix hit "
+          f"{second.time_to_first_token_s:.3f}s, ratio {ratio:.3f}")
+    stats = engine.stats()
+    assert stats.prefix_hit_tokens >= 2 * 2000
+    assert ratio < 0.5 and again.time_to_first_token_s < 0.5 * first.time_to_first_token_s
+    assert again.token_ids == first.token_ids
+    cold, hit = first.logprobs[0], again.logprobs[0]
+    assert list(cold) == list(hit)    # the same top 20, in the same order
+    assert max(abs(cold[t] - hit[t]) for t in cold) < 1e-4

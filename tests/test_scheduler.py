@@ -1,0 +1,100 @@
+"""The scheduler without a model: token budget, decodes first, chunked prefill, admission against the
+pool, preemption of the newest sequence with its tokens kept, and max_num_seqs."""
+from __future__ import annotations
+
+from bie_trt.config import KVCacheConfig
+from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.scheduler import Scheduler
+from bie_trt.executor.sequence import Status
+from test_block_manager import new_seq
+
+B = 16
+
+
+def scheduler(num_blocks: int, max_num_seqs: int = 4, budget: int = 36, chunk: int = 32,
+              caching: bool = False) -> Scheduler:
+    return Scheduler(BlockManager(KVCacheConfig(block_size=B), num_blocks, 0, caching), max_num_seqs, budget, chunk)
+
+
+def step(s: Scheduler) -> list[tuple[int, int]]:
+    """One step with a stand-in model: the scheduled tokens get cached and every sequence whose tokens are
+    all cached samples token 7. Returns (prompt length, tokens run) per scheduled sequence."""
+    batch = s.schedule()
+    assert sum(n for _, n in batch.chunks) <= s.max_num_batched_tokens
+    for seq, n in batch.chunks:
+        s.blocks.commit(seq, n)
+        if seq.num_pending == 0:
+            seq.output_ids.append(7)
+    return [(len(seq.prompt_ids), n) for seq, n in batch.chunks]
+
+
+def test_chunked_prefill_mixes_with_decodes_first():
+    s = scheduler(num_blocks=32)
+    s.add(new_seq([1] * 10))
+    assert step(s) == [(10, 10)]                 # a short prompt runs whole
+    s.add(new_seq([2] * 70))
+    assert step(s) == [(10, 1), (70, 32)]        # the decode first, then a chunk of the new prompt
+    s.add(new_seq([3] * 40))
+    assert step(s) == [(10, 1), (70, 32), (40, 3)]   # the budget (36) is spent: only 3 tokens of the third
+    assert step(s) == [(10, 1), (70, 6), (40, 29)]
+    assert step(s) == [(10, 1), (70, 1), (40, 8)]     # the second prompt is done: it decodes now
+    assert step(s) == [(10, 1), (70, 1), (40, 1)]
+
+
+def test_admission_waits_for_max_num_seqs():
+    s = scheduler(num_blocks=8, max_num_seqs=2)
+    for tokens in ([1] * 5, [2] * 5, [3] * 5):
+        s.add(new_seq(tokens))
+    assert step(s) == [(5, 5), (5, 5)] and len(s.waiting) == 1
+    s.finish(s.running[0], "stop")
+    assert step(s) == [(5, 1), (5, 5)]
+
+
+def test_admission_waits_until_the_pool_holds_the_first_chunk():
+    s = scheduler(num_blocks=3, budget=64)
+    first, second = new_seq([1] * 40), new_seq([2] * 40)
+    s.add(first)
+    s.add(second)
+    assert step(s) == [(40, 32)]                  # second's first chunk needs 2 blocks; 1 is free
+    assert second.status is Status.WAITING and s.num_preemptions == 0
+    s.finish(first, "stop")
+    assert step(s) == [(40, 32)] and second.status is Status.RUNNING
+
+
+def test_a_sequence_that_cannot_grow_preempts_the_newest_which_keeps_its_tokens():
+    s = scheduler(num_blocks=4, budget=64)
+    old, new = new_seq([1] * 30), new_seq([2] * 30)
+    s.add(old)
+    s.add(new)
+    for _ in range(3):                            # 2 blocks each fill the pool; both decode up to 32 tokens
+        assert step(s) in ([(30, 30), (30, 30)], [(30, 1), (30, 1)])
+    assert step(s) == [(30, 1)]                   # old needs a third block: new is preempted
+    assert s.num_preemptions == 1 and new.status is Status.WAITING and new.block_table == []
+    assert new.output_ids == [7, 7, 7] and list(s.waiting) == [new]   # kept, and first in line
+    s.finish(old, "length")
+    assert step(s) == [(30, 32)]                  # recomputed in chunks: prompt and generated tokens
+    assert step(s) == [(30, 1)] and new.output_ids == [7, 7, 7, 7]
+
+
+def test_the_newest_sequence_preempts_itself():
+    s = scheduler(num_blocks=3, budget=64)
+    first, second = new_seq([1] * 20), new_seq([2] * 14)
+    s.add(first)
+    s.add(second)
+    for _ in range(3):                            # first holds 2 blocks, second 1 and reaches 16 tokens
+        step(s)
+    batch = s.schedule()                          # second needs a block: it is the newest, so it yields
+    assert [seq for seq, _ in batch.chunks] == [first] and second.status is Status.WAITING
+    assert s.num_preemptions == 1
+
+
+def test_prefix_hits_are_counted():
+    s = scheduler(num_blocks=16, caching=True)
+    s.add(new_seq(list(range(40))))
+    while s.running or s.waiting:
+        step(s)
+        if s.running and len(s.running[0].output_ids) == 1:
+            s.finish(s.running[0], "length")
+    s.add(new_seq(list(range(40)) + [99]))
+    assert step(s) == [(41, 9)]                   # 2 of its blocks were cached
+    assert (s.prefix_queried_tokens, s.prefix_hit_tokens) == (81, 32)
