@@ -234,14 +234,15 @@ def activation_workspace_bytes(
     """Peak activation bytes of one decoder layer over a prefill chunk of T tokens.
 
     Layers run one after another and reuse the same buffers, so one layer's peak is the whole
-    forward's. The residual stream (T*H) lives across the layer; on top of it the larger of:
+    forward's. The residual stream (T*H) and the RoPE cos/sin tables (2*T*head_dim) live across
+    the layers; on top of them the larger of:
       attention: normed T*H + qkv T*(q+2kv) + attention output T*q + o_proj output T*H
                  + the block-wise online-softmax scores T*heads*block_size in fp32
       MLP:       normed T*H + gate_up T*2I + silu(gate)*up T*I + down output T*H
     For 8B models the MLP phase dominates (the T*2I gate_up product).
     """
     t, h, i = chunk_tokens, model.hidden_size, model.intermediate_size
-    residual = t * h * dtype_bytes
+    residual = (t * h + 2 * t * model.head_dim) * dtype_bytes
     attention = (t * h + t * (model.q_size + 2 * model.kv_size) + t * model.q_size + t * h) * dtype_bytes
     attention += t * model.num_heads * block_size * FP32
     mlp = (t * h + 2 * t * i + t * i + t * h) * dtype_bytes

@@ -14,7 +14,7 @@ import torch
 
 from ..config import KVCacheConfig
 from ..kv.pool import KVPools, decode_block, encode_quant_block
-from ..kv.quant import quantize_block
+from ..kernels import ops
 from .prefix_cache import PrefixCache, block_key
 from .sequence import Sequence
 
@@ -236,7 +236,7 @@ class BlockManager:
             self._share(cached)
             return cached
         twin = self._take(True)
-        quantize_block(pools, None, entry, decode_block(twin)[1])
+        ops.quantize_block(pools, entry, decode_block(twin)[1])
         if key:
             if cached is not None and self.cache.drop(cached):
                 self._free(cached)

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from ..kv import quant
 from ..kv.pool import KVPools
 from . import reference as ref
 from .attention_ref import paged_attention_ref
@@ -63,6 +64,15 @@ def write_kv(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,
 
         return write_kv_triton(pools, layer, k, v, slot_blocks, slot_offsets)
     return ref.write_kv_ref(pools, layer, k, v, slot_blocks, slot_offsets)
+
+
+def quantize_block(pools: KVPools, fp_block: int, q_block: int) -> None:
+    """Quantise one FP16 block (all layers, K and V) into a quantised block: a block leaving the window."""
+    if use_triton(pools.k) and pools.cfg.scale_scope == "group":   # the block-scope ablation stays in torch
+        from .triton_ops import quantize_block_triton
+
+        return quantize_block_triton(pools, fp_block, q_block)
+    return quant.quantize_block(pools, None, fp_block, q_block)
 
 
 def paged_decode_attention(q: torch.Tensor, pools: KVPools, layer: int, block_tables: torch.Tensor,
