@@ -12,6 +12,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from pathlib import Path
+
 from bie_trt.build import BuildOptions, build_engine
 from bie_trt.checkpoint.registry import resolve_checkpoint
 
@@ -49,3 +51,14 @@ def build(tmp_path_factory, smollm2_checkpoint):
 @pytest.fixture(scope="session")
 def smollm2_engine(build):
     return build()
+
+
+# The evaluation text lives beside the project (CI lays shared/ next to the clone), not in it.
+LEE_BACKGROUND = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_background.txt"
+
+
+@pytest.fixture(scope="session")
+def lee_text() -> Path:
+    if not LEE_BACKGROUND.exists():
+        pytest.skip(f"{LEE_BACKGROUND} is missing (CI lays ../shared beside the clone)")
+    return LEE_BACKGROUND

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from bie_trt.kv.pool import allocate_pools
 from bie_trt.model.llama import SeqInput
 from bie_trt.sampling import make_generator
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_background.txt"
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +27,11 @@ def runner(smollm2_engine):
 
 
 @pytest.fixture(scope="module")
-def ids(runner):
+def ids(runner, lee_text):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(runner.engine_dir)
-    return tok(DATA.read_text()[:4000])["input_ids"]
+    return tok(lee_text.read_text()[:4000])["input_ids"]
 
 
 def logits_by(runner, kv: KVCacheConfig, tokens: list[int], chunk: int) -> torch.Tensor:
@@ -96,8 +94,8 @@ def test_variants_against_fp16(smollm2_engine, ids):
     assert res["int4"].kv_bytes_per_token == 30 * 2 * 3 * (32 + 4)
 
 
-def test_eval_cli_json(smollm2_engine):
-    out = CliRunner().invoke(main, ["eval", "--engine", str(smollm2_engine), "--text", str(DATA), "--context", "64",
+def test_eval_cli_json(smollm2_engine, lee_text):
+    out = CliRunner().invoke(main, ["eval", "--engine", str(smollm2_engine), "--text", str(lee_text), "--context", "64",
                                     "--max-windows", "1", "--kv-cache-dtype", "int4_asym", "--kv-window", "16",
                                     "--json"])
     assert out.exit_code == 0, out.output

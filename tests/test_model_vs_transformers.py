@@ -18,7 +18,6 @@ from bie_trt.executor.sequence import Sequence
 from bie_trt.model.llama import SeqInput
 from bie_trt.sampling import make_generator
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_background.txt"
 DECODE_STEPS = 32
 
 
@@ -44,17 +43,17 @@ def hf_model(ckpt: Checkpoint):
     return model
 
 
-def prompt_ids(tokenizer, n: int) -> list[int]:
-    text = " ".join(DATA.read_text().splitlines()[:6])
+def prompt_ids(tokenizer, text_file: Path, n: int) -> list[int]:
+    text = " ".join(text_file.read_text().splitlines()[:6])
     ids = tokenizer(text)["input_ids"]
     assert len(ids) >= n
     return ids[:n]
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_checkpoint, smollm2_engine):
+def reference(smollm2_checkpoint, smollm2_engine, lee_text):
     engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu"))
-    ids = prompt_ids(engine.tokenizer, 320)
+    ids = prompt_ids(engine.tokenizer, lee_text, 320)
     model = hf_model(Checkpoint(smollm2_checkpoint))
     # greedy continuation by transformers, then one pass over everything for per-position logits
     with torch.no_grad():

@@ -2,7 +2,6 @@
 2k-token shared prefix that cuts the time to first token without changing the logits."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from bie_trt.kv.pool import allocate_pools
 from test_block_manager import MODEL, new_seq
 
 B = 4
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_background.txt"
 
 
 def run(bm: BlockManager, seq, pools=None) -> None:
@@ -88,8 +86,8 @@ def engine(smollm2_engine):
     return BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=2048))
 
 
-def test_a_shared_2k_prefix_cuts_time_to_first_token_and_keeps_the_logits(engine):
-    text = " ".join(DATA.read_text().split())
+def test_a_shared_2k_prefix_cuts_time_to_first_token_and_keeps_the_logits(engine, lee_text):
+    text = " ".join(lee_text.read_text().split())
     prefix = engine.encode(text)[:2000]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
     first = engine.generate(prefix + engine.encode(" Question one:"), params)     # cold: the whole prompt runs
