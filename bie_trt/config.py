@@ -14,7 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 KV_DTYPES = ("fp16", "fp8", "int4_asym")
-KV_ROTATIONS = ("hadamard", "none")
+KV_ROTATIONS = ("hadamard", "hadamard_kv", "none")   # keys only, keys and values, neither
 
 
 @dataclass(frozen=True)

@@ -84,12 +84,15 @@ def test_variants_against_fp16(smollm2_engine, ids):
     variants = {
         "fp16 again": KVCacheConfig(dtype="fp16"),
         "int4 window covers all": KVCacheConfig(dtype="int4_asym", window=128),
+        "values rotated too, window covers all": KVCacheConfig(dtype="int4_asym", window=128, rotation="hadamard_kv"),
         "int4": KVCacheConfig(dtype="int4_asym", window=16),
     }
     res = {r.label: r for r in evaluate(smollm2_engine, ids, 112, variants, max_windows=1, progress=False)}
     assert res["fp16 again"].kld < 1e-9 and res["fp16 again"].ppl == pytest.approx(res["fp16"].ppl, rel=1e-9)
     # nothing leaves a window that covers the context: exactly fp16
     assert res["int4 window covers all"].kld < 1e-9
+    # rotating values and rotating the attention output back is exact too
+    assert res["values rotated too, window covers all"].kld < 1e-9
     assert res["int4"].kld > 1e-5 and abs(res["int4"].ppl / res["fp16"].ppl - 1) < 0.1
     assert res["int4"].kv_bytes_per_token == 30 * 2 * 3 * (32 + 4)
 

@@ -18,7 +18,7 @@ from . import main
 @click.option("--stride", type=int, help="Window step (default: --context, non-overlapping).")
 @click.option("--kv-cache-dtype", type=click.Choice(["fp16", "fp8", "int4_asym"]),
               help="KV format to score against FP16 (default: the engine's).")
-@click.option("--kv-rotation", type=click.Choice(["hadamard", "none"]))
+@click.option("--kv-rotation", type=click.Choice(["hadamard", "hadamard_kv", "none"]))
 @click.option("--kv-window", type=int)
 @click.option("--kv-sink-tokens", type=int)
 @click.option("--kv-group-size", type=int)

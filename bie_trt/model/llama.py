@@ -19,7 +19,12 @@ LINEARS = ("qkv", "o", "gate_up", "down")
 
 def rotates_keys(kv: KVCacheConfig) -> bool:
     """Keys are stored Hadamard-rotated whenever they may be quantised; FP16-only caches stay exact."""
-    return kv.dtype != "fp16" and kv.rotation == "hadamard"
+    return kv.dtype != "fp16" and kv.rotation in ("hadamard", "hadamard_kv")
+
+
+def rotates_values(kv: KVCacheConfig) -> bool:
+    """Values rotated too: attention then returns rotated outputs, rotated back (H is its own inverse)."""
+    return kv.dtype != "fp16" and kv.rotation == "hadamard_kv"
 
 
 @dataclass
@@ -118,6 +123,8 @@ class LlamaModel:
         if rotates_keys(pools.cfg):
             # Hadamard-rotated keys quantise without outlier channels; rotating q too keeps q·k.
             q, k = rotate(q), rotate(k)
+        if rotates_values(pools.cfg):
+            v = rotate(v)
         ops.write_kv(pools, li, k, v, meta.slot_blocks, meta.slot_offsets)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
@@ -126,6 +133,8 @@ class LlamaModel:
         for start, n, table in meta.prefills:
             out[start:start + n] = ops.paged_prefill_attention(q[start:start + n], pools, li, table,
                                                                meta.positions[start:start + n], self.scale)
+        if rotates_values(pools.cfg):
+            out = rotate(out)
         return ops.w4_linear(out.reshape(-1, cfg.q_size), layer.linears["o"])
 
 
