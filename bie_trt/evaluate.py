@@ -66,14 +66,14 @@ def ablation_variants(base: KVCacheConfig) -> dict[str, KVCacheConfig]:
     }
 
 
-def _windows(n_tokens: int, context: int, stride: int, max_windows: int | None) -> list[int]:
-    starts = list(range(0, n_tokens - context + 1, stride))
+def _windows(n_tokens: int, context: int, stride: int, first: int, max_windows: int | None) -> list[int]:
+    starts = list(range(0, n_tokens - context + 1, stride))[first:]
     return starts[:max_windows] if max_windows else starts
 
 
 def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variants: dict[str, KVCacheConfig],
              stride: int | None = None, chunk: int | None = None, max_windows: int | None = None,
-             device: str = "cpu", progress: bool = True) -> list[EvalResult]:
+             first_window: int = 0, device: str = "cpu", progress: bool = True) -> list[EvalResult]:
     """Perplexity and mean KL(P_fp16 || P_variant) per variant; the FP16 baseline comes first."""
     stride = stride or context
     if not 0 < stride <= context:
@@ -83,7 +83,7 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
     model_cfg = runner.model_config
     if context > model_cfg.max_position_embeddings:
         raise BieError(f"context {context} is beyond the model's {model_cfg.max_position_embeddings} positions.")
-    starts = _windows(len(token_ids), context, stride, max_windows)
+    starts = _windows(len(token_ids), context, stride, first_window, max_windows)
     if not starts:
         raise BieError(f"the text has {len(token_ids)} tokens, fewer than one window of {context}; "
                        f"use a smaller --context or a longer file.")

@@ -24,11 +24,13 @@ from . import main
 @click.option("--kv-group-size", type=int)
 @click.option("--chunk", type=int, help="Tokens per forward (default: one KV block, exactly decode-equivalent).")
 @click.option("--max-windows", type=int, help="Score at most this many windows (quick runs).")
+@click.option("--first-window", default=0, show_default=True, type=int,
+              help="Skip this many windows (split one long evaluation across processes).")
 @click.option("--ablations", is_flag=True, help="Score the whole quality table: fp8, int4 and each ingredient removed.")
 @click.option("--json", "as_json", is_flag=True)
 def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, kv_cache_dtype: str | None,
              kv_rotation: str | None, kv_window: int | None, kv_sink_tokens: int | None, kv_group_size: int | None,
-             chunk: int | None, max_windows: int | None, ablations: bool, as_json: bool) -> None:
+             chunk: int | None, max_windows: int | None, first_window: int, ablations: bool, as_json: bool) -> None:
     """Perplexity over a text in windows of --context tokens, and the mean KL divergence of each
     position's next-token distribution from the FP16-KV run, scored the way decode sees the cache.
 
@@ -51,7 +53,7 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
     variants = ablation_variants(chosen) if ablations else {chosen.dtype: chosen}
     ids = AutoTokenizer.from_pretrained(engine_dir)(Path(text_file).read_text())["input_ids"]
     results = evaluate(engine_dir, ids, context, variants, stride=stride, chunk=chunk, max_windows=max_windows,
-                       progress=not as_json)
+                       first_window=first_window, progress=not as_json)
     base_ppl = results[0].ppl
     if as_json:
         rows = [dict(r.to_dict(), ppl_change_pct=100 * (r.ppl / base_ppl - 1)) for r in results]
