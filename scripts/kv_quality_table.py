@@ -2,10 +2,12 @@
 
     python scripts/kv_quality_table.py benchmarks/results/kv_quality_ctx2048.json \
         benchmarks/results/kv_quality_ctx8192.json
+    python scripts/kv_quality_table.py --pool RUN.json RUN2.json   # rows shared by runs, pooled
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 
@@ -21,5 +23,30 @@ def table(path: str) -> str:
     return "\n".join(out)
 
 
+def pooled(paths: list[str]) -> str:
+    """Rows that several runs share (the same KV settings), pooled over all their scored tokens."""
+    runs = [json.loads(open(p).read())["rows"] for p in paths]
+
+    def key(row: dict) -> str:
+        return json.dumps(row["kv"], sort_keys=True)
+
+    out = ["| KV cache | tokens | PPL | Δ PPL | KLD vs FP16 |", "| --- | ---: | ---: | ---: | ---: |"]
+    base_nll = None
+    for first in runs[0]:
+        rows = [next((x for x in run if key(x) == key(first)), None) for run in runs]
+        if None in rows:
+            continue
+        n = sum(r["tokens"] for r in rows)
+        nll = sum(math.log(r["ppl"]) * r["tokens"] for r in rows) / n
+        kld = sum(r["kld"] * r["tokens"] for r in rows) / n
+        base_nll = nll if base_nll is None else base_nll
+        out.append(f"| {first['label']} | {n:,} | {math.exp(nll):.4f} | {100 * (math.exp(nll - base_nll) - 1):+.3f}% "
+                   f"| {kld:.5f} |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
-    print("\n\n".join(table(p) for p in sys.argv[1:]))
+    if sys.argv[1] == "--pool":
+        print(pooled(sys.argv[2:]))
+    else:
+        print("\n\n".join(table(p) for p in sys.argv[1:]))
