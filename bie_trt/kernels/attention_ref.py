@@ -69,6 +69,25 @@ def paged_attention_ref(
     return out.transpose(0, 1).reshape(T, Hq, D).to(q.dtype)
 
 
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    pools: KVPools,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    blocks_per_tile: int = 1,
+) -> torch.Tensor:
+    """One query per sequence, q [S, H_q, D], each attending its context_lens[s] cached tokens through
+    `paged_attention_ref`; a length-0 slot (CUDA-graph padding) gives zeros."""
+    out = torch.zeros_like(q)
+    for s, n in enumerate(context_lens.tolist()):
+        if n > 0:
+            pos = torch.tensor([n - 1], device=q.device)
+            out[s] = paged_attention_ref(q[s:s + 1], pools, layer, block_tables[s], pos, scale, blocks_per_tile)[0]
+    return out
+
+
 def dense_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,

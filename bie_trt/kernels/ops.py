@@ -13,7 +13,7 @@ import torch
 from ..kv import quant
 from ..kv.pool import KVPools
 from . import reference as ref
-from .attention_ref import paged_attention_ref
+from .attention_ref import paged_attention_ref, paged_decode_attention_ref
 from .w4_layout import W4Weight
 
 # The CPU path folds 64 blocks (1,024 tokens) per online-softmax step: same algorithm as the
@@ -82,11 +82,7 @@ def paged_decode_attention(q: torch.Tensor, pools: KVPools, layer: int, block_ta
         from .triton_attention import paged_decode_attention as kernel
 
         return kernel(q, pools, layer, block_tables, context_lens, scale)
-    out = torch.empty_like(q)
-    for s, n in enumerate(context_lens.tolist()):
-        out[s] = paged_attention_ref(q[s:s + 1], pools, layer, block_tables[s], torch.tensor([n - 1]), scale,
-                                     blocks_per_tile=CPU_BLOCKS_PER_TILE)[0]
-    return out
+    return paged_decode_attention_ref(q, pools, layer, block_tables, context_lens, scale, CPU_BLOCKS_PER_TILE)
 
 
 def paged_prefill_attention(q: torch.Tensor, pools: KVPools, layer: int, block_table: torch.Tensor,

@@ -21,7 +21,7 @@ halves are simply the first and second half of the channels, which keeps loads
 contiguous. Scores run in the log2 domain (exp2 with log2(e) folded into the scale).
 
 The reference twins are `paged_attention_ref` (prefill, one sequence) and
-`paged_decode_attention_ref` below (decode, a batch).
+`paged_decode_attention_ref` (decode, a batch), both in attention_ref.py.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..kv.pool import KVPools
-from .attention_ref import paged_attention_ref
+from .attention_ref import paged_attention_ref, paged_decode_attention_ref  # noqa: F401 (the twins)
 
 try:
     import triton
@@ -403,20 +403,3 @@ def paged_prefill_attention(
     pos = positions.to(device=q.device, dtype=torch.int32)
     return _paged_attention(q, pools, layer, block_table, 0, block_table.shape[0], pos, scale,
                             cfg["block_m"], None, cfg)
-
-
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    pools: KVPools,
-    layer: int,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Reference twin of `paged_decode_attention`: each sequence through `paged_attention_ref`."""
-    out = torch.zeros_like(q)
-    for s, n in enumerate(context_lens.tolist()):
-        if n > 0:
-            pos = torch.tensor([n - 1], device=q.device)
-            out[s] = paged_attention_ref(q[s:s + 1], pools, layer, block_tables[s], pos, scale)[0]
-    return out
