@@ -1,6 +1,6 @@
 """Triton paged mixed-precision attention (decode and chunked prefill) against the plain-torch reference.
 
-Without CUDA the kernels run under TRITON_INTERPRET=1 (set here, before the kernel module
+Without CUDA the kernels run under TRITON_INTERPRET=1 (set in conftest.py, before the kernel module
 and so triton's jit decorator see it), at small shapes: head_dim 64, 6 query heads on 2 kv
 heads (GQA 3, a group that is not a power of two), 16-token blocks.
 
@@ -15,13 +15,10 @@ not exist, so any read outside a sequence's context turns its output into NaN.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
 from bie_trt.kernels.attention_ref import paged_attention_ref  # noqa: E402

@@ -7,13 +7,10 @@ divides, and the CPU result is the one the kernel reproduces.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402

@@ -6,13 +6,10 @@ from the layout's description alone (word j, nibble i -> k = 8j + i), so a share
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from bie_trt.kernels.reference import w4_linear_ref  # noqa: E402
