@@ -62,27 +62,37 @@ class Sequence:
 
 
 class Detokenizer:
-    """Turns a growing id list into text deltas; holds back a partial UTF-8 character and any
-    tail that could still become a stop string, so streamed text never has to be taken back."""
+    """Turns a growing id list into text deltas. Each step decodes only the new tokens, with the
+    tokens of the step before as context (so spacing comes out as a whole decode gives it): a whole
+    decode every step would cost O(n²) on the loop thread. Holds back a partial UTF-8 character and
+    any tail that could still become a stop string, so streamed text never has to be taken back."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, stop
+        self.text = ""                 # the decode of ids[:read]
+        self.prefix = self.read = 0    # ids[prefix:read] are decoded again as context for the next ones
+        self.searched = 0              # text[:searched] holds no stop string
         self.emitted = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def update(self, seq: Sequence, final: bool = False, drop_last: bool = False) -> tuple[str, bool]:
         """-> (new text to emit, whether a stop string was hit). Sets seq.text.
         `drop_last`: the newest token is a stop token, whose text is not part of the output."""
         ids = seq.output_ids[:-1] if drop_last else seq.output_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        hit = False
-        for s in self.stop:
-            i = text.find(s)
-            if i != -1:
-                text, hit = text[:i], True
+        if len(ids) > self.read:
+            context, window = self._decode(ids[self.prefix:self.read]), self._decode(ids[self.prefix:])
+            if final or not window.endswith("\ufffd"):   # else a character is still incomplete: wait
+                self.text += window[len(context):]
+                self.prefix, self.read = self.read, len(ids)
+        text, hit = self.text, False
+        hits = [i for s in self.stop if (i := text.find(s, max(0, self.searched - len(s) + 1))) != -1]
+        if hits:
+            text, hit = text[:min(hits)], True
+        self.searched = len(text)
         safe = len(text)
         if not (final or hit):
-            if text.endswith("\ufffd"):
-                safe = len(text.rstrip("\ufffd"))
             for s in self.stop:  # a suffix of the text that is a prefix of a stop string
                 for k in range(min(len(s) - 1, safe), 0, -1):
                     if text[safe - k:safe] == s[:k]:
