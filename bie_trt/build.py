@@ -46,6 +46,7 @@ class BuildOptions:
     kv_sink_tokens: int | None = None
     kv_window: int | None = None
     kv_rotation: str = "hadamard"
+    kv_key_centering: bool = True
     max_num_seqs: int | None = None
     force: bool = False
 
@@ -62,6 +63,7 @@ def resolve_kv(opts: BuildOptions, profile: BuildProfile) -> KVCacheConfig:
         sink_tokens=pick(opts.kv_sink_tokens, d.kv_sink_tokens),
         window=pick(opts.kv_window, d.kv_window),
         rotation=opts.kv_rotation,
+        key_centering=opts.kv_key_centering,
         block_size=d.block_size,
     )
 
@@ -90,6 +92,18 @@ def _lm_head(ckpt: Checkpoint, dtype: str) -> dict[str, torch.Tensor]:
         q, scale = quantize_rows_int8(head)
         return {"lm_head.q": q, "lm_head.scale": scale}
     return {} if tied else {"lm_head": head.half()}
+
+
+def calibrate_key_mean(model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path) -> torch.Tensor:
+    """The mean key each layer's KV heads subtract before quantising (kv/centering.py), measured by
+    running the repacked model once on the CPU in fp32 over a fixed text: the same on every host."""
+    from transformers import AutoTokenizer
+
+    from .kv.centering import calibration_ids, key_means
+    from .model.llama import LlamaModel
+
+    ids = calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
+    return key_means(LlamaModel(model, weights, torch.device("cpu"), torch.float32), ids).half()
 
 
 def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> dict:
@@ -155,10 +169,12 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         weights.update(_lm_head(ckpt, plan.inputs["lm_head_dtype"]))
         for i in tqdm(range(m.num_layers), desc="repack", unit="layer"):
             weights.update(_repack_layer(ckpt, i))
-        save_file(weights, str(tmp / ef.WEIGHTS))
         for f in TOKENIZER_FILES + EXTRA_TOKENIZER_FILES:
             if (ckpt.path / f).exists():
                 shutil.copyfile(ckpt.path / f, tmp / f)
+        log("calibrating the KV key mean (one forward pass over a fixed text)")
+        weights["kv.key_mean"] = calibrate_key_mean(m, weights, tmp)
+        save_file(weights, str(tmp / ef.WEIGHTS))
         manifest = {
             "schema_version": ef.SCHEMA_VERSION,
             "bie_trt_version": ef.bie_trt_version(),

@@ -137,6 +137,8 @@ class KVCacheConfig:
     sink_tokens: int = 8
     window: int = 128
     rotation: str = "hadamard"
+    # Subtract the engine's calibrated mean key before quantising (kv/centering.py); exact for attention.
+    key_centering: bool = True
     block_size: int = 16
     # "group": a scale and zero per group of channels per token per head (the format).
     # "block": one scale and zero for a whole block of a layer -- an ablation for the quality table.
@@ -158,6 +160,8 @@ class KVCacheConfig:
             )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"kv block size {self.block_size} must be a power of two.")
+        if not isinstance(self.key_centering, bool):
+            raise ValueError(f"kv key centering must be true or false; got {self.key_centering!r}.")
         if self.sink_tokens < 0 or self.window < 0:
             raise ValueError("kv sink tokens and window must be non-negative.")
 
@@ -184,10 +188,11 @@ class EngineConfig:
     kv_sink_tokens: int | None = None
     kv_window: int | None = None
     kv_rotation: str | None = None
+    kv_key_centering: bool | None = None
 
     def kv_overrides(self) -> dict[str, Any]:
         names = {"kv_cache_dtype": "dtype", "kv_group_size": "group_size", "kv_sink_tokens": "sink_tokens",
-                 "kv_window": "window", "kv_rotation": "rotation"}
+                 "kv_window": "window", "kv_rotation": "rotation", "kv_key_centering": "key_centering"}
         return {field: getattr(self, name) for name, field in names.items() if getattr(self, name) is not None}
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import EngineError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: kv.key_mean in the weights
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 UNHASHED = ("build-info.json",)

@@ -173,6 +173,8 @@ def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding:
     else:
         items.append(PlanItem("embedding", v * h * FP16, "fp16 table in device memory"))
     items.append(PlanItem("norms", (2 * model.num_layers + 1) * h * FP16, "fp16 RMSNorm weights"))
+    items.append(PlanItem("kv_key_mean", model.num_layers * model.kv_size * FP16,
+                          "fp16 mean key per layer and KV head, subtracted before quantising"))
     return items
 
 

@@ -194,7 +194,8 @@ def test_draft_adds_weights_and_bounded_kv(llama, ti):
     linears = 16 * (2048 * (2048 + 512 + 512) + 2048 * 2048 + 3 * 2048 * 8192)
     lm_head = 128256 * 2048 + 128256 * 2
     norms = 33 * 2048 * 2
-    assert plan.bytes_of("draft_weights") == linears * 133 // 256 + lm_head + norms
+    key_mean = 16 * 512 * 2
+    assert plan.bytes_of("draft_weights") == linears * 133 // 256 + lm_head + norms + key_mean
     gamma = ti.defaults.num_draft_tokens
     assert plan.bytes_of("logits") == (1 + gamma) * 128256 * 4
     assert plan.bytes_of("draft_probs") == gamma * 128256 * 4

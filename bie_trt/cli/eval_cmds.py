@@ -19,6 +19,8 @@ from . import main
 @click.option("--kv-cache-dtype", type=click.Choice(["fp16", "fp8", "int4_asym"]),
               help="KV format to score against FP16 (default: the engine's).")
 @click.option("--kv-rotation", type=click.Choice(["hadamard", "hadamard_kv", "none"]))
+@click.option("--kv-key-centering", type=click.Choice(["on", "off"]),
+              help="Subtract the engine's calibrated mean key before quantising.")
 @click.option("--kv-window", type=int)
 @click.option("--kv-sink-tokens", type=int)
 @click.option("--kv-group-size", type=int)
@@ -29,7 +31,8 @@ from . import main
 @click.option("--ablations", is_flag=True, help="Score the whole quality table: fp8, int4 and each ingredient removed.")
 @click.option("--json", "as_json", is_flag=True)
 def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, kv_cache_dtype: str | None,
-             kv_rotation: str | None, kv_window: int | None, kv_sink_tokens: int | None, kv_group_size: int | None,
+             kv_rotation: str | None, kv_key_centering: str | None, kv_window: int | None,
+             kv_sink_tokens: int | None, kv_group_size: int | None,
              chunk: int | None, max_windows: int | None, first_window: int, ablations: bool, as_json: bool) -> None:
     """Perplexity over a text in windows of --context tokens, and the mean KL divergence of each
     position's next-token distribution from the FP16-KV run, scored the way decode sees the cache.
@@ -47,6 +50,7 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
 
     base = KVCacheConfig(**read_manifest(engine_dir)["kv"])
     overrides = EngineConfig(engine_dir=engine_dir, kv_cache_dtype=kv_cache_dtype, kv_rotation=kv_rotation,
+                             kv_key_centering=None if kv_key_centering is None else kv_key_centering == "on",
                              kv_window=kv_window, kv_sink_tokens=kv_sink_tokens,
                              kv_group_size=kv_group_size).kv_overrides()
     chosen = dataclasses.replace(base, **overrides)

@@ -42,14 +42,17 @@ def quantize(src: str, out: str, group_size: int) -> None:
 @click.option("--kv-window", type=int, help="Most recent tokens kept FP16.")
 @click.option("--kv-rotation", type=click.Choice(["hadamard", "none"]), default="hadamard", show_default=True,
               help="Rotate keys before quantising them (tames outlier channels).")
+@click.option("--kv-key-centering/--no-kv-key-centering", default=True, show_default=True,
+              help="Subtract the calibrated mean key before quantising (exact for attention; less rounding error).")
 @click.option("--max-num-seqs", type=int, help="Concurrent sequences the KV pool is sized for.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build(**kw) -> None:
     """Compile a checkpoint into an engine directory for one GPU profile.
 
     Validates the checkpoint, solves the memory plan (refusing a configuration that does
-    not fit before any heavy work), repacks the AWQ weights into the kernel layout, and
-    writes manifest.json with the sha256 of every file.
+    not fit before any heavy work), repacks the AWQ weights into the kernel layout, measures
+    each layer's mean key on a fixed text (for KV key centering), and writes manifest.json
+    with the sha256 of every file.
     """
     from ..build import BuildOptions, build_engine
 
@@ -75,7 +78,8 @@ def inspect(engine_dir: str, as_json: bool) -> None:
     kv = m["kv"]
     click.echo(f"context     {m['max_model_len']} tokens x {m['max_num_seqs']} sequences")
     click.echo(f"kv cache    {kv['dtype']} (group {kv['group_size']}, sinks {kv['sink_tokens']}, "
-               f"window {kv['window']}, rotation {kv['rotation']}, block {kv['block_size']})")
+               f"window {kv['window']}, rotation {kv['rotation']}, key centering "
+               f"{'on' if kv['key_centering'] else 'off'}, block {kv['block_size']})")
     plan = m["plan"]
     click.echo(f"plan        {plan['total_bytes'] / 2**30:.2f} GiB of {plan['budget_bytes'] / 2**30:.2f} GiB budget")
     for item in plan["items"]:

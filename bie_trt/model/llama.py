@@ -22,6 +22,11 @@ def rotates_keys(kv: KVCacheConfig) -> bool:
     return kv.dtype != "fp16" and kv.rotation in ("hadamard", "hadamard_kv")
 
 
+def centres_keys(kv: KVCacheConfig) -> bool:
+    """The calibrated mean key is subtracted whenever keys may be quantised (kv/centering.py)."""
+    return kv.dtype != "fp16" and kv.key_centering
+
+
 def rotates_values(kv: KVCacheConfig) -> bool:
     """Values rotated too: attention then returns rotated outputs, rotated back (H is its own inverse)."""
     return kv.dtype != "fp16" and kv.rotation == "hadamard_kv"
@@ -65,6 +70,7 @@ class LlamaModel:
         else:  # tied, fp16: share the table, or keep a device copy when the table lives on the host
             self.lm_head = embed.to(device=device, dtype=dtype) if self.embed_on_host else self.embed
         self.norm = t("norm")
+        self.key_mean = t("kv.key_mean") if "kv.key_mean" in weights else None   # [L, Hkv, D]
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
@@ -120,6 +126,10 @@ class LlamaModel:
         q = Rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = Rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if centres_keys(pools.cfg):
+            if self.key_mean is None:
+                raise RuntimeError("key centering needs the engine's kv.key_mean; rebuild the engine")
+            k = k - self.key_mean[li]   # every score of a query shifts by q·m: softmax is unchanged
         if rotates_keys(pools.cfg):
             # Hadamard-rotated keys quantise without outlier channels; rotating q too keeps q·k.
             q, k = rotate(q), rotate(k)
