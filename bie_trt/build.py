@@ -46,7 +46,7 @@ class BuildOptions:
     kv_sink_tokens: int | None = None
     kv_window: int | None = None
     kv_rotation: str = "hadamard"
-    kv_key_centering: bool = True
+    kv_key_centering: bool = False
     max_num_seqs: int | None = None
     force: bool = False
 

@@ -138,7 +138,8 @@ class KVCacheConfig:
     window: int = 128
     rotation: str = "hadamard"
     # Subtract the engine's calibrated mean key before quantising (kv/centering.py); exact for attention.
-    key_centering: bool = True
+    # Off by default: it lowers KL divergence but not perplexity (docs/kv-cache-quality.md).
+    key_centering: bool = False
     block_size: int = 16
     # "group": a scale and zero per group of channels per token per head (the format).
     # "block": one scale and zero for a whole block of a layer -- an ablation for the quality table.

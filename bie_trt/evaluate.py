@@ -61,9 +61,9 @@ def ablation_variants(base: KVCacheConfig) -> dict[str, KVCacheConfig]:
         "int4 no sinks": dataclasses.replace(int4, sink_tokens=0),
         "int4 no window": dataclasses.replace(int4, window=0),
         "int4 no rotation": dataclasses.replace(int4, rotation="none"),
-        "int4 no key centering": dataclasses.replace(int4, key_centering=False),
-        "int4 none of the four": dataclasses.replace(int4, sink_tokens=0, window=0, rotation="none",
-                                                     key_centering=False),
+        f"int4 key centering {'off' if int4.key_centering else 'on'}":
+            dataclasses.replace(int4, key_centering=not int4.key_centering),
+        "int4 none of them": dataclasses.replace(int4, sink_tokens=0, window=0, rotation="none", key_centering=False),
         "int4 one scale per block": dataclasses.replace(int4, scale_scope="block"),
     }
 

@@ -77,7 +77,7 @@ def test_centering_leaves_attention_exact(smollm2_engine, lee_text, dtype):
 
 def test_engine_without_key_mean_refuses_centering(smollm2_engine):
     runner = ModelRunner(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_num_seqs=1,
-                                      kv_cache_dtype="int4_asym"))
+                                      kv_cache_dtype="int4_asym", kv_key_centering=True))
     runner.model.key_mean = None   # what an engine of schema 1 would load
     with pytest.raises(RuntimeError, match="rebuild the engine"):
         runner.forward([SeqInput(torch.tensor([5, 6, 7]), 0, [0])])

@@ -42,8 +42,9 @@ def quantize(src: str, out: str, group_size: int) -> None:
 @click.option("--kv-window", type=int, help="Most recent tokens kept FP16.")
 @click.option("--kv-rotation", type=click.Choice(["hadamard", "none"]), default="hadamard", show_default=True,
               help="Rotate keys before quantising them (tames outlier channels).")
-@click.option("--kv-key-centering/--no-kv-key-centering", default=True, show_default=True,
-              help="Subtract the calibrated mean key before quantising (exact for attention; less rounding error).")
+@click.option("--kv-key-centering/--no-kv-key-centering", default=False, show_default=True,
+              help="Subtract the calibrated mean key before quantising: exact for attention, lower KL "
+                   "divergence, not lower perplexity (docs/kv-cache-quality.md).")
 @click.option("--max-num-seqs", type=int, help="Concurrent sequences the KV pool is sized for.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build(**kw) -> None:

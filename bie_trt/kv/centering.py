@@ -6,6 +6,8 @@ levels covering that shared offset. Subtracting any fixed vector m is exact for 
 query q scores every key as q·(k − m) = q·k − q·m, one constant per query, which softmax
 ignores. With m near the keys' mean, INT4 rounding error falls by about a third
 (tests/test_kv_centering.py measures it). m is measured once, at build time, on a short fixed text.
+It is an option, off by default: on SmolLM2 it cuts the KL divergence from the FP16 cache but
+not perplexity (docs/kv-cache-quality.md).
 """
 from __future__ import annotations
 
