@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -11,8 +12,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-
-from pathlib import Path
 
 from bie_trt.build import BuildOptions, build_engine
 from bie_trt.checkpoint.registry import resolve_checkpoint
