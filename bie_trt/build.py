@@ -21,6 +21,7 @@ from .config import KVCacheConfig, ModelConfig
 from .errors import BieError, PlanError
 from .kernels.int8_rows import quantize_rows_int8
 from .kernels.w4_layout import awq_to_w4
+from .model.llama import LlamaModel, fused_linear_shapes
 from .plan import MemoryPlan, solve_plan
 from .profiles import BuildProfile, resolve_profile
 from .templates import render
@@ -100,7 +101,6 @@ def calibrate_key_mean(model: ModelConfig, weights: dict[str, torch.Tensor], tok
     from transformers import AutoTokenizer
 
     from .kv.centering import calibration_ids, key_means
-    from .model.llama import LlamaModel
 
     ids = calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
     return key_means(LlamaModel(model, weights, torch.device("cpu"), torch.float32), ids).half()
@@ -113,10 +113,8 @@ def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> 
         return {}
     from .kernels.triton_w4 import tune_w4
 
-    shapes = {"qkv": (model.q_size + 2 * model.kv_size, model.hidden_size), "o": (model.hidden_size, model.q_size),
-              "gate_up": (2 * model.intermediate_size, model.hidden_size),
-              "down": (model.hidden_size, model.intermediate_size)}
-    return {"w4_gemv": {name: tune_w4(1, n, k, "cuda", group_size) for name, (n, k) in shapes.items()}}
+    return {"w4_gemv": {name: tune_w4(1, n, k, "cuda", group_size)
+                        for name, (n, k) in fused_linear_shapes(model).items()}}
 
 
 def _toolchain() -> dict[str, str]:

@@ -4,7 +4,9 @@ Random AWQ-shaped weights in the runtime layout (no checkpoint needed), the memo
 placement (int8 lm_head, embedding rows from pinned host memory), KV pools sized by the plan,
 decode replayed from CUDA graphs. For each context (4k / 32k / 64k) and KV dtype it reports
 tokens/s, the roofline (weights + KV bytes a step reads ÷ bandwidth), its fraction, and peak
-memory; then a chunked prefill of a --prefill-len prompt with its peak activation memory.
+memory beside what the memory plan of an 8 GB profile allots; then a chunked prefill of a
+--prefill-len prompt with its peak activation memory. `--smoke` runs the same code on a tiny
+model (on the CPU when there is no GPU) so that the script is tested before a GPU is lent.
 
     python scripts/bench_decode.py --out benchmarks/results/decode.json
 """
@@ -22,37 +24,14 @@ from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.cuda_graphs import DecodeGraphs
 from bie_trt.executor.sequence import Sequence
-from bie_trt.kernels.int8_rows import quantize_rows_int8
 from bie_trt.kv.pool import allocate_pools, encode_quant_block
 from bie_trt.model.llama import LlamaModel, SeqInput
-from bie_trt.plan import kv_bytes_per_token, kv_pool_blocks
+from bie_trt.model.synthetic import llama3_8b, random_weights, tiny_llama
+from bie_trt.plan import kv_bytes_per_token, kv_pool_blocks, solve_plan
+from bie_trt.profiles import load_profile
 from bie_trt.sampling import make_generator
 
 GiB = 2**30
-LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-             "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192}, "tie_word_embeddings": False}
-
-
-def random_weights(cfg: ModelConfig, group: int = 128) -> dict[str, torch.Tensor]:
-    """Runtime-layout tensors with AWQ-like statistics (scales ~1e-2, zero points near 8)."""
-    g = torch.Generator().manual_seed(0)
-    w = {"embed_tokens": (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02).half(),
-         "norm": torch.ones(cfg.hidden_size, dtype=torch.float16)}
-    q, s = quantize_rows_int8(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02)
-    w.update({"lm_head.q": q, "lm_head.scale": s})
-    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
-              "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size)}
-    for i in range(cfg.num_layers):
-        w[f"layers.{i}.attn_norm"] = torch.ones(cfg.hidden_size, dtype=torch.float16)
-        w[f"layers.{i}.mlp_norm"] = torch.ones(cfg.hidden_size, dtype=torch.float16)
-        for name, (n, k) in shapes.items():
-            w[f"layers.{i}.{name}.qweight"] = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=g)
-            w[f"layers.{i}.{name}.scales"] = (torch.rand(n, k // group, generator=g) * 0.02 + 0.005).half()
-            w[f"layers.{i}.{name}.zeros"] = torch.randint(6, 10, (n, k // group), dtype=torch.uint8, generator=g)
-    return w
 
 
 def weight_bytes(model: LlamaModel) -> int:
@@ -81,41 +60,61 @@ def fill_cache(pools, context: int, kv: KVCacheConfig) -> list[int]:
     return list(range(sinks)) + [encode_quant_block(i) for i in range(body)] + list(range(sinks, sinks + tail))
 
 
-def bench_decode(model, cfg, kv, context, bandwidth, steps) -> dict:
+def cuda_peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def plan_gib(cfg: ModelConfig, kv: KVCacheConfig, context: int, profile: str) -> float:
+    """What the memory plan allots an engine of these shapes at this context, batch 1, one graph."""
+    plan = solve_plan(cfg, load_profile(profile), max_model_len=context, kv=kv, max_num_seqs=1, chunk_tokens=512,
+                      cuda_graph_batch_sizes=[1])
+    return plan.total_bytes / GiB
+
+
+def bench_decode(model: LlamaModel, kv: KVCacheConfig, context: int, args: argparse.Namespace) -> dict:
+    cfg, dev = model.cfg, model.device
     n_fp, n_q = kv_pool_blocks(cfg, kv, context, 1, 512)
-    torch.cuda.reset_peak_memory_stats()
-    pools = allocate_pools(cfg, kv, n_fp, n_q, torch.float16, "cuda", scratch_block=True)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    pools = allocate_pools(cfg, kv, n_fp, n_q, model.dtype, dev, scratch_block=True)
     table = fill_cache(pools, context, kv)
-    graphs = DecodeGraphs(model, pools, [1], context, pools.scratch_block)
+    graphs = DecodeGraphs(model, pools, [1], context, pools.scratch_block, capture=dev.type == "cuda")
     step = [SeqInput(torch.tensor([1]), context - 1, table)]
     for _ in range(3):
         graphs.run(step)
-    torch.cuda.synchronize()
+    sync(dev)
     start = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(args.steps):
         graphs.run(step)
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / steps
+    sync(dev)
+    seconds = (time.perf_counter() - start) / args.steps
     read = weight_bytes(model) + context * kv_bytes_per_token(cfg, kv)
-    roofline = bandwidth / read
-    result = {"context": context, "kv": kv.dtype, "tokens_per_s": 1 / seconds, "ms_per_token": 1e3 * seconds,
-              "bytes_per_token": read, "roofline_tokens_per_s": roofline, "roofline_fraction": (1 / seconds) / roofline,
-              "peak_memory_gib": torch.cuda.max_memory_allocated() / GiB}
-    del graphs, pools
-    torch.cuda.empty_cache()
-    return result
+    roofline = args.bandwidth / read
+    peak = cuda_peak_gib(dev)
+    planned = plan_gib(cfg, kv, context, args.profile)
+    return {"context": context, "kv": kv.dtype, "tokens_per_s": 1 / seconds, "ms_per_token": 1e3 * seconds,
+            "bytes_per_token": read, "roofline_tokens_per_s": roofline, "roofline_fraction": (1 / seconds) / roofline,
+            "peak_memory_gib": peak, "plan_gib": planned,
+            "within_plan": None if peak is None else peak <= planned}
 
 
-def bench_prefill(model, cfg, kv, length: int, chunk: int) -> dict:
+def bench_prefill(model: LlamaModel, kv: KVCacheConfig, length: int, chunk: int) -> dict:
     """A `length`-token prompt in `chunk`-token pieces, blocks leaving the window quantised as it goes."""
+    cfg, dev = model.cfg, model.device
     n_fp, n_q = kv_pool_blocks(cfg, kv, length, 1, chunk)
-    pools = allocate_pools(cfg, kv, n_fp, n_q, torch.float16, "cuda")
+    pools = allocate_pools(cfg, kv, n_fp, n_q, model.dtype, dev)
     blocks = BlockManager(kv, n_fp, n_q)
     ids = torch.randint(0, cfg.vocab_size, (length,)).tolist()
     seq = Sequence(ids, SamplingParams(), make_generator(SamplingParams(), 0))
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    sync(dev)
+    base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for pos in range(0, length, chunk):
         part = ids[pos:pos + chunk]
@@ -123,11 +122,12 @@ def bench_prefill(model, cfg, kv, length: int, chunk: int) -> dict:
         model.forward([SeqInput(torch.tensor(part), pos, seq.block_table)], pools)
         seq.num_cached = pos + len(part)
         blocks.compact(seq, pools)
-    torch.cuda.synchronize()
-    return {"prompt_tokens": length, "chunk": chunk, "kv": kv.dtype, "seconds": time.perf_counter() - start,
-            "tokens_per_s": length / (time.perf_counter() - start),
-            "peak_activation_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / GiB}
+    sync(dev)
+    seconds = time.perf_counter() - start
+    peak = cuda_peak_gib(dev)
+    return {"prompt_tokens": length, "chunk": chunk, "kv": kv.dtype, "seconds": seconds,
+            "tokens_per_s": length / seconds, "peak_memory_gib": peak,
+            "peak_activation_mib": None if peak is None else (peak * GiB - base) / 2**20}
 
 
 def main() -> None:
@@ -135,34 +135,47 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,32768,65536")
     ap.add_argument("--kv", default="int4_asym,fp16")
     ap.add_argument("--cap-gib", type=float, default=8.0, help="emulate a card of this size")
+    ap.add_argument("--profile", default="rtx4060ti-8gb", help="build profile whose memory plan peaks are judged by")
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for the roofline")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--prefill-len", type=int, default=65536)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny model, short contexts and few steps, on the CPU when there is no GPU: "
+                         "checks this script end to end in seconds (the tests run it)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode.json"))
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_decode needs a CUDA GPU (none here); see scripts/device_check.sh.", file=sys.stderr)
+    if args.smoke:
+        cfg, group = tiny_llama(hidden_size=128, num_heads=2, num_kv_heads=1), 64
+        args.contexts, args.steps, args.prefill_len = "256,512", 3, 512
+    elif not torch.cuda.is_available():
+        print("bench_decode needs a CUDA GPU (none here; --smoke runs a tiny model on the CPU); "
+              "see scripts/device_check.sh.", file=sys.stderr)
         sys.exit(2)
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
-    cfg = ModelConfig.from_hf(LLAMA3_8B)
-    model = LlamaModel(cfg, random_weights(cfg), torch.device("cuda"), torch.float16, embedding_on_host=True)
+    else:
+        cfg, group = llama3_8b(), 128
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    model = LlamaModel(cfg, random_weights(cfg, group), device, dtype, embedding_on_host=True)
     rows = []
-    for dtype in args.kv.split(","):
-        kv = KVCacheConfig(dtype=dtype)
+    for kv_dtype in args.kv.split(","):
+        kv = KVCacheConfig(dtype=kv_dtype)
         for ctx in map(int, args.contexts.split(",")):
             try:
-                row = bench_decode(model, cfg, kv, ctx, args.bandwidth, args.steps)
+                row = bench_decode(model, kv, ctx, args)
             except torch.OutOfMemoryError:
-                row = {"context": ctx, "kv": dtype, "error": f"does not fit under {args.cap_gib} GiB"}
+                row = {"context": ctx, "kv": kv_dtype, "error": f"does not fit under {args.cap_gib} GiB"}
+            if device.type == "cuda":
                 torch.cuda.empty_cache()
             rows.append(row)
             print(json.dumps(row), flush=True)
-    prefill = bench_prefill(model, cfg, KVCacheConfig(dtype="int4_asym"), args.prefill_len, 512)
+    prefill = bench_prefill(model, KVCacheConfig(dtype="int4_asym"), args.prefill_len, 512)
     print(json.dumps(prefill), flush=True)
-    out = {"gpu": torch.cuda.get_device_name(), "cap_gib": args.cap_gib, "bandwidth": args.bandwidth,
-           "torch": torch.__version__, "decode": rows, "prefill": prefill,
-           "date": time.strftime("%Y-%m-%d")}
+    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "smoke": args.smoke,
+           "model": cfg.to_dict(), "weight_group_size": group, "cap_gib": args.cap_gib, "bandwidth": args.bandwidth,
+           "torch": torch.__version__, "decode": rows, "prefill": prefill, "date": time.strftime("%Y-%m-%d")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
 

@@ -31,21 +31,14 @@ from typing import Callable
 
 import torch
 
-from bie_trt.config import KVCacheConfig, ModelConfig
+from bie_trt.config import KVCacheConfig
+from bie_trt.model.synthetic import llama3_8b
 
 DEVICE = "cuda"
 GROUP = 128
 DECODE = [("qkv", 4096, 4096 + 2 * 1024), ("o", 4096, 4096), ("gate_up", 4096, 2 * 14336),
           ("down", 14336, 4096), ("up_14336", 4096, 14336)]
 BATCHED = [("qkv", 5, 4096, 6144), ("down", 5, 14336, 4096), ("gate_up", 512, 4096, 2 * 14336)]
-
-
-def llama_kv_model() -> ModelConfig:
-    return ModelConfig(
-        architecture="LlamaForCausalLM", hidden_size=4096, intermediate_size=14336, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
-    )
 
 
 def w4_bytes(m: int, k: int, n: int) -> int:
@@ -135,7 +128,7 @@ def bench_quantize(args: argparse.Namespace, time_ms: Callable[[Callable], float
     from bie_trt.kv.pool import KVPools, allocate_pools
     from bie_trt.kv.quant import quantize_block
 
-    model = llama_kv_model()
+    model = llama3_8b()
     results = {}
     for name, kv in (("int4_g64", KVCacheConfig(dtype="int4_asym", group_size=64)), ("fp8", KVCacheConfig(dtype="fp8"))):
         pools = allocate_pools(model, kv, 2, 2, device=DEVICE)

@@ -2,13 +2,17 @@
 shrinks INT4 rounding error on text the calibration never saw."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from bie_trt.checkpoint.loader import Checkpoint
 from bie_trt.config import EngineConfig
 from bie_trt.engine_format import WEIGHTS
+from bie_trt.errors import EngineError
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.kv.centering import SKIP_POSITIONS, calibration_ids
 from bie_trt.kv.quant import dequantize_int4_asym, quantize_int4_asym
@@ -75,9 +79,14 @@ def test_centering_leaves_attention_exact(smollm2_engine, lee_text, dtype):
     torch.testing.assert_close(on, off, atol=1e-4, rtol=1e-4)
 
 
-def test_engine_without_key_mean_refuses_centering(smollm2_engine):
-    runner = ModelRunner(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_num_seqs=1,
-                                      kv_cache_dtype="int4_asym", kv_key_centering=True))
-    runner.model.key_mean = None   # what an engine of schema 1 would load
-    with pytest.raises(RuntimeError, match="rebuild the engine"):
-        runner.forward([SeqInput(torch.tensor([5, 6, 7]), 0, [0])])
+def test_centering_without_a_stored_mean_fails_at_load(smollm2_engine, tmp_path):
+    """An engine whose weights lack kv.key_mean (edited, or from a foreign tool) is refused when loaded
+    with centering on, naming the missing tensor and the fix, not at the first forward step."""
+    engine = Path(shutil.copytree(smollm2_engine, tmp_path / "engine"))
+    weights = load_file(str(engine / WEIGHTS))
+    del weights["kv.key_mean"]
+    save_file(weights, str(engine / WEIGHTS))
+    ModelRunner(EngineConfig(engine_dir=str(engine), device="cpu", kv_cache_dtype="int4_asym"))   # off: loads
+    with pytest.raises(EngineError, match="kv.key_mean.*rebuild"):
+        ModelRunner(EngineConfig(engine_dir=str(engine), device="cpu", kv_cache_dtype="int4_asym",
+                                 kv_key_centering=True))

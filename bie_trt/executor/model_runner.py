@@ -11,7 +11,7 @@ from .. import engine_format as ef
 from ..config import EngineConfig, KVCacheConfig, ModelConfig
 from ..errors import EngineError
 from ..kv.pool import KVPools, allocate_pools
-from ..model.llama import LlamaModel, SeqInput
+from ..model.llama import LlamaModel, SeqInput, centres_keys
 from ..plan import kv_pool_blocks
 from .cuda_graphs import DecodeGraphs
 
@@ -53,6 +53,9 @@ class ModelRunner:
         self.model = LlamaModel(self.model_config, load_file(str(weights_path)), self.device, self.dtype,
                                 embedding_on_host=placement == "host",
                                 gemv_configs=self.manifest.get("kernels", {}).get("w4_gemv"))
+        if centres_keys(self.kv_config) and self.model.key_mean is None:
+            raise EngineError(f"{self.engine_dir}: key centering needs the calibrated kv.key_mean this engine "
+                              "lacks; rebuild it with this version of bie-trt.")
         n_fp, n_q = kv_pool_blocks(self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunk_size)
         if config.num_kv_blocks is not None:  # tests and small hosts shrink the pool on purpose
             n_fp = config.num_kv_blocks

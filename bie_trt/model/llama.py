@@ -17,6 +17,12 @@ from .rope import Rope
 LINEARS = ("qkv", "o", "gate_up", "down")
 
 
+def fused_linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out features, in features) of each of a layer's fused linears, as stored in the engine."""
+    return {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
+            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size)}
+
+
 def rotates_keys(kv: KVCacheConfig) -> bool:
     """Keys are stored Hadamard-rotated whenever they may be quantised; FP16-only caches stay exact."""
     return kv.dtype != "fp16" and kv.rotation in ("hadamard", "hadamard_kv")
@@ -126,9 +132,7 @@ class LlamaModel:
         q = Rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = Rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if centres_keys(pools.cfg):
-            if self.key_mean is None:
-                raise RuntimeError("key centering needs the engine's kv.key_mean; rebuild the engine")
+        if centres_keys(pools.cfg):   # the runner checked at load that key_mean exists
             k = k - self.key_mean[li]   # every score of a query shifts by q·m: softmax is unchanged
         if rotates_keys(pools.cfg):
             # Hadamard-rotated keys quantise without outlier channels; rotating q too keeps q·k.

@@ -1,0 +1,51 @@
+"""Random weights in the runtime layout for a model's shapes: benchmarks at Llama-3-8B shapes and
+tests that need a model but no checkpoint. Any int32 is a valid word of eight 4-bit codes, so the
+packed weights are drawn directly (8× less work than drawing codes and packing them)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import ModelConfig
+from ..kernels.int8_rows import quantize_rows_int8
+from .llama import fused_linear_shapes
+
+# Meta-Llama-3-8B's config.json, the shapes the kernel and decode benchmarks are judged at.
+LLAMA3_8B_HF = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}}
+
+
+def llama3_8b() -> ModelConfig:
+    return ModelConfig.from_hf(LLAMA3_8B_HF)
+
+
+def tiny_llama(hidden_size: int = 64, num_heads: int = 2, num_kv_heads: int = 1, num_layers: int = 2,
+               vocab_size: int = 256) -> ModelConfig:
+    """The 8B's structure (GQA, SwiGLU, untied head) at sizes the CPU and the Triton interpreter run fast."""
+    return ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "vocab_size": vocab_size, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False})
+
+
+def random_weights(cfg: ModelConfig, group_size: int = 128, seed: int = 0) -> dict[str, torch.Tensor]:
+    """fp16 embedding and norms, int8 lm_head, W4 linears whose scales (~0.5/√K) keep outputs O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    w = {"embed_tokens": (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02).half(),
+         "norm": torch.ones(cfg.hidden_size, dtype=torch.float16)}
+    w["lm_head.q"], w["lm_head.scale"] = quantize_rows_int8(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        w[p + "attn_norm"] = torch.ones(cfg.hidden_size, dtype=torch.float16)
+        w[p + "mlp_norm"] = torch.ones(cfg.hidden_size, dtype=torch.float16)
+        for name, (n, k) in fused_linear_shapes(cfg).items():
+            w[p + name + ".qweight"] = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=g)
+            w[p + name + ".scales"] = ((torch.rand(n, k // group_size, generator=g) + 0.5) * (0.5 / math.sqrt(k))).half()
+            w[p + name + ".zeros"] = torch.randint(0, 16, (n, k // group_size), dtype=torch.uint8, generator=g)
+    return w
