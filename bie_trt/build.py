@@ -20,6 +20,7 @@ from .checkpoint.registry import resolve_checkpoint
 from .config import KVCacheConfig, ModelConfig
 from .errors import BieError, PlanError
 from .kernels.int8_rows import quantize_rows_int8
+from .kernels.kernel_cache import KERNELS_DIR, triton_cache_at
 from .kernels.w4_layout import awq_to_w4
 from .model.llama import LlamaModel, fused_linear_shapes
 from .plan import MemoryPlan, solve_plan
@@ -117,6 +118,18 @@ def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> 
                         for name, (n, k) in fused_linear_shapes(model).items()}}
 
 
+def compile_kernels(engine_dir: Path) -> None:
+    """Load the finished engine on this GPU with Triton's cache pointed into it; loading warms the
+    runner up (`ModelRunner.warm_up`), which compiles each kernel its steps launch."""
+    from .config import EngineConfig
+    from .executor.model_runner import ModelRunner
+
+    with triton_cache_at(engine_dir / KERNELS_DIR):
+        runner = ModelRunner(EngineConfig(engine_dir=str(engine_dir), device="cuda"))
+    del runner
+    torch.cuda.empty_cache()
+
+
 def _toolchain() -> dict[str, str]:
     from importlib import metadata
 
@@ -193,6 +206,10 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         }
         (tmp / "README.md").write_text(render("engine_README.md.j2", manifest=manifest, plan=plan))
         ef.write_manifest(tmp, manifest)
+        if manifest["kernels"]:   # tuned, so on the target GPU: compile every kernel into the engine too
+            log("compiling the kernels into the engine (a warm-up of each step on this GPU)")
+            compile_kernels(tmp)
+            ef.write_manifest(tmp, manifest)   # again: the digests now cover kernels/
         (tmp / "build-info.json").write_text(json.dumps({"host": platform.node()}, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--sink", type=int, default=8, help="sink tokens kept FP16")
     ap.add_argument("--window", type=int, default=128, help="recent tokens kept FP16")
-    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="peak memory bandwidth, bytes/s (H200: 4.3e12)")
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bandwidth the roofline assumes, bytes/s (4.3e12: the copy rate measured on the lent H200; its spec is 4.8e12)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     ap.add_argument("--tune", action="store_true", help="sweep partitions x tile_blocks x num_warps; report the best")
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    from bie_trt.kernels.triton_attention import default_num_partitions, paged_decode_attention
+    from bie_trt.kernels.triton_attention import default_config, default_num_partitions, paged_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -167,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"check {kv_dtype:>9} ctx {args.check_context}: max |Δ| vs reference "
                   f"{report['check_max_abs_diff'][kv_dtype]:.2e}")
 
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every row: a crash or a `timeout` later keeps what was measured
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+    save()
     header = (f"{'kv':>9} {'ctx':>6} {'config':>34} {'µs':>8} {'MB':>8} {'GB/s':>7} {'roof':>5} "
               f"{'sdpa µs':>8} {'sdpa roof':>9}")
     print(header)
@@ -175,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         pools, table, lens, quant_blocks = build_cache(args, kv_dtype, context, gen)
         q = torch.randn(args.batch, args.heads, args.head_dim, device="cuda", dtype=torch.float16, generator=gen)
         nbytes = bytes_read(args, kv_dtype, context, quant_blocks)
+        tiles = default_config(True, triton.next_power_of_2(args.heads // args.kv_heads))
         default = {"num_partitions": default_num_partitions(args.batch * args.kv_heads,
-                                                            triton.cdiv(table.shape[1], 4), q.device),
-                   "tile_blocks": 4, "num_warps": 4}
+                                                            triton.cdiv(table.shape[1], tiles["tile_blocks"]), sms),
+                   "tile_blocks": tiles["tile_blocks"], "num_warps": tiles["num_warps"]}
         configs = tune_grid(default["num_partitions"]) if args.tune else [default]
         timed = []
         for cfg in configs:
@@ -188,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                 timed.append((time_ms(fn, args), cfg))
             except Exception as e:  # a config the compiler rejects (e.g. out of shared memory) is skipped
                 print(f"  skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        if not timed:
+            raise RuntimeError(f"no config of {kv_dtype} at context {context} ran (see the skips above)")
         ms, best = min(timed, key=lambda t: t[0])
         if context not in sdpa_cache:
             sdpa_cache[context] = bench_sdpa(args, context, gen)
@@ -201,14 +211,13 @@ def main(argv: list[str] | None = None) -> int:
             "tuning": [{"config": c, "us": t * 1e3} for t, c in timed] if args.tune else None,
         }
         report["results"].append(row)
+        save()
         cfg_txt = f"P={best['num_partitions']} tile={best['tile_blocks']} warps={best['num_warps']}"
         print(f"{kv_dtype:>9} {context:>6} {cfg_txt:>34} {row['us']:>8.1f} {nbytes / 1e6:>8.1f} "
               f"{row['gb_per_s']:>7.0f} {row['roofline']:>5.0%} {row['sdpa_us']:>8.1f} {row['sdpa_roofline']:>9.0%}")
         del pools
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    save()
     print(f"wrote {out}")
     return 0
 

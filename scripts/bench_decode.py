@@ -158,8 +158,16 @@ def main() -> None:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    model = LlamaModel(cfg, random_weights(cfg, group), device, dtype, embedding_on_host=True)
+    model = LlamaModel(cfg, random_weights(cfg, group, device=device), device, dtype, embedding_on_host=True)
     rows = []
+    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "smoke": args.smoke,
+           "model": cfg.to_dict(), "weight_group_size": group, "cap_gib": args.cap_gib, "bandwidth": args.bandwidth,
+           "torch": torch.__version__, "decode": rows, "prefill": None, "date": time.strftime("%Y-%m-%d")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every row: a crash or a `timeout` later keeps what was measured
+        args.out.write_text(json.dumps(out, indent=2))
+
     for kv_dtype in args.kv.split(","):
         kv = KVCacheConfig(dtype=kv_dtype)
         for ctx in map(int, args.contexts.split(",")):
@@ -170,14 +178,11 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             rows.append(row)
+            save()
             print(json.dumps(row), flush=True)
-    prefill = bench_prefill(model, KVCacheConfig(dtype="int4_asym"), args.prefill_len, 512)
-    print(json.dumps(prefill), flush=True)
-    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "smoke": args.smoke,
-           "model": cfg.to_dict(), "weight_group_size": group, "cap_gib": args.cap_gib, "bandwidth": args.bandwidth,
-           "torch": torch.__version__, "decode": rows, "prefill": prefill, "date": time.strftime("%Y-%m-%d")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    out["prefill"] = bench_prefill(model, KVCacheConfig(dtype="int4_asym"), args.prefill_len, 512)
+    save()
+    print(json.dumps(out["prefill"]), flush=True)
 
 
 if __name__ == "__main__":

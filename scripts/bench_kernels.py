@@ -4,11 +4,13 @@ Llama-3-8B shapes (M × K × N: rows of x × in features × out features). Decod
 1×4096×6144, o 1×4096×4096, gate_up 1×4096×28672, down 1×14336×4096, and 1×4096×14336;
 speculative verification, M = 5: qkv and down; one 512-row prefill chunk of gate_up.
 
-Bytes per call = packed weights + fp16 scales + uint8 zeros + x + the output (the split-K
-workspace is left out: ≤ 0.5 MB, written and read once). GB/s and the roofline fraction follow
-from the median of `triton.testing.do_bench` (L2 flushed between runs). Alongside: torch's
-`_weight_int4pack_mm` (bf16, its own int4 layout) where this torch build has it; rms_norm and
-silu_mul at batch 1; the fused block quantiser (all 32 layers, K and V); a sweep of
+Bytes per call = packed weights + fp16 scales + uint8 zeros + x + the output: the bytes the op
+must move. The split-K workspace is left out (fp32 partial sums written and read once: 0.5 MB for
+1×14336×4096, 1.5 MB for the M = 5 down shape, which makes that row's fraction ~5% generous). The
+512-row gate_up chunk is compute-bound: read its `tflops`, not its roofline fraction. GB/s and
+the roofline fraction follow from the median of `triton.testing.do_bench` (L2 flushed between
+runs). Alongside: torch's `_weight_int4pack_mm` (bf16, its own int4 layout) where this torch
+build has it; rms_norm and silu_mul at batch 1; the fused block quantiser (all 32 layers, K and V); a sweep of
 `candidate_configs` per decode shape, printing the winner. Correctness on the GPU: each W4
 shape against an fp32 dense matmul, the small ops against their twins, and the quantiser
 byte for byte against `quantize_block` run on a CPU copy (the reference semantics: CUDA torch
@@ -26,6 +28,7 @@ import importlib.util
 import json
 import platform
 import sys
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -159,24 +162,24 @@ def bench_quantize(args: argparse.Namespace, time_ms: Callable[[Callable], float
     return results
 
 
-def run_attention_bench(out: Path) -> dict:
+def run_attention_bench(out: Path, bandwidth: float) -> dict:
     path = Path(__file__).with_name("bench_attention.py")
     if not path.exists():
         return {"skipped": "scripts/bench_attention.py is not there"}
     spec = importlib.util.spec_from_file_location("bench_attention", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    status = module.main(["--out", str(out)])
+    status = module.main(["--out", str(out), "--bandwidth", str(bandwidth)])
     return {"status": status, "out": str(out)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="peak memory bandwidth, bytes/s (H200: 4.3e12)")
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bandwidth the roofline assumes, bytes/s (4.3e12: the copy rate measured on the lent H200; its spec is 4.8e12)")
     ap.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=50, help="do_bench repetition time, ms")
     ap.add_argument("--no-tune", dest="tune", action="store_false", help="skip the config sweep")
-    ap.add_argument("--max-candidates", type=int, default=32, help="configs timed per shape in the sweep")
+    ap.add_argument("--max-candidates", type=int, default=48, help="configs timed per shape in the sweep (M=5 has 41)")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip torch's _weight_int4pack_mm")
     ap.add_argument("--no-attention", dest="attention", action="store_false", help="skip scripts/bench_attention.py")
     ap.add_argument("--out", default="benchmarks/results/kernels.json")
@@ -194,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
 
     torch.manual_seed(0)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every section: a crash or a `timeout` later keeps what was measured
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
     report: dict = {
         "gpu": torch.cuda.get_device_name(0), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
@@ -203,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, m, k, n in [(name, 1, k, n) for name, k, n in DECODE] + BATCHED:
         row = {"name": name, **bench_w4(m, k, n, args, time_ms)}
         report["w4"].append(row)
+        save()
         base = row.get("int4pack_mm", {})
         base_txt = f"{base['us']:.1f}" if "us" in base else "n/a"
         print(f"{name:>10} {f'{m}×{k}×{n}':>16} {row['us']:>8.1f} {row['bytes'] / 1e6:>7.1f} {row['gb_per_s']:>6.0f} "
@@ -212,20 +222,25 @@ def main(argv: list[str] | None = None) -> int:
         for name, m, k, n in [(name, 1, k, n) for name, k, n in DECODE] + [b for b in BATCHED if b[1] <= 16]:
             row = {"name": name, **sweep_w4(m, k, n, args, time_ms)}
             report["w4_sweep"].append(row)
+            save()
             print(f"{name:>10} {f'{m}×{k}×{n}':>16} best {row['us']:.1f} µs ({row['roofline']:.0%}; "
                   f"default {row['default_us']:.1f} µs) {row['winner']}")
     report["small_ops"] = bench_small_ops(args, time_ms)
+    save()
     report["kv"] = bench_quantize(args, time_ms)
+    save()
     for group in ("small_ops", "kv"):
         for name, row in report[group].items():
             checks = {k: v for k, v in row.items() if k not in ("us", "bytes", "gb_per_s", "roofline")}
             print(f"{name:>26} {row['us']:>7.1f} µs {row['gb_per_s']:>6.0f} GB/s  {checks}")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if args.attention:
-        report["attention"] = run_attention_bench(out.with_name("attention.json"))
-    out.write_text(json.dumps(report, indent=2) + "\n")
+        try:
+            report["attention"] = run_attention_bench(out.with_name("attention.json"), args.bandwidth)
+        except Exception as e:  # noqa: BLE001 - the kernel numbers above are saved either way
+            traceback.print_exc()
+            report["attention"] = {"error": f"{type(e).__name__}: {e}"}
+    save()
     print(f"wrote {out}")
     return 0
 

@@ -8,12 +8,17 @@ import torch
 from safetensors.torch import load_file
 
 from .. import engine_format as ef
-from ..config import EngineConfig, KVCacheConfig, ModelConfig
+from ..checkpoint.registry import cache_dir
+from ..config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
 from ..errors import EngineError
+from ..kernels.kernel_cache import use_engine_kernels
 from ..kv.pool import KVPools, allocate_pools
 from ..model.llama import LlamaModel, SeqInput, centres_keys
 from ..plan import kv_pool_blocks
+from ..sampling import make_generator
+from .block_manager import BlockManager, OutOfBlocks
 from .cuda_graphs import DecodeGraphs
+from .sequence import Sequence
 
 
 def pick_device(config: EngineConfig, manifest: dict) -> torch.device:
@@ -49,6 +54,8 @@ class ModelRunner:
         if not weights_path.exists():
             raise EngineError(f"{weights_path}: missing; the engine directory is incomplete (rebuild it).")
         self._cap_memory()
+        self.kernel_cache = (use_engine_kernels(self.engine_dir, self.manifest, cache_dir())
+                             if self.device.type == "cuda" else None)
         placement = self.manifest["plan"]["inputs"].get("embedding_placement", "gpu")
         self.model = LlamaModel(self.model_config, load_file(str(weights_path)), self.device, self.dtype,
                                 embedding_on_host=placement == "host",
@@ -68,6 +75,8 @@ class ModelRunner:
             sizes = [b for b in self.manifest["profile"]["defaults"]["cuda_graph_batch_sizes"] if b <= self.max_num_seqs]
             if sizes:
                 self.graphs = DecodeGraphs(self.model, self.pools, sizes, self.max_model_len, self.pools.scratch_block)
+        if self.device.type == "cuda":
+            self.warm_up()
 
     def _cap_memory(self) -> None:
         """On CUDA, exceeding the plan must be an error, never a silent spill to host memory."""
@@ -76,6 +85,51 @@ class ModelRunner:
         budget = int(self.manifest["plan"]["budget_bytes"])
         total = torch.cuda.get_device_properties(self.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
+
+    def warm_up(self) -> None:
+        """One of each step serving launches, so that every kernel is compiled (or loaded from the
+        engine's kernels) before the first request: prefill chunks of each kind of size, blocks
+        leaving the window (the quantiser), short prompts beside a decode, and decodes of
+        1..max_num_seqs rows. Its own block manager: the pools are scratch until requests own blocks.
+
+        Chunk sizes: Triton specialises integer arguments on being a multiple of 16, and the W4
+        tiles grow with the rows (16, 32, 64), so one size of each kind, at start positions that
+        are and are not multiples of 16."""
+        blocks = BlockManager(self.kv_config, self.pools.num_fp_blocks, self.pools.num_quant_blocks)
+        n = self.max_num_seqs
+        chunks = [self.chunk_size, self.chunk_size - 1, 15, 16, 31, 32]
+        while sum(chunks) > self.max_model_len - 2 * n:   # the long prompt then decodes 2n - 1 times
+            chunks.pop(0)
+        vocab = self.model_config.vocab_size
+        seqs = [Sequence([t % vocab for t in range(length)], SamplingParams(), make_generator(SamplingParams(), 0))
+                for length in [sum(chunks)] + [17] * (n - 1)]
+
+        def step(work: list[tuple[Sequence, int]]) -> None:
+            inputs = []
+            for seq, k in work:
+                try:
+                    blocks.grow(seq, seq.num_cached + k)
+                except OutOfBlocks:   # a pool shrunk on purpose (num_kv_blocks): warm what fits
+                    return
+                ids = torch.tensor(seq.token_slice(seq.num_cached, seq.num_cached + k))
+                inputs.append(SeqInput(ids, seq.num_cached, seq.block_table))
+            self.forward(inputs)
+            for seq, k in work:
+                seq.num_cached += k
+                blocks.compact(seq, self.pools)
+
+        first, rest = seqs[0], seqs[1:]
+        for k in chunks:
+            step([(first, k)])
+        for seq in rest:   # each short prompt beside a decode of the long one
+            first.output_ids.append(0)
+            step([(seq, seq.num_pending), (first, 1)])
+        for batch in range(1, n + 1):
+            for seq in seqs[:batch]:
+                seq.output_ids.append(0)
+            step([(seq, 1) for seq in seqs[:batch]])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
         if self.graphs is not None and (logits := self.graphs.run(inputs)) is not None:

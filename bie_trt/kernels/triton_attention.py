@@ -55,16 +55,23 @@ def available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _jit(fn):
-    # With `from __future__ import annotations` the `tl.constexpr` annotations stay strings (triton
-    # reads them as such), so without triton the kernels are plain, never-called functions.
-    return triton.jit(fn) if triton is not None else fn
+def _jit(*, do_not_specialize: tuple[str, ...] = ()):
+    """triton.jit, or without triton the plain, never-called function (with `from __future__ import
+    annotations` the `tl.constexpr` annotations stay strings, which triton reads as such).
+
+    Integer arguments that change from step to step (query counts, partitions, table widths) go in
+    `do_not_specialize`: Triton would otherwise compile a variant for each kind of value (1, a
+    multiple of 16, other) on first sight, during serving, for loop bounds and masks that gain nothing.
+    """
+    def wrap(fn):
+        return triton.jit(fn, do_not_specialize=list(do_not_specialize)) if triton is not None else fn
+    return wrap
 
 
 # --------------------------------------------------------------------------- kernels
 
 
-@_jit
+@_jit()
 def _channel_halves(HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Channel indices of the two halves every head vector is kept in."""
     j = tl.arange(0, HEAD_DIM // 2)
@@ -77,7 +84,7 @@ def _channel_halves(HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
     return first, second
 
 
-@_jit
+@_jit()
 def _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, rows,
                   TILE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
     """Even and odd channels [TILE, HEAD_DIM // 2] of INT4 rows: x = q · scale + zero per group of channels."""
@@ -94,7 +101,7 @@ def _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, rows,
     return tl.reshape(even, (TILE, HEAD_DIM // 2)), tl.reshape(odd, (TILE, HEAD_DIM // 2))
 
 
-@_jit
+@_jit()
 def _dequant_fp8(qd_ptr, sc_ptr, qd_off, sc_off, rows, ch_a, ch_b, DTYPE: tl.constexpr):
     """Both channel halves of FP8 e4m3 rows: x = q · scale, one scale per token."""
     scale = tl.load(sc_ptr + sc_off, mask=rows, other=0.0).to(tl.float32)[:, None]
@@ -103,7 +110,7 @@ def _dequant_fp8(qd_ptr, sc_ptr, qd_off, sc_off, rows, ch_a, ch_b, DTYPE: tl.con
     return (a.to(tl.float32) * scale).to(DTYPE), (b.to(tl.float32) * scale).to(DTYPE)
 
 
-@_jit
+@_jit()
 def _load_kv_tile(fp_ptr, qd_ptr, sc_ptr, zr_ptr, fp_off, qd_off, sc_off, plain, quant, has_plain, ch_a, ch_b,
                   TILE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr,
                   QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
@@ -129,7 +136,7 @@ def _load_kv_tile(fp_ptr, qd_ptr, sc_ptr, zr_ptr, fp_off, qd_off, sc_off, plain,
     return a, b
 
 
-@_jit
+@_jit(do_not_specialize=("num_queries", "num_partitions", "stride_table"))
 def _paged_attention_partial_kernel(
     q_ptr, pos_ptr, table_ptr,
     k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
@@ -217,7 +224,7 @@ def _paged_attention_partial_kernel(
     tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + ch_b[None, :], acc_b, mask=row_ok[:, None])
 
 
-@_jit
+@_jit(do_not_specialize=("num_partitions",))
 def _combine_partitions_kernel(m_ws_ptr, l_ws_ptr, acc_ws_ptr, out_ptr, num_partitions,
                                stride_out_tok, stride_out_head,
                                NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PART_CHUNK: tl.constexpr):
@@ -267,29 +274,42 @@ def _tl_dtype(dtype: torch.dtype) -> Any:
     return table[dtype]
 
 
-def default_num_partitions(programs_per_partition: int, max_tiles: int, device: torch.device) -> int:
-    """Partitions per context when none are given: a few programs per SM, at most one per KV tile.
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 0 off the GPU (the interpreter runs programs one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def default_num_partitions(programs_per_partition: int, max_tiles: int, sms: int) -> int:
+    """Partitions per context when none are given: a few programs per SM, at most one per KV tile;
+    one off the GPU (sms = 0), where splitting only adds work.
 
     Depends on shapes only (never on the lengths, which live on the GPU), so it is fixed for a
     captured CUDA graph.
     """
-    if device.type != "cuda":
-        return 1  # the interpreter runs programs one after another: splitting only adds work
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms == 0:
+        return 1
     wanted = -(-_PROGRAMS_PER_SM * sms // programs_per_partition)
     return max(1, min(wanted, max_tiles))
 
 
-def _resolve_config(config: dict | None, device: torch.device, group_pad: int) -> dict:
+def default_config(on_gpu: bool, group_pad: int, quantised_prefill: bool = False) -> dict:
+    """Tile sizes when the caller gives none. On the GPU a step reads 4 blocks of KV, and a prefill
+    program holds about 64 score rows (a few queries times the heads of a group). A prefill over a
+    quantised cache reads 2 blocks a step: with 4, its dequantised K/V on top of the 64-row tile
+    spill registers. `scripts/compile_check.py`, INT4 prefill, spill stores a thread with 4 -> 2:
+    sm_90 0 -> 0 (Triton 3.6, 254 -> 166 registers) and 240 -> 0 B (3.9); sm_86 516 -> 0 (3.6) and
+    972 -> 60 B (3.9). FP8 on sm_89: 440 -> 0 B. The interpreter gets small tiles."""
+    if not on_gpu:
+        return {"tile_blocks": 2, "block_m": max(1, 16 // group_pad), "num_warps": 4}
+    return {"tile_blocks": 2 if quantised_prefill else 4, "block_m": max(1, 64 // group_pad), "num_warps": 4}
+
+
+def _resolve_config(config: dict | None, device: torch.device, group_pad: int, quantised_prefill: bool = False) -> dict:
     cfg = dict(config or {})
     unknown = set(cfg) - _CONFIG_KEYS
     if unknown:
         raise ValueError(f"unknown paged-attention config keys {sorted(unknown)}; known: {sorted(_CONFIG_KEYS)}.")
-    cfg.setdefault("tile_blocks", 4 if device.type == "cuda" else 2)
-    # Prefill: about 64 score rows a program on the GPU (a few queries times the heads of a group).
-    cfg.setdefault("block_m", max(1, 64 // group_pad) if device.type == "cuda" else max(1, 16 // group_pad))
-    cfg.setdefault("num_warps", 4)
-    return cfg
+    return {**default_config(device.type == "cuda", group_pad, quantised_prefill), **cfg}
 
 
 def _check_inputs(q: torch.Tensor, pools: KVPools, table: torch.Tensor) -> None:
@@ -321,7 +341,7 @@ def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.T
     num_q_tiles = triton.cdiv(num_queries, block_m)
     max_tiles = triton.cdiv(table_width * block_size, tile)
     parts = num_partitions or cfg.get("num_partitions") or default_num_partitions(num_q_tiles * num_kv_heads,
-                                                                                 max_tiles, q.device)
+                                                                                 max_tiles, sm_count(q.device))
     mode = _kv_mode(pools)
 
     k, v = pools.k[layer], pools.v[layer]
@@ -399,7 +419,8 @@ def paged_prefill_attention(
     tile_blocks, num_partitions, num_warps, num_stages.
     """
     _check_inputs(q, pools, block_table)
-    cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]))
+    cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]),
+                          quantised_prefill=_kv_mode(pools) != _FP16_ONLY)
     pos = positions.to(device=q.device, dtype=torch.int32)
     return _paged_attention(q, pools, layer, block_table, 0, block_table.shape[0], pos, scale,
                             cfg["block_m"], None, cfg)

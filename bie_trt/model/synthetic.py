@@ -34,18 +34,31 @@ def tiny_llama(hidden_size: int = 64, num_heads: int = 2, num_kv_heads: int = 1,
         "tie_word_embeddings": False})
 
 
-def random_weights(cfg: ModelConfig, group_size: int = 128, seed: int = 0) -> dict[str, torch.Tensor]:
-    """fp16 embedding and norms, int8 lm_head, W4 linears whose scales (~0.5/√K) keep outputs O(1)."""
-    g = torch.Generator().manual_seed(seed)
-    w = {"embed_tokens": (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02).half(),
-         "norm": torch.ones(cfg.hidden_size, dtype=torch.float16)}
-    w["lm_head.q"], w["lm_head.scale"] = quantize_rows_int8(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02)
+def random_weights(cfg: ModelConfig, group_size: int = 128, seed: int = 0,
+                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """fp16 embedding and norms, int8 lm_head, W4 linears whose scales (~0.5/√K) keep outputs O(1).
+    Drawn on `device` (an 8B's 4 GB draw in seconds on a GPU, a minute on a small CPU); the
+    embedding comes back on the CPU, where the model places it as the plan says."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=g, device=device)
+
+    def randint(low: int, high: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.randint(low, high, shape, generator=g, device=device, dtype=dtype)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device)
+
+    h = cfg.hidden_size
+    ones = torch.ones(h, dtype=torch.float16)
+    w = {"embed_tokens": (randn(cfg.vocab_size, h) * 0.02).half().cpu(), "norm": ones}
+    w["lm_head.q"], w["lm_head.scale"] = quantize_rows_int8(randn(cfg.vocab_size, h) * 0.02)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        w[p + "attn_norm"] = torch.ones(cfg.hidden_size, dtype=torch.float16)
-        w[p + "mlp_norm"] = torch.ones(cfg.hidden_size, dtype=torch.float16)
+        w[p + "attn_norm"], w[p + "mlp_norm"] = ones, ones
         for name, (n, k) in fused_linear_shapes(cfg).items():
-            w[p + name + ".qweight"] = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=g)
-            w[p + name + ".scales"] = ((torch.rand(n, k // group_size, generator=g) + 0.5) * (0.5 / math.sqrt(k))).half()
-            w[p + name + ".zeros"] = torch.randint(0, 16, (n, k // group_size), dtype=torch.uint8, generator=g)
+            w[p + name + ".qweight"] = randint(-2**31, 2**31 - 1, (n, k // 8), torch.int32)
+            w[p + name + ".scales"] = ((rand(n, k // group_size) + 0.5) * (0.5 / math.sqrt(k))).half()
+            w[p + name + ".zeros"] = randint(0, 16, (n, k // group_size), torch.uint8)
     return w

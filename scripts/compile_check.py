@@ -1,0 +1,301 @@
+"""Compile every Triton kernel of bie_trt ahead of time, without a GPU, and check it would launch.
+
+What it proves: each kernel, specialised exactly as its Python wrapper launches it at Llama-3-8B
+shapes, goes through Triton's full code generation (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the
+ptxas bundled in the triton wheel) for each target architecture, and its resources fit that
+architecture: shared memory per block (opt-in maximum), at most 255 registers per thread and
+registers x threads <= 65536 per block. A kernel that passes cannot fail to launch for lack of
+registers or shared memory (the usual "out of resources" errors); it says nothing about speed or
+numerical correctness, which the GPU tests cover.
+
+How: the wrappers (`paged_decode_attention`, `paged_prefill_attention`, `w4_linear_triton` for
+every config of `candidate_configs`, the small ops) run on CPU tensors of the real dtypes and
+strides while `JITFunction.run` is replaced by a recorder, so grids, constexprs and argument
+specialisations are the wrappers' own. Each recorded launch is then bound and compiled the way
+`JITFunction.run` does it, but for a `GPUTarget` of our choosing. Registers and spills come from
+the log of Triton's own ptxas run, shared memory from the compiled kernel's metadata. Launches
+that specialise identically are compiled once (the row lists how many configs share it).
+
+FP8 (float8e4nv) attention needs sm_89 or newer: on sm_86 its failure is recorded as
+"unsupported", not as an error. A W4 config only the tuner ever times (M >= 2 runs the default)
+that exceeds a limit is "tuning-only": `tune_w4` skips what does not launch. Exit status 1 when
+any other kernel fails to compile or exceeds a limit.
+
+    .venv/bin/python scripts/compile_check.py --out benchmarks/results/compile_check_triton3.9.json
+    PYTHONPATH=/tmp/tri36 .venv/bin/python scripts/compile_check.py \
+        --out benchmarks/results/compile_check_triton3.6.json      # Triton 3.6 unpacked in /tmp/tri36
+    options: --arch 86 89 90 (default)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+from unittest import mock
+
+import torch
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from bie_trt.config import KVCacheConfig
+from bie_trt.kernels import triton_attention as attn
+from bie_trt.kernels import triton_ops as ops
+from bie_trt.kernels import triton_w4 as w4
+from bie_trt.kernels.w4_layout import W4Weight
+from bie_trt.kv.pool import allocate_pools
+from bie_trt.model.llama import fused_linear_shapes
+from bie_trt.model.synthetic import llama3_8b
+
+# Per-block limits by compute capability: the opt-in shared memory maximum (what Triton's
+# launcher checks `metadata.shared` against), and the register file of one block.
+MAX_SHARED = {86: 101376, 89: 101376, 90: 232448}
+MAX_REGS_PER_THREAD = 255
+MAX_REGS_PER_BLOCK = 65536
+FP8_MIN_ARCH = 89
+W4_GROUP = 128
+CONTEXT = 8192          # tokens of cached context the attention launches see
+PREFILL_CHUNK = 512     # EngineConfig.chunked_prefill_size
+H200_SMS = 132
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch as a wrapper made it."""
+
+    fn: JITFunction
+    args: tuple
+    kwargs: dict[str, Any]
+    variant: str
+    needs_fp8: bool
+    # Only timed by a tuner that skips what does not launch, never used otherwise: too big is no error.
+    tuning_only: bool
+
+
+def record_launches(call: Callable[[], Any], variant: str, needs_fp8: bool = False,
+                    tuning_only: bool = False) -> list[Launch]:
+    """Run a wrapper with kernel launches replaced by recording them."""
+    launches: list[Launch] = []
+
+    def record(fn: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launches.append(Launch(fn, args, kwargs, variant, needs_fp8, tuning_only))
+
+    with mock.patch.object(JITFunction, "run", record):
+        call()
+    return launches
+
+
+def attention_launches() -> list[Launch]:
+    """Decode (batch 1 and 8) and a 512-token prefill chunk, for each KV cache dtype, plus the merges."""
+    model = dataclasses.replace(llama3_8b(), num_layers=1)
+    scale = model.head_dim ** -0.5
+    # Off the GPU the wrappers pick interpreter-friendly tiles and one partition, so pass what
+    # they would pick on an H200.
+    group_pad = triton.next_power_of_2(model.num_heads // model.num_kv_heads)
+    out: list[Launch] = []
+    for dtype in ("fp16", "int4_asym", "fp8"):
+        kv = KVCacheConfig(dtype=dtype)
+        pools = allocate_pools(model, kv, num_fp_blocks=4, num_quant_blocks=4)
+        width = CONTEXT // kv.block_size
+        decode = attn.default_config(True, group_pad)
+        for batch in (1, 8):
+            q = torch.empty(batch, model.num_heads, model.head_dim, dtype=torch.float16)
+            table = torch.zeros(batch, width, dtype=torch.int32)
+            lens = torch.full((batch,), CONTEXT, dtype=torch.int32)
+            parts = attn.default_num_partitions(batch * model.num_kv_heads, width // decode["tile_blocks"], H200_SMS)
+            out += record_launches(
+                lambda: attn.paged_decode_attention(q, pools, 0, table, lens, scale, num_partitions=parts,
+                                                    config=decode),
+                f"decode {dtype} batch {batch}", needs_fp8=dtype == "fp8")
+        q = torch.empty(PREFILL_CHUNK, model.num_heads, model.head_dim, dtype=torch.float16)
+        pos = torch.arange(CONTEXT - PREFILL_CHUNK, CONTEXT, dtype=torch.int32)
+        config = attn.default_config(True, group_pad, quantised_prefill=dtype != "fp16")
+        config["num_partitions"] = attn.default_num_partitions(PREFILL_CHUNK // config["block_m"] * model.num_kv_heads,
+                                                               width // config["tile_blocks"], H200_SMS)
+        out += record_launches(
+            lambda: attn.paged_prefill_attention(q, pools, 0, torch.zeros(width, dtype=torch.int32), pos, scale,
+                                                 config=config),
+            f"prefill {dtype} chunk {PREFILL_CHUNK}", needs_fp8=dtype == "fp8")
+    return out
+
+
+def w4_launches() -> list[Launch]:
+    """Every config `candidate_configs` lists (the default first) for each linear, at M = 1, 5 and 512."""
+    short = {"BLOCK_M": "BM", "BLOCK_N": "BN", "BLOCK_K": "BK", "SPLIT_K": "SK", "num_warps": "w", "num_stages": "s"}
+    out: list[Launch] = []
+    for name, (n, k) in fused_linear_shapes(llama3_8b()).items():
+        # Empty tensors of the layout's dtypes and shapes: only strides and alignment matter.
+        w = W4Weight(torch.empty(n, k // 8, dtype=torch.int32), torch.empty(n, k // W4_GROUP, dtype=torch.float16),
+                     torch.empty(n, k // W4_GROUP, dtype=torch.uint8))
+        for m in (1, 5, PREFILL_CHUNK):
+            x = torch.empty(m, k, dtype=torch.float16)
+            default = w4.default_config(m, n, k, W4_GROUP)
+            for cfg in w4.candidate_configs(m, n, k, W4_GROUP):
+                tag = " ".join(f"{short[key]}{val}" for key, val in cfg.items())
+                # M >= 2 always runs the default; a tuned GEMV config is stored in the engine and
+                # may run on another GPU than the one that tuned it, so every M = 1 candidate counts.
+                out += record_launches(lambda: w4.w4_linear_triton(x, w, cfg), f"{name} M={m} {tag}",
+                                       tuning_only=m > 1 and cfg != default)
+    return out
+
+
+def ops_launches() -> list[Launch]:
+    """rms_norm with and without the residual, silu_mul, write_kv and both block quantisers."""
+    model = dataclasses.replace(llama3_8b(), num_layers=1)
+    h = torch.empty(PREFILL_CHUNK, model.hidden_size, dtype=torch.float16)
+    norm_w = torch.empty(model.hidden_size, dtype=torch.float16)
+    gate_up = torch.empty(PREFILL_CHUNK, 2 * model.intermediate_size, dtype=torch.float16)
+    kv_new = torch.empty(PREFILL_CHUNK, model.num_kv_heads, model.head_dim, dtype=torch.float16)
+    slots = torch.zeros(PREFILL_CHUNK, dtype=torch.int32)
+    out = record_launches(lambda: ops.rms_norm_triton(h, norm_w, 1e-5), "hidden 4096")
+    out += record_launches(lambda: ops.rms_norm_triton(h, norm_w, 1e-5, residual=h), "hidden 4096 + residual")
+    out += record_launches(lambda: ops.silu_mul_triton(gate_up), "intermediate 14336")
+    fp16_pools = allocate_pools(model, KVCacheConfig(dtype="fp16"), num_fp_blocks=4, num_quant_blocks=0)
+    out += record_launches(lambda: ops.write_kv_triton(fp16_pools, 0, kv_new, kv_new, slots, slots),
+                           "8 kv heads x 128")
+    for dtype in ("int4_asym", "fp8"):
+        pools = allocate_pools(model, KVCacheConfig(dtype=dtype), num_fp_blocks=4, num_quant_blocks=4)
+        # Writes raw bytes, no fp8 arithmetic: must compile on sm_86 too.
+        out += record_launches(lambda: ops.quantize_block_triton(pools, 0, 0), f"quantise {dtype}")
+    return out
+
+
+def specialise(launch: Launch, target: GPUTarget) -> tuple[ASTSource, dict[str, Any]]:
+    """Bind a launch's arguments as `JITFunction.run` does, for `target` instead of the current GPU."""
+    fn = launch.fn
+    backend = make_backend(target)
+    kwargs = dict(launch.kwargs, debug=launch.kwargs.get("debug", fn.debug) or knobs.runtime.debug)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    # `_pack_args` is private, but it is exactly what run() uses to turn the specialisation into
+    # the signature, constexprs and attributes, in 3.6 and 3.9 alike; re-deriving it would drift.
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return ASTSource(fn, signature, constexprs, attrs), options.__dict__
+
+
+def ptxas_resources(log: str) -> dict[str, int]:
+    """Registers, spills and static shared memory from a `ptxas -v` log."""
+    def grab(pattern: str) -> int:
+        found = re.search(pattern, log)
+        return int(found.group(1)) if found else 0
+
+    return {"regs": grab(r"Used (\d+) registers"), "stack": grab(r"(\d+) bytes stack frame"),
+            "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads"),
+            "static_smem": grab(r"(\d+) bytes smem")}
+
+
+def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[str, Any]) -> dict[str, Any]:
+    """Compile one specialised launch for `target` and measure it against the architecture's limits."""
+    arch = target.arch
+    row: dict[str, Any] = {"kernel": launch.fn.__name__, "arch": arch, "variants": [launch.variant],
+                           "tuning_only": launch.tuning_only,
+                           "num_warps": options["num_warps"], "num_stages": options["num_stages"]}
+    log = io.StringIO()
+    try:
+        # Triton prints its ptxas log when asked to; its own run is the one that made the cubin.
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(src, target=target, options=options)
+    except Exception as e:  # noqa: BLE001 - each Triton stage raises its own type
+        expected = launch.needs_fp8 and arch < FP8_MIN_ARCH
+        row.update(status="unsupported" if expected else "failed", error=f"{type(e).__name__}: {e}"[:3000])
+        return row
+    res = ptxas_resources(log.getvalue())
+    meta = kernel.metadata
+    threads = meta.num_warps * 32
+    smem = meta.shared + res["static_smem"]
+    problems = []
+    if smem > MAX_SHARED[arch]:
+        problems.append(f"shared memory {smem} B > {MAX_SHARED[arch]} B")
+    if res["regs"] > MAX_REGS_PER_THREAD:
+        problems.append(f"{res['regs']} registers/thread > {MAX_REGS_PER_THREAD}")
+    if res["regs"] * threads > MAX_REGS_PER_BLOCK:
+        problems.append(f"{res['regs']} registers x {threads} threads > {MAX_REGS_PER_BLOCK}")
+    if not res["regs"]:
+        problems.append("no register count in the ptxas log")
+    # Global scratch is allocated at launch through triton.set_allocator, which bie_trt never sets.
+    scratch = getattr(meta, "global_scratch_size", 0)
+    if scratch:
+        problems.append(f"needs {scratch} B of global scratch (triton.set_allocator)")
+    row.update(res, problems=problems, smem=smem, num_warps=meta.num_warps, num_stages=meta.num_stages,
+               global_scratch=scratch, hash=kernel.hash)
+    return row
+
+
+def run(archs: list[int]) -> list[dict[str, Any]]:
+    launches = attention_launches() + w4_launches() + ops_launches()
+    rows: list[dict[str, Any]] = []
+    for arch in archs:
+        seen: dict[str, dict[str, Any]] = {}
+        target = GPUTarget("cuda", arch, 32)
+        for launch in launches:
+            src, options = specialise(launch, target)
+            key = f"{src.hash()}{sorted(options.items())}"
+            if key in seen:  # same specialisation as an earlier launch: same binary
+                seen[key]["variants"].append(launch.variant)
+                seen[key]["tuning_only"] &= launch.tuning_only
+                continue
+            row = check_one(launch, target, src, options)
+            seen[key] = row
+            rows.append(row)
+            print(f"  sm_{arch} {row['kernel']:<32} {launch.variant}", file=sys.stderr, flush=True)
+    for row in rows:
+        if "status" not in row:  # compiled: the verdict waits until every launch sharing it is known
+            row["status"] = "ok" if not row["problems"] else "tuning-only" if row["tuning_only"] else "exceeds"
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = (f"{'arch':<6}{'kernel':<33}{'regs':>5}{'spill st/ld':>12}{'smem':>8}{'warps':>6}{'stg':>4}  "
+            f"{'status':<12}variant")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        more = f" (+{len(r['variants']) - 1} more)" if len(r["variants"]) > 1 else ""
+        if "regs" in r:
+            spill = f"{r['spill_stores']}/{r['spill_loads']}"
+            res = f"{r['regs']:>5}{spill:>12}{r['smem']:>8}"
+        else:
+            res = f"{'-':>5}{'-':>12}{'-':>8}"
+        print(f"sm_{r['arch']:<3}{r['kernel']:<33}{res}{r['num_warps']:>6}{r['num_stages']:>4}  "
+              f"{r['status']:<12}{r['variants'][0]}{more}")
+        # An error's last line is its cause; the lines above locate it in the kernel source.
+        for text in r.get("problems", []) + ([r["error"].strip().splitlines()[-1]] if "error" in r else []):
+            print(f"{'':<6}! {text}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="JSON report path")
+    parser.add_argument("--arch", type=int, nargs="+", default=[86, 89, 90], choices=sorted(MAX_SHARED))
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as cache:
+        # A fresh cache makes every compile run ptxas (so its log exists) and leaves ~/.triton alone.
+        knobs.cache.dir = cache
+        knobs.nvidia.dump_ptxas_log = True
+        rows = run(args.arch)
+    print_table(rows)
+    bad = [r for r in rows if r["status"] in ("failed", "exceeds")]
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "unsupported", "tuning-only", "failed", "exceeds")}
+    print(f"\ntriton {triton.__version__}: {len(rows)} compiled specialisations, {counts}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        report = {"triton_version": triton.__version__, "torch_version": torch.__version__, "archs": args.arch,
+                  "limits": {"max_shared_bytes": MAX_SHARED, "max_regs_per_thread": MAX_REGS_PER_THREAD,
+                             "max_regs_per_block": MAX_REGS_PER_BLOCK},
+                  "summary": counts, "results": rows}
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
