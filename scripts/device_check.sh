@@ -24,6 +24,9 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow"
 # 2. kernels at Llama-3-8B shapes (µs, GB/s, roofline fraction), then decode and prefill
 # (timeouts sum to 550 s: the device tool kills a command at 600 s, and the lease is 15 min with the start)
 timeout 130 python3 scripts/bench_kernels.py --no-attention --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -40
-timeout 50 python3 scripts/bench_attention.py --out "$OUT/attention.json" 2>&1 | tee -a "$OUT/kernels.log" | tail -12
-timeout 170 python3 scripts/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -20
+# attention: sweep partitions x tile_blocks x warps (INT4 decode sits at 230-255 registers, 2 programs
+# an SM: is a smaller tile with more programs faster?), with short do_bench windows to fit
+timeout 60 python3 scripts/bench_attention.py --tune --warmup 10 --rep 40 --out "$OUT/attention.json" 2>&1 \
+    | tee -a "$OUT/kernels.log" | tail -12
+timeout 160 python3 scripts/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -20
 ls -la "$OUT"

@@ -1,6 +1,8 @@
 """The OpenAI-compatible server, driven by the real `openai` client over 127.0.0.1."""
 from __future__ import annotations
 
+import itertools
+import math
 import socket
 import threading
 import time
@@ -106,6 +108,7 @@ def test_seeded_sampling_is_reproducible(client, model_id):
     ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"prompt": ""}, "empty"),
+    ({"logprobs": 21}, "logprobs"),
 ])
 def test_errors_are_400_and_server_keeps_serving(client, model_id, bad, fragment):
     kw = {"model": model_id, "prompt": "Hello", "max_tokens": 4, **bad}
@@ -114,6 +117,43 @@ def test_errors_are_400_and_server_keeps_serving(client, model_id, bad, fragment
     assert e.value.status_code == 400 and fragment in e.value.body["message"]
     ok = client.completions.create(model=model_id, prompt="Hello", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_completion_logprobs(server, client, model_id):
+    engine = server[0]
+    prompt, kw = "The capital of France is", {"max_tokens": 6, "temperature": 0}
+    want = engine.generate(prompt, SamplingParams(logprobs=3, **kw))
+    lp = client.completions.create(model=model_id, prompt=prompt, logprobs=3, **kw).choices[0].logprobs
+    assert lp.tokens == [engine.tokenizer.decode([t]) for t in want.token_ids]
+    assert lp.token_logprobs == pytest.approx([d[t] for t, d in zip(want.token_ids, want.logprobs)], abs=1e-6)
+    for top, sampled in zip(lp.top_logprobs, lp.token_logprobs):
+        assert len(top) == 3 and sampled <= 0
+        assert max(top.values()) == pytest.approx(sampled)   # greedy: the sampled token is the likeliest
+        assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-6
+    assert lp.text_offset == list(itertools.accumulate([len(t) for t in lp.tokens[:-1]], initial=0))
+    # streamed: the same tokens and numbers chunk by chunk, offsets running on across chunks
+    parts = [c.choices[0].logprobs for c in client.completions.create(model=model_id, prompt=prompt, logprobs=3,
+                                                                      stream=True, **kw) if c.choices]
+    assert sum((p.tokens for p in parts), []) == lp.tokens
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset
+    assert sum((p.token_logprobs for p in parts), []) == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_chat_logprobs(client, model_id):
+    kw = {"model": model_id, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 5,
+          "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(content) == 5
+    for c in content:
+        assert c.bytes == list(c.token.encode()) and len(c.top_logprobs) == 2
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.logprob == pytest.approx(c.top_logprobs[0].logprob)   # greedy
+    streamed = [e for chunk in client.chat.completions.create(stream=True, **kw) if chunk.choices
+                and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 5)) for c in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**{**kw, "logprobs": False})
+    assert "top_logprobs" in e.value.body["message"]
 
 
 def test_stream_error_is_400_not_broken_stream(client, model_id):

@@ -2,15 +2,16 @@
 
 Routes: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions (each streamed as server-sent events ending in `data: [DONE]` when
-`stream` is true). Bad requests get HTTP 400 with an OpenAI-style error body, and the server keeps
+`stream` is true; `logprobs` in the shape of each API). Bad requests get HTTP 400 with an OpenAI-style error body, and the server keeps
 serving. Every request runs on the engine's one loop, batched with the others in flight.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 from fastapi import FastAPI, Request
@@ -47,6 +48,7 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = None        # top-N alternatives per token (0: the sampled token's only)
 
 
 class ChatMessage(BaseModel):
@@ -58,6 +60,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 def openai_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -65,13 +69,38 @@ def openai_error(status: int, message: str, kind: str = "invalid_request_error",
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
-def _params(req: _Request, max_tokens: int | None) -> SamplingParams:
+def _params(req: _Request, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         max_tokens=max_tokens if max_tokens is not None else 16, stop=stop, stop_token_ids=req.stop_token_ids,
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos)
+        repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs)
+
+
+def _top(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(logprobs.items(), key=lambda item: -item[1])[:n]
+
+
+def completion_logprobs(tokens: list[int], logprobs: list[dict[int, float]], n: int, decode: Callable[[int], str],
+                        offset: int = 0) -> dict[str, list]:
+    """The completions API's shape: parallel lists of token texts, their logprobs, the top n of each
+    position, and where each token starts in the completion's text (from `offset`)."""
+    texts = [decode(t) for t in tokens]
+    return {"tokens": texts, "token_logprobs": [lp[t] for t, lp in zip(tokens, logprobs)],
+            "top_logprobs": [{decode(i): v for i, v in _top(lp, n)} for lp in logprobs],
+            "text_offset": list(itertools.accumulate([len(t) for t in texts[:-1]], initial=offset))}
+
+
+def chat_logprobs(tokens: list[int], logprobs: list[dict[int, float]], n: int,
+                  decode: Callable[[int], str]) -> dict[str, list]:
+    """The chat API's shape: one entry per token with its text, logprob, UTF-8 bytes and top n."""
+    def entry(token: int, value: float) -> dict[str, Any]:
+        text = decode(token)
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    return {"content": [dict(entry(t, lp[t]), top_logprobs=[entry(i, v) for i, v in _top(lp, n)])
+                        for t, lp in zip(tokens, logprobs)]}
 
 
 def _usage(out: RequestOutput) -> dict[str, int]:
@@ -112,6 +141,9 @@ def create_app(engine: BieEngine) -> FastAPI:
     app = FastAPI(title="bie-trt", description="OpenAI-compatible server for a bie-trt engine")
     model_id = engine.model_name
     metrics = Metrics()
+
+    def decode(token: int) -> str:
+        return engine.tokenizer.decode([token])
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -179,16 +211,26 @@ def create_app(engine: BieEngine) -> FastAPI:
             prompt = req.prompt
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_id}
+        offset = 0   # characters of token text streamed so far: where the next chunk's tokens start
+
+        def logprobs(tokens: list[int], values: list[dict[int, float]] | None) -> dict | None:
+            nonlocal offset
+            if req.logprobs is None or values is None:
+                return None
+            shaped = completion_logprobs(tokens, values, req.logprobs, decode, offset)
+            offset += sum(len(t) for t in shaped["tokens"])
+            return shaped
 
         def make_chunk(event: StreamEvent, first: bool) -> list[dict]:
-            return [dict(base, choices=[{"index": 0, "text": event.delta, "logprobs": None,
+            return [dict(base, choices=[{"index": 0, "text": event.delta,
+                                         "logprobs": logprobs(event.token_ids, event.logprobs),
                                          "finish_reason": event.finish_reason}])]
 
         def make_body(out: RequestOutput) -> dict:
-            return dict(base, choices=[{"index": 0, "text": out.text, "logprobs": None,
+            return dict(base, choices=[{"index": 0, "text": out.text, "logprobs": logprobs(out.token_ids, out.logprobs),
                                         "finish_reason": out.finish_reason}], usage=_usage(out))
 
-        return await run(prompt, _params(req, req.max_tokens), False, req, base, make_chunk, make_body)
+        return await run(prompt, _params(req, req.max_tokens, req.logprobs), False, req, base, make_chunk, make_body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
@@ -196,6 +238,9 @@ def create_app(engine: BieEngine) -> FastAPI:
             return err
         if not req.messages:
             return openai_error(400, "messages must not be empty.", param="messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            return openai_error(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
         messages = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_id}
@@ -206,15 +251,20 @@ def create_app(engine: BieEngine) -> FastAPI:
                 chunks.append(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                    "finish_reason": None}]))
             delta = {"content": event.delta} if event.delta else {}
-            chunks.append(dict(base, choices=[{"index": 0, "delta": delta, "finish_reason": event.finish_reason}]))
+            choice = {"index": 0, "delta": delta, "finish_reason": event.finish_reason}
+            if top_n is not None:
+                choice["logprobs"] = chat_logprobs(event.token_ids, event.logprobs, top_n, decode)
+            chunks.append(dict(base, choices=[choice]))
             return chunks
 
         def make_body(out: RequestOutput) -> dict:
-            return dict(base, object="chat.completion", choices=[{
-                "index": 0, "message": {"role": "assistant", "content": out.text},
-                "finish_reason": out.finish_reason}], usage=_usage(out))
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                      "finish_reason": out.finish_reason}
+            if top_n is not None:
+                choice["logprobs"] = chat_logprobs(out.token_ids, out.logprobs, top_n, decode)
+            return dict(base, object="chat.completion", choices=[choice], usage=_usage(out))
 
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await run(messages, _params(req, max_tokens), True, req, base, make_chunk, make_body)
+        return await run(messages, _params(req, max_tokens, top_n), True, req, base, make_chunk, make_body)
 
     return app
