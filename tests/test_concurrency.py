@@ -1,10 +1,13 @@
 """Many requests on one engine loop: batched greedy outputs equal one-at-a-time ones (prefill chunks
 interleaved with decodes, FP16 and INT4 KV), a pool far too small still completes every request over
-HTTP (by preempting), and a client that disconnects mid-stream gives its blocks back at once."""
+HTTP (by preempting), and a client that disconnects, mid-stream or before a non-streamed reply,
+gives its blocks back at once."""
 from __future__ import annotations
 
 import gc
+import json
 import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,4 +154,22 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(small_pool_server
     # leaving the block closes the connection mid-stream
     wait_until(lambda: metric(base, "bie_kv_blocks", pool="fp16", state="used") == used,
                "the disconnected request still holds KV blocks")
+    assert metric(base, "bie_requests_total", finish_reason="abort") == aborted + 1
+
+
+def test_a_client_that_leaves_a_non_streamed_request_frees_its_blocks(small_pool_server):
+    """Nothing is sent before the end of a non-streamed reply, so the server must notice the closed
+    connection itself: the request is aborted, not generated to max_tokens for nobody."""
+    engine, base = small_pool_server
+    used, aborted = (metric(base, "bie_kv_blocks", pool="fp16", state="used"),
+                     metric(base, "bie_requests_total", finish_reason="abort"))
+    body = json.dumps({"model": engine.model_name, "prompt": "Tell me a long story", "max_tokens": 50,
+                       "ignore_eos": True}).encode()
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:   # a client we can hang up on mid-request
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: metric(base, "bie_kv_blocks", pool="fp16", state="used") > used, "the request never ran")
+    wait_until(lambda: metric(base, "bie_kv_blocks", pool="fp16", state="used") == used,
+               "the abandoned request still holds KV blocks")
     assert metric(base, "bie_requests_total", finish_reason="abort") == aborted + 1

@@ -24,6 +24,8 @@ from ..errors import BieError
 from ..executor.engine import BieEngine, RequestOutput, RequestStream, StreamEvent
 from .metrics import CONTENT_TYPE, Metrics
 
+DISCONNECT_POLL_S = 0.1   # how often a non-streamed request checks that its client is still there
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")   # unknown OpenAI fields are accepted and ignored
@@ -176,14 +178,27 @@ def create_app(engine: BieEngine) -> FastAPI:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
                                             "owned_by": "bie-trt", "max_model_len": engine.max_model_len}]}
 
-    async def run(prompt, params: SamplingParams, chat: bool, req: _Request, base: dict, make_chunk, make_body):
+    async def run(http: Request, prompt, params: SamplingParams, chat: bool, req: _Request, base: dict, make_chunk,
+                  make_body):
         start = time.perf_counter()
         events = engine.stream(prompt, params, chat=chat)   # validates before any byte is sent
         include_usage = bool((req.stream_options or {}).get("include_usage"))
         if not req.stream:
             last = None
-            async for event in _iterate(events, metrics, start):
-                last = event
+            async with anyio.create_task_group() as tasks:
+                async def abort_when_client_leaves() -> None:
+                    # nothing is sent until the end, so only polling notices a client that went away;
+                    # cancelling the wait below closes the stream, which aborts the request
+                    while not await http.is_disconnected():
+                        await anyio.sleep(DISCONNECT_POLL_S)
+                    tasks.cancel_scope.cancel()
+
+                tasks.start_soon(abort_when_client_leaves)
+                async for event in _iterate(events, metrics, start):
+                    last = event
+                tasks.cancel_scope.cancel()
+            if last is None or last.output is None:   # the client left: nobody reads a reply
+                return PlainTextResponse("client disconnected", status_code=499)
             return make_body(last.output)
 
         async def sse() -> AsyncIterator[str]:
@@ -199,7 +214,7 @@ def create_app(engine: BieEngine) -> FastAPI:
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, http: Request):
         if (err := check_model(req)) is not None:
             return err
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
@@ -230,10 +245,11 @@ def create_app(engine: BieEngine) -> FastAPI:
             return dict(base, choices=[{"index": 0, "text": out.text, "logprobs": logprobs(out.token_ids, out.logprobs),
                                         "finish_reason": out.finish_reason}], usage=_usage(out))
 
-        return await run(prompt, _params(req, req.max_tokens, req.logprobs), False, req, base, make_chunk, make_body)
+        return await run(http, prompt, _params(req, req.max_tokens, req.logprobs), False, req, base, make_chunk,
+                         make_body)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest):
+    async def chat_completions(req: ChatRequest, http: Request):
         if (err := check_model(req)) is not None:
             return err
         if not req.messages:
@@ -265,6 +281,6 @@ def create_app(engine: BieEngine) -> FastAPI:
             return dict(base, object="chat.completion", choices=[choice], usage=_usage(out))
 
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await run(messages, _params(req, max_tokens, top_n), True, req, base, make_chunk, make_body)
+        return await run(http, messages, _params(req, max_tokens, top_n), True, req, base, make_chunk, make_body)
 
     return app
