@@ -21,7 +21,8 @@ except ModuleNotFoundError:  # Python 3.10
 from .config import KVCacheConfig
 from .errors import PlanError
 
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "build_profiles"
+# The repository's build_profiles/, reached through a link inside the package so that a wheel ships them.
+PROFILES_DIR = Path(__file__).parent / "data" / "build_profiles"
 # A card whose name matches a profile but whose memory differs by more than this is another
 # model of card (RTX 3060 8 GB vs 12 GB share one name); the driver reports a little less than
 # the nominal size, hence the slack.

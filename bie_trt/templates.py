@@ -1,11 +1,12 @@
-"""Render the jinja2 templates in the repository's `templates/` folder."""
+"""Render the jinja2 templates in the repository's `templates/` folder (shipped in the wheel
+through the link `bie_trt/data/templates`)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import jinja2
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "templates"
+TEMPLATES_DIR = Path(__file__).parent / "data" / "templates"
 
 
 def render(name: str, **context) -> str:
