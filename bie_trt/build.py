@@ -20,7 +20,7 @@ from .checkpoint.registry import resolve_checkpoint
 from .config import KVCacheConfig, ModelConfig
 from .errors import BieError, PlanError
 from .kernels.int8_rows import quantize_rows_int8
-from .kernels.kernel_cache import KERNELS_DIR, triton_cache_at
+from .kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
 from .kernels.w4_layout import awq_to_w4
 from .model.llama import LlamaModel, fused_linear_shapes
 from .plan import MemoryPlan, solve_plan
@@ -125,6 +125,7 @@ def compile_kernels(engine_dir: Path) -> None:
     from .executor.model_runner import ModelRunner
 
     with triton_cache_at(engine_dir / KERNELS_DIR):
+        forget_compiled_kernels()   # tuning compiled the GEMVs in this process: compile them again, here
         runner = ModelRunner(EngineConfig(engine_dir=str(engine_dir), device="cuda"))
     del runner
     torch.cuda.empty_cache()

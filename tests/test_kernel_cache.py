@@ -89,10 +89,13 @@ def test_engine_kernels_are_used_through_a_writable_copy(tmp_path, monkeypatch):
 
 SERVE = """
 import json, os, sys
+from triton import knobs
+compiled = []   # every compilation Triton's on-disk cache did not answer (a hit reports cache_hit=True)
+knobs.compilation.listener = lambda **kw: None if kw["cache_hit"] else compiled.append(kw["src"].name)
 from bie_trt import BieEngine, EngineConfig, SamplingParams
 engine = BieEngine(EngineConfig(engine_dir=sys.argv[1]))
 engine.generate(["the cat is on a mat " * 40, "of and to"], SamplingParams(max_tokens=24, temperature=0))
-print(json.dumps({"cache": os.environ.get("TRITON_CACHE_DIR")}))
+print(json.dumps({"cache": os.environ.get("TRITON_CACHE_DIR"), "compiled": compiled}))
 """
 
 
@@ -108,6 +111,49 @@ def test_run_compiles_no_kernel_the_build_compiled(tmp_path):
     res = subprocess.run([sys.executable, "-c", SERVE, str(engine)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    used = Path(json.loads(res.stdout.strip().splitlines()[-1])["cache"])
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    used = Path(report["cache"])
     assert used.is_relative_to(tmp_path / "user-cache")
+    # A kernel recompiled into the same hash folder (the engine's copy not found) adds no folder: count compilations.
+    assert report["compiled"] == [], f"compiled at run time: {report['compiled']}"
     assert compiled_kernels(used) - built == set(), "compiled at run time, missed by the build's warm-up"
+
+
+COPIED = """
+import os, sys
+from pathlib import Path
+import torch, triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+import compile_check as cc
+from bie_trt.kernels import triton_ops
+from bie_trt.kernels.kernel_cache import installed_triton, use_engine_kernels
+root = Path(sys.argv[1])
+hits = []
+knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
+h, w = torch.empty(4, 64, dtype=torch.float16), torch.empty(64, dtype=torch.float16)
+launch = cc.record_launches(lambda: triton_ops.rms_norm_triton(h, w, 1e-5), "rms_norm")[0]
+target = GPUTarget("cuda", 90, 32)
+def compile_once():
+    src, options = cc.specialise(launch, target)
+    triton.compile(src, target=target, options=options)
+os.environ["TRITON_CACHE_DIR"] = str(root / ".engine-build" / "kernels")   # build_engine builds in a temp dir
+compile_once()
+(root / ".engine-build").rename(root / "engine")                               # ... and renames it
+files = {str(p.relative_to(root / "engine")): "x" for p in (root / "engine").rglob("*") if p.is_file()}
+use_engine_kernels(root / "engine", {"toolchain": {"triton": installed_triton()}, "files": files}, root / "user")
+compile_once()
+print(hits)
+"""
+
+
+def test_a_copied_engine_cache_is_a_cache_hit(tmp_path):
+    """Triton's `__grp__` files name a compilation's files by absolute path: the engine's kernels are
+    compiled in a temp dir that is renamed, and `run` reads a copy. Compiled for sm_90 without a GPU."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "scripts")] + sys.path)
+    res = subprocess.run([sys.executable, "-c", COPIED, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "[False, True]"   # compiled at build, a hit at run

@@ -97,7 +97,9 @@ class ModelRunner:
         are and are not multiples of 16."""
         blocks = BlockManager(self.kv_config, self.pools.num_fp_blocks, self.pools.num_quant_blocks)
         n = self.max_num_seqs
-        chunks = [self.chunk_size, self.chunk_size - 1, 15, 16, 31, 32]
+        chunks = [k for k in (self.chunk_size, self.chunk_size - 1, 15, 16, 31, 32) if 0 < k <= self.chunk_size]
+        if sum(chunks) > self.max_model_len - 2 * n and self.chunk_size > 48:
+            chunks[:2] = [48, 47]   # the same kinds of launch as a full chunk (W4 BLOCK_M 64, rows % 16 == 0 or not)
         while sum(chunks) > self.max_model_len - 2 * n:   # the long prompt then decodes 2n - 1 times
             chunks.pop(0)
         vocab = self.model_config.vocab_size

@@ -35,10 +35,36 @@ def triton_cache_at(path: Path) -> Iterator[Path]:
             os.environ["TRITON_CACHE_DIR"] = old
 
 
+def forget_compiled_kernels() -> None:
+    """Empty Triton's in-process kernel caches (one per @triton.jit function and device), which are
+    consulted before the on-disk cache: a kernel this process already compiled (the build's tuning
+    times the GEMV configs at the engine's shapes) would otherwise never be written into a new cache."""
+    from triton.runtime.jit import JITFunction
+
+    from . import triton_attention, triton_ops, triton_w4
+
+    for module in (triton_attention, triton_ops, triton_w4):
+        for obj in vars(module).values():
+            if isinstance(obj, JITFunction):
+                obj.device_caches.clear()
+
+
 def compiled_kernels(cache: Path) -> set[str]:
     """One entry per compilation in a Triton cache folder: its hash folder and kernel name. Each
     holds the kernel's metadata `<name>.json` beside a `__grp__<name>.json` listing its files."""
     return {f"{p.parent.name}/{p.stem}" for p in Path(cache).glob("*/*.json") if not p.name.startswith("__grp__")}
+
+
+def _rebase_groups(folder: Path, final: Path) -> None:
+    """Triton's `__grp__<name>.json` lists a compilation's files by absolute path, and a group whose
+    files are missing is a cache miss: point the copy's groups at where its files will be."""
+    for grp in Path(folder).glob("*/__grp__*.json"):
+        data = json.loads(grp.read_text())
+        if "child_paths" not in data:
+            continue
+        data["child_paths"] = {name: str(Path(final).absolute() / grp.parent.name / Path(p).name)
+                               for name, p in data.get("child_paths", {}).items()}
+        grp.write_text(json.dumps(data))
 
 
 def installed_triton() -> str | None:
@@ -63,6 +89,7 @@ def use_engine_kernels(engine_dir: Path, manifest: dict[str, Any], cache_root: P
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".copy-", dir=target.parent))
         shutil.copytree(source, staging, dirs_exist_ok=True)
+        _rebase_groups(staging, target)
         try:
             staging.rename(target)
         except OSError:   # another process got there first

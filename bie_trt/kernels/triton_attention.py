@@ -373,7 +373,7 @@ def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.T
     out = torch.empty_like(q)
     _combine_partitions_kernel[(num_queries, num_q_heads)](
         m_ws, l_ws, acc_ws, out, parts, out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PART_CHUNK=min(triton.next_power_of_2(parts), 16),
+        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PART_CHUNK=16,  # fixed: a constexpr from `parts` would compile a variant per context length
     )
     return out
 

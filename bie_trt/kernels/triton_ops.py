@@ -217,8 +217,9 @@ def _quantize_block_kernel(k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr,
                            IS_INT4: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
                            GROUP: tl.constexpr):
     """One program per (layer, head), K then V: a whole block leaves the window in one launch."""
-    layer = tl.program_id(0)
-    head = tl.program_id(1)
+    # In 64 bits: layer * stride_ql passes 2**31 in a big quantised pool (an 8B at 16 x 128k: 31 * 2**30).
+    layer = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
     src = layer * stride_l + head * stride_h
     q = layer * stride_ql + head * stride_qh
     s = layer * stride_sl + head * stride_sh
