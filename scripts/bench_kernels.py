@@ -10,7 +10,8 @@ must move. The split-K workspace is left out (fp32 partial sums written and read
 512-row gate_up chunk is compute-bound: read its `tflops`, not its roofline fraction. GB/s and
 the roofline fraction follow from the median of `triton.testing.do_bench` (L2 flushed between
 runs). Alongside: torch's `_weight_int4pack_mm` (bf16, its own int4 layout) where this torch
-build has it; rms_norm and silu_mul at batch 1; the fused block quantiser (all 32 layers, K and V); a sweep of
+build has it; rms_norm and silu_mul at batch 1; the int8 lm_head at batch 1 and 5 (beside torch's
+chunked dequantise-then-matmul); the fused block quantiser (all 32 layers, K and V); a sweep of
 `candidate_configs` per decode shape, printing the winner. Correctness on the GPU: each W4
 shape against an fp32 dense matmul, the small ops against their twins, and the quantiser
 byte for byte against `quantize_block` run on a CPU copy (the reference semantics: CUDA torch
@@ -125,6 +126,27 @@ def bench_small_ops(args: argparse.Namespace, time_ms: Callable[[Callable], floa
     }
 
 
+def bench_lm_head(args: argparse.Namespace, time_ms: Callable[[Callable], float]) -> dict:
+    """The int8 lm_head (128256 × 4096) at decode batch 1 and 5: the kernel against torch's chunked
+    dequantise-then-matmul, which it replaced; bytes = codes + row scales + x + logits."""
+    from bie_trt.kernels.int8_rows import Int8Rows, quantize_rows_int8
+    from bie_trt.kernels.triton_int8 import int8_rows_linear_triton
+
+    model = llama3_8b()
+    v, k = model.vocab_size, model.hidden_size
+    head = Int8Rows(*quantize_rows_int8(torch.randn(v, k, device=DEVICE) * 0.02))
+    results = {}
+    for m in (1, 5):
+        x = torch.randn(m, k, dtype=torch.float16, device=DEVICE)
+        out, want = int8_rows_linear_triton(x, head), head.linear(x)
+        nbytes = v * k + 2 * v + 2 * m * k + 2 * m * v
+        results[f"lm_head_int8_{m}x{k}x{v}"] = {
+            "max_abs_err_vs_torch": (out.float() - want.float()).abs().max().item(),
+            "torch_us": time_ms(lambda: head.linear(x)) * 1e3,
+            **roof(nbytes, time_ms(lambda: int8_rows_linear_triton(x, head)), args.bandwidth)}
+    return results
+
+
 def bench_quantize(args: argparse.Namespace, time_ms: Callable[[Callable], float]) -> dict:
     from bie_trt.kernels.triton_ops import quantize_block_triton, write_kv_triton
     from bie_trt.kernels.reference import write_kv_ref
@@ -226,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>10} {f'{m}×{k}×{n}':>16} best {row['us']:.1f} µs ({row['roofline']:.0%}; "
                   f"default {row['default_us']:.1f} µs) {row['winner']}")
     report["small_ops"] = bench_small_ops(args, time_ms)
+    report["small_ops"].update(bench_lm_head(args, time_ms))
     save()
     report["kv"] = bench_quantize(args, time_ms)
     save()

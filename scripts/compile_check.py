@@ -49,8 +49,10 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from bie_trt.config import KVCacheConfig
 from bie_trt.kernels import triton_attention as attn
+from bie_trt.kernels import triton_int8 as int8
 from bie_trt.kernels import triton_ops as ops
 from bie_trt.kernels import triton_w4 as w4
+from bie_trt.kernels.int8_rows import Int8Rows
 from bie_trt.kernels.w4_layout import W4Weight
 from bie_trt.kv.pool import allocate_pools
 from bie_trt.model.llama import fused_linear_shapes
@@ -148,6 +150,18 @@ def w4_launches() -> list[Launch]:
     return out
 
 
+def lm_head_launches() -> list[Launch]:
+    """The int8 lm_head of the 8 GB plans: decode at batch 1 (FMA) and 5 (tl.dot)."""
+    model = llama3_8b()
+    head = Int8Rows(torch.empty(model.vocab_size, model.hidden_size, dtype=torch.int8),
+                    torch.empty(model.vocab_size, dtype=torch.float16))
+    out: list[Launch] = []
+    for m in (1, 5):
+        x = torch.empty(m, model.hidden_size, dtype=torch.float16)
+        out += record_launches(lambda: int8.int8_rows_linear_triton(x, head), f"lm_head int8 M={m}")
+    return out
+
+
 def ops_launches() -> list[Launch]:
     """rms_norm with and without the residual, silu_mul, write_kv and both block quantisers."""
     model = dataclasses.replace(llama3_8b(), num_layers=1)
@@ -231,7 +245,7 @@ def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[s
 
 
 def run(archs: list[int]) -> list[dict[str, Any]]:
-    launches = attention_launches() + w4_launches() + ops_launches()
+    launches = attention_launches() + w4_launches() + lm_head_launches() + ops_launches()
     rows: list[dict[str, Any]] = []
     for arch in archs:
         seen: dict[str, dict[str, Any]] = {}

@@ -17,7 +17,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 #    pytest-xdist (in the lent machine's image) spreads the Triton compiles over 8 processes.
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" $XDIST \
-    tests/test_triton_attention.py tests/test_triton_w4.py tests/test_triton_ops.py tests/test_decode_graphs.py \
+    tests/test_triton_attention.py tests/test_triton_w4.py tests/test_triton_ops.py tests/test_triton_int8.py \
+    tests/test_decode_graphs.py \
     tests/test_kernel_cache.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 

@@ -14,6 +14,7 @@ from ..kv import quant
 from ..kv.pool import KVPools
 from . import reference as ref
 from .attention_ref import paged_attention_ref, paged_decode_attention_ref
+from .int8_rows import Int8Rows
 from .w4_layout import W4Weight
 
 # The CPU path folds 64 blocks (1,024 tokens) per online-softmax step: same algorithm as the
@@ -55,6 +56,16 @@ def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
 
         return w4_linear_triton(x, w, w.gemv_config if x.shape[0] == 1 else None)
     return ref.w4_linear_ref(x, w)
+
+
+def int8_rows_linear(x: torch.Tensor, head: Int8Rows) -> torch.Tensor:
+    """Logits from the int8 lm_head: the Triton kernel for up to 16 rows (decode), torch beyond."""
+    if use_triton(x):
+        from .triton_int8 import MAX_ROWS, int8_rows_linear_triton
+
+        if x.shape[0] <= MAX_ROWS:
+            return int8_rows_linear_triton(x, head)
+    return head.linear(x)
 
 
 def write_kv(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,

@@ -121,7 +121,7 @@ class LlamaModel:
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, Int8Rows):
-            return self.lm_head.linear(rows)
+            return ops.int8_rows_linear(rows, self.lm_head)
         return F.linear(rows, self.lm_head)
 
     def _attention(self, li: int, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,0 +1,49 @@
+"""The Triton int8-row linear (the lm_head of 8 GB plans) against independent math: the codes
+times the row scales, in float64, then the product with x."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bie_trt.kernels import ops, triton_ops
+from bie_trt.kernels.int8_rows import Int8Rows, quantize_rows_int8
+
+pytestmark = pytest.mark.skipif(not triton_ops.available(), reason="triton not importable")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def head(v: int, k: int, seed: int = 0) -> Int8Rows:
+    g = torch.Generator().manual_seed(seed)
+    q, scale = quantize_rows_int8(torch.randn(v, k, generator=g) * torch.rand(v, 1, generator=g))
+    return Int8Rows(q.to(DEVICE), scale.to(DEVICE))
+
+
+def expected(x: torch.Tensor, h: Int8Rows) -> torch.Tensor:
+    w = h.q.cpu().double() * h.scale.cpu().double()[:, None]
+    return x.cpu().double() @ w.T
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_rows_equal_independent_math(m, dtype):
+    from bie_trt.kernels.triton_int8 import int8_rows_linear_triton
+
+    # V not a multiple of the 64-row tile, K not of the 128-wide step: both edges masked
+    h = head(301, 200)
+    x = torch.randn(m, 200, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    out = int8_rows_linear_triton(x, h)
+    assert out.shape == (m, 301) and out.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.cpu().double(), expected(x, h), atol=tol, rtol=tol)
+
+
+def test_dispatch_takes_the_kernel_up_to_16_rows_and_torch_beyond(monkeypatch):
+    monkeypatch.setenv("BIE_TRT_KERNELS", "triton")
+    h = head(100, 64)
+    for m in (1, 16, 17):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        torch.testing.assert_close(ops.int8_rows_linear(x, h).cpu().double(), expected(x, h), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        from bie_trt.kernels.triton_int8 import int8_rows_linear_triton
+
+        int8_rows_linear_triton(torch.randn(17, 64).to(DEVICE), h)
