@@ -157,14 +157,15 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(small_pool_server
     assert metric(base, "bie_requests_total", finish_reason="abort") == aborted + 1
 
 
-def test_a_client_that_leaves_a_non_streamed_request_frees_its_blocks(small_pool_server):
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_that_leaves_a_non_streamed_request_frees_its_blocks(small_pool_server, n):
     """Nothing is sent before the end of a non-streamed reply, so the server must notice the closed
-    connection itself: the request is aborted, not generated to max_tokens for nobody."""
+    connection itself: the request (each of its n choices) is aborted, not generated for nobody."""
     engine, base = small_pool_server
     used, aborted = (metric(base, "bie_kv_blocks", pool="fp16", state="used"),
                      metric(base, "bie_requests_total", finish_reason="abort"))
     body = json.dumps({"model": engine.model_name, "prompt": "Tell me a long story", "max_tokens": 50,
-                       "ignore_eos": True}).encode()
+                       "ignore_eos": True, "n": n}).encode()
     host, port = base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:   # a client we can hang up on mid-request
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -172,4 +173,4 @@ def test_a_client_that_leaves_a_non_streamed_request_frees_its_blocks(small_pool
         wait_until(lambda: metric(base, "bie_kv_blocks", pool="fp16", state="used") > used, "the request never ran")
     wait_until(lambda: metric(base, "bie_kv_blocks", pool="fp16", state="used") == used,
                "the abandoned request still holds KV blocks")
-    assert metric(base, "bie_requests_total", finish_reason="abort") == aborted + 1
+    assert metric(base, "bie_requests_total", finish_reason="abort") == aborted + n

@@ -156,6 +156,46 @@ def test_chat_logprobs(client, model_id):
     assert "top_logprobs" in e.value.body["message"]
 
 
+def test_n_choices_are_seeded_requests(server, client, model_id):
+    engine = server[0]
+    prompt, kw = "Once upon a time", {"max_tokens": 8, "temperature": 1.0}
+    r = client.completions.create(model=model_id, prompt=prompt, n=3, seed=5, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    # choice i is the request with seed 5 + i: reproducible, and not three copies of one sample
+    alone = [engine.generate(prompt, SamplingParams(seed=5 + i, **kw)) for i in range(3)]
+    assert [c.text for c in r.choices] == [a.text for a in alone]
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.prompt_tokens == len(alone[0].prompt_token_ids)
+    assert r.usage.completion_tokens == sum(len(a.token_ids) for a in alone)
+    # streamed: each choice's deltas, interleaved, rebuild the same texts
+    texts = ["", "", ""]
+    for chunk in client.completions.create(model=model_id, prompt=prompt, n=3, seed=5, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices]
+
+
+def test_n_chat_choices_stream_with_a_role_each(client, model_id):
+    kw = {"model": model_id, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
+          "temperature": 0, "n": 2}
+    body = client.chat.completions.create(**kw)
+    assert [c.index for c in body.choices] == [0, 1]
+    assert body.choices[0].message.content == body.choices[1].message.content   # greedy: the same
+    roles, texts = [0, 0], ["", ""]
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            roles[c.index] += c.delta.role == "assistant"
+            texts[c.index] += c.delta.content or ""
+    assert roles == [1, 1] and texts == [c.message.content for c in body.choices]
+
+
+@pytest.mark.parametrize("n", [0, 17])
+def test_n_out_of_range_is_400(client, model_id, n):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_id, prompt="Hello", max_tokens=2, n=n)
+    assert "n must be between 1 and 16" in e.value.body["message"]
+
+
 def test_stream_error_is_400_not_broken_stream(client, model_id):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],

@@ -7,8 +7,11 @@ serving. Every request runs on the engine's one loop, batched with the others in
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import json
+import math
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
@@ -25,6 +28,7 @@ from ..executor.engine import BieEngine, RequestOutput, RequestStream, StreamEve
 from .metrics import CONTENT_TYPE, Metrics
 
 DISCONNECT_POLL_S = 0.1   # how often a non-streamed request checks that its client is still there
+MAX_CHOICES = 16          # n per request: each choice is a request on the loop
 
 
 class _Request(BaseModel):
@@ -105,9 +109,10 @@ def chat_logprobs(tokens: list[int], logprobs: list[dict[int, float]], n: int,
                         for t, lp in zip(tokens, logprobs)]}
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    u = out.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    """One prompt, counted once; the completion tokens of every choice."""
+    prompt, completion = outputs[0].usage.prompt_tokens, sum(out.usage.completion_tokens for out in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _text(content: str | list[dict[str, Any]] | None) -> str:
@@ -161,8 +166,8 @@ def create_app(engine: BieEngine) -> FastAPI:
         if req.model not in (None, model_id):
             return openai_error(404, f"model {req.model!r} does not exist; this server serves {model_id!r}.",
                                 param="model", code="model_not_found")
-        if req.n != 1:
-            return openai_error(400, "only n=1 is supported.", param="n")
+        if not 1 <= req.n <= MAX_CHOICES:
+            return openai_error(400, f"n must be between 1 and {MAX_CHOICES}; got {req.n}.", param="n")
         return None
 
     @app.get("/health")
@@ -180,35 +185,62 @@ def create_app(engine: BieEngine) -> FastAPI:
 
     async def run(http: Request, prompt, params: SamplingParams, chat: bool, req: _Request, base: dict, make_chunk,
                   make_body):
+        """Serve `req.n` choices: n requests on the engine's loop, each with its own seed when one is
+        given (seed + i: reproducible and distinct). Every request is aborted if the client leaves."""
         start = time.perf_counter()
-        events = engine.stream(prompt, params, chat=chat)   # validates before any byte is sent
+        streams: list[RequestStream] = []
+        try:
+            for i in range(req.n):   # each validates before any byte is sent
+                seed = None if params.seed is None else params.seed + i
+                streams.append(engine.stream(prompt, dataclasses.replace(params, seed=seed), chat=chat))
+        except BaseException:
+            for events in streams:
+                events.close()
+            raise
         include_usage = bool((req.stream_options or {}).get("include_usage"))
+        outputs: list[RequestOutput | None] = [None] * req.n
+
+        async def pump(i: int, events: RequestStream, send=None) -> None:
+            """Choice i's events into `outputs` (its last) and, when streaming, into `send`."""
+            async with send or contextlib.nullcontext():   # closing its end tells the reader this choice is done
+                async for event in _iterate(events, metrics, start):
+                    if event.output is not None:
+                        outputs[i] = event.output
+                    if send is not None:
+                        await send.send((i, event))
+
         if not req.stream:
-            last = None
             async with anyio.create_task_group() as tasks:
                 async def abort_when_client_leaves() -> None:
                     # nothing is sent until the end, so only polling notices a client that went away;
-                    # cancelling the wait below closes the stream, which aborts the request
+                    # cancelling the waits below closes the streams, which aborts the requests
                     while not await http.is_disconnected():
                         await anyio.sleep(DISCONNECT_POLL_S)
                     tasks.cancel_scope.cancel()
 
                 tasks.start_soon(abort_when_client_leaves)
-                async for event in _iterate(events, metrics, start):
-                    last = event
+                async with anyio.create_task_group() as choices:
+                    for i, events in enumerate(streams):
+                        choices.start_soon(pump, i, events)
                 tasks.cancel_scope.cancel()
-            if last is None or last.output is None:   # the client left: nobody reads a reply
+            if any(out is None for out in outputs):   # the client left: nobody reads a reply
                 return PlainTextResponse("client disconnected", status_code=499)
-            return make_body(last.output)
+            return make_body(outputs)
 
         async def sse() -> AsyncIterator[str]:
-            first = True
-            async for event in _iterate(events, metrics, start):
-                for chunk in make_chunk(event, first):
-                    yield _sse(chunk)
-                first = False
-                if event.output is not None and include_usage:
-                    yield _sse(dict(base, choices=[], usage=_usage(event.output)))
+            send, receive = anyio.create_memory_object_stream(math.inf)
+            first = [True] * req.n
+            async with anyio.create_task_group() as choices:
+                async with send:
+                    for i, events in enumerate(streams):
+                        choices.start_soon(pump, i, events, send.clone())
+                async with receive:
+                    async for i, event in receive:
+                        for chunk in make_chunk(event, i, first[i]):
+                            yield _sse(chunk)
+                        first[i] = False
+            if include_usage:
+                yield _sse(dict(base, choices=[], usage=_usage(outputs)))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")
@@ -226,24 +258,25 @@ def create_app(engine: BieEngine) -> FastAPI:
             prompt = req.prompt
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_id}
-        offset = 0   # characters of token text streamed so far: where the next chunk's tokens start
+        offsets = [0] * req.n   # characters of each choice's token text so far: where its next tokens start
 
-        def logprobs(tokens: list[int], values: list[dict[int, float]] | None) -> dict | None:
-            nonlocal offset
+        def logprobs(i: int, tokens: list[int], values: list[dict[int, float]] | None) -> dict | None:
             if req.logprobs is None or values is None:
                 return None
-            shaped = completion_logprobs(tokens, values, req.logprobs, decode, offset)
-            offset += sum(len(t) for t in shaped["tokens"])
+            shaped = completion_logprobs(tokens, values, req.logprobs, decode, offsets[i])
+            offsets[i] += sum(len(t) for t in shaped["tokens"])
             return shaped
 
-        def make_chunk(event: StreamEvent, first: bool) -> list[dict]:
-            return [dict(base, choices=[{"index": 0, "text": event.delta,
-                                         "logprobs": logprobs(event.token_ids, event.logprobs),
+        def make_chunk(event: StreamEvent, i: int, first: bool) -> list[dict]:
+            return [dict(base, choices=[{"index": i, "text": event.delta,
+                                         "logprobs": logprobs(i, event.token_ids, event.logprobs),
                                          "finish_reason": event.finish_reason}])]
 
-        def make_body(out: RequestOutput) -> dict:
-            return dict(base, choices=[{"index": 0, "text": out.text, "logprobs": logprobs(out.token_ids, out.logprobs),
-                                        "finish_reason": out.finish_reason}], usage=_usage(out))
+        def make_body(outputs: list[RequestOutput]) -> dict:
+            return dict(base, choices=[{"index": i, "text": out.text,
+                                        "logprobs": logprobs(i, out.token_ids, out.logprobs),
+                                        "finish_reason": out.finish_reason} for i, out in enumerate(outputs)],
+                        usage=_usage(outputs))
 
         return await run(http, prompt, _params(req, req.max_tokens, req.logprobs), False, req, base, make_chunk,
                          make_body)
@@ -261,24 +294,27 @@ def create_app(engine: BieEngine) -> FastAPI:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_id}
 
-        def make_chunk(event: StreamEvent, first: bool) -> list[dict]:
+        def make_chunk(event: StreamEvent, i: int, first: bool) -> list[dict]:
             chunks = []
             if first:
-                chunks.append(dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
+                chunks.append(dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
                                                    "finish_reason": None}]))
             delta = {"content": event.delta} if event.delta else {}
-            choice = {"index": 0, "delta": delta, "finish_reason": event.finish_reason}
+            choice = {"index": i, "delta": delta, "finish_reason": event.finish_reason}
             if top_n is not None:
                 choice["logprobs"] = chat_logprobs(event.token_ids, event.logprobs, top_n, decode)
             chunks.append(dict(base, choices=[choice]))
             return chunks
 
-        def make_body(out: RequestOutput) -> dict:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "finish_reason": out.finish_reason}
-            if top_n is not None:
-                choice["logprobs"] = chat_logprobs(out.token_ids, out.logprobs, top_n, decode)
-            return dict(base, object="chat.completion", choices=[choice], usage=_usage(out))
+        def make_body(outputs: list[RequestOutput]) -> dict:
+            choices = []
+            for i, out in enumerate(outputs):
+                choice = {"index": i, "message": {"role": "assistant", "content": out.text},
+                          "finish_reason": out.finish_reason}
+                if top_n is not None:
+                    choice["logprobs"] = chat_logprobs(out.token_ids, out.logprobs, top_n, decode)
+                choices.append(choice)
+            return dict(base, object="chat.completion", choices=choices, usage=_usage(outputs))
 
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await run(http, messages, _params(req, max_tokens, top_n), True, req, base, make_chunk, make_body)
