@@ -175,6 +175,8 @@ def main() -> None:
                 row = bench_decode(model, kv, ctx, args)
             except torch.OutOfMemoryError:
                 row = {"context": ctx, "kv": kv_dtype, "error": f"does not fit under {args.cap_gib} GiB"}
+            except RuntimeError as e:   # e.g. an allocation failing inside a graph capture: record, go on
+                row = {"context": ctx, "kv": kv_dtype, "error": f"{type(e).__name__}: {e}"[:1000]}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             rows.append(row)
