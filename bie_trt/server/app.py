@@ -2,8 +2,9 @@
 
 Routes: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions (each streamed as server-sent events ending in `data: [DONE]` when
-`stream` is true; `logprobs` in the shape of each API). Bad requests get HTTP 400 with an OpenAI-style error body, and the server keeps
-serving. Every request runs on the engine's one loop, batched with the others in flight.
+`stream` is true; `logprobs` in the shape of each API; `n` choices). Bad requests get HTTP 400
+with an OpenAI-style error body, and the server keeps serving. Every request runs on the engine's
+one loop, batched with the others in flight; a client that leaves aborts its requests.
 """
 from __future__ import annotations
 
