@@ -41,9 +41,9 @@ def forget_compiled_kernels() -> None:
     times the GEMV configs at the engine's shapes) would otherwise never be written into a new cache."""
     from triton.runtime.jit import JITFunction
 
-    from . import triton_attention, triton_ops, triton_w4
+    from . import triton_attention, triton_int8, triton_ops, triton_w4
 
-    for module in (triton_attention, triton_ops, triton_w4):
+    for module in (triton_attention, triton_int8, triton_ops, triton_w4):
         for obj in vars(module).values():
             if isinstance(obj, JITFunction):
                 obj.device_caches.clear()
@@ -63,7 +63,7 @@ def _rebase_groups(folder: Path, final: Path) -> None:
         if "child_paths" not in data:
             continue
         data["child_paths"] = {name: str(Path(final).absolute() / grp.parent.name / Path(p).name)
-                               for name, p in data.get("child_paths", {}).items()}
+                               for name, p in data["child_paths"].items()}
         grp.write_text(json.dumps(data))
 
 
