@@ -99,5 +99,6 @@ def test_static_decode_equals_eager_decode(kernels, steps, monkeypatch):
 @pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager_decode():
     static, pairs = decode_both("cuda", 60, capture=True)
-    # fp16: batched rows take the tensor-core W4 path, single rows the GEMV; sums differ in order
-    check(static, pairs, atol=2e-2)
+    # fp16: batched rows take the tensor-core W4 path, single rows the GEMV, so sums differ in order;
+    # 5e-3 is 3% of these logits' spread (std 0.16), where a stale table or slot moves them by more
+    check(static, pairs, atol=5e-3)
