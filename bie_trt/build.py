@@ -98,13 +98,18 @@ def _lm_head(ckpt: Checkpoint, dtype: str) -> dict[str, torch.Tensor]:
 
 def calibrate_key_mean(model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path) -> torch.Tensor:
     """The mean key each layer's KV heads subtract before quantising (kv/centering.py), measured by
-    running the repacked model once on the CPU in fp32 over a fixed text: the same on every host."""
+    running the repacked model once on the CPU in fp32 over a fixed text: the same on every host.
+
+    Memory stays near one layer's dequantised weights: none is kept once used, and the lm_head is
+    left out (only the keys are wanted; the model then reuses the embedding as its head). Keeping
+    them would need 4 bytes a parameter, 28 GB for an 8B."""
     from transformers import AutoTokenizer
 
     from .kv.centering import calibration_ids, key_means
 
     ids = calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
-    return key_means(LlamaModel(model, weights, torch.device("cpu"), torch.float32), ids).half()
+    body = {name: t for name, t in weights.items() if not name.startswith("lm_head")}
+    return key_means(LlamaModel(model, body, torch.device("cpu"), torch.float32, keep_dense=False), ids).half()
 
 
 def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> dict:

@@ -34,6 +34,7 @@ class W4Weight:
     zeros: torch.Tensor
     bias: torch.Tensor | None = None
     gemv_config: dict | None = None     # tuned at build time for 1-row (decode) inputs
+    keep_dense: bool = True             # False: a one-off pass over a big model must not keep 4x its bytes
     _dense: torch.Tensor | None = None
 
     @property
@@ -54,6 +55,8 @@ class W4Weight:
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """Dequantised once and kept: the CPU reference path trades memory for speed."""
+        if not self.keep_dense:
+            return self.dequantize(dtype)
         if self._dense is None or self._dense.dtype != dtype:
             self._dense = self.dequantize(dtype)
         return self._dense

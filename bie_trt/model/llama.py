@@ -57,7 +57,8 @@ class Layer:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 embedding_on_host: bool = False, gemv_configs: dict[str, dict] | None = None):
+                 embedding_on_host: bool = False, gemv_configs: dict[str, dict] | None = None,
+                 keep_dense: bool = True):
         self.cfg, self.device, self.dtype = cfg, device, dtype
 
         def t(name: str) -> torch.Tensor:
@@ -87,7 +88,7 @@ class LlamaModel:
                     qweight=weights[q + "qweight"].to(device), scales=weights[q + "scales"].to(device),
                     zeros=weights[q + "zeros"].to(device),
                     bias=weights[q + "bias"].to(device=device, dtype=dtype) if q + "bias" in weights else None,
-                    gemv_config=(gemv_configs or {}).get(name))
+                    gemv_config=(gemv_configs or {}).get(name), keep_dense=keep_dense)
             self.layers.append(Layer(t(p + "attn_norm"), t(p + "mlp_norm"), lin))
         self.rope = Rope(cfg, device)
         self.scale = cfg.head_dim ** -0.5
