@@ -14,11 +14,22 @@ from ..errors import EngineError
 from ..kernels.kernel_cache import use_engine_kernels
 from ..kv.pool import KVPools, allocate_pools
 from ..model.llama import LlamaModel, SeqInput, centres_keys
-from ..plan import kv_pool_blocks
+from ..plan import kv_pool_blocks, linear_shapes
 from ..sampling import make_generator
 from .block_manager import BlockManager, OutOfBlocks
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (Linux); None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def pick_device(config: EngineConfig, manifest: dict) -> torch.device:
@@ -59,7 +70,8 @@ class ModelRunner:
         placement = self.manifest["plan"]["inputs"].get("embedding_placement", "gpu")
         self.model = LlamaModel(self.model_config, load_file(str(weights_path)), self.device, self.dtype,
                                 embedding_on_host=placement == "host",
-                                gemv_configs=self.manifest.get("kernels", {}).get("w4_gemv"))
+                                gemv_configs=self.manifest.get("kernels", {}).get("w4_gemv"),
+                                keep_dense=self._dense_fits())
         if centres_keys(self.kv_config) and self.model.key_mean is None:
             raise EngineError(f"{self.engine_dir}: key centering needs the calibrated kv.key_mean this engine "
                               "lacks; rebuild it with this version of bie-trt.")
@@ -77,6 +89,16 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(self.model, self.pools, sizes, self.max_model_len, self.pools.scratch_block)
         if self.device.type == "cuda":
             self.warm_up()
+
+    def _dense_fits(self) -> bool:
+        """The CPU path keeps every dequantised weight matrix (fast, but 4 bytes a weight in fp32) only
+        when that takes at most half the memory available; otherwise it dequantises each layer as it
+        runs, so an 8B engine (28 GB dense) is slow on a small host rather than killed."""
+        if self.device.type != "cpu":
+            return True
+        weights = self.model_config.num_layers * sum(i * o for _, i, o in linear_shapes(self.model_config))
+        available = _available_memory()
+        return available is None or weights * self.dtype.itemsize <= available // 2
 
     def _cap_memory(self) -> None:
         """On CUDA, exceeding the plan must be an error, never a silent spill to host memory."""
