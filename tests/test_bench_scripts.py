@@ -39,3 +39,23 @@ def test_bench_decode_smoke(tmp_path):
         assert r["plan_gib"] > 0
     prefill = result["prefill"]
     assert prefill["prompt_tokens"] == 512 and prefill["seconds"] > 0
+
+
+def test_random_awq_checkpoint_builds_and_generates(tmp_path):
+    """The full-scale stand-in checkpoint (here with tiny shapes) is a valid AWQ checkpoint end to end."""
+    from bie_trt import BieEngine, EngineConfig, SamplingParams
+    from bie_trt.build import BuildOptions, build_engine
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
+                                  "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                  "vocab_size": 64, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+                                  "rope_theta": 10000.0, "tie_word_embeddings": False}))
+    ckpt = tmp_path / "ckpt"
+    subprocess.run([sys.executable, "scripts/random_awq_checkpoint.py", "--out", str(ckpt), "--config", str(config),
+                    "--group-size", "64"], cwd=ROOT, check=True, timeout=300, capture_output=True)
+    engine = build_engine(BuildOptions(checkpoint=str(ckpt), out=str(tmp_path / "engine"), profile="cpu",
+                                       max_model_len=256), log=lambda m: None)
+    out = BieEngine(EngineConfig(engine_dir=str(engine), device="cpu")).generate(
+        "the cat is on a mat", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"

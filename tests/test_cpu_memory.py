@@ -14,7 +14,7 @@ from bie_trt.config import EngineConfig
 from bie_trt.executor import model_runner
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.model.llama import SeqInput
-from tiny_model import write_word_tokenizer
+from bie_trt.model.synthetic import write_word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,8 @@ from bie_trt.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import EngineConfig
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.kernels.kernel_cache import KERNELS_DIR, compiled_kernels, installed_triton, use_engine_kernels
-from tiny_model import write_tiny_hf, write_word_tokenizer
+from bie_trt.model.synthetic import write_word_tokenizer
+from tiny_model import write_tiny_hf
 
 
 def tiny_awq(root: Path) -> Path:

