@@ -84,6 +84,51 @@ def _channel_halves(HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
     return first, second
 
 
+# The interpreter cannot run PTX: it takes the plain bit-op twin of the inline assembly, as does a
+# GPU run with BIE_TRT_INT4_PTX=0 (the device check times both).
+_PTX_NIBBLES = (tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("BIE_TRT_INT4_PTX") != "0")
+                if triton is not None else False)
+
+
+@_jit()
+def _nibbles_f16(packed):
+    """Low and high nibbles of uint8 bytes as exact fp16 integers 0..15, with no conversion instruction:
+    0x6400 | n is the half 1024 + n. Four bytes at a time: PRMT spreads bytes b0, b1 (b2, b3) into
+    the two halves of a word, LOP3 ORs the magic exponent onto the low (high) nibbles, and one
+    sub.f16x2 (fma.f16x2 for the high nibble, 16n + 1024 -> n) makes the integers; 10 instructions
+    for 8 values."""
+    if _PTX_NIBBLES:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t0, t1, c1024, c16th, cm64;
+            mov.b32 c1024, 0x64006400;
+            mov.b32 c16th, 0x2C002C00;
+            mov.b32 cm64, 0xD400D400;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $2, t0, 0x00F000F0, 0x64006400, 0xEA;
+            lop3.b32 $3, t1, 0x00F000F0, 0x64006400, 0xEA;
+            sub.f16x2 $0, $0, c1024;
+            sub.f16x2 $1, $1, c1024;
+            fma.rn.f16x2 $2, $2, c16th, cm64;
+            fma.rn.f16x2 $3, $3, c16th, cm64;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[packed],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        lo = ((packed & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        hi = ((packed >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return lo, hi
+
+
 @_jit()
 def _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, rows,
                   TILE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
@@ -94,10 +139,19 @@ def _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, rows,
     byte = g[:, None] * (QUANT_GROUP // 2) + tl.arange(0, QUANT_GROUP // 2)[None, :]
     mask = rows[:, None, None]
     packed = tl.load(qd_ptr + qd_off[:, None, None] + byte[None, :, :], mask=mask, other=0)
-    scale = tl.load(sc_ptr + sc_off[:, None, None] + g[None, :, None], mask=mask, other=0.0).to(tl.float32)
-    zero = tl.load(zr_ptr + sc_off[:, None, None] + g[None, :, None], mask=mask, other=0.0).to(tl.float32)
-    even = ((packed & 0xF).to(tl.float32) * scale + zero).to(DTYPE)
-    odd = ((packed >> 4).to(tl.float32) * scale + zero).to(DTYPE)
+    scale = tl.load(sc_ptr + sc_off[:, None, None] + g[None, :, None], mask=mask, other=0.0).to(DTYPE)
+    zero = tl.load(zr_ptr + sc_off[:, None, None] + g[None, :, None], mask=mask, other=0.0).to(DTYPE)
+    lo, hi = _nibbles_f16(packed)
+    if _PTX_NIBBLES or DTYPE != tl.float16:
+        even = (lo.to(DTYPE) * scale + zero).to(DTYPE)
+        odd = (hi.to(DTYPE) * scale + zero).to(DTYPE)
+    else:
+        # The interpreter rounds an fp16 a * b + c twice; the GPU fuses it (fma.rn.f16x2), one
+        # rounding, which fp32 arithmetic rounded once to fp16 reproduces.
+        s32 = scale.to(tl.float32)
+        z32 = zero.to(tl.float32)
+        even = (lo.to(tl.float32) * s32 + z32).to(DTYPE)
+        odd = (hi.to(tl.float32) * s32 + z32).to(DTYPE)
     return tl.reshape(even, (TILE, HEAD_DIM // 2)), tl.reshape(odd, (TILE, HEAD_DIM // 2))
 
 
@@ -111,29 +165,39 @@ def _dequant_fp8(qd_ptr, sc_ptr, qd_off, sc_off, rows, ch_a, ch_b, DTYPE: tl.con
 
 
 @_jit()
-def _load_kv_tile(fp_ptr, qd_ptr, sc_ptr, zr_ptr, fp_off, qd_off, sc_off, plain, quant, has_plain, ch_a, ch_b,
-                  TILE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr,
-                  QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
-    """A K or V tile as its two channel halves [TILE, HEAD_DIM // 2], each row read from the pool its block is in.
-
-    Rows in neither `plain` nor `quant` (past the context) come back as zeros and are never loaded.
-    """
-    if KV_MODE == 0:
-        a = tl.load(fp_ptr + fp_off[:, None] + ch_a[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
-        b = tl.load(fp_ptr + fp_off[:, None] + ch_b[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
-    else:
-        # The quantised body is nearly every tile, so its loads stay unconditional (and free to be
-        # software-pipelined); only the few tiles holding sink or window blocks visit the FP16 pool.
-        if KV_MODE == 1:
-            a, b = _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, quant, TILE, HEAD_DIM, QUANT_GROUP, DTYPE)
-        else:
-            a, b = _dequant_fp8(qd_ptr, sc_ptr, qd_off, sc_off, quant, ch_a, ch_b, DTYPE)
-        if has_plain:
-            fa = tl.load(fp_ptr + fp_off[:, None] + ch_a[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
-            fb = tl.load(fp_ptr + fp_off[:, None] + ch_b[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
-            a = tl.where(plain[:, None], fa, a)
-            b = tl.where(plain[:, None], fb, b)
+def _load_plain_tile(fp_ptr, fp_off, plain, ch_a, ch_b, DTYPE: tl.constexpr):
+    """A K or V tile's two channel halves [TILE, HEAD_DIM // 2] from the FP16 pool; rows not in `plain` are 0."""
+    a = tl.load(fp_ptr + fp_off[:, None] + ch_a[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
+    b = tl.load(fp_ptr + fp_off[:, None] + ch_b[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
     return a, b
+
+
+@_jit()
+def _load_quant_tile(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, quant, ch_a, ch_b,
+                     TILE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr,
+                     QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """A K or V tile's two channel halves from the quantised pool; rows not in `quant` are 0 (masked
+    loads give code, scale and zero 0), so a tile's FP16 rows can be added as a separate product."""
+    if KV_MODE == 1:
+        a, b = _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, quant, TILE, HEAD_DIM, QUANT_GROUP, DTYPE)
+    else:
+        a, b = _dequant_fp8(qd_ptr, sc_ptr, qd_off, sc_off, quant, ch_a, ch_b, DTYPE)
+    return a, b
+
+
+@_jit()
+def _fp_offsets(entry, plain, slot, kv_head, stride_blk, stride_head, stride_tok):
+    """Element offsets of FP16-pool rows (block ids in 64 bits: a large pool's offset can pass 2**31)."""
+    blk = tl.where(plain, entry, 0).to(tl.int64)
+    return blk * stride_blk + kv_head * stride_head + slot * stride_tok
+
+
+@_jit()
+def _plain_rows(table, kv, live, slot, kv_head, stride_blk, stride_head, stride_tok, BLOCK_SIZE: tl.constexpr):
+    """Offsets and mask of a tile's FP16-pool rows, from the block table."""
+    entry = tl.load(table + kv // BLOCK_SIZE, mask=live, other=0)
+    rows = live & (entry >= 0)
+    return _fp_offsets(entry, rows, slot, kv_head, stride_blk, stride_head, stride_tok), rows
 
 
 @_jit(do_not_specialize=("num_queries", "num_partitions", "stride_table"))
@@ -187,17 +251,33 @@ def _paged_attention_partial_kernel(
         quant = live & (entry < 0)
         slot = kv % BLOCK_SIZE
         # Block ids in 64 bits: a large pool's element offset can pass 2**31.
-        fp_blk = tl.where(plain, entry, 0).to(tl.int64)
         q_blk = tl.where(quant, -entry - 1, 0).to(tl.int64)
-        fp_off = fp_blk * stride_fp_blk + kv_head * stride_fp_head + slot * stride_fp_tok
         qd_off = q_blk * stride_qd_blk + kv_head * stride_qd_head + slot * stride_qd_tok
         sc_off = q_blk * stride_sc_blk + kv_head * stride_sc_head + slot * stride_sc_tok
         has_plain = tl.max(plain.to(tl.int32), 0) > 0
 
-        k_a, k_b = _load_kv_tile(k_ptr, kq_ptr, ks_ptr, kz_ptr, fp_off, qd_off, sc_off, plain, quant, has_plain,
-                                 ch_a, ch_b, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
+        # The quantised body is nearly every tile, so its loads stay unconditional (and free to be
+        # software-pipelined); only the few tiles holding sink or window blocks visit the FP16 pool,
+        # as a second product: each pool's loads give 0 for the other's rows. (Merging the rows into
+        # one tile instead made every tile move its dequantised K/V into the FP16 load's layout.)
+        if KV_MODE == 0:
+            fp_off = _fp_offsets(entry, plain, slot, kv_head, stride_fp_blk, stride_fp_head, stride_fp_tok)
+            k_a, k_b = _load_plain_tile(k_ptr, fp_off, plain, ch_a, ch_b, DTYPE)
+        else:
+            k_a, k_b = _load_quant_tile(kq_ptr, ks_ptr, kz_ptr, qd_off, sc_off, quant, ch_a, ch_b,
+                                        TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
         s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
         s += tl.dot(q_b, tl.trans(k_b), input_precision="ieee")
+        if KV_MODE != 0:
+            if has_plain:
+                # FP16 rows are rare with a quantised pool: their offsets are built only here, from
+                # the block table read again (a cache hit), not for every tile in the FP16 load's
+                # layout (Triton 3.9 hoists the pipelined table read's conversions to the loop top).
+                p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
+                                            stride_fp_tok, BLOCK_SIZE)
+                f_a, f_b = _load_plain_tile(k_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
+                s += tl.dot(q_a, tl.trans(f_a), input_precision="ieee")
+                s += tl.dot(q_b, tl.trans(f_b), input_precision="ieee")
         s = tl.where(kv[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
 
         # Online softmax. A row may see nothing in this tile or even this whole partition
@@ -210,11 +290,21 @@ def _paged_attention_partial_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
-        v_a, v_b = _load_kv_tile(v_ptr, vq_ptr, vs_ptr, vz_ptr, fp_off, qd_off, sc_off, plain, quant, has_plain,
-                                 ch_a, ch_b, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
+        if KV_MODE == 0:
+            v_a, v_b = _load_plain_tile(v_ptr, fp_off, plain, ch_a, ch_b, DTYPE)
+        else:
+            v_a, v_b = _load_quant_tile(vq_ptr, vs_ptr, vz_ptr, qd_off, sc_off, quant, ch_a, ch_b,
+                                        TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
         p = p.to(DTYPE)
         acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a, input_precision="ieee")
         acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision="ieee")
+        if KV_MODE != 0:
+            if has_plain:
+                p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
+                                            stride_fp_tok, BLOCK_SIZE)
+                f_a, f_b = _load_plain_tile(v_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
+                acc_a += tl.dot(p, f_a, input_precision="ieee")
+                acc_b += tl.dot(p, f_b, input_precision="ieee")
 
     # Partials, unnormalised: workspace [query, q_head, partition] (+ channel for the accumulator).
     ws = (qi * NUM_Q_HEADS + q_head) * num_partitions + part
