@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--sink", type=int, default=8, help="sink tokens kept FP16")
     ap.add_argument("--window", type=int, default=128, help="recent tokens kept FP16")
-    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bandwidth the roofline assumes, bytes/s (4.3e12: the copy rate measured on the lent H200; its spec is 4.8e12)")
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bandwidth the roofline assumes, bytes/s "
+                    "(4.3e12: the copy rate measured on the lent H200; its spec is 4.8e12)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     ap.add_argument("--tune", action="store_true", help="sweep partitions x tile_blocks x num_warps; report the best")

@@ -197,7 +197,8 @@ def run_attention_bench(out: Path, bandwidth: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bandwidth the roofline assumes, bytes/s (4.3e12: the copy rate measured on the lent H200; its spec is 4.8e12)")
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bandwidth the roofline assumes, bytes/s "
+                    "(4.3e12: the copy rate measured on the lent H200; its spec is 4.8e12)")
     ap.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=50, help="do_bench repetition time, ms")
     ap.add_argument("--no-tune", dest="tune", action="store_false", help="skip the config sweep")

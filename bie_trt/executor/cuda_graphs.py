@@ -4,9 +4,10 @@ overhead do not show in the step time.
 A graph reads static buffers: the embedded rows, one [4, batch] buffer of positions, KV slots and
 context lengths (one asynchronous host-to-device copy a step, from pinned memory), and the block
 tables. A table row is copied only when its sequence's table changed since that row was last
-written (a new block every 16 tokens, a compaction), not every step. At 64k context a row is 4,096 entries: building the step's
-metadata from scratch took 0.24–0.39 ms of host time on the 2-core CI machine, against a 1.5 ms
-roofline for an 8B decode step at 64k with INT4 KV; the steady-state step now takes ~17 µs there.
+written (a new block every 16 tokens, a compaction), not every step. At 64k context a row is
+4,096 entries: building the step's metadata from scratch took 0.24–0.39 ms of host time on the
+2-core CI machine, against a 1.5 ms roofline for an 8B decode step at 64k with INT4 KV; the
+steady-state step now takes ~17 µs there.
 
 A step takes the smallest graph that fits. Padding rows write their K/V into a scratch FP16 block
 no sequence owns and attend to nothing (length 0).

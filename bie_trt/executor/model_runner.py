@@ -65,8 +65,8 @@ class ModelRunner:
         if not weights_path.exists():
             raise EngineError(f"{weights_path}: missing; the engine directory is incomplete (rebuild it).")
         self._cap_memory()
-        self.kernel_cache = (use_engine_kernels(self.engine_dir, self.manifest, cache_dir())
-                             if self.device.type == "cuda" else None)
+        if self.device.type == "cuda":   # before the first kernel compiles
+            use_engine_kernels(self.engine_dir, self.manifest, cache_dir())
         placement = self.manifest["plan"]["inputs"].get("embedding_placement", "gpu")
         self.model = LlamaModel(self.model_config, load_file(str(weights_path)), self.device, self.dtype,
                                 embedding_on_host=placement == "host",

@@ -86,8 +86,8 @@ def _channel_halves(HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 # The interpreter cannot run PTX: it takes the plain bit-op twin of the inline assembly, as does a
 # GPU run with BIE_TRT_INT4_PTX=0 (the device check times both).
-_PTX_NIBBLES = (tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("BIE_TRT_INT4_PTX") != "0")
-                if triton is not None else False)
+_PTX_NIBBLES = (tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1"
+                             and os.environ.get("BIE_TRT_INT4_PTX") != "0") if triton is not None else False)
 
 
 @_jit()
@@ -386,9 +386,9 @@ def default_config(on_gpu: bool, group_pad: int, quantised_prefill: bool = False
     """Tile sizes when the caller gives none. On the GPU a step reads 4 blocks of KV, and a prefill
     program holds about 64 score rows (a few queries times the heads of a group). A prefill over a
     quantised cache reads 2 blocks a step: with 4, its dequantised K/V on top of the 64-row tile
-    spill registers. `scripts/compile_check.py`, INT4 prefill, spill stores a thread with 4 -> 2:
-    sm_90 0 -> 0 (Triton 3.6, 254 -> 166 registers) and 240 -> 0 B (3.9); sm_86 516 -> 0 (3.6) and
-    972 -> 60 B (3.9). FP8 on sm_89: 440 -> 0 B. The interpreter gets small tiles."""
+    spilled registers (`scripts/compile_check.py`, INT4: 240 B a thread on sm_90 and 972 B on sm_86
+    under Triton 3.9, 516 B on sm_86 under 3.6); with 2 it spills at most 84 B (sm_86, 3.9) and
+    nothing on sm_90 under 3.6. The interpreter gets small tiles."""
     if not on_gpu:
         return {"tile_blocks": 2, "block_m": max(1, 16 // group_pad), "num_warps": 4}
     return {"tile_blocks": 2 if quantised_prefill else 4, "block_m": max(1, 64 // group_pad), "num_warps": 4}
@@ -463,7 +463,8 @@ def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.T
     out = torch.empty_like(q)
     _combine_partitions_kernel[(num_queries, num_q_heads)](
         m_ws, l_ws, acc_ws, out, parts, out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PART_CHUNK=16,  # fixed: a constexpr from `parts` would compile a variant per context length
+        # PART_CHUNK fixed: derived from `parts`, it would compile a variant per range of context lengths
+        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PART_CHUNK=16,
     )
     return out
 
