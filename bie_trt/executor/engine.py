@@ -76,6 +76,10 @@ class EngineStats:
     kv_blocks: dict[str, dict[str, int]]    # pool (fp16, quant) -> used / cached / free
     running: int
     waiting: int
+    # speculative decoding: num_drafts, num_draft_tokens, num_accepted_tokens (ints) and
+    # accepted_by_position (list: drafts whose i-th proposal was accepted)
+    spec_decode: dict = field(default_factory=lambda: {"num_drafts": 0, "num_draft_tokens": 0,
+                                                        "num_accepted_tokens": 0, "accepted_by_position": []})
 
 
 @dataclass
