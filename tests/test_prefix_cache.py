@@ -73,6 +73,61 @@ def test_a_quantised_block_takes_over_the_key_and_is_shared():
     assert bm.match(c) == a.block_table
 
 
+def _quantised_bm(num_fp: int = 64, num_quant: int = 64):
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=4, window=8, rotation="none", block_size=B)
+    return allocate_pools(MODEL, kv, num_fp, num_quant, torch.float32), BlockManager(kv, num_fp, num_quant, True)
+
+
+def decode(bm: BlockManager, seq, pools, n: int) -> None:
+    """n decode steps: each appends a token and caches it, blocks leaving the window are quantised."""
+    for i in range(n):
+        seq.output_ids.append(1000 + i)
+        bm.grow(seq, seq.num_tokens)
+        bm.commit(seq, 1)
+        bm.compact(seq, pools)
+
+
+def test_a_prompt_another_sequence_quantised_is_found_up_to_the_new_window():
+    """A long shared prompt that A has served and continued past the window is quantised everywhere but
+    its sinks. B (same prompt, another ending) still finds it, up to B's own recent window: the hit is
+    judged against B's end, not walked back block by block to the sinks."""
+    pools, bm = _quantised_bm()
+    prompt = list(range(100))
+    a = new_seq(prompt)
+    run(bm, a, pools)
+    decode(bm, a, pools, 40)
+    assert all(e < 0 for e in a.block_table[1:25])      # the whole shared prompt is quantised
+    ending = [7] * 12
+    b = new_seq(prompt + ending)
+    hit = bm.match(b)
+    assert hit == a.block_table[:25]                     # all of the prompt: B's window starts after it
+    run(bm, b, pools)
+    window_start = (b.num_tokens - bm.kv.window) // B
+    assert [e < 0 for e in b.block_table] == [0 < i < window_start for i in range(len(b.block_table))]
+    # a short ending: the hit stops where B's window starts, once
+    c = new_seq(prompt + [5])
+    assert bm.match(c) == a.block_table[:(101 - 8) // B]
+    bm.free(a)                                           # A finished: its blocks wait in the LRU
+    assert bm.match(new_seq(prompt + [9] * 12))[:25] == hit[:25]
+
+
+def test_a_preempted_sequence_finds_its_own_quantised_blocks_again():
+    """Preemption frees a sequence's blocks; new work evicts its FP16 ones. Re-admitted, it recomputes
+    at most its window, not everything after the sinks."""
+    pools, bm = _quantised_bm(num_fp=12)
+    a = new_seq(list(range(40)))
+    run(bm, a, pools)
+    decode(bm, a, pools, 20)                             # 60 tokens: blocks 1..12 quantised
+    bm.free(a)                                           # preempted
+    other = new_seq([3] * 44)
+    run(bm, other, pools)                                # takes every free FP16 block and two of the LRU's
+    assert bm.usage(False)["cached"] == 1                # A's sink block: its window's blocks are gone
+    bm.free(other)
+    hit = bm.match(a)
+    assert len(hit) == 13 and all(e < 0 for e in hit[1:])   # sinks' block + the quantised body
+    assert len(hit) * B >= a.num_tokens - bm.kv.window
+
+
 def test_caching_off_shares_nothing():
     bm = BlockManager(KVCacheConfig(block_size=B), 8, 0)
     a = new_seq(list(range(9)))
@@ -103,3 +158,4 @@ def test_a_shared_2k_prefix_cuts_time_to_first_token_and_keeps_the_logits(engine
     cold, hit = first.logprobs[0], again.logprobs[0]
     assert list(cold) == list(hit)    # the same top 20, in the same order
     assert max(abs(cold[t] - hit[t]) for t in cold) < 1e-4
+

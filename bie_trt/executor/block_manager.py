@@ -106,9 +106,11 @@ class BlockManager:
         """Cached entries for the longest run of seq's leading full blocks.
 
         The last token is always left to compute (its logits pick the next token), so a hit never
-        covers the block that the sequence writes next. A quantised cache also never hands out a
-        quantised block where the sequence keeps FP16 (its recent window after the hit): the hit is
-        shortened instead, so the sequence sees exactly the precisions an uncached run would.
+        covers the block that the sequence writes next. A quantised cache never hands out a quantised
+        block where the sequence will keep FP16 once its prompt is in: its own recent window, judged
+        from its own end (not the hit's, which would walk back block by block to the sinks whenever a
+        longer sequence has quantised the shared prompt). The hit is cut once, at the first such block,
+        so at most a window of tokens is recomputed.
         """
         if self.cache is None:
             return []
@@ -118,9 +120,8 @@ class BlockManager:
             if entry is None:
                 break
             hit.append(entry)
-        while hit and min(hit[self._first_window_block(len(hit) * self.block_size):]) < 0:
-            hit.pop()
-        return hit
+        window = self._first_window_block(seq.num_tokens)
+        return next((hit[:b] for b in range(window, len(hit)) if hit[b] < 0), hit)
 
     def can_admit(self, hit: list[int], num_tokens: int) -> bool:
         """Whether a sequence can share `hit` and hold `num_tokens` tokens in all."""
