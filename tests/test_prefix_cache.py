@@ -1,7 +1,9 @@
 """Prefix cache: what is shared, what is evicted and when, quantised blocks, and on the SmolLM2 engine a
-2k-token shared prefix that cuts the time to first token without changing the logits."""
+2k-token shared prefix that cuts the time to first token without changing the logits, and a long document
+found again after another request quantised it."""
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -159,3 +161,36 @@ def test_a_shared_2k_prefix_cuts_time_to_first_token_and_keeps_the_logits(engine
     assert list(cold) == list(hit)    # the same top 20, in the same order
     assert max(abs(cold[t] - hit[t]) for t in cold) < 1e-4
 
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4_asym", "fp8"])
+def test_a_long_document_asked_again_is_found_in_a_quantised_cache(smollm2_engine, lee_text, kv_dtype):
+    """Many questions over one long document: A reads it and writes on past the FP16 window, so the whole
+    document is quantised; B and C ask other questions, B while A still runs, C after A ended. Each finds
+    the document in the cache (all of it up to its own recent window) and picks the token an uncached
+    run picks, with log-probabilities as close as a change of prefill chunk size moves them (the cached
+    run's K/V after the hit are computed beside quantised neighbours; an uncached run's beside FP16 ones;
+    measured: INT4 0.05, FP8 0.02, where chunk sizes 16 vs 256 differ by 0.06)."""
+    config = EngineConfig(engine_dir=str(smollm2_engine), device="cpu", kv_cache_dtype=kv_dtype,
+                          chunked_prefill_size=256)
+    engine = BieEngine(config)
+    lines = lee_text.read_text().splitlines()
+    document = engine.encode(" ".join(" ".join(lines[:20]).split()))[:600]
+    questions = [engine.encode(" ".join(line.split()))[:128] for line in lines[200:202]]
+    greedy = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+    writer = engine.stream(document, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(150):                        # A is 150 tokens past the document, and still running
+        next(writer)
+    asked = []
+    for question in questions:
+        hits = engine.stats().prefix_hit_tokens
+        asked.append(engine.generate(document + question, greedy))
+        assert engine.stats().prefix_hit_tokens - hits >= 0.95 * len(document)
+        writer.close()
+
+    uncached = BieEngine(dataclasses.replace(config, enable_prefix_caching=False))
+    for out in asked:
+        cold = uncached.generate(out.prompt_token_ids, greedy)
+        assert cold.token_ids == out.token_ids
+        assert max(abs(cold.logprobs[0][t] - out.logprobs[0][t]) for t in cold.token_ids) < 0.1
