@@ -53,6 +53,14 @@ def test_min_p_keeps_a_token_exactly_at_the_threshold(probs):
         assert kept(probs, min_p=q / probs[0] * 1.001) == [i for i, x in enumerate(probs) if x > q], q
 
 
+def test_top_k_keeps_the_k_most_likely_and_ties_at_the_kth():
+    assert kept([0.4, 0.3, 0.2, 0.1], top_k=2) == [0, 1]
+    assert kept([0.1, 0.2, 0.3, 0.4], top_k=1) == [3]
+    assert kept([0.4, 0.2, 0.2, 0.2], top_k=2) == [0, 1, 2, 3]     # equal logits cannot be told apart
+    for off in (0, -1, 4, 9):
+        assert kept([0.4, 0.3, 0.2, 0.1], top_k=off) == [0, 1, 2, 3]
+
+
 def test_filters_compose_and_renormalise():
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     p = probabilities(logits, SamplingParams(top_k=3, min_p=0.5, top_p=0.99))
