@@ -173,3 +173,40 @@ def test_a_write_into_a_forked_block_copies_it_first():
     assert pools.k[0, parent.block_table[1], 0, 2].eq(0.0).all()      # the parent's block is untouched
     parent.output_ids.append(1)
     assert bm.grow(parent, 7) == []     # now the parent holds its block alone: written in place
+
+
+def run_through(bm: BlockManager, pools, seq: Sequence, chunk: int) -> None:
+    """Prefill seq in chunks as the engine does: grow, (write), commit, compact."""
+    while seq.num_pending:
+        n = min(chunk, seq.num_pending)
+        bm.grow(seq, seq.num_cached + n)
+        bm.commit(seq, n)
+        bm.compact(seq, pools)
+
+
+def test_sinks_that_do_not_fill_a_block_keep_it_fp16():
+    # 8 sink tokens in 16-token blocks: block 0 holds sinks and ordinary tokens, and stays FP16 whole.
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=8, window=32, rotation="none", block_size=16)
+    pools = allocate_pools(MODEL, kv, 8, 8, torch.float32)
+    bm = BlockManager(kv, 8, 8)
+    seq = new_seq([1] * 100)
+    bm.admit(seq, [])
+    run_through(bm, pools, seq, chunk=16)
+    # 100 tokens: blocks 0..6; the window (last 32 tokens, 68..99) starts in block 4
+    assert [e < 0 for e in seq.block_table] == [False, True, True, True, False, False, False]
+
+
+def test_prefix_keys_chain_their_parents():
+    # Block 1 of `first` and block 0 of `second` hold the same tokens at different positions (different
+    # K/V): the keys differ, so `second` gets no hit.
+    kv = KVCacheConfig(dtype="fp16", block_size=B)
+    bm = BlockManager(kv, 8, 0, enable_prefix_caching=True)
+    pools = allocate_pools(MODEL, kv, 8, 0, torch.float32)
+    block = [1, 0, 1, 1]
+    first = new_seq([0, 0, 0, 0] + block + [1])
+    bm.admit(first, [])
+    run_through(bm, pools, first, chunk=9)
+    assert len(bm.cache.entry_of) == 2
+    assert bm.match(new_seq(block + block + [0])) == []
+    assert bm.match(new_seq([1, 1, 1, 1] + block + [0])) == []          # same block after another prefix
+    assert bm.match(new_seq([0, 0, 0, 0] + block + [0])) == first.block_table[:2]
