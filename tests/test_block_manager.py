@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
 from bie_trt.executor.block_manager import BlockManager, copy_blocks
+from bie_trt.executor.prefix_cache import PrefixCache
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools, decode_block
 from bie_trt.kv.quant import dequantize_block
@@ -210,3 +211,26 @@ def test_prefix_keys_chain_their_parents():
     assert bm.match(new_seq(block + block + [0])) == []
     assert bm.match(new_seq([1, 1, 1, 1] + block + [0])) == []          # same block after another prefix
     assert bm.match(new_seq([0, 0, 0, 0] + block + [0])) == first.block_table[:2]
+
+
+def test_token_slice_equals_slicing_the_whole_token_list():
+    # Block keys slice across the prompt / output boundary; token_slice avoids building token_ids.
+    for num_prompt in (1, 3, 4):
+        for num_output in (0, 1, 5):
+            seq = new_seq(list(range(num_prompt)), list(range(10, 10 + num_output)))
+            tokens = seq.token_ids
+            for start in range(len(tokens) + 1):
+                for stop in range(start, len(tokens) + 2):
+                    assert seq.token_slice(start, stop) == tokens[start:stop], (num_prompt, num_output, start, stop)
+
+
+def test_the_lru_evicts_the_least_recently_released_block_first():
+    cache = PrefixCache()
+    for entry, key in ((3, b"a"), (5, b"b"), (-2, b"q"), (7, b"c")):
+        cache.add(key, entry)
+        cache.park(entry)
+    cache.unpark(5)                      # a hit takes it back...
+    cache.park(5)                        # ...and its release makes it the most recent
+    assert (cache.num_unused(False), cache.num_unused(True)) == (3, 1)
+    assert [cache.evict(False) for _ in range(4)] == [3, 7, 5, None]
+    assert cache.evict(True) == -2 and cache.entry_of == {} and cache.key_of == {}
