@@ -234,3 +234,32 @@ def test_the_lru_evicts_the_least_recently_released_block_first():
     assert (cache.num_unused(False), cache.num_unused(True)) == (3, 1)
     assert [cache.evict(False) for _ in range(4)] == [3, 7, 5, None]
     assert cache.evict(True) == -2 and cache.entry_of == {} and cache.key_of == {}
+
+
+def test_a_write_into_a_shared_block_needs_a_free_block_for_the_copy():
+    kv = KVCacheConfig(dtype="fp16", block_size=B)
+    bm = BlockManager(kv, 2, 0)
+    parent = new_seq([0, 1, 0, 1, 1, 1])
+    bm.admit(parent, [])
+    bm.grow(parent, 6)
+    bm.commit(parent, 6)
+    child = new_seq(parent.prompt_ids, [0])
+    bm.fork(parent, child)                # the pool is full; the child's next token lands in a shared block
+    assert bm.blocks_needed(child, 7) == 1 and not bm.can_grow(child, 7)
+    bm.free(parent)
+    assert bm.blocks_needed(child, 7) == 0 and bm.can_grow(child, 7)   # now it owns the block alone
+
+
+def test_resetting_the_prefix_cache_empties_both_pools():
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=4, window=8, rotation="none", block_size=B)
+    pools = allocate_pools(MODEL, kv, NUM_FP, NUM_QUANT, torch.float32)
+    bm = BlockManager(kv, NUM_FP, NUM_QUANT, enable_prefix_caching=True)
+    seq = new_seq(BASE)
+    bm.admit(seq, [])
+    run_through(bm, pools, seq, chunk=4)
+    bm.free(seq)
+    assert bm.usage(False)["cached"] > 0 and bm.usage(True)["cached"] > 0
+    bm.reset_prefix_cache()
+    assert bm.usage(False) == {"used": 0, "cached": 0, "free": NUM_FP}
+    assert bm.usage(True) == {"used": 0, "cached": 0, "free": NUM_QUANT}
+    assert bm.match(new_seq(BASE)) == [] and bm.cache.entry_of == {}

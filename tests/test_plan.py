@@ -329,3 +329,18 @@ def test_the_largest_fitting_length_is_the_boundary_for_every_budget():
         assert n == 0 or plan(vram, n).fits, (vram, n)
         assert n == 8192 or not plan(vram, n + 16).fits, (vram, n)
     assert 0 in seen and 8192 in seen and len(seen) > 250
+
+
+def test_decode_graphs_are_captured_up_to_and_including_max_num_seqs(llama, ti):
+    plan = solve_plan(llama, ti, max_model_len=4096, kv=kv_cfg(), max_num_seqs=2, cuda_graph_batch_sizes=[1, 2, 4])
+    assert plan.inputs["cuda_graph_batch_sizes"] == [1, 2]
+    assert plan.bytes_of("cuda_graphs") == 2 * 16 * MIB
+
+
+def test_the_whole_card_and_the_models_whole_length_are_allowed(ti):
+    model = tiny()
+    plan = solve_plan(model, ti, max_model_len=model.max_position_embeddings, kv=kv_cfg(), weight_group_size=64,
+                      gpu_memory_utilization=1.0)
+    assert plan.budget_bytes == ti.vram_bytes and plan.fits
+    with pytest.raises(PlanError, match="gpu_memory_utilization must be in"):
+        solve_plan(model, ti, max_model_len=1024, kv=kv_cfg(), weight_group_size=64, gpu_memory_utilization=1.01)

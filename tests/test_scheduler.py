@@ -140,3 +140,28 @@ def test_a_preempted_sequence_is_not_readmitted_in_the_same_step():
             s.finish(old, "length")
     # every preemption costs the victim a step of waiting; re-admitting at once thrashes (15 here)
     assert 1 <= s.num_preemptions <= 8
+
+
+def test_a_prefix_hit_on_blocks_another_sequence_holds_costs_no_free_block():
+    s = scheduler(num_blocks=5, budget=64, caching=True)
+    shared = list(range(48))
+    first = new_seq(shared + [99])
+    s.add(first)
+    step(s)
+    step(s)                                       # first holds 4 blocks, 3 of them full and cached; 1 free
+    second = new_seq(shared + [98])
+    s.add(second)
+    assert step(s) == [(49, 1), (49, 1)]          # shares the 3 held blocks, takes the free one
+    assert second.block_table[:3] == first.block_table[:3] and s.blocks.usage(False)["free"] == 0
+
+
+def test_finishing_a_waiting_sequence_drops_it_from_the_queue():
+    s = scheduler(num_blocks=8, max_num_seqs=1)
+    running, queued = new_seq([1] * 5), new_seq([2] * 5)
+    s.add(running)
+    s.add(queued)
+    assert step(s) == [(5, 5)]
+    s.finish(queued, "abort")                     # a client gone before its request started
+    assert queued.is_finished and list(s.waiting) == []
+    s.finish(running, "stop")
+    assert not s.has_work() and s.schedule().chunks == []
