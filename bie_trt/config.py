@@ -234,9 +234,13 @@ class SamplingParams:
             raise bad(f"min_p must be in [0, 1]; got {self.min_p!r}.")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}.")
-        if self.repetition_penalty <= 0:
-            raise bad(f"repetition_penalty must be > 0; got {self.repetition_penalty!r}.")
-        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
-            raise bad("presence_penalty and frequency_penalty must be in [-2, 2].")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):   # NaN would reach the sampler
+            raise bad(f"repetition_penalty must be a finite number > 0 (1 is off); got {self.repetition_penalty!r}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(f"{name} must be in [-2, 2]; got {getattr(self, name)!r}.")
+        # torch.Generator.manual_seed's range: beyond it the request would fail inside the engine
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
+            raise bad(f"seed must be an integer in [-2**63, 2**64); got {self.seed!r}.")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be an integer in [0, 20]; got {self.logprobs!r}.")

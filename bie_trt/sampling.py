@@ -5,6 +5,11 @@ import torch
 
 from .config import SamplingParams
 
+# Probabilities from float32 softmax carry rounding of about 1e-7, so a threshold met exactly in
+# intent (top_p 0.75 over [0.5, 0.25, 0.25]; a token at exactly min_p x the top one) can miss by an
+# ulp either way. Comparisons give the boundary this much slack, far below any useful knob setting.
+_BOUNDARY_TOL = 1e-6
+
 
 def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generator:
     """Per-request generator on the CPU: the same seed gives the same tokens on any device."""
@@ -33,11 +38,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.min_p > 0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = probs.masked_fill(probs < params.min_p * probs.max() * (1 - _BOUNDARY_TOL), 0.0)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays). The sums run in
+        # float64 and against the actual total: float32 softmax over a large vocabulary can be off by 1e-4.
+        cum = sorted_p.double().cumsum(-1)
+        drop = (cum - sorted_p) / cum[-1] >= params.top_p - _BOUNDARY_TOL
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     return probs / probs.sum()
 

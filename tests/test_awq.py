@@ -88,3 +88,24 @@ def test_runtime_layout_is_the_same_matrix():
     word = int(w4.qweight[0, 1]) & 0xFFFFFFFF
     assert [(word >> (4 * i)) & 0xF for i in range(8)] == q[0, 8:16].tolist()
     assert torch.equal(pack_w4(q), w4.qweight)
+
+
+def test_rtn_one_signed_groups_keep_zero_exact():
+    # Each column's groups are all positive or all negative: the grid is still stretched to 0, so an
+    # all-positive group has zero point 0 and scale max/15, an all-negative one zero point 15 and
+    # scale -min/15, and a weight of exactly 0 (row 40, in the second group) dequantises to exactly 0.
+    G = 32
+    g = torch.Generator().manual_seed(4)
+    mag = torch.rand(2 * G, 16, generator=g) * 3 + 0.5
+    w = torch.cat([mag[:, :8], -mag[:, 8:]], dim=1)
+    w[G + 8] = 0.0
+    qweight, qzeros, scales = quantize_rtn(w, G)
+    assert independent_unpack(qzeros.numpy()).tolist() == [[0] * 8 + [15] * 8] * 2
+    groups = w.reshape(2, G, 16)
+    extent = torch.cat([groups[..., :8].amax(1), -groups[..., 8:].amin(1)], dim=1)
+    assert torch.equal(scales, (extent / 15).half())
+    w_hat = independent_dequant(qweight, qzeros, scales, G)
+    assert (w_hat[G + 8] == 0).all()
+    assert (w_hat[:, :8] >= 0).all() and (w_hat[:, 8:] <= 0).all()
+    bound = scales.double().numpy().repeat(G, axis=0) / 2
+    assert (np.abs(w.double().numpy() - w_hat) <= bound * 1.001).all()

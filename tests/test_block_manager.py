@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
 from bie_trt.executor.block_manager import BlockManager, copy_blocks
+from bie_trt.executor.prefix_cache import PrefixCache
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools, decode_block
 from bie_trt.kv.quant import dequantize_block
@@ -180,3 +181,92 @@ def test_a_write_into_a_forked_block_copies_it_first():
     assert pools.k[0, parent.block_table[1], 0, 2].eq(0.0).all()      # the parent's block is untouched
     parent.output_ids.append(1)
     assert bm.grow(parent, 7) == []     # now the parent holds its block alone: written in place
+
+
+def run_through(bm: BlockManager, pools, seq: Sequence, chunk: int) -> None:
+    """Prefill seq in chunks as the engine does: grow, (write), commit, compact."""
+    while seq.num_pending:
+        n = min(chunk, seq.num_pending)
+        bm.grow(seq, seq.num_cached + n)
+        bm.commit(seq, n)
+        bm.compact(seq, pools)
+
+
+def test_sinks_that_do_not_fill_a_block_keep_it_fp16():
+    # 8 sink tokens in 16-token blocks: block 0 holds sinks and ordinary tokens, and stays FP16 whole.
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=8, window=32, rotation="none", block_size=16)
+    pools = allocate_pools(MODEL, kv, 8, 8, torch.float32)
+    bm = BlockManager(kv, 8, 8)
+    seq = new_seq([1] * 100)
+    bm.admit(seq, [])
+    run_through(bm, pools, seq, chunk=16)
+    # 100 tokens: blocks 0..6; the window (last 32 tokens, 68..99) starts in block 4
+    assert [e < 0 for e in seq.block_table] == [False, True, True, True, False, False, False]
+
+
+def test_prefix_keys_chain_their_parents():
+    # Block 1 of `first` and block 0 of `second` hold the same tokens at different positions (different
+    # K/V): the keys differ, so `second` gets no hit.
+    kv = KVCacheConfig(dtype="fp16", block_size=B)
+    bm = BlockManager(kv, 8, 0, enable_prefix_caching=True)
+    pools = allocate_pools(MODEL, kv, 8, 0, torch.float32)
+    block = [1, 0, 1, 1]
+    first = new_seq([0, 0, 0, 0] + block + [1])
+    bm.admit(first, [])
+    run_through(bm, pools, first, chunk=9)
+    assert len(bm.cache.entry_of) == 2
+    assert bm.match(new_seq(block + block + [0])) == []
+    assert bm.match(new_seq([1, 1, 1, 1] + block + [0])) == []          # same block after another prefix
+    assert bm.match(new_seq([0, 0, 0, 0] + block + [0])) == first.block_table[:2]
+
+
+def test_token_slice_equals_slicing_the_whole_token_list():
+    # Block keys slice across the prompt / output boundary; token_slice avoids building token_ids.
+    for num_prompt in (1, 3, 4):
+        for num_output in (0, 1, 5):
+            seq = new_seq(list(range(num_prompt)), list(range(10, 10 + num_output)))
+            tokens = seq.token_ids
+            for start in range(len(tokens) + 1):
+                for stop in range(start, len(tokens) + 2):
+                    assert seq.token_slice(start, stop) == tokens[start:stop], (num_prompt, num_output, start, stop)
+
+
+def test_the_lru_evicts_the_least_recently_released_block_first():
+    cache = PrefixCache()
+    for entry, key in ((3, b"a"), (5, b"b"), (-2, b"q"), (7, b"c")):
+        cache.add(key, entry)
+        cache.park(entry)
+    cache.unpark(5)                      # a hit takes it back...
+    cache.park(5)                        # ...and its release makes it the most recent
+    assert (cache.num_unused(False), cache.num_unused(True)) == (3, 1)
+    assert [cache.evict(False) for _ in range(4)] == [3, 7, 5, None]
+    assert cache.evict(True) == -2 and cache.entry_of == {} and cache.key_of == {}
+
+
+def test_a_write_into_a_shared_block_needs_a_free_block_for_the_copy():
+    kv = KVCacheConfig(dtype="fp16", block_size=B)
+    bm = BlockManager(kv, 2, 0)
+    parent = new_seq([0, 1, 0, 1, 1, 1])
+    bm.admit(parent, [])
+    bm.grow(parent, 6)
+    bm.commit(parent, 6)
+    child = new_seq(parent.prompt_ids, [0])
+    bm.fork(parent, child)                # the pool is full; the child's next token lands in a shared block
+    assert bm.blocks_needed(child, 7) == 1 and not bm.can_grow(child, 7)
+    bm.free(parent)
+    assert bm.blocks_needed(child, 7) == 0 and bm.can_grow(child, 7)   # now it owns the block alone
+
+
+def test_resetting_the_prefix_cache_empties_both_pools():
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=4, window=8, rotation="none", block_size=B)
+    pools = allocate_pools(MODEL, kv, NUM_FP, NUM_QUANT, torch.float32)
+    bm = BlockManager(kv, NUM_FP, NUM_QUANT, enable_prefix_caching=True)
+    seq = new_seq(BASE)
+    bm.admit(seq, [])
+    run_through(bm, pools, seq, chunk=4)
+    bm.free(seq)
+    assert bm.usage(False)["cached"] > 0 and bm.usage(True)["cached"] > 0
+    bm.reset_prefix_cache()
+    assert bm.usage(False) == {"used": 0, "cached": 0, "free": NUM_FP}
+    assert bm.usage(True) == {"used": 0, "cached": 0, "free": NUM_QUANT}
+    assert bm.match(new_seq(BASE)) == [] and bm.cache.entry_of == {}

@@ -12,7 +12,14 @@ from click.testing import CliRunner
 from bie_trt.build import BuildOptions, build_engine
 from bie_trt.cli import main
 from bie_trt.config import EngineConfig
-from bie_trt.engine_format import verify_engine
+from bie_trt.engine_format import (
+    SCHEMA_VERSION,
+    check_target,
+    digest_files,
+    read_manifest,
+    verify_engine,
+    write_manifest,
+)
 from bie_trt.errors import BieError, EngineError, PlanError
 from bie_trt.executor.model_runner import ModelRunner
 
@@ -109,3 +116,23 @@ def test_runtime_allocates_exactly_the_plans_kv_pools(build, options):
     assert measured["fp16"] == items["kv_fp16_pool"] and measured["quant"] == items["kv_quant_pool"]
     assert sum(t.nbytes for t in runner.pools.tensors().values()) == items["kv_fp16_pool"] + items["kv_quant_pool"]
     assert runner.pools.k.dtype == torch.float16
+
+
+def test_target_check_and_schema_without_a_build(tmp_path):
+    manifest = {"target": {"sm": 89, "gpu": "RTX 4060 Ti"}}
+    assert check_target(manifest, 89) is None
+    for other in (86, 90):               # any other SM, older or newer, is refused
+        assert f"built for SM 89 (RTX 4060 Ti) but this GPU is SM {other}" in check_target(manifest, other)
+    assert check_target(manifest, None) is None and check_target({"target": {"sm": 0}}, 86) is None
+
+    (tmp_path / "a.bin").write_bytes(b"a")
+    (tmp_path / "b.bin").write_bytes(b"b")
+    files = [tmp_path / "b.bin", tmp_path / "a.bin"]
+    assert digest_files(files, tmp_path) == digest_files(files[::-1], tmp_path)   # order-free
+    for version in (SCHEMA_VERSION - 1, SCHEMA_VERSION + 1, None):
+        write_manifest(tmp_path, {"schema_version": version})
+        with pytest.raises(EngineError, match=f"engine schema version {version}, but"):
+            read_manifest(tmp_path)
+    write_manifest(tmp_path, {"schema_version": SCHEMA_VERSION})
+    assert read_manifest(tmp_path)["files"].keys() == {"a.bin", "b.bin"}
+    assert verify_engine(tmp_path, check_gpu=False).ok

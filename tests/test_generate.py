@@ -100,3 +100,36 @@ def test_blocks_return_to_the_pool(engine):
     assert engine.blocks.num_free_fp < free
     stream.close()  # a consumer that stops early
     assert engine.blocks.num_free_fp == free
+
+
+def test_seed_zero_is_reproducible_and_not_the_unseeded_draw(engine):
+    p = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    a = engine.generate("Tell me a story", SamplingParams(seed=0, **p)).token_ids
+    b = engine.generate("Tell me a story", SamplingParams(seed=0, **p)).token_ids
+    unseeded = engine.generate("Tell me a story", SamplingParams(**p)).token_ids
+    assert a == b and a != unseeded
+
+
+def test_request_errors_name_the_problem_and_the_fix_and_leave_nothing_behind(engine):
+    vocab = engine.runner.model_config.vocab_size
+    free = engine.blocks.num_free_fp
+    edited = SamplingParams()
+    edited.top_p = 2.0                   # edited after construction: checked again when submitted
+    cases = [
+        (lambda: engine.generate(""), "the prompt is empty; send at least one token."),
+        (lambda: engine.generate([0, vocab, 5]),
+         f"prompt token id {vocab} is outside the vocabulary [0, {vocab}); send ids from this model's tokenizer."),
+        (lambda: engine.generate(list(range(600))),
+         "the prompt has 600 tokens but this engine's max_model_len is 512 (prompt plus at least one generated "
+         "token must fit); shorten the prompt or rebuild with a larger --max-model-len."),
+        (lambda: engine.generate(["Hi", "Hello"], [SamplingParams()]),
+         "1 SamplingParams for 2 prompts; send one, or one each."),
+        (lambda: engine.generate("Hi", edited), "top_p must be in (0, 1]; got 2.0."),
+        (lambda: engine.generate(["Hi", ""]), "the prompt is empty; send at least one token."),
+    ]
+    for call, message in cases:
+        with pytest.raises(RequestError) as e:
+            call()
+        assert str(e.value) == message
+    stats = engine.stats()
+    assert stats.running == stats.waiting == 0 and engine.blocks.num_free_fp == free

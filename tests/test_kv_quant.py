@@ -10,6 +10,7 @@ from bie_trt.config import KVCacheConfig, ModelConfig
 from bie_trt.kv.pool import allocate_pools, encode_quant_block, quant_bytes_per_token_per_layer
 from bie_trt.kv.quant import (
     dequantize_block,
+    dequantize_blocks,
     dequantize_fp8,
     dequantize_int4_asym,
     quantize_block,
@@ -301,3 +302,23 @@ def test_block_scale_scope_shares_one_range_per_layer() -> None:
         assert abs(scale.flatten()[0] - (x.max() - x.min()) / 15) <= 1e-2 * scale.flatten()[0]
         k, _ = dequantize_block(pools, layer, encode_quant_block(0))
         assert ((k - x).abs() <= scale.flatten()[0] / 2 + 1e-3).all()
+
+
+def test_the_scratch_block_is_allocated_but_owned_by_no_sequence() -> None:
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, block_size=4)
+    pools = allocate_pools(model_config(), kv, num_fp_blocks=5, num_quant_blocks=3, scratch_block=True, device="meta")
+    assert pools.k.shape[1] == 6 and pools.scratch_block == 5
+    assert (pools.num_fp_blocks, pools.num_quant_blocks) == (5, 3)
+    plain = allocate_pools(model_config(), kv, num_fp_blocks=5, num_quant_blocks=3, device="meta")
+    assert plain.k.shape[1] == plain.num_fp_blocks == 5 and plain.scratch_block is None
+
+
+def test_dequantize_blocks_keeps_the_tables_order_across_both_pools() -> None:
+    pools = filled_pools("int4_asym")
+    quantize_block(pools, None, fp_block=0, q_block=2)
+    quantize_block(pools, None, fp_block=1, q_block=0)
+    table = [3, encode_quant_block(2), 2, encode_quant_block(0)]
+    k, v = dequantize_blocks(pools, 1, table)
+    for i, entry in enumerate(table):
+        want_k, want_v = dequantize_block(pools, 1, entry)
+        assert torch.equal(k[:, 4 * i:4 * (i + 1)], want_k) and torch.equal(v[:, 4 * i:4 * (i + 1)], want_v), i

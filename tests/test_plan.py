@@ -302,3 +302,45 @@ def test_cli_plan_json_and_checkpoint_dir(llama_json):
 def test_cli_plan_errors_are_one_line(llama_json):
     r = CliRunner().invoke(main, ["plan", "--model-config", str(llama_json), "--profile", "rtx9999"])
     assert r.exit_code == 2 and "known profiles" in r.stderr
+
+
+@pytest.mark.parametrize("limit,want", [(8192, 8192), (8200, 8192), (16, 16)])
+def test_when_the_models_own_limit_fits_it_is_the_largest_fitting_length(limit, want):
+    model = dataclasses.replace(tiny(), max_position_embeddings=limit)
+    plan = solve_plan(model, load_profile("cpu"), max_model_len=16, kv=kv_cfg(), weight_group_size=64)
+    assert plan.fits and plan.max_model_len_that_fits == want   # a multiple of the block size
+
+
+def test_the_largest_fitting_length_is_the_boundary_for_every_budget():
+    # Budgets from "nothing fits" to "everything fits", in steps that are no multiple of a block's bytes,
+    # so the boundary lands on every part of the binary search.
+    model, cpu = tiny(), load_profile("cpu")
+
+    def plan(vram: int, length: int):
+        return solve_plan(model, dataclasses.replace(cpu, vram_bytes=vram), max_model_len=length, kv=kv_cfg("fp16"),
+                          weight_group_size=64, gpu_memory_utilization=1.0)
+
+    fixed = plan(2**40, 16).total_bytes - plan(2**40, 16).bytes_of("kv_fp16_pool") - plan(2**40, 16).bytes_of("margin")
+    start = fixed + 64 * MIB             # the margin's floor: below this nothing fits
+    seen = set()
+    for vram in range(start - 3 * 16384, start + 514 * 16384, 27_001):
+        n = plan(vram, 16).max_model_len_that_fits
+        seen.add(n)
+        assert n == 0 or plan(vram, n).fits, (vram, n)
+        assert n == 8192 or not plan(vram, n + 16).fits, (vram, n)
+    assert 0 in seen and 8192 in seen and len(seen) > 250
+
+
+def test_decode_graphs_are_captured_up_to_and_including_max_num_seqs(llama, ti):
+    plan = solve_plan(llama, ti, max_model_len=4096, kv=kv_cfg(), max_num_seqs=2, cuda_graph_batch_sizes=[1, 2, 4])
+    assert plan.inputs["cuda_graph_batch_sizes"] == [1, 2]
+    assert plan.bytes_of("cuda_graphs") == 2 * 16 * MIB
+
+
+def test_the_whole_card_and_the_models_whole_length_are_allowed(ti):
+    model = tiny()
+    plan = solve_plan(model, ti, max_model_len=model.max_position_embeddings, kv=kv_cfg(), weight_group_size=64,
+                      gpu_memory_utilization=1.0)
+    assert plan.budget_bytes == ti.vram_bytes and plan.fits
+    with pytest.raises(PlanError, match="gpu_memory_utilization must be in"):
+        solve_plan(model, ti, max_model_len=1024, kv=kv_cfg(), weight_group_size=64, gpu_memory_utilization=1.01)

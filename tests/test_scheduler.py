@@ -98,3 +98,70 @@ def test_prefix_hits_are_counted():
     s.add(new_seq(list(range(40)) + [99]))
     assert step(s) == [(41, 9)]                   # 2 of its blocks were cached
     assert (s.prefix_queried_tokens, s.prefix_hit_tokens) == (81, 32)
+
+
+def test_a_prefix_hit_on_cached_blocks_does_not_count_them_as_free():
+    s = scheduler(num_blocks=5, budget=64, caching=True)
+    shared = list(range(48))
+    first = new_seq(shared + [99])
+    s.add(first)
+    step(s)
+    step(s)
+    s.finish(first, "length")                     # its 3 full blocks stay cached, nobody holds them
+    other = new_seq([1000] * 20)
+    s.add(other)
+    assert step(s) == [(20, 20)]
+    assert s.blocks.usage(False) == {"used": 2, "cached": 3, "free": 0}
+    # The hit takes the 3 cached blocks back: no block is left for the 17 new tokens, so it waits
+    # (counting the hit blocks as free would admit it and fail to grow).
+    late = new_seq(shared + [500] * 17)
+    s.add(late)
+    assert step(s) == [(20, 1)] and late.status is Status.WAITING
+    s.finish(other, "length")
+    assert step(s) == [(65, 17)] and late.num_cached == 65
+    assert s.prefix_hit_tokens == 48
+
+
+def test_a_preempted_sequence_is_not_readmitted_in_the_same_step():
+    s = scheduler(num_blocks=5, budget=64, chunk=16)
+    old, new = new_seq([1] * 40), new_seq([2] * 30)   # together they outgrow the pool while decoding
+    s.add(old)
+    s.add(new)
+    while not old.is_finished:
+        before = s.num_preemptions
+        batch = s.schedule()
+        if s.num_preemptions > before:
+            assert new.status is Status.WAITING and [seq for seq, _ in batch.chunks] == [old]
+        for seq, n in batch.chunks:
+            s.blocks.commit(seq, n)
+            if seq.num_pending == 0:
+                seq.output_ids.append(7)
+        if len(old.output_ids) == 20:
+            s.finish(old, "length")
+    # every preemption costs the victim a step of waiting; re-admitting at once thrashes (15 here)
+    assert 1 <= s.num_preemptions <= 8
+
+
+def test_a_prefix_hit_on_blocks_another_sequence_holds_costs_no_free_block():
+    s = scheduler(num_blocks=5, budget=64, caching=True)
+    shared = list(range(48))
+    first = new_seq(shared + [99])
+    s.add(first)
+    step(s)
+    step(s)                                       # first holds 4 blocks, 3 of them full and cached; 1 free
+    second = new_seq(shared + [98])
+    s.add(second)
+    assert step(s) == [(49, 1), (49, 1)]          # shares the 3 held blocks, takes the free one
+    assert second.block_table[:3] == first.block_table[:3] and s.blocks.usage(False)["free"] == 0
+
+
+def test_finishing_a_waiting_sequence_drops_it_from_the_queue():
+    s = scheduler(num_blocks=8, max_num_seqs=1)
+    running, queued = new_seq([1] * 5), new_seq([2] * 5)
+    s.add(running)
+    s.add(queued)
+    assert step(s) == [(5, 5)]
+    s.finish(queued, "abort")                     # a client gone before its request started
+    assert queued.is_finished and list(s.waiting) == []
+    s.finish(running, "stop")
+    assert not s.has_work() and s.schedule().chunks == []

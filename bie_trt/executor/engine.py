@@ -205,8 +205,9 @@ class BieEngine:
                 f"(prompt plus at least one generated token must fit); shorten the prompt or rebuild with a larger "
                 f"--max-model-len.")
         vocab = self.runner.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab}).")
+        if (bad := next((t for t in prompt_ids if not 0 <= t < vocab), None)) is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab}); send ids from this "
+                               f"model's tokenizer.")
         return Sequence(prompt_ids, params, make_generator(params, next(self._seeds)))
 
     # -- talking to the loop ---------------------------------------------------------------------
