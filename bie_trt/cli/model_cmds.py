@@ -88,6 +88,10 @@ def _kv_summary(kv: dict) -> str:
     return f"{kv['dtype']} ({', '.join(parts)})"
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 def _summary(engine_dir: str, m: dict) -> list[str]:
     c, plan = m["model"]["config"], m["plan"]
     target = (f"{m['target']['gpu']} (profile {m['profile']['name']})" if m["target"]["sm"] == 0 else
@@ -101,7 +105,8 @@ def _summary(engine_dir: str, m: dict) -> list[str]:
         f"kv cache    {_kv_summary(m['kv'])}",
         f"plan        {plan['total_bytes'] / 2**30:.2f} GiB of {plan['budget_bytes'] / 2**30:.2f} GiB budget",
     ]
-    lines += [f"  {item['name']:<28} {item['bytes'] / 2**20:10.1f} MiB" for item in plan["items"]]
+    # items this engine does not have (a tied head, CUDA graphs on the CPU) are left out
+    lines += [f"  {item['name']:<28} {_size(item['bytes']):>12}" for item in plan["items"] if item["bytes"]]
     if m.get("kernels"):
         lines.append(f"kernels     tuned and compiled for SM {m['target']['sm']}")
     lines.append(f"files       {len(m['files'])} (sha256 in manifest.json)")
