@@ -17,7 +17,7 @@ from ..errors import EngineError, RequestError
 @click.option("--model", "src", required=True,
               help="HF checkpoint directory (fp16/bf16/fp32 safetensors) or a .gguf file.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory for the AWQ checkpoint.")
-@click.option("--group-size", default=128, show_default=True, type=int,
+@click.option("--group-size", default=128, show_default=True, type=POSITIVE,
               help="Channels per quantisation group; must divide hidden and intermediate sizes.")
 def quantize(src: str, out: str, group_size: int) -> None:
     """Round-to-nearest asymmetric 4-bit quantisation into AutoAWQ "gemm" format.
