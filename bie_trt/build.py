@@ -18,7 +18,7 @@ from . import engine_format as ef
 from .checkpoint.loader import TOKENIZER_FILES, Checkpoint
 from .checkpoint.registry import resolve_checkpoint
 from .config import KVCacheConfig, ModelConfig
-from .errors import BieError, PlanError
+from .errors import BieError, CheckpointError, PlanError
 from .kernels.int8_rows import quantize_rows_int8
 from .kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
 from .kernels.w4_layout import awq_to_w4
@@ -47,9 +47,11 @@ class BuildOptions:
     kv_group_size: int | None = None
     kv_sink_tokens: int | None = None
     kv_window: int | None = None
-    kv_rotation: str = "hadamard"
-    kv_key_centering: bool = False
+    kv_rotation: str | None = None          # None: hadamard
+    kv_key_centering: bool | None = None    # None: off
     max_num_seqs: int | None = None
+    chunked_prefill_size: int | None = None
+    gpu_memory_utilization: float | None = None
     force: bool = False
 
 
@@ -64,8 +66,8 @@ def resolve_kv(opts: BuildOptions, profile: BuildProfile) -> KVCacheConfig:
         group_size=pick(opts.kv_group_size, d.kv_group_size),
         sink_tokens=pick(opts.kv_sink_tokens, d.kv_sink_tokens),
         window=pick(opts.kv_window, d.kv_window),
-        rotation=opts.kv_rotation,
-        key_centering=opts.kv_key_centering,
+        rotation=pick(opts.kv_rotation, "hadamard"),
+        key_centering=pick(opts.kv_key_centering, False),
         block_size=d.block_size,
     )
 
@@ -131,7 +133,7 @@ def compile_kernels(engine_dir: Path) -> None:
 
     with triton_cache_at(engine_dir / KERNELS_DIR):
         forget_compiled_kernels()   # tuning compiled the GEMVs in this process: compile them again, here
-        runner = ModelRunner(EngineConfig(engine_dir=str(engine_dir), device="cuda"))
+        runner = ModelRunner(EngineConfig(engine_dir=str(engine_dir), device="cuda", skip_verify=True))
     del runner
     torch.cuda.empty_cache()
 
@@ -149,17 +151,31 @@ def _toolchain() -> dict[str, str]:
 
 
 def plan_for(ckpt: Checkpoint, profile: BuildProfile, kv: KVCacheConfig, max_model_len: int,
-             max_num_seqs: int) -> MemoryPlan:
+             max_num_seqs: int, chunk_tokens: int | None = None,
+             gpu_memory_utilization: float | None = None) -> MemoryPlan:
     return solve_plan(ckpt.model, profile, max_model_len=max_model_len, kv=kv, max_num_seqs=max_num_seqs,
-                      chunk_tokens=profile.defaults.chunked_prefill_size,
-                      weight_group_size=ckpt.quant.group_size)
+                      chunk_tokens=chunk_tokens or profile.defaults.chunked_prefill_size,
+                      weight_group_size=ckpt.quant.group_size, gpu_memory_utilization=gpu_memory_utilization)
+
+
+def check_tokenizer(path: Path) -> None:
+    """Load the checkpoint's tokenizer now: a missing or broken one must stop the build before the
+    repack and calibration, not after them."""
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(path)
+    except Exception as e:   # transformers raises many types (OSError, ValueError, ...) for one cause
+        raise CheckpointError(f"{path}: its tokenizer does not load ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint needs tokenizer.json "
+                              f"(or tokenizer.model) from its source.") from None
 
 
 def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path:
     out = Path(opts.out)
     if out.exists() and any(out.iterdir()) and not opts.force:
         raise BieError(f"{out} exists and is not empty; pass --force to replace it, or choose another --out.")
-    ckpt = Checkpoint(resolve_checkpoint(opts.checkpoint))
+    ckpt = Checkpoint(resolve_checkpoint(opts.checkpoint, log=log))
     profile, how = resolve_profile(opts.profile)
     log(f"profile: {profile.name} ({how})")
     kv = resolve_kv(opts, profile)
@@ -169,12 +185,15 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         raise PlanError(str(e)) from None
     max_len = opts.max_model_len or min(profile.defaults.max_model_len, ckpt.model.max_position_embeddings)
     max_seqs = opts.max_num_seqs or profile.defaults.max_num_seqs
-    plan = plan_for(ckpt, profile, kv, max_len, max_seqs)   # refuse before any heavy work
+    chunk = opts.chunked_prefill_size or profile.defaults.chunked_prefill_size
+    # refuse before any heavy work
+    plan = plan_for(ckpt, profile, kv, max_len, max_seqs, chunk, opts.gpu_memory_utilization)
     if not plan.fits:
         raise PlanError(
             f"the memory plan does not fit {profile.name}:\n{plan.format_table()}\n"
             f"Largest max_model_len that fits: {plan.max_model_len_that_fits}. Use --max-model-len "
             f"{plan.max_model_len_that_fits} or a smaller KV format (--kv-cache-dtype int4_asym).")
+    check_tokenizer(ckpt.path)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build into a sibling temp dir and rename: a failed build leaves nothing half-written.
@@ -205,7 +224,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
             "kv": dataclasses.asdict(kv),
             "max_model_len": max_len,
             "max_num_seqs": max_seqs,
-            "chunked_prefill_size": profile.defaults.chunked_prefill_size,
+            "chunked_prefill_size": chunk,
             "plan": plan.to_dict(),
             "kernels": tune_kernels(m, profile, ckpt.quant.group_size),
             "toolchain": _toolchain(),
@@ -217,6 +236,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
             compile_kernels(tmp)
             ef.write_manifest(tmp, manifest)   # again: the digests now cover kernels/
         (tmp / "build-info.json").write_text(json.dumps({"host": platform.node()}, indent=2) + "\n")
+        ef.set_umask_permissions(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -181,6 +181,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # None: from the memory plan
     enforce_eager: bool = False       # True: no CUDA graphs (debugging)
+    skip_verify: bool = False         # True: serve without checking each file's sha256 against the manifest
+    chat_template: str | None = None  # a jinja2 chat template file replacing the checkpoint's own
     seed: int = 0
     # KV-cache overrides (None: the engine's). Used by `bie-trt eval` for ablations; a larger
     # format than the engine was planned for may not fit the GPU budget.

@@ -1,4 +1,4 @@
-"""The engine directory (DESIGN §5): manifest, digests, compatibility checks.
+"""The engine directory: manifest, digests, compatibility checks.
 
 Everything under `manifest.json` and the files it lists is deterministic. `build-info.json`
 (when the build happened, on which host) is the one file deliberately left out of the digests.
@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import EngineError
+from .jsonio import read_json_object
 
 SCHEMA_VERSION = 2   # 2: kv.key_mean in the weights
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 UNHASHED = ("build-info.json",)
+# What every reader of a manifest relies on; anything else is optional or checked where used.
+REQUIRED_KEYS = ("schema_version", "model", "kv", "plan", "files", "max_model_len", "max_num_seqs")
 
 
 def bie_trt_version() -> str:
@@ -53,17 +57,29 @@ def read_manifest(engine_dir: str | Path) -> dict[str, Any]:
     path = Path(engine_dir) / MANIFEST
     if not path.exists():
         raise EngineError(f"{engine_dir}: no {MANIFEST}; this is not an engine directory (make one with `bie-trt build`).")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise EngineError(f"{path}: corrupt JSON ({e}); rebuild the engine.") from None
+    manifest = read_json_object(path, "the engine is damaged: rebuild it with `bie-trt build`.", EngineError)
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
         raise EngineError(
             f"{path}: engine schema version {version}, but this bie-trt ({bie_trt_version()}) reads "
             f"version {SCHEMA_VERSION}; rebuild the engine with this version."
         )
+    missing = [k for k in REQUIRED_KEYS if k not in manifest]
+    if missing:
+        raise EngineError(f"{path}: missing {', '.join(missing)}; the engine is damaged: rebuild it with `bie-trt build`.")
+    if not isinstance(manifest["files"], dict) or not manifest["files"]:
+        raise EngineError(f"{path}: 'files' must map each file to its sha256; rebuild the engine with `bie-trt build`.")
     return manifest
+
+
+def set_umask_permissions(root: Path) -> None:
+    """Give a finished directory tree the permissions a plain `mkdir`/`open` would have (0755 / 0644
+    under the usual umask): the temporary directory it was built in was private (0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [root, *root.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 @dataclass
@@ -94,21 +110,32 @@ def check_target(manifest: dict[str, Any], sm: int | None) -> str | None:
     return None
 
 
-def verify_engine(engine_dir: str | Path, sm: int | None = None, check_gpu: bool = True) -> VerifyReport:
-    """Check digests of every file, the schema, and that the engine fits this machine's GPU."""
-    engine_dir = Path(engine_dir)
-    manifest = read_manifest(engine_dir)
-    problems, notes = [], []
-    listed = manifest.get("files", {})
+def file_problems(engine_dir: Path, listed: dict[str, str],
+                  sha256: Callable[[Path], str] = sha256_file) -> list[str]:
+    """One sentence per listed file that is missing or whose sha256 differs from the manifest's."""
+    problems = []
     for name, want in sorted(listed.items()):
         f = engine_dir / name
-        if not f.exists():
+        if not f.is_file():
             problems.append(f"{name}: missing")
-        elif sha256_file(f) != want:
+        elif sha256(f) != want:
             problems.append(f"{name}: sha256 mismatch (the file was modified or corrupted)")
+    return problems
+
+
+def verify_engine(engine_dir: str | Path, sm: int | None = None, check_gpu: bool = True) -> VerifyReport:
+    """Check the manifest, the digest of every file, that no file is unlisted, and that the engine
+    fits this machine's GPU. A damaged manifest is a problem of the report, not an exception."""
+    engine_dir = Path(engine_dir)
+    try:
+        manifest = read_manifest(engine_dir)
+    except EngineError as e:
+        return VerifyReport(False, [str(e)], [])
+    listed = manifest["files"]
+    problems, notes = file_problems(engine_dir, listed), []
     present = {str(p.relative_to(engine_dir)) for p in engine_dir.rglob("*") if p.is_file()}
     for extra in sorted(present - set(listed) - {MANIFEST, *UNHASHED}):
-        notes.append(f"{extra}: not listed in the manifest (ignored)")
+        problems.append(f"{extra}: not listed in the manifest (remove it, or rebuild the engine)")
     if check_gpu:
         sm = sm if sm is not None else present_gpu_sm()
         if sm is None:

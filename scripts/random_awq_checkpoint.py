@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--config", type=Path, help="an HF config.json to copy the shapes of (default: Llama-3-8B)")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config-only", action="store_true",
+                    help="write config.json and the tokenizer, no weights: enough for `bie-trt plan`")
     args = ap.parse_args()
     hf = json.loads(args.config.read_text()) if args.config else dict(LLAMA3_8B_HF)
     hf.update(model_type="llama", bos_token_id=1, eos_token_id=2, torch_dtype="float16",
@@ -41,6 +43,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(json.dumps(hf, indent=2))
     write_word_tokenizer(args.out)
+    if args.config_only:
+        print(f"wrote {args.out} (config and tokenizer only)")
+        return
     g = torch.Generator().manual_seed(args.seed)
     h, inter, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
     head_dim = h // hf["num_attention_heads"]

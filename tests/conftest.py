@@ -59,5 +59,6 @@ LEE_BACKGROUND = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_
 @pytest.fixture(scope="session")
 def lee_text() -> Path:
     if not LEE_BACKGROUND.exists():
-        pytest.skip(f"{LEE_BACKGROUND} is missing (CI lays ../shared beside the clone)")
+        pytest.skip(f"needs the evaluation text {LEE_BACKGROUND} (300 English news articles from gensim's "
+                    f"test data, LGPL-2.1; README 'The evaluation text' says how to get it) to score perplexity")
     return LEE_BACKGROUND

@@ -65,8 +65,10 @@ def test_schema_mismatch_is_refused(tmp_path, smollm2_engine):
     m = json.loads((copy / "manifest.json").read_text())
     m["schema_version"] = 99
     (copy / "manifest.json").write_text(json.dumps(m))
+    report = verify_engine(copy)
+    assert not report.ok and "schema version 99" in report.problems[0]
     with pytest.raises(EngineError, match="schema version 99"):
-        verify_engine(copy)
+        ModelRunner(EngineConfig(engine_dir=str(copy), device="cpu"))
 
 
 def test_inspect_and_readme_show_the_plan(smollm2_engine):

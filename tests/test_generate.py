@@ -20,7 +20,7 @@ def engine(smollm2_engine):
 def test_generate_cli_json(smollm2_engine, engine):
     prompt = "The capital of France is"
     cmd = [sys.executable, "-m", "bie_trt.cli", "generate", "--engine", str(smollm2_engine), "--prompt", prompt,
-           "--max-tokens", "8", "--json"]
+           "--max-tokens", "8", "--temperature", "0", "--json"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)

@@ -5,15 +5,15 @@ expected and what was found. Tensors are read lazily, one at a time, from safete
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
+from ..jsonio import read_json_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 LINEARS = {
@@ -31,10 +31,15 @@ class QuantConfig:
 
 
 def _read_json(path: Path) -> dict:
+    return read_json_object(path, "re-download the checkpoint's file from its source.", CheckpointError)
+
+
+def _open_safetensors(path: Path):
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}).") from None
+        return safe_open(path, "pt")
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); it is truncated or corrupt: "
+                              f"download it again.") from None
 
 
 def read_quant_config(ckpt: Path, hf: dict) -> QuantConfig:
@@ -103,7 +108,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: no weights (no *.safetensors and no model.safetensors.index.json).")
         out = {}
         for f in files:
-            with safe_open(f, "pt") as h:
+            with _open_safetensors(f) as h:
                 out.update({k: f for k in h.keys()})
         return out
 
@@ -111,7 +116,7 @@ class Checkpoint:
         return name in self._index
 
     def _meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        with safe_open(self._index[name], "pt") as h:
+        with _open_safetensors(self._index[name]) as h:
             sl = h.get_slice(name)
             dtype = {"I32": torch.int32, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}.get(
                 sl.get_dtype(), sl.get_dtype())
@@ -120,7 +125,7 @@ class Checkpoint:
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self._index:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the weights.")
-        with safe_open(self._index[name], "pt") as h:
+        with _open_safetensors(self._index[name]) as h:
             return h.get_tensor(name)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:

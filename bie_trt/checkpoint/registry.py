@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..errors import CheckpointError
 
@@ -44,15 +45,18 @@ def _gguf_path(model: BuiltinModel) -> Path:
     return path
 
 
-def resolve_checkpoint(name_or_path: str | Path) -> Path:
-    """A built-in name -> its converted AWQ checkpoint (made once, cached); anything else -> a path."""
+def resolve_checkpoint(name_or_path: str | Path, log: Callable[[str], None] = lambda m: None) -> Path:
+    """A built-in name -> its converted AWQ checkpoint (made once, cached); anything else -> a path.
+    `log` hears where a built-in checkpoint lives, and that it is being converted the first time."""
     key = str(name_or_path)
     if key not in BUILTIN:
         return Path(name_or_path)
     model = BUILTIN[key]
     target = cache_dir() / "checkpoints" / f"{key}-awq-g{model.group_size}"
     if (target / "config.json").exists():
+        log(f"checkpoint: {key} (cached at {target})")
         return target
+    log(f"checkpoint: converting {key} once from {model.requirement} into {target}")
     from .quantize import quantize_checkpoint
 
     gguf = _gguf_path(model)

@@ -8,54 +8,64 @@ from pathlib import Path
 import click
 
 from . import main
+from .options import NON_NEGATIVE, POSITIVE, kv_options
+from ..errors import BieError
 
 
 @main.command("eval")
-@click.option("--engine", "engine_dir", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--engine", "engine_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Engine directory made by `bie-trt build`; its model and tokenizer score the text.")
 @click.option("--text", "text_file", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="UTF-8 text file to score.")
-@click.option("--context", default=2048, show_default=True, type=int, help="Tokens per window.")
-@click.option("--stride", type=int, help="Window step (default: --context, non-overlapping).")
-@click.option("--kv-cache-dtype", type=click.Choice(["fp16", "fp8", "int4_asym"]),
-              help="KV format to score against FP16 (default: the engine's).")
-@click.option("--kv-rotation", type=click.Choice(["hadamard", "hadamard_kv", "none"]))
-@click.option("--kv-key-centering", type=click.Choice(["on", "off"]),
-              help="Subtract the engine's calibrated mean key before quantising.")
-@click.option("--kv-window", type=int)
-@click.option("--kv-sink-tokens", type=int)
-@click.option("--kv-group-size", type=int)
-@click.option("--chunk", type=int, help="Tokens per forward (default: one KV block, exactly decode-equivalent).")
-@click.option("--max-windows", type=int, help="Score at most this many windows (quick runs).")
-@click.option("--first-window", default=0, show_default=True, type=int,
+              help="UTF-8 text file to score (e.g. ../shared/data/lee_background.txt, see the README).")
+@click.option("--context", default=2048, show_default=True, type=POSITIVE, help="Tokens per window.")
+@click.option("--stride", type=POSITIVE, help="Window step, at most --context. [default: --context, non-overlapping]")
+@kv_options("the engine's", build_defaults=False)
+@click.option("--chunk", type=POSITIVE,
+              help="Tokens per forward. [default: one KV block, exactly what decode sees]")
+@click.option("--max-windows", type=POSITIVE, help="Score at most this many windows (quick runs).")
+@click.option("--first-window", default=0, show_default=True, type=NON_NEGATIVE,
               help="Skip this many windows (split one long evaluation across processes).")
 @click.option("--ablations", is_flag=True, help="Score the whole quality table: fp8, int4 and each ingredient removed.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, kv_cache_dtype: str | None,
-             kv_rotation: str | None, kv_key_centering: str | None, kv_window: int | None,
-             kv_sink_tokens: int | None, kv_group_size: int | None,
-             chunk: int | None, max_windows: int | None, first_window: int, ablations: bool, as_json: bool) -> None:
+             kv_group_size: int | None, kv_sink_tokens: int | None, kv_window: int | None, kv_rotation: str | None,
+             kv_key_centering: bool | None, chunk: int | None, max_windows: int | None, first_window: int,
+             ablations: bool, as_json: bool) -> None:
     """Perplexity over a text in windows of --context tokens, and the mean KL divergence of each
     position's next-token distribution from the FP16-KV run, scored the way decode sees the cache.
+
+    Without a KV option the engine's own cache format is scored against FP16; an engine built
+    with an FP16 cache is scored as INT4 (int4_asym), so the comparison always says something.
 
     \b
     Example (the quality table in docs/kv-cache-quality.md):
       bie-trt eval --engine engines/smollm2 --text ../shared/data/lee_background.txt \\
                    --context 2048 --ablations --json
     """
-    from ..config import EngineConfig
+    from ..config import EngineConfig, KVCacheConfig, ModelConfig
     from ..engine_format import read_manifest
-    from ..config import KVCacheConfig
     from ..evaluate import ablation_variants, evaluate
     from transformers import AutoTokenizer
 
-    base = KVCacheConfig(**read_manifest(engine_dir)["kv"])
+    try:
+        text = Path(text_file).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BieError(f"{text_file}: not UTF-8 text (byte {e.start}); convert it, e.g. "
+                       f"`iconv -t UTF-8 {text_file} > text.txt`.") from None
+    manifest = read_manifest(engine_dir)
+    base = KVCacheConfig(**manifest["kv"])
+    if base.dtype == "fp16" and kv_cache_dtype is None:
+        kv_cache_dtype = "int4_asym"   # FP16 against FP16 would measure nothing
     overrides = EngineConfig(engine_dir=engine_dir, kv_cache_dtype=kv_cache_dtype, kv_rotation=kv_rotation,
-                             kv_key_centering=None if kv_key_centering is None else kv_key_centering == "on",
-                             kv_window=kv_window, kv_sink_tokens=kv_sink_tokens,
+                             kv_key_centering=kv_key_centering, kv_window=kv_window, kv_sink_tokens=kv_sink_tokens,
                              kv_group_size=kv_group_size).kv_overrides()
     chosen = dataclasses.replace(base, **overrides)
+    try:
+        chosen.validate(ModelConfig.from_dict(manifest["model"]["config"]).head_dim)
+    except ValueError as e:
+        raise BieError(str(e)) from None
     variants = ablation_variants(chosen) if ablations else {chosen.dtype: chosen}
-    ids = AutoTokenizer.from_pretrained(engine_dir)(Path(text_file).read_text())["input_ids"]
+    ids = AutoTokenizer.from_pretrained(engine_dir)(text)["input_ids"]
     results = evaluate(engine_dir, ids, context, variants, stride=stride, chunk=chunk, max_windows=max_windows,
                        first_window=first_window, progress=not as_json)
     base_ppl = results[0].ppl

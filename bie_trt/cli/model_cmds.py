@@ -8,15 +8,16 @@ import time
 import click
 
 from . import main
-
-KV_DTYPE = click.Choice(["fp16", "fp8", "int4_asym"])
+from .options import NON_NEGATIVE, POSITIVE, device_option, kv_options
+from ..config import SamplingParams
+from ..errors import EngineError, RequestError
 
 
 @main.command()
 @click.option("--model", "src", required=True,
               help="HF checkpoint directory (fp16/bf16/fp32 safetensors) or a .gguf file.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory for the AWQ checkpoint.")
-@click.option("--group-size", default=128, show_default=True, type=int,
+@click.option("--group-size", default=128, show_default=True, type=POSITIVE,
               help="Channels per quantisation group; must divide hidden and intermediate sizes.")
 def quantize(src: str, out: str, group_size: int) -> None:
     """Round-to-nearest asymmetric 4-bit quantisation into AutoAWQ "gemm" format.
@@ -30,30 +31,27 @@ def quantize(src: str, out: str, group_size: int) -> None:
 
 
 @main.command()
-@click.option("--checkpoint", required=True,
-              help="AWQ checkpoint directory, or a built-in name: smollm2-135m.")
+@click.option("--checkpoint", required=True, metavar="DIR|NAME",
+              help="AWQ checkpoint directory, or a built-in name: smollm2-135m (converted once, cached).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--profile", default="auto", show_default=True,
               help="Build profile (GPU) name; `auto` picks by this machine's GPU. See `bie-trt plan --help`.")
-@click.option("--max-model-len", type=int, help="Context length to plan for (default: the profile's).")
-@click.option("--kv-cache-dtype", type=KV_DTYPE, help="KV body format (default: the profile's).")
-@click.option("--kv-group-size", type=int, help="INT4 KV channels per group (32, 64, 128).")
-@click.option("--kv-sink-tokens", type=int, help="First tokens kept FP16 for the sequence's life.")
-@click.option("--kv-window", type=int, help="Most recent tokens kept FP16.")
-@click.option("--kv-rotation", type=click.Choice(["hadamard", "none"]), default="hadamard", show_default=True,
-              help="Rotate keys before quantising them (tames outlier channels).")
-@click.option("--kv-key-centering/--no-kv-key-centering", default=False, show_default=True,
-              help="Subtract the calibrated mean key before quantising: exact for attention, lower KL "
-                   "divergence, not lower perplexity (docs/kv-cache-quality.md).")
-@click.option("--max-num-seqs", type=int, help="Concurrent sequences the KV pool is sized for.")
+@click.option("--max-model-len", type=POSITIVE, help="Context length to plan for, in tokens. [default: the profile's]")
+@kv_options("the profile's", build_defaults=True)
+@click.option("--max-num-seqs", type=POSITIVE,
+              help="Concurrent sequences the KV pool is sized for. [default: the profile's]")
+@click.option("--chunked-prefill-size", type=POSITIVE,
+              help="Prompt tokens per prefill step; bounds the activation workspace. [default: the profile's]")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
+              help="Fraction of the profile's VRAM the plan may use. [default: the profile's]")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build(**kw) -> None:
     """Compile a checkpoint into an engine directory for one GPU profile.
 
-    Validates the checkpoint, solves the memory plan (refusing a configuration that does
-    not fit before any heavy work), repacks the AWQ weights into the kernel layout, measures
-    each layer's mean key on a fixed text (for KV key centering), and writes manifest.json
-    with the sha256 of every file.
+    Validates the checkpoint and its tokenizer, solves the memory plan (refusing a configuration
+    that does not fit before any heavy work), repacks the AWQ weights into the kernel layout,
+    measures each layer's mean key on a fixed text (for KV key centering), and writes
+    manifest.json with the sha256 of every file.
     """
     from ..build import BuildOptions, build_engine
 
@@ -71,28 +69,60 @@ def inspect(engine_dir: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(m, indent=2))
         return
-    c = m["model"]["config"]
-    click.echo(f"engine      {engine_dir}  (schema {m['schema_version']}, bie-trt {m['bie_trt_version']})")
-    click.echo(f"model       {m['model']['name']}: {c['architecture']}, {c['num_layers']} layers, hidden "
-               f"{c['hidden_size']}, {c['num_heads']}/{c['num_kv_heads']} heads, vocab {c['vocab_size']}")
-    click.echo(f"target      {m['target']['gpu']} (profile {m['profile']['name']}, SM {m['target']['sm']})")
-    kv = m["kv"]
-    click.echo(f"context     {m['max_model_len']} tokens x {m['max_num_seqs']} sequences")
-    click.echo(f"kv cache    {kv['dtype']} (group {kv['group_size']}, sinks {kv['sink_tokens']}, "
-               f"window {kv['window']}, rotation {kv['rotation']}, key centering "
-               f"{'on' if kv['key_centering'] else 'off'}, block {kv['block_size']})")
-    plan = m["plan"]
-    click.echo(f"plan        {plan['total_bytes'] / 2**30:.2f} GiB of {plan['budget_bytes'] / 2**30:.2f} GiB budget")
-    for item in plan["items"]:
-        click.echo(f"  {item['name']:<28} {item['bytes'] / 2**20:10.1f} MiB")
-    click.echo(f"files       {len(m['files'])} (sha256 in manifest.json)")
+    try:
+        lines = _summary(engine_dir, m)
+    except (KeyError, TypeError, ValueError) as e:
+        raise EngineError(f"{engine_dir}/manifest.json: malformed ({type(e).__name__}: {e}); "
+                          f"rebuild the engine with `bie-trt build`.") from None
+    click.echo("\n".join(lines))
+
+
+def _kv_summary(kv: dict) -> str:
+    """Only what applies: an fp16 cache has no groups, sinks, window or rotation."""
+    if kv["dtype"] == "fp16":
+        return f"fp16 (block {kv['block_size']})"
+    parts = [f"sinks {kv['sink_tokens']}", f"window {kv['window']}", f"rotation {kv['rotation']}",
+             f"key centering {'on' if kv['key_centering'] else 'off'}", f"block {kv['block_size']}"]
+    if kv["dtype"] == "int4_asym":
+        parts.insert(0, f"group {kv['group_size']}")
+    return f"{kv['dtype']} ({', '.join(parts)})"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _summary(engine_dir: str, m: dict) -> list[str]:
+    c, plan = m["model"]["config"], m["plan"]
+    target = (f"{m['target']['gpu']} (profile {m['profile']['name']})" if m["target"]["sm"] == 0 else
+              f"{m['target']['gpu']} (profile {m['profile']['name']}, SM {m['target']['sm']})")
+    lines = [
+        f"engine      {engine_dir}  (schema {m['schema_version']}, bie-trt {m['bie_trt_version']})",
+        f"model       {m['model']['name']}: {c['architecture']}, {c['num_layers']} layers, hidden "
+        f"{c['hidden_size']}, {c['num_heads']}/{c['num_kv_heads']} heads, vocab {c['vocab_size']}",
+        f"target      {target}",
+        f"context     {m['max_model_len']} tokens x {m['max_num_seqs']} sequences",
+        f"kv cache    {_kv_summary(m['kv'])}",
+        f"plan        {plan['total_bytes'] / 2**30:.2f} GiB of {plan['budget_bytes'] / 2**30:.2f} GiB budget",
+    ]
+    # items this engine does not have (a tied head, CUDA graphs on the CPU) are left out
+    lines += [f"  {item['name']:<28} {_size(item['bytes']):>12}" for item in plan["items"] if item["bytes"]]
+    if m.get("kernels"):
+        lines.append(f"kernels     tuned and compiled for SM {m['target']['sm']}")
+    lines.append(f"files       {len(m['files'])} (sha256 in manifest.json)")
+    return lines
 
 
 @main.command()
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--sm", type=int, help="Check against this SM (e.g. 89) instead of the present GPU; CI uses this.")
+@click.option("--sm", type=POSITIVE, help="Check against this SM (e.g. 89) instead of the present GPU; CI uses this.")
 def verify(engine_dir: str, sm: int | None) -> None:
-    """Check every file's sha256, the schema version, and the target GPU. Exit 1 on a problem."""
+    """Check the manifest, every file's sha256, that no file is unlisted, the schema version and
+    the target GPU.
+
+    \b
+    Exit status: 0 the engine is intact, 1 a problem (each printed), 2 a bad command line.
+    """
     from ..engine_format import verify_engine
 
     report = verify_engine(engine_dir, sm=sm)
@@ -104,34 +134,64 @@ def verify(engine_dir: str, sm: int | None) -> None:
     sys.exit(0 if report.ok else 1)
 
 
+_SAMPLING = SamplingParams.__dataclass_fields__   # one set of defaults: the SDK's (and the server's)
+
+
 @main.command()
 @click.option("--engine", "engine_dir", required=True, type=click.Path(exists=True, file_okay=False),
               help="Engine directory made by `bie-trt build`.")
 @click.option("--prompt", required=True, help="Prompt text, tokenised exactly as tokenizer(prompt) does.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message with the chat template.")
-@click.option("--max-tokens", default=64, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False),
+              help="A jinja2 chat template file used instead of the checkpoint's own (with --chat).")
+@click.option("--echo", is_flag=True, help="Print the prompt before the completion (JSON: text starts with it).")
+@click.option("--max-tokens", default=_SAMPLING["max_tokens"].default, show_default=True, type=POSITIVE,
+              help="Tokens to generate at most; the prompt plus these must fit the engine's context.")
+@click.option("--temperature", default=_SAMPLING["temperature"].default, show_default=True,
+              type=click.FloatRange(min=0), help="Softmax temperature; 0 is greedy.")
+@click.option("--top-p", default=_SAMPLING["top_p"].default, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling: keep the smallest set of "
+              "tokens whose probability reaches this.")
+@click.option("--top-k", default=_SAMPLING["top_k"].default, show_default=True, type=NON_NEGATIVE,
+              help="Keep only the k most likely tokens; 0 disables.")
 @click.option("--seed", type=int, help="Same seed, same tokens.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@device_option
+@click.option("--skip-verify", is_flag=True,
+              help="Do not check each file's sha256 against the manifest before loading (it is remembered "
+                   "per file once checked, so only the first load after a change pays for it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def generate(engine_dir: str, prompt: str, chat: bool, max_tokens: int, temperature: float, top_p: float,
-             top_k: int, seed: int | None, device: str, as_json: bool) -> None:
-    """Generate from an engine, streaming text to the terminal as it decodes."""
-    from .. import BieEngine, EngineConfig, SamplingParams
+def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None, echo: bool, max_tokens: int,
+             temperature: float, top_p: float, top_k: int, seed: int | None, device: str, skip_verify: bool,
+             as_json: bool) -> None:
+    """Generate from an engine, streaming text to the terminal as it decodes.
 
+    Sampling defaults are the SDK's and the server's (OpenAI's): temperature 1, top-p 1, no top-k,
+    16 tokens; pass --temperature 0 for greedy decoding.
+    """
+    from .. import BieEngine, EngineConfig
+
+    if not prompt.strip():
+        raise RequestError("--prompt is empty or only whitespace; give the text to continue or answer.")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
-    engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device))
+    engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, skip_verify=skip_verify,
+                                    chat_template=chat_template))
+    prompt_ids = engine.encode(prompt, chat=chat)
+    if len(prompt_ids) + max_tokens > engine.max_model_len:
+        raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens {max_tokens} exceeds this "
+                           f"engine's context of {engine.max_model_len} tokens; lower --max-tokens to at most "
+                           f"{max(engine.max_model_len - len(prompt_ids), 0)}.")
     start, out = time.perf_counter(), None
-    for event in engine.stream(prompt, params, chat=chat):
+    if echo and not as_json:
+        click.echo(prompt, nl=False)
+    for event in engine.stream(prompt_ids, params):
         if not as_json:
             click.echo(event.delta, nl=False)
         out = event.output or out
     elapsed = time.perf_counter() - start
     if as_json:
         click.echo(json.dumps({
-            "text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+            "text": (prompt if echo else "") + out.text, "token_ids": out.token_ids,
+            "prompt_token_ids": out.prompt_token_ids,
             "finish_reason": out.finish_reason, "tokens_per_s": round(out.decode_tokens_per_s, 3),
             "time_to_first_token_s": round(out.time_to_first_token_s, 4), "elapsed_s": round(elapsed, 3),
             "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens},

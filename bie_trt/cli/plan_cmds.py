@@ -12,6 +12,8 @@ import click
 from . import main
 from ..config import KV_DTYPES, KVCacheConfig, ModelConfig
 from ..errors import CheckpointError, PlanError
+from ..jsonio import read_json_object
+from .options import POSITIVE
 from ..plan import MemoryPlan, default_weight_group_size, solve_plan
 from ..profiles import EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile, load_profile, resolve_profile
 
@@ -19,12 +21,8 @@ EXIT_DOES_NOT_FIT = 3
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file; pass the model's config.json or a checkpoint directory.")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}); pass a Hugging Face config.json.") from None
+    return read_json_object(path, "pass a Hugging Face config.json, or a checkpoint directory holding one.",
+                            CheckpointError)
 
 
 def _checkpoint_config_path(name_or_path: str) -> Path:
@@ -64,7 +62,7 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
                    "smollm2-135m (converted once and cached on first use).")
 @click.option("--profile", default="auto", show_default=True,
               help="Build profile (a GPU, see build_profiles/): auto picks this machine's GPU, cpu without one.")
-@click.option("--max-model-len", type=int, help="Context length to plan for, in tokens. [default: the profile's]")
+@click.option("--max-model-len", type=POSITIVE, help="Context length to plan for, in tokens. [default: the profile's]")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES),
               help="Storage of the KV body: fp16 (128 KiB/token on Llama-3-8B), fp8 (65 KiB) or int4_asym "
                    "(36 KiB). Sinks and the recent window stay fp16. [default: the profile's]")
@@ -72,9 +70,9 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
               help="Channels per INT4 scale/zero group; must divide head_dim. [default: the profile's]")
 @click.option("--kv-sink-tokens", type=int, help="First tokens kept fp16 for the whole sequence. [default: the profile's]")
 @click.option("--kv-window", type=int, help="Most recent tokens kept fp16. [default: the profile's]")
-@click.option("--max-num-seqs", type=int,
+@click.option("--max-num-seqs", type=POSITIVE,
               help="Sequences served at once; each gets KV for the full --max-model-len. [default: the profile's]")
-@click.option("--chunked-prefill-size", type=int,
+@click.option("--chunked-prefill-size", type=POSITIVE,
               help="Prompt tokens per prefill step; bounds the activation workspace. [default: the profile's]")
 @click.option("--lm-head-dtype", type=click.Choice(LM_HEAD_DTYPES),
               help="int8 (per-row scale) halves the lm_head's 1 GiB on 8B models. [default: the profile's]")
@@ -97,13 +95,19 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
              gpu_memory_utilization: float | None, speculative_draft_config: Path | None,
              num_speculative_tokens: int | None, as_json: bool) -> None:
     """Print the fixed memory plan of an engine: every GPU allocation, item by item, and whether it
-    fits the profile's budget. Reads only config.json, so it answers in a second for any model.
+    fits the profile's budget.
+
+    Reads only the model's config.json (given directly, or the one inside --checkpoint DIR) and the
+    profile's TOML under build_profiles/: no weights, no tokenizer, no GPU, so it answers in a second
+    for any model, also before its weights are downloaded.
 
     \b
-    Exit status: 0 when the plan fits, 3 when it does not (with what to change).
+    Exit status: 0 when the plan fits, 3 when it does not (with what to change), 2 on a bad input.
     \b
     Examples:
-      bie-trt plan --model-config Llama-3.1-8B/config.json --profile rtx4060ti-8gb
+      bie-trt plan --model-config docs/examples/llama-3.1-8b-instruct-awq.config.json \\
+                   --profile rtx4060ti-8gb --max-model-len 65536
+      bie-trt plan --checkpoint models/llama-3.1-8b-awq --profile rtx4060ti-8gb
       bie-trt plan --checkpoint smollm2-135m --profile cpu --json
     """
     if (model_config is None) == (checkpoint is None):

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence as Seq
 
 import torch
@@ -128,10 +129,30 @@ class RequestStream:
             self._engine._abort(self._request, wait=False)
 
 
-def _load_tokenizer(engine_dir: str):
+def _load_tokenizer(engine_dir: str, chat_template: str | None = None):
+    """The engine's tokenizer; `chat_template` (a jinja2 file) replaces the checkpoint's own template."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(engine_dir)
+    tokenizer = AutoTokenizer.from_pretrained(engine_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def read_chat_template(path: str) -> str:
+    import jinja2
+
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+        jinja2.Environment().parse(text)
+    except OSError as e:
+        raise RequestError(f"chat template {path}: cannot be read ({e.strerror}); pass a jinja2 file.") from None
+    except UnicodeDecodeError:
+        raise RequestError(f"chat template {path}: not UTF-8 text; pass a jinja2 file.") from None
+    except jinja2.TemplateSyntaxError as e:
+        raise RequestError(f"chat template {path}: jinja2 syntax error on line {e.lineno} ({e.message}); "
+                           f"fix the template.") from None
+    return text
 
 
 def _top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
@@ -147,7 +168,7 @@ class BieEngine:
     def __init__(self, config: EngineConfig | str):
         self.config = config if isinstance(config, EngineConfig) else EngineConfig(engine_dir=str(config))
         self.runner = ModelRunner(self.config)
-        self.tokenizer = _load_tokenizer(self.config.engine_dir)
+        self.tokenizer = _load_tokenizer(self.config.engine_dir, self.config.chat_template)
         self.model_name = self.runner.manifest["model"]["name"]
         self.max_model_len = self.runner.max_model_len
         pools, kv, chunk = self.runner.pools, self.runner.kv_config, self.runner.chunk_size

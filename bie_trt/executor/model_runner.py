@@ -5,12 +5,15 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .. import engine_format as ef
 from ..checkpoint.registry import cache_dir
 from ..config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
+from ..devices import check_device_name
 from ..errors import EngineError
+from ..integrity import check_engine_files
 from ..kernels.kernel_cache import use_engine_kernels
 from ..kv.pool import KVPools, allocate_pools
 from ..model.llama import LlamaModel, SeqInput, centres_keys
@@ -32,9 +35,22 @@ def _available_memory() -> int | None:
     return None
 
 
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:   # truncated or garbled (served with --skip-verify)
+        raise EngineError(f"{path}: unreadable ({e}); rebuild the engine with `bie-trt build`.") from None
+
+
 def pick_device(config: EngineConfig, manifest: dict) -> torch.device:
     if config.device != "auto":
-        return torch.device(config.device)
+        device = torch.device(check_device_name(config.device))
+        if device.type == "cuda":
+            available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (device.index or 0) >= available:
+                raise EngineError(f"device {config.device}: this machine has {available} CUDA GPU(s) visible to "
+                                  f"PyTorch; use --device cpu or auto.")
+        return device
     if torch.cuda.is_available() and ef.check_target(manifest, ef.present_gpu_sm()) is None:
         return torch.device("cuda")
     return torch.device("cpu")
@@ -44,6 +60,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.engine_dir = Path(config.engine_dir)
         self.manifest = ef.read_manifest(self.engine_dir)
+        if not config.skip_verify:
+            check_engine_files(self.engine_dir, self.manifest)
         self.device = pick_device(config, self.manifest)
         if self.device.type == "cuda":
             problem = ef.check_target(self.manifest, ef.present_gpu_sm())
@@ -60,7 +78,9 @@ class ModelRunner:
         built_len = int(self.manifest["max_model_len"])
         self.max_model_len = min(config.max_model_len or built_len, built_len)
         self.max_num_seqs = min(config.max_num_seqs, int(self.manifest["max_num_seqs"]))
-        self.chunk_size = config.chunked_prefill_size
+        # never above the build's: the plan's activation workspace is sized for it
+        self.chunk_size = min(config.chunked_prefill_size,
+                              int(self.manifest.get("chunked_prefill_size", config.chunked_prefill_size)))
         weights_path = self.engine_dir / ef.WEIGHTS
         if not weights_path.exists():
             raise EngineError(f"{weights_path}: missing; the engine directory is incomplete (rebuild it).")
@@ -68,7 +88,7 @@ class ModelRunner:
         if self.device.type == "cuda":   # before the first kernel compiles
             use_engine_kernels(self.engine_dir, self.manifest, cache_dir())
         placement = self.manifest["plan"]["inputs"].get("embedding_placement", "gpu")
-        self.model = LlamaModel(self.model_config, load_file(str(weights_path)), self.device, self.dtype,
+        self.model = LlamaModel(self.model_config, load_weights(weights_path), self.device, self.dtype,
                                 embedding_on_host=placement == "host",
                                 gemv_configs=self.manifest.get("kernels", {}).get("w4_gemv"),
                                 keep_dense=self._dense_fits())

@@ -1,0 +1,56 @@
+"""Options several commands share, spelled and checked the same way everywhere."""
+from __future__ import annotations
+
+from typing import Callable
+
+import click
+
+from ..config import KV_DTYPES, KV_ROTATIONS
+from ..devices import DEVICE_HELP, check_device_name
+from ..errors import BieError
+
+POSITIVE = click.IntRange(min=1)
+NON_NEGATIVE = click.IntRange(min=0)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+class DeviceType(click.ParamType):
+    name = "auto|cpu|cuda|cuda:N"
+
+    def convert(self, value, param, ctx):
+        try:
+            return check_device_name(str(value))
+        except BieError as e:
+            self.fail(str(e), param, ctx)
+
+
+def device_option(f: Callable) -> Callable:
+    return click.option("--device", default="auto", show_default=True, type=DeviceType(),
+                        help=f"Where to run: {DEVICE_HELP}")(f)
+
+
+def kv_options(default_from: str, build_defaults: bool) -> Callable[[Callable], Callable]:
+    """The KV-cache format options of `build` (defaults: the profile's) and `eval` (the engine's)."""
+    d = f"[default: {default_from}]"
+    rotation_d, centering_d = ("[default: hadamard]", "[default: off]") if build_defaults else (d, d)
+    options = [
+        click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES),
+                     help=f"Storage of the KV body; sinks and the recent window stay fp16. {d}"),
+        click.option("--kv-group-size", type=click.Choice(KV_GROUP_SIZES),
+                     help=f"INT4 KV channels per scale/zero group; must divide head_dim. {d}"),
+        click.option("--kv-sink-tokens", type=NON_NEGATIVE, help=f"First tokens kept fp16 for the sequence's life. {d}"),
+        click.option("--kv-window", type=NON_NEGATIVE, help=f"Most recent tokens kept fp16. {d}"),
+        click.option("--kv-rotation", type=click.Choice(KV_ROTATIONS),
+                     help="Hadamard-rotate keys (hadamard), keys and values (hadamard_kv), or nothing (none) "
+                          f"before quantising; tames outlier channels. {rotation_d}"),
+        click.option("--kv-key-centering/--no-kv-key-centering", default=None,
+                     help="Subtract the calibrated mean key before quantising: exact for attention, lower KL "
+                          f"divergence, not lower perplexity (docs/kv-cache-quality.md). {centering_d}"),
+    ]
+
+    def apply(f: Callable) -> Callable:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return apply

@@ -1,0 +1,82 @@
+"""Conventions of the command line: one sampling default, --echo, --chat-template, eval's default
+comparison, build's --gpu-memory-utilization, and where the bundled checkpoint is cached."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from transformers import AutoTokenizer
+
+from bie_trt import SamplingParams
+from bie_trt.checkpoint.registry import resolve_checkpoint
+from bie_trt.cli import main
+
+PROMPT = "The capital of France is"
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_generate_sampling_defaults_are_the_sdks():
+    options = {p.name: p.default for p in main.commands["generate"].params}
+    sdk = SamplingParams()
+    for name in ("temperature", "top_p", "top_k", "max_tokens"):
+        assert options[name] == getattr(sdk, name), name
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_engine):
+    return AutoTokenizer.from_pretrained(smollm2_engine)
+
+
+def test_echo_puts_the_prompt_before_the_completion(smollm2_engine):
+    base = ["generate", "--engine", smollm2_engine, "--prompt", PROMPT, "--temperature", "0", "--max-tokens", "3"]
+    plain = json.loads(invoke(*base, "--json").stdout)
+    echoed = json.loads(invoke(*base, "--json", "--echo").stdout)
+    assert echoed["text"] == PROMPT + plain["text"] and echoed["token_ids"] == plain["token_ids"]
+    streamed = invoke(*base, "--echo")
+    assert streamed.exit_code == 0 and streamed.stdout == PROMPT + plain["text"] + "\n"
+
+
+def test_chat_template_file_replaces_the_checkpoints(smollm2_engine, tokenizer, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
+    base = ["generate", "--engine", smollm2_engine, "--prompt", "hi", "--chat", "--temperature", "0",
+            "--max-tokens", "1", "--json"]
+    own = json.loads(invoke(*base).stdout)["prompt_token_ids"]
+    assert own == tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+    r = invoke(*base, "--chat-template", template)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["prompt_token_ids"] == tokenizer("[user] hi\n[assistant]", add_special_tokens=False)["input_ids"]
+    template.write_text("{% for m in messages %}")
+    r = invoke(*base, "--chat-template", template)
+    assert r.exit_code == 2
+    assert json.loads(r.stdout)["error"].startswith(f"chat template {template}: jinja2 syntax error")
+
+
+def test_eval_without_a_kv_flag_compares_int4_against_fp16(smollm2_engine, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("The cat sat on the mat and looked at the dog across the room. " * 20)
+    assert json.loads((smollm2_engine / "manifest.json").read_text())["kv"]["dtype"] == "fp16"
+    r = invoke("eval", "--engine", smollm2_engine, "--text", text, "--context", "64", "--max-windows", "1",
+               "--kv-window", "16", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert [row["kv"]["dtype"] for row in out["rows"]] == ["fp16", "int4_asym"]
+    assert out["kld"] > 0   # FP16 against itself would be exactly 0
+
+
+def test_build_gpu_memory_utilization_reaches_the_plan(smollm2_checkpoint, tmp_path):
+    r = invoke("build", "--checkpoint", smollm2_checkpoint, "--out", tmp_path / "e", "--profile", "cpu",
+               "--max-model-len", "2048", "--gpu-memory-utilization", "0.001")
+    assert r.exit_code == 2 and "does not fit" in r.stderr and "x 0.001" in r.stderr
+    assert not (tmp_path / "e").exists()
+
+
+def test_the_bundled_checkpoint_says_where_it_is_cached(smollm2_checkpoint):
+    heard = []
+    assert resolve_checkpoint("smollm2-135m", log=heard.append) == smollm2_checkpoint
+    assert heard == [f"checkpoint: smollm2-135m (cached at {smollm2_checkpoint})"]
