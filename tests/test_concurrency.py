@@ -120,8 +120,8 @@ def test_a_pool_far_too_small_still_completes_every_request(small_pool_server):
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(complete, prompts))
     assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40 for r in results)
-    assert metric(base, "bie_preemptions_total") > 0
-    assert metric(base, "bie_requests_total", finish_reason="length") >= len(prompts)
+    assert metric(base, "bie_num_preemptions_total") > 0
+    assert metric(base, "bie_request_success_total", finished_reason="length") >= len(prompts)
     assert metric(base, "bie_kv_blocks", pool="fp16", state="used") == 0
     # preempted requests were recomputed, not corrupted: the same text as each run alone
     alone = [engine.generate(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)).text for p in prompts]
@@ -135,14 +135,15 @@ def test_metrics_parse_as_prometheus_text(small_pool_server):
     families = {f.name: f for f in parser.text_string_to_metric_families(r.text)}
     assert families["bie_time_to_first_token_seconds"].type == "histogram"
     assert families["bie_inter_token_latency_seconds"].type == "histogram"
-    assert {"bie_requests", "bie_prompt_tokens", "bie_generation_tokens", "bie_preemptions", "bie_kv_blocks",
-            "bie_prefix_cache_queries", "bie_prefix_cache_hits", "bie_prefix_cache_hit_rate"} <= set(families)
+    assert {"bie_request_success", "bie_prompt_tokens", "bie_generation_tokens", "bie_num_preemptions",
+            "bie_kv_blocks", "bie_prefix_cache_queries", "bie_prefix_cache_hits",
+            "bie_prefix_cache_hit_rate"} <= set(families)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(small_pool_server):
     engine, base = small_pool_server
     used, aborted = (metric(base, "bie_kv_blocks", pool="fp16", state="used"),
-                     metric(base, "bie_requests_total", finish_reason="abort"))
+                     metric(base, "bie_request_success_total", finished_reason="abort"))
     body = {"model": engine.model_name, "prompt": "Tell me a long story", "max_tokens": 50, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
@@ -154,7 +155,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(small_pool_server
     # leaving the block closes the connection mid-stream
     wait_until(lambda: metric(base, "bie_kv_blocks", pool="fp16", state="used") == used,
                "the disconnected request still holds KV blocks")
-    assert metric(base, "bie_requests_total", finish_reason="abort") == aborted + 1
+    assert metric(base, "bie_request_success_total", finished_reason="abort") == aborted + 1
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -163,7 +164,7 @@ def test_a_client_that_leaves_a_non_streamed_request_frees_its_blocks(small_pool
     connection itself: the request (each of its n choices) is aborted, not generated for nobody."""
     engine, base = small_pool_server
     used, aborted = (metric(base, "bie_kv_blocks", pool="fp16", state="used"),
-                     metric(base, "bie_requests_total", finish_reason="abort"))
+                     metric(base, "bie_request_success_total", finished_reason="abort"))
     body = json.dumps({"model": engine.model_name, "prompt": "Tell me a long story", "max_tokens": 50,
                        "ignore_eos": True, "n": n}).encode()
     host, port = base.removeprefix("http://").split(":")
@@ -173,4 +174,4 @@ def test_a_client_that_leaves_a_non_streamed_request_frees_its_blocks(small_pool
         wait_until(lambda: metric(base, "bie_kv_blocks", pool="fp16", state="used") > used, "the request never ran")
     wait_until(lambda: metric(base, "bie_kv_blocks", pool="fp16", state="used") == used,
                "the abandoned request still holds KV blocks")
-    assert metric(base, "bie_requests_total", finish_reason="abort") == aborted + n
+    assert metric(base, "bie_request_success_total", finished_reason="abort") == aborted + n

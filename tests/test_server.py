@@ -1,11 +1,13 @@
 """The OpenAI-compatible server, driven by the real `openai` client over 127.0.0.1."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import socket
 import threading
 import time
+from typing import Iterator
 
 import httpx
 import openai
@@ -13,7 +15,7 @@ import pytest
 import uvicorn
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
-from bie_trt.server.app import create_app
+from bie_trt.server.app import ServerOptions, create_app
 
 
 def free_port() -> int:
@@ -22,20 +24,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_engine):
-    engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=256))
+@contextlib.contextmanager
+def serving(engine: BieEngine, options: ServerOptions | None = None) -> Iterator[str]:
+    """The app on a real uvicorn server on 127.0.0.1, in a thread; yields its base URL."""
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine, options), host="127.0.0.1", port=port,
+                                        log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not srv.started:
         assert time.time() < deadline, "server did not start"
         time.sleep(0.05)
-    yield engine, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_engine):
+    engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=256))
+    with serving(engine) as base:
+        yield engine, base
 
 
 @pytest.fixture(scope="module")
@@ -102,21 +114,108 @@ def test_seeded_sampling_is_reproducible(client, model_id):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
-@pytest.mark.parametrize("bad, fragment", [
-    ({"prompt": "word " * 400}, "max_model_len"),
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"prompt": ""}, "empty"),
-    ({"logprobs": 21}, "logprobs"),
+CONTEXT = ("This model's maximum context length is 256 tokens. However, you requested 405 tokens (401 in the "
+           "prompt, 4 in the completion). Please reduce the length of the prompt or completion.")
+
+
+@pytest.mark.parametrize("bad, message, param", [
+    ({"prompt": "word " * 400}, CONTEXT, "prompt"),
+    ({"max_tokens": 10 ** 9}, "However, you requested 1000000001 tokens (1 in the prompt, 1000000000 in the "
+                              "completion)", "prompt"),
+    ({"max_tokens": "4"}, "max_tokens: input should be a valid integer (got '4')", "max_tokens"),
+    ({"max_tokens": True}, "max_tokens: input should be a valid integer (got True)", "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens: input should be greater than or equal to 1", "max_tokens"),
+    ({"temperature": -1}, "temperature: input should be greater than or equal to 0", "temperature"),
+    ({"temperature": 2.5}, "temperature: input should be less than or equal to 2", "temperature"),
+    ({"temperature": "0.5"}, "temperature: input should be a valid number", "temperature"),
+    ({"top_p": 1.5}, "top_p: input should be less than or equal to 1", "top_p"),
+    ({"prompt": ""}, "the prompt is empty", "prompt"),
+    ({"prompt": []}, "prompt must not be empty", "prompt"),
+    ({"prompt": ["Hello", 3]}, "prompt must be a string, a list of strings", "prompt"),
+    ({"prompt": [1, 10 ** 6]}, "prompt token ids must be in [0, ", "prompt"),
+    ({"logprobs": 21}, "logprobs: input should be less than or equal to 20", "logprobs"),
+    ({"n": 0}, "n: input should be greater than or equal to 1", "n"),
+    ({"n": 17}, "n: input should be less than or equal to 16", "n"),
+    ({"stop": [1]}, "stop must be a string or a list of strings", "stop"),
+    ({"seed": 2 ** 70}, "seed: input should be less than or equal to", "seed"),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage: input should be a valid boolean",
+     "stream_options.include_usage"),
 ])
-def test_errors_are_400_and_server_keeps_serving(client, model_id, bad, fragment):
+def test_completion_errors_name_the_problem_and_param(client, model_id, bad, message, param):
     kw = {"model": model_id, "prompt": "Hello", "max_tokens": 4, **bad}
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(**kw)
-    assert e.value.status_code == 400 and fragment in e.value.body["message"]
+        client.completions.create(**{k: v for k, v in kw.items() if k in ("model", "prompt")},
+                                  extra_body={k: v for k, v in kw.items() if k not in ("model", "prompt")})
+    assert e.value.status_code == 400
+    assert message in e.value.body["message"] and e.value.body["param"] == param
+    assert e.value.body["type"] == "invalid_request_error"
     ok = client.completions.create(model=model_id, prompt="Hello", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("messages, message, param", [
+    ([{"role": "robot", "content": "hi"}], "messages[0].role: input should be 'system', 'developer', 'user', "
+                                           "'assistant' or 'tool' (got 'robot')", "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content is required", "messages[0].content"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": None}],
+     "messages[1].content: must not be null in a user message", "messages[1].content"),
+    ([{"role": "system", "content": None}], "must not be null in a system message", "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content must be a string or a list of text parts", "messages[0].content"),
+    ([], "messages: list should have at least 1 item", "messages"),
+    ("hello", "messages: input should be a valid list", "messages"),
+    ([{"role": "user", "content": "word " * 300}], "This model's maximum context length is 256 tokens. However, "
+                                                   "you requested", "messages"),
+])
+def test_chat_errors_name_the_problem_and_param(server, model_id, messages, message, param):
+    r = httpx.post(server[1] + "/v1/chat/completions", json={"model": model_id, "messages": messages,
+                                                            "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["param"] == param
+
+
+def test_assistant_content_may_be_null(server, model_id):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": [{"type": "text", "text": "Say hi."}]}]
+    r = httpx.post(server[1] + "/v1/chat/completions", timeout=120,
+                   json={"model": model_id, "messages": messages, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("method, path, body, status, fragment", [
+    ("GET", "/v1/nothing", None, 404, "no route GET /v1/nothing"),
+    ("GET", "/v1/completions", None, 405, "GET is not allowed on /v1/completions"),
+    ("POST", "/v1/completions", b'{"prompt": "Hi", ', 400, "the request body is not valid JSON"),
+    ("POST", "/v1/completions", b"[1, 2]", 400, "the request body must be a JSON object"),
+    ("POST", "/v1/completions", b"", 400, "the request body must be a JSON object"),
+    ("POST", "/v1/completions", b'{"prompt": "Hi", "max_tokens": NaN}', 400, "max_tokens"),
+    ("POST", "/v1/completions", b'{"prompt": "Hi", "temperature": Infinity}', 400, "temperature"),
+])
+def test_every_error_has_the_openai_shape(server, method, path, body, status, fragment):
+    r = httpx.request(method, server[1] + path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_two_prompts_get_a_choice_each(server, client, model_id):
+    """A list of prompts is a batch: one choice per prompt (times n), in order, as if sent one by one."""
+    engine, prompts = server[0], ["The capital of France is", "Once upon a time"]
+    r = client.completions.create(model=model_id, prompt=prompts, max_tokens=6, temperature=0)
+    alone = [engine.generate(p, SamplingParams(temperature=0, max_tokens=6)) for p in prompts]
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [a.text for a in alone]
+    assert r.usage.prompt_tokens == sum(len(a.prompt_token_ids) for a in alone)
+    assert r.usage.completion_tokens == sum(len(a.token_ids) for a in alone)
+    # token-id prompts, with n = 2: choice 2p + j is prompt p's j-th sample
+    ids = [a.prompt_token_ids for a in alone]
+    texts = ["", "", "", ""]
+    for chunk in client.completions.create(model=model_id, prompt=ids, max_tokens=6, temperature=0, n=2,
+                                           stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [alone[0].text, alone[0].text, alone[1].text, alone[1].text]
 
 
 def test_completion_logprobs(server, client, model_id):
@@ -189,13 +288,6 @@ def test_n_chat_choices_stream_with_a_role_each(client, model_id):
     assert roles == [1, 1] and texts == [c.message.content for c in body.choices]
 
 
-@pytest.mark.parametrize("n", [0, 17])
-def test_n_out_of_range_is_400(client, model_id, n):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=model_id, prompt="Hello", max_tokens=2, n=n)
-    assert "n must be between 1 and 16" in e.value.body["message"]
-
-
 def test_stream_error_is_400_not_broken_stream(client, model_id):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
@@ -207,6 +299,17 @@ def test_unknown_model_is_404(client):
         client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
 
 
-def test_malformed_body_is_400(server):
-    r = httpx.post(server[1] + "/v1/chat/completions", json={"messages": "not a list"})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+def test_api_key_is_required_on_v1_routes_only(server, model_id):
+    with serving(server[0], ServerOptions(api_key="s3cret-key")) as base:
+        for headers in ({}, {"Authorization": "Bearer s3cret-kez"}, {"Authorization": "Basic s3cret-key"},
+                        {"Authorization": "Bearer s3cret-key-and-more"}):
+            r = httpx.post(base + "/v1/completions", headers=headers, json={"prompt": "Hi", "max_tokens": 1})
+            assert r.status_code == 401, headers
+            assert r.json()["error"]["code"] == "invalid_api_key" and "--api-key" in r.json()["error"]["message"]
+        # a bad body without the key is still 401: nothing is read before the key is checked
+        assert httpx.post(base + "/v1/completions", content=b"{").status_code == 401
+        assert httpx.get(base + "/health").status_code == 200 and httpx.get(base + "/metrics").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=base + "/v1", api_key="s3cret-key", max_retries=0)
+        assert client.completions.create(model=model_id, prompt="Hi", max_tokens=1).usage.completion_tokens == 1

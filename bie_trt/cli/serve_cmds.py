@@ -1,34 +1,122 @@
-"""run: the OpenAI-compatible server."""
+"""serve (alias: run): the OpenAI-compatible server, with the options vLLM users type by habit."""
 from __future__ import annotations
+
+import copy
+import re
 
 import click
 
 from . import main
 
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
-@main.command()
-@click.option("--engine", "engine_dir", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Engine directory made by `bie-trt build`.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8080, show_default=True, type=int)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
-@click.option("--max-num-seqs", default=8, show_default=True, type=int, help="Concurrent sequences (at most the engine's).")
+
+def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if not DEVICE.fullmatch(value):
+        raise click.BadParameter(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N.")
+    if value.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.BadParameter(f"{value} was asked for but this machine has no usable CUDA GPU; "
+                                     f"use --device cpu.")
+        if ":" in value and int(value.split(":")[1]) >= torch.cuda.device_count():
+            raise click.BadParameter(f"{value} does not exist; this machine has {torch.cuda.device_count()} GPU(s).")
+    return value
+
+
+def _check_against_engine(engine_dir: str, max_num_seqs: int | None, max_model_len: int | None,
+                          gpu_memory_utilization: float | None, device: str) -> None:
+    """Refuse what the engine cannot honour before loading it (which takes a while)."""
+    from ..engine_format import read_manifest
+
+    manifest = read_manifest(engine_dir)
+    built_seqs, built_len = int(manifest["max_num_seqs"]), int(manifest["max_model_len"])
+    if max_num_seqs is not None and max_num_seqs > built_seqs:
+        raise click.BadParameter(f"{max_num_seqs} is above this engine's {built_seqs} (its KV pool is sized for "
+                                 f"that many); lower it or rebuild with a larger --max-num-seqs.",
+                                 param_hint="'--max-num-seqs'")
+    if max_model_len is not None and max_model_len > built_len:
+        raise click.BadParameter(f"{max_model_len} is above this engine's {built_len}; lower it or rebuild with "
+                                 f"a larger --max-model-len.", param_hint="'--max-model-len'")
+    if gpu_memory_utilization is not None and device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            index = int(device.split(":")[1]) if ":" in device else 0
+            total = torch.cuda.get_device_properties(index).total_memory
+            budget = int(manifest["plan"]["budget_bytes"])
+            if budget > gpu_memory_utilization * total:
+                raise click.BadParameter(
+                    f"this engine's memory plan needs {budget / 2**30:.2f} GiB, more than {gpu_memory_utilization} "
+                    f"of this GPU's {total / 2**30:.2f} GiB; raise it or build for a smaller profile.",
+                    param_hint="'--gpu-memory-utilization'")
+
+
+@click.command()
+@click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("--engine", "engine_opt", type=click.Path(exists=True, file_okay=False),
+              help="Engine directory made by `bie-trt build` (or give it as the first argument).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; 0.0.0.0 serves other machines (set --api-key then).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
+@click.option("--device", default="auto", show_default=True, callback=_device,
+              help="auto (CUDA when the engine's GPU is present), cpu, cuda or cuda:N.")
+@click.option("--served-model-name", help="The model name clients send and /v1/models lists "
+                                          "(default: the engine's).")
+@click.option("--max-model-len", type=click.IntRange(min=2),
+              help="Longest prompt plus completion, in tokens (default and maximum: the engine's).")
+@click.option("--max-num-seqs", type=click.IntRange(min=1),
+              help="Sequences decoded together (default and maximum: the engine's).")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
+              help="Fraction of GPU memory this server may use. The memory plan is fixed when the engine is "
+                   "built; serving refuses to start when that plan needs more (ignored on CPU).")
+@click.option("--api-key", envvar="BIE_TRT_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer <key>' on /v1 routes (/health and /metrics stay open).")
+@click.option("--max-waiting", type=click.IntRange(min=0),
+              help="Requests that may wait beyond the running batch; more get 503 with Retry-After "
+                   "(default: unbounded).")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
+              help="Seconds a request may run before it is aborted with 408 (default: no limit).")
+@click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="On SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted.")
 @click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def run(engine_dir: str, host: str, port: int, device: str, max_num_seqs: int, log_level: str) -> None:
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="Server log verbosity.")
+def serve(engine: str | None, engine_opt: str | None, host: str, port: int, device: str,
+          served_model_name: str | None, max_model_len: int | None, max_num_seqs: int | None,
+          gpu_memory_utilization: float | None, api_key: str | None, max_waiting: int | None,
+          request_timeout: float | None, shutdown_timeout: float, log_level: str) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
     \b
-    Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions
-    (add "stream": true for server-sent events). Try:
+    Routes: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
+    POST /v1/chat/completions (add "stream": true for server-sent events). Try:
+      bie-trt serve engines/smollm2 --port 8080
       curl http://127.0.0.1:8080/v1/completions -H 'content-type: application/json' \\
            -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
     """
-    import uvicorn
+    if (engine is None) == (engine_opt is None):
+        raise click.UsageError("give the engine directory once: as the first argument or as --engine.")
+    engine_dir = engine or engine_opt
+    _check_against_engine(engine_dir, max_num_seqs, max_model_len, gpu_memory_utilization, device)
 
     from .. import BieEngine, EngineConfig
-    from ..server.app import create_app
+    from ..engine_format import read_manifest
+    from ..server.app import ServerOptions, create_app
+    from ..server.serve import serve as run_server
 
-    engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_num_seqs=max_num_seqs))
-    click.echo(f"serving {engine.model_name} (max_model_len {engine.max_model_len}) on http://{host}:{port}", err=True)
-    uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level)
+    seqs = max_num_seqs or int(read_manifest(engine_dir)["max_num_seqs"])
+    bie = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
+                                 max_num_seqs=seqs))
+    app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
+                                        max_waiting=max_waiting, request_timeout=request_timeout))
+    name = served_model_name or bie.model_name
+    click.echo(f"serving {name} (max_model_len {bie.max_model_len}, max_num_seqs {bie.runner.max_num_seqs}) on "
+               f"http://{host}:{port}", err=True)
+    run_server(app, host, port, log_level, shutdown_timeout)
+
+
+main.add_command(serve)
+run = copy.copy(serve)   # the name earlier releases used
+run.name, run.short_help = "run", "Same as `serve` (kept for scripts that use this name)."
+main.add_command(run)

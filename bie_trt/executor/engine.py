@@ -68,7 +68,7 @@ class StreamEvent:
 class EngineStats:
     """The loop's counters and the KV pools at one moment (what /metrics exports)."""
 
-    requests: dict[str, int]                # finished requests by finish reason: stop, length, abort
+    requests: dict[str, int]                # finished requests by finish reason: stop, length, abort, error (a fault)
     prompt_tokens: int
     generation_tokens: int
     preemptions: int
@@ -253,11 +253,25 @@ class BieEngine:
                             self._loop_thread = None
                             return
                     continue
+            except Exception as e:  # a bug outside any step: every request in flight gets the error
+                self._fail(list(self._requests.values()), e)
+                continue
+            try:
                 self._step()
-            except Exception as e:  # a bug: every request in flight gets the error instead of hanging
-                for request in list(self._requests.values()):
-                    self._end(request, "abort")
-                    request.events.put(e)
+            except Exception as e:  # a fault in one step fails that step's requests; the others keep going
+                self._fail(self._requests_of_step(), e)
+
+    def _requests_of_step(self) -> list[_Request]:
+        """The requests a failed step may have touched: the running batch (each running sequence is in
+        every step). With none running, the waiting ones, so that a fault that recurs cannot spin."""
+        seqs = self.scheduler.running or self.scheduler.waiting
+        return [self._requests[seq] for seq in list(seqs) if seq in self._requests]
+
+    def _fail(self, requests: list[_Request], error: Exception) -> None:
+        """End `requests` (their blocks freed at once) and hand each the error instead of a next event."""
+        for request in requests:
+            self._end(request, "error")
+            request.events.put(error)
 
     def _submit(self, seqs: list[Sequence]) -> list[RequestStream]:
         requests = [_Request(seq, Detokenizer(self.tokenizer, seq.params.stop)) for seq in seqs]

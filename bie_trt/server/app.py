@@ -2,9 +2,9 @@
 
 Routes: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions (each streamed as server-sent events ending in `data: [DONE]` when
-`stream` is true; `logprobs` in the shape of each API; `n` choices). Bad requests get HTTP 400
-with an OpenAI-style error body, and the server keeps serving. Every request runs on the engine's
-one loop, batched with the others in flight; a client that leaves aborts its requests.
+`stream` is true; `logprobs` in the shape of each API; `n` choices; a list of prompts). Every error
+has OpenAI's shape (errors.py) and a client's mistake is never a 5xx. Every request runs on the
+engine's one loop, batched with the others in flight; a client that leaves aborts its requests.
 """
 from __future__ import annotations
 
@@ -15,74 +15,58 @@ import json
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import anyio
+import jinja2
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..config import SamplingParams
 from ..errors import BieError
 from ..executor.engine import BieEngine, RequestOutput, RequestStream, StreamEvent
+from .auth import ApiKeyMiddleware
+from .errors import error_body, install_error_handlers, openai_error
 from .metrics import CONTENT_TYPE, Metrics
+from .protocol import ChatRequest, CompletionRequest, SamplingRequest
 
 DISCONNECT_POLL_S = 0.1   # how often a non-streamed request checks that its client is still there
-MAX_CHOICES = 16          # n per request: each choice is a request on the loop
+MAX_REQUESTS = 64         # prompts x n in one HTTP request: each is a request on the loop
+EVENT_WAITERS = 1024      # threads waiting for engine events (one per streaming choice in flight)
+RETRY_AFTER_S = 1         # what a 503 (queue full) asks the client to wait
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")   # unknown OpenAI fields are accepted and ignored
-
-    model: str | None = None
-    max_tokens: int | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
+@dataclass
+class ServerOptions:
+    served_model_name: str | None = None   # the `model` clients send and /v1/models lists (default: the engine's)
+    api_key: str | None = None             # None: no authentication
+    max_waiting: int | None = None         # requests queued beyond the running batch; None: unbounded
+    request_timeout: float | None = None   # seconds a request may take before it is aborted; None: no limit
 
 
-class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str]
-    logprobs: int | None = None        # top-N alternatives per token (0: the sampled token's only)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatRequest(_Request):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-
-def openai_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
-
-
-def _params(req: _Request, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-        max_tokens=max_tokens if max_tokens is not None else 16, stop=stop, stop_token_ids=req.stop_token_ids,
+        max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids,
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs)
+
+
+def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> str:
+    """The message OpenAI and vLLM send when prompt plus completion exceed the context."""
+    what = "messages" if chat else "prompt"
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {what}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {what} or completion.")
+
+
+def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The completions API's four prompt shapes -> a list of prompts (text or token ids)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 def _top(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:
@@ -110,24 +94,15 @@ def chat_logprobs(tokens: list[int], logprobs: list[dict[int, float]], n: int,
                         for t, lp in zip(tokens, logprobs)]}
 
 
-def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    """One prompt, counted once; the completion tokens of every choice."""
-    prompt, completion = outputs[0].usage.prompt_tokens, sum(out.usage.completion_tokens for out in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _text(content: str | list[dict[str, Any]] | None) -> str:
-    if isinstance(content, list):  # OpenAI content parts: keep the text ones
-        return "".join(p.get("text", "") for p in content if p.get("type") == "text")
-    return content or ""
-
-
-async def _iterate(events: RequestStream, metrics: Metrics, start: float) -> AsyncIterator[StreamEvent]:
-    """Wait for the engine's events in worker threads, timing them; always close the stream, so a client
-    that goes away mid-stream (the response is cancelled) aborts its request and frees its blocks."""
+async def _iterate(events: RequestStream, metrics: Metrics, start: float,
+                   waiters: anyio.CapacityLimiter) -> AsyncIterator[StreamEvent]:
+    """Wait for the engine's events in worker threads (from their own pool, so that many long streams
+    do not starve other work of threads), timing them; always close the stream, so a client that goes
+    away mid-stream (the response is cancelled) aborts its request and frees its blocks."""
     done, last = object(), None
     try:
-        while (event := await anyio.to_thread.run_sync(next, events, done, abandon_on_cancel=True)) is not done:
+        while (event := await anyio.to_thread.run_sync(next, events, done, abandon_on_cancel=True,
+                                                       limiter=waiters)) is not done:
             now = time.perf_counter()
             if event.token_ids:
                 if last is None:
@@ -135,6 +110,8 @@ async def _iterate(events: RequestStream, metrics: Metrics, start: float) -> Asy
                 else:
                     metrics.itl.observe((now - last) / len(event.token_ids))
                 last = now
+            if event.output is not None:
+                metrics.e2e.observe(now - start)
             yield event
     finally:
         with anyio.CancelScope(shield=True):   # a cancelled response must still abort its request
@@ -145,30 +122,39 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def create_app(engine: BieEngine) -> FastAPI:
+
+
+def _usage(outputs: list[RequestOutput], n: int) -> dict[str, int]:
+    """Each prompt counted once (its n choices share it); the completion tokens of every choice."""
+    prompt = sum(out.usage.prompt_tokens for out in outputs[::n])
+    completion = sum(out.usage.completion_tokens for out in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions()
     app = FastAPI(title="bie-trt", description="OpenAI-compatible server for a bie-trt engine")
-    model_id = engine.model_name
-    metrics = Metrics()
+    install_error_handlers(app)
+    if options.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    model_id = options.served_model_name or engine.model_name
+    metrics = Metrics(engine.stats)
+    # requests admitted and not yet finished; beyond the running batch plus --max-waiting, new ones get 503
+    capacity = math.inf if options.max_waiting is None else engine.scheduler.max_num_seqs + options.max_waiting
+    state = {"in_flight": 0, "waiters": None}
 
     def decode(token: int) -> str:
         return engine.tokenizer.decode([token])
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return openai_error(400, f"invalid request: {where}: {first.get('msg', exc)}", param=where)
+    def waiters() -> anyio.CapacityLimiter:
+        if state["waiters"] is None:   # made inside the event loop, on first use
+            state["waiters"] = anyio.CapacityLimiter(EVENT_WAITERS)
+        return state["waiters"]
 
-    @app.exception_handler(BieError)
-    async def _bad(_: Request, exc: BieError) -> JSONResponse:
-        return openai_error(400, str(exc))
-
-    def check_model(req: _Request) -> JSONResponse | None:
+    def check_model(req: SamplingRequest) -> JSONResponse | None:
         if req.model not in (None, model_id):
             return openai_error(404, f"model {req.model!r} does not exist; this server serves {model_id!r}.",
                                 param="model", code="model_not_found")
-        if not 1 <= req.n <= MAX_CHOICES:
-            return openai_error(400, f"n must be between 1 and {MAX_CHOICES}; got {req.n}.", param="n")
         return None
 
     @app.get("/health")
@@ -176,90 +162,146 @@ def create_app(engine: BieEngine) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(engine.stats()), media_type=CONTENT_TYPE)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
                                             "owned_by": "bie-trt", "max_model_len": engine.max_model_len}]}
 
-    async def run(http: Request, prompt, params: SamplingParams, chat: bool, req: _Request, base: dict, make_chunk,
-                  make_body):
-        """Serve `req.n` choices: n requests on the engine's loop, each with its own seed when one is
-        given (seed + i: reproducible and distinct). Every request is aborted if the client leaves."""
-        start = time.perf_counter()
+    async def submit(prompts: list[list[int]], req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                     chat: bool) -> list[RequestStream] | JSONResponse:
+        """Check every prompt against the context and the queue against its bound, then start n requests
+        per prompt (choice j seeded seed + j: reproducible and distinct). Nothing starts unless all can."""
+        param = "messages" if chat else "prompt"
+        per_prompt = []
+        for ids in prompts:
+            wanted = max_tokens if max_tokens is not None else max(1, engine.max_model_len - len(ids))
+            if len(ids) + wanted > engine.max_model_len:
+                return openai_error(400, context_error(engine.max_model_len, len(ids), wanted, chat), param,
+                                    code="context_length_exceeded")
+            per_prompt.append(_params(req, wanted, logprobs))
+        count = len(prompts) * req.n
+        if state["in_flight"] + count > capacity:
+            return openai_error(503, f"the server is full ({state['in_flight']} requests in flight, at most "
+                                     f"{capacity}); retry after {RETRY_AFTER_S} s.",
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
         streams: list[RequestStream] = []
         try:
-            for i in range(req.n):   # each validates before any byte is sent
-                seed = None if params.seed is None else params.seed + i
-                streams.append(engine.stream(prompt, dataclasses.replace(params, seed=seed), chat=chat))
-        except BaseException:
+            for ids, params in zip(prompts, per_prompt):
+                for j in range(req.n):
+                    seed = None if params.seed is None else params.seed + j
+                    streams.append(engine.stream(ids, dataclasses.replace(params, seed=seed)))
+        except BieError as e:
             for events in streams:
                 events.close()
-            raise
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
-        outputs: list[RequestOutput | None] = [None] * req.n
+            return openai_error(400, str(e), param)
+        state["in_flight"] += count
+        return streams
 
-        async def pump(i: int, events: RequestStream, send=None) -> None:
+    async def respond(http: Request, streams: list[RequestStream], req: SamplingRequest, base: dict, make_chunk,
+                      make_body):
+        """Wait for every choice (or stream them as they come), then free the queue slots. A fault in the
+        engine fails this request with 500, a timeout with 408, a client that leaves aborts it."""
+        start, n = time.perf_counter(), len(streams)
+        outputs: list[RequestOutput | None] = [None] * n
+        faults: list[Exception] = []
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def pump(i: int, events: RequestStream, group: anyio.CancelScope, send=None) -> None:
             """Choice i's events into `outputs` (its last) and, when streaming, into `send`."""
             async with send or contextlib.nullcontext():   # closing its end tells the reader this choice is done
-                async for event in _iterate(events, metrics, start):
-                    if event.output is not None:
-                        outputs[i] = event.output
-                    if send is not None:
-                        await send.send((i, event))
+                try:
+                    async for event in _iterate(events, metrics, start, waiters()):
+                        if event.output is not None:
+                            outputs[i] = event.output
+                        if send is not None:
+                            await send.send((i, event))
+                except Exception as e:   # a fault inside the engine's step: the whole request fails
+                    faults.append(e)
+                    group.cancel()
+
+        def fault_body() -> dict:
+            return error_body(500, f"the engine failed while serving this request: {faults[0]}")
+
+        def timeout_body() -> dict:
+            return error_body(408, f"the request did not finish within the server's --request-timeout of "
+                                   f"{options.request_timeout} s; ask for fewer tokens or retry later.")
+
+        def release() -> None:
+            state["in_flight"] -= n
 
         if not req.stream:
-            async with anyio.create_task_group() as tasks:
-                async def abort_when_client_leaves() -> None:
-                    # nothing is sent until the end, so only polling notices a client that went away;
-                    # cancelling the waits below closes the streams, which aborts the requests
-                    while not await http.is_disconnected():
-                        await anyio.sleep(DISCONNECT_POLL_S)
-                    tasks.cancel_scope.cancel()
+            try:
+                with anyio.move_on_after(options.request_timeout) as deadline:
+                    async with anyio.create_task_group() as tasks:
+                        async def abort_when_client_leaves() -> None:
+                            # nothing is sent until the end, so only polling notices a client that went away;
+                            # cancelling the waits below closes the streams, which aborts the requests
+                            while not await http.is_disconnected():
+                                await anyio.sleep(DISCONNECT_POLL_S)
+                            tasks.cancel_scope.cancel()
 
-                tasks.start_soon(abort_when_client_leaves)
-                async with anyio.create_task_group() as choices:
-                    for i, events in enumerate(streams):
-                        choices.start_soon(pump, i, events)
-                tasks.cancel_scope.cancel()
+                        tasks.start_soon(abort_when_client_leaves)
+                        async with anyio.create_task_group() as choices:
+                            for i, events in enumerate(streams):
+                                choices.start_soon(pump, i, events, tasks.cancel_scope)
+                        tasks.cancel_scope.cancel()
+            finally:
+                release()
+            if faults:
+                return JSONResponse(fault_body(), 500)
+            if deadline.cancelled_caught:
+                return JSONResponse(timeout_body(), 408)
             if any(out is None for out in outputs):   # the client left: nobody reads a reply
                 return PlainTextResponse("client disconnected", status_code=499)
             return make_body(outputs)
 
         async def sse() -> AsyncIterator[str]:
-            send, receive = anyio.create_memory_object_stream(math.inf)
-            first = [True] * req.n
-            async with anyio.create_task_group() as choices:
-                async with send:
-                    for i, events in enumerate(streams):
-                        choices.start_soon(pump, i, events, send.clone())
-                async with receive:
-                    async for i, event in receive:
-                        for chunk in make_chunk(event, i, first[i]):
-                            yield _sse(chunk)
-                        first[i] = False
-            if include_usage:
-                yield _sse(dict(base, choices=[], usage=_usage(outputs)))
-            yield "data: [DONE]\n\n"
+            try:
+                send, receive = anyio.create_memory_object_stream(math.inf)
+                first = [True] * n
+                with anyio.move_on_after(options.request_timeout) as deadline:
+                    async with anyio.create_task_group() as choices:
+                        async with send:
+                            for i, events in enumerate(streams):
+                                choices.start_soon(pump, i, events, choices.cancel_scope, send.clone())
+                        async with receive:
+                            async for i, event in receive:
+                                for chunk in make_chunk(event, i, first[i]):
+                                    yield _sse(chunk)
+                                first[i] = False
+                if faults or deadline.cancelled_caught:   # the status is sent already: the error is an event
+                    yield _sse(fault_body() if faults else timeout_body())
+                elif include_usage:
+                    yield _sse(dict(base, choices=[], usage=_usage(outputs, req.n)))
+                yield "data: [DONE]\n\n"
+            finally:
+                release()
 
         return StreamingResponse(sse(), media_type="text/event-stream")
+
+    async def tokenize(prompt: str | list[int] | list[dict], chat: bool) -> list[int]:
+        return await anyio.to_thread.run_sync(engine.encode, prompt, chat)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request):
         if (err := check_model(req)) is not None:
             return err
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
-            if len(req.prompt) != 1:
-                return openai_error(400, "send one prompt per request (batched prompts are not supported).",
-                                    param="prompt")
-            prompt = req.prompt[0]
-        else:
-            prompt = req.prompt
+        prompts = prompt_list(req.prompt)
+        if not prompts:
+            return openai_error(400, "prompt must not be empty; send a string, or a list of them.", "prompt")
+        if len(prompts) * req.n > MAX_REQUESTS:
+            return openai_error(400, f"{len(prompts)} prompts x n {req.n} is more than {MAX_REQUESTS} requests; "
+                                     f"send fewer prompts per request.", "prompt")
+        ids = [await tokenize(p, False) for p in prompts]
+        streams = await submit(ids, req, req.max_tokens, req.logprobs, chat=False)
+        if isinstance(streams, JSONResponse):
+            return streams
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_id}
-        offsets = [0] * req.n   # characters of each choice's token text so far: where its next tokens start
+        offsets = [0] * len(streams)   # characters of each choice's token text so far: where its next tokens start
 
         def logprobs(i: int, tokens: list[int], values: list[dict[int, float]] | None) -> dict | None:
             if req.logprobs is None or values is None:
@@ -277,21 +319,26 @@ def create_app(engine: BieEngine) -> FastAPI:
             return dict(base, choices=[{"index": i, "text": out.text,
                                         "logprobs": logprobs(i, out.token_ids, out.logprobs),
                                         "finish_reason": out.finish_reason} for i, out in enumerate(outputs)],
-                        usage=_usage(outputs))
+                        usage=_usage(outputs, req.n))
 
-        return await run(http, prompt, _params(req, req.max_tokens, req.logprobs), False, req, base, make_chunk,
-                         make_body)
+        return await respond(http, streams, req, base, make_chunk, make_body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, http: Request):
         if (err := check_model(req)) is not None:
             return err
-        if not req.messages:
-            return openai_error(400, "messages must not be empty.", param="messages")
         if req.top_logprobs is not None and not req.logprobs:
             return openai_error(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        messages = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = await tokenize(messages, True)
+        except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
+            return openai_error(400, f"the chat template refused these messages: {e}", "messages")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        streams = await submit([ids], req, max_tokens, top_n, chat=True)
+        if isinstance(streams, JSONResponse):
+            return streams
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_id}
 
@@ -315,9 +362,8 @@ def create_app(engine: BieEngine) -> FastAPI:
                 if top_n is not None:
                     choice["logprobs"] = chat_logprobs(out.token_ids, out.logprobs, top_n, decode)
                 choices.append(choice)
-            return dict(base, object="chat.completion", choices=choices, usage=_usage(outputs))
+            return dict(base, object="chat.completion", choices=choices, usage=_usage(outputs, req.n))
 
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await run(http, messages, _params(req, max_tokens, top_n), True, req, base, make_chunk, make_body)
+        return await respond(http, streams, req, base, make_chunk, make_body)
 
     return app

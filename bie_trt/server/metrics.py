@@ -1,78 +1,97 @@
-"""`GET /metrics` in the Prometheus text format (version 0.0.4), written out by hand.
+"""`GET /metrics` through `prometheus_client`, named after vLLM's metrics where one exists
+(`vllm:x` -> `bie_x`; the table is in docs/server.md).
 
-Counters and gauges come from the engine loop (`BieEngine.stats()`); the latency histograms are
-measured here, as clients see them: time to first token from the request's arrival, and the gap
-between tokens as they are handed to the response.
+Counters and gauges are read from the engine loop (`BieEngine.stats()`) at each scrape by a collector;
+the latency histograms are measured here, as clients see them: time to first token from the
+request's arrival, the gap between tokens as they reach the response, and the whole request.
+Each app has its own registry, so several servers can live in one process (tests).
 """
 from __future__ import annotations
 
-import bisect
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector
 
 from ..executor.engine import EngineStats
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-FINISH_REASONS = ("stop", "length", "abort")
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-def _header(name: str, kind: str, help_text: str) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, help_text, value=value)
 
 
-def _sample(name: str, value: float, **labels: str) -> str:
-    where = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    return f"{name}{{{where}}} {value}" if where else f"{name} {value}"
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, value=value)
 
 
-class Histogram:
-    """Observed by the server's event loop thread only, so it needs no lock."""
+def engine_metrics(stats: EngineStats) -> list[Metric]:
+    """One snapshot of the engine's counters and gauges as metric families."""
+    finished = CounterMetricFamily("bie_request_success", "Finished requests, by finish reason "
+                                   "(error: failed by a fault inside the engine).", labels=["finished_reason"])
+    for reason in FINISH_REASONS:
+        finished.add_metric([reason], stats.requests.get(reason, 0))
+    blocks = GaugeMetricFamily("bie_kv_blocks", "KV blocks by pool and state (used: held by requests; cached: kept "
+                               "for prefix hits, evictable; free).", labels=["pool", "state"])
+    total = used = 0
+    for pool, counts in stats.kv_blocks.items():
+        for state, n in counts.items():
+            blocks.add_metric([pool, state], n)
+        total, used = total + sum(counts.values()), used + counts.get("used", 0)
+    queried, hits = stats.prefix_queried_tokens, stats.prefix_hit_tokens
+    spec = stats.spec_decode
+    by_position = CounterMetricFamily("bie_spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts whose proposal at this position was accepted.", labels=["position"])
+    for position, n in enumerate(spec.get("accepted_by_position", [])):
+        by_position.add_metric([str(position)], n)
+    return [
+        finished,
+        _counter("bie_prompt_tokens", "Prompt tokens of accepted requests.", stats.prompt_tokens),
+        _counter("bie_generation_tokens", "Generated tokens.", stats.generation_tokens),
+        _counter("bie_num_preemptions", "Running sequences preempted to free KV blocks.", stats.preemptions),
+        _counter("bie_prefix_cache_queries", "Tokens looked up in the prefix cache at admission.", queried),
+        _counter("bie_prefix_cache_hits", "Tokens found in the prefix cache.", hits),
+        _gauge("bie_prefix_cache_hit_rate", "Hit tokens over queried tokens since start.",
+               hits / queried if queried else 0.0),
+        _gauge("bie_num_requests_running", "Requests in the running batch.", stats.running),
+        _gauge("bie_num_requests_waiting", "Requests waiting to be admitted.", stats.waiting),
+        _gauge("bie_kv_cache_usage_perc", "Fraction of KV blocks (all pools) held by requests, 0-1.",
+               used / total if total else 0.0),
+        blocks,
+        _counter("bie_spec_decode_num_drafts", "Speculative drafts proposed.", spec.get("num_drafts", 0)),
+        _counter("bie_spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.get("num_draft_tokens", 0)),
+        _counter("bie_spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.get("num_accepted_tokens", 0)),
+        by_position,
+    ]
 
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
-        self.name, self.help_text, self.buckets = name, help_text, buckets
-        self.counts = [0] * (len(buckets) + 1)   # per bucket (not cumulative); the last one is +Inf
-        self.total = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self._stats = stats
 
-    def lines(self) -> list[str]:
-        out, running = _header(self.name, "histogram", self.help_text), 0
-        for le, count in zip([*map(str, self.buckets), "+Inf"], self.counts):
-            running += count
-            out.append(_sample(f"{self.name}_bucket", running, le=le))
-        return out + [_sample(f"{self.name}_sum", self.total), _sample(f"{self.name}_count", running)]
+    def collect(self) -> Iterator[Metric]:
+        yield from engine_metrics(self._stats())
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.ttft = Histogram("bie_time_to_first_token_seconds", "Time from a request's arrival to its first token.",
-                              TTFT_BUCKETS)
-        self.itl = Histogram("bie_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
-                             ITL_BUCKETS)
+    """The registry one server exposes: the engine's numbers plus the latency histograms."""
 
-    def render(self, stats: EngineStats) -> str:
-        lines = _header("bie_requests_total", "counter", "Finished requests, by finish reason.")
-        lines += [_sample("bie_requests_total", stats.requests.get(r, 0), finish_reason=r) for r in FINISH_REASONS]
-        for name, value, help_text in [
-            ("bie_prompt_tokens_total", stats.prompt_tokens, "Prompt tokens of accepted requests."),
-            ("bie_generation_tokens_total", stats.generation_tokens, "Generated tokens."),
-            ("bie_preemptions_total", stats.preemptions, "Running sequences preempted to free KV blocks."),
-            ("bie_prefix_cache_queries_total", stats.prefix_queried_tokens,
-             "Tokens looked up in the prefix cache at admission."),
-            ("bie_prefix_cache_hits_total", stats.prefix_hit_tokens, "Tokens found in the prefix cache."),
-        ]:
-            lines += _header(name, "counter", help_text) + [_sample(name, value)]
-        rate = stats.prefix_hit_tokens / stats.prefix_queried_tokens if stats.prefix_queried_tokens else 0.0
-        lines += _header("bie_prefix_cache_hit_rate", "gauge", "Hit tokens over queried tokens since start.")
-        lines.append(_sample("bie_prefix_cache_hit_rate", rate))
-        lines += _header("bie_kv_blocks", "gauge", "KV blocks by pool and state (used: held by requests; cached: "
-                                                   "kept for prefix hits, evictable; free).")
-        lines += [_sample("bie_kv_blocks", n, pool=pool, state=state)
-                  for pool, counts in stats.kv_blocks.items() for state, n in counts.items()]
-        lines += _header("bie_num_requests", "gauge", "Requests in the engine, by state.")
-        lines += [_sample("bie_num_requests", stats.running, state="running"),
-                  _sample("bie_num_requests", stats.waiting, state="waiting")]
-        lines += self.ttft.lines() + self.itl.lines()
-        return "\n".join(lines) + "\n"
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(stats))
+        self.ttft = Histogram("bie_time_to_first_token_seconds", "Time from a request's arrival to its first token.",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("bie_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("bie_e2e_request_latency_seconds", "Time from a request's arrival to its last token.",
+                             buckets=E2E_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,238 @@
+"""The server under pressure, over real HTTP on 127.0.0.1: a bounded waiting queue (503 + Retry-After),
+a per-request timeout (408), a fault inside the engine's step that fails only that step's request,
+/metrics through prometheus_client, and a graceful stop on SIGTERM in a real `bie-trt serve` process."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bie_trt import BieEngine, EngineConfig, SamplingParams
+from bie_trt.executor.engine import EngineStats
+from bie_trt.server.app import ServerOptions
+from bie_trt.server.metrics import CONTENT_TYPE, Metrics
+from test_server import free_port, serving
+
+LONG = {"prompt": "Tell me a long story", "max_tokens": 200, "ignore_eos": True}
+
+
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_engine):
+    """One sequence at a time: a second request is certain to wait."""
+    return BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=256, max_num_seqs=1))
+
+
+def test_a_full_queue_answers_503_with_retry_after(engine):
+    with serving(engine, ServerOptions(max_waiting=1)) as base, httpx.Client(timeout=120) as http:
+        with http.stream("POST", base + "/v1/completions", json={**LONG, "stream": True}) as running:
+            next(running.iter_lines())   # the first request holds the only running slot
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(http.post, base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+                wait_until(lambda: engine.stats().waiting == 1, "the second request never queued")
+                full = http.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+                assert full.status_code == 503 and full.headers["Retry-After"] == "1"
+                assert "the server is full (2 requests in flight, at most 2)" in full.json()["error"]["message"]
+                # n=2 needs two slots: refused whole, not half-admitted
+                assert http.post(base + "/v1/completions", json={"prompt": "Hi", "n": 2}).status_code == 503
+        # the stream closed (the client left): its slot is free, the waiting request runs
+        assert waiting.result().status_code == 200
+        wait_until(lambda: engine.stats().kv_blocks["fp16"]["used"] == 0, "blocks still held")
+        assert http.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_request_past_its_timeout_is_aborted_with_408(engine):
+    aborted = engine.stats().requests.get("abort", 0)
+    with serving(engine, ServerOptions(request_timeout=1.0)) as base, httpx.Client(timeout=120) as http:
+        r = http.post(base + "/v1/completions", json=LONG)
+        assert r.status_code == 408, r.text
+        assert "--request-timeout of 1.0 s" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "timeout_error"
+        # streamed: the status is sent already, so the error arrives as the last event before [DONE]
+        with http.stream("POST", base + "/v1/completions", json={**LONG, "stream": True}) as s:
+            events = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "timeout_error"
+        assert len(events) > 2   # some tokens came before the deadline
+        wait_until(lambda: engine.stats().kv_blocks["fp16"]["used"] == 0, "timed-out requests still hold blocks")
+        assert engine.stats().requests["abort"] == aborted + 2
+        assert http.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+POISON = [28, 28, 28, 28, 28, 28, 28, 28]   # a prompt no other request sends
+
+
+def test_a_fault_in_a_step_fails_only_that_steps_request(engine, monkeypatch):
+    """Request A's decode step raises inside the engine while B waits for the slot A holds: A gets a 500
+    with an OpenAI error body, B is served in full and equals a run alone, every block comes back."""
+    forward, poisoned, go = engine.runner.forward, set(), threading.Event()
+
+    def faulty(inputs):
+        for seq_input in inputs:
+            if seq_input.start_pos == 0 and seq_input.token_ids.tolist() == POISON:
+                poisoned.add(seq_input.block_table[0])   # A's first block names A in its later steps
+            elif poisoned and seq_input.block_table[0] in poisoned and seq_input.start_pos >= len(POISON) + 2:
+                poisoned.clear()
+                go.wait(60)
+                raise RuntimeError("injected fault in the forward pass")
+        return forward(inputs)
+
+    monkeypatch.setattr(engine.runner, "forward", faulty)
+    errors = engine.stats().requests.get("error", 0)
+    alone = engine.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+    with serving(engine) as base, httpx.Client(timeout=120) as http, ThreadPoolExecutor(2) as pool:
+        a = pool.submit(http.post, base + "/v1/completions", json={"prompt": POISON, "max_tokens": 50})
+        wait_until(lambda: engine.stats().running == 1, "A never ran")
+        b = pool.submit(http.post, base + "/v1/completions",
+                        json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        wait_until(lambda: engine.stats().waiting == 1, "B never queued behind A")
+        go.set()
+        ra, rb = a.result(), b.result()
+        assert ra.status_code == 500, ra.text
+        assert "injected fault in the forward pass" in ra.json()["error"]["message"]
+        assert ra.json()["error"]["type"] == "server_error"
+        assert rb.status_code == 200 and rb.json()["choices"][0]["text"] == alone.text
+        assert engine.stats().kv_blocks["fp16"]["used"] == 0 and engine.stats().requests["error"] == errors + 1
+        families = {f.name: f for f in text_string_to_metric_families(http.get(base + "/metrics").text)}
+        reasons = {s.labels["finished_reason"]: s.value for s in families["bie_request_success"].samples
+                   if s.name.endswith("_total")}
+        assert reasons["error"] == errors + 1
+        assert http.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_metrics_export_every_engine_number_under_vllm_names():
+    stats = EngineStats(requests={"stop": 3, "length": 2, "error": 1}, prompt_tokens=40, generation_tokens=25,
+                        preemptions=4, prefix_queried_tokens=64, prefix_hit_tokens=16,
+                        kv_blocks={"fp16": {"used": 3, "cached": 1, "free": 4}, "quant": {"used": 1, "cached": 0,
+                                                                                          "free": 7}},
+                        running=2, waiting=5,
+                        spec_decode={"num_drafts": 6, "num_draft_tokens": 18, "num_accepted_tokens": 11,
+                                     "accepted_by_position": [6, 4, 1]})
+    metrics = Metrics(lambda: stats)
+    metrics.ttft.observe(0.3)
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert values[("bie_request_success_total", (("finished_reason", "stop"),))] == 3
+    assert values[("bie_request_success_total", (("finished_reason", "abort"),))] == 0
+    assert values[("bie_request_success_total", (("finished_reason", "error"),))] == 1
+    assert values[("bie_prompt_tokens_total", ())] == 40 and values[("bie_generation_tokens_total", ())] == 25
+    assert values[("bie_num_preemptions_total", ())] == 4
+    assert values[("bie_prefix_cache_queries_total", ())] == 64 and values[("bie_prefix_cache_hits_total", ())] == 16
+    assert values[("bie_prefix_cache_hit_rate", ())] == 0.25
+    assert values[("bie_num_requests_running", ())] == 2 and values[("bie_num_requests_waiting", ())] == 5
+    assert values[("bie_kv_cache_usage_perc", ())] == 4 / 16
+    assert values[("bie_kv_blocks", (("pool", "quant"), ("state", "free")))] == 7
+    assert values[("bie_spec_decode_num_drafts_total", ())] == 6
+    assert values[("bie_spec_decode_num_draft_tokens_total", ())] == 18
+    assert values[("bie_spec_decode_num_accepted_tokens_total", ())] == 11
+    assert [values[("bie_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+            for i in range(3)] == [6, 4, 1]
+    assert values[("bie_time_to_first_token_seconds_count", ())] == 1
+    assert values[("bie_time_to_first_token_seconds_bucket", (("le", "0.5"),))] == 1
+    assert values[("bie_time_to_first_token_seconds_bucket", (("le", "0.25"),))] == 0
+
+
+def test_metrics_endpoint_parses_and_counts_what_it_served(engine):
+    with serving(engine) as base:
+        before = httpx.get(base + "/metrics")
+        assert before.headers["content-type"] == CONTENT_TYPE
+        httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True}, timeout=60)
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(base + "/metrics").text)}
+    samples = {s.name: s.value for f in families.values() for s in f.samples if not s.labels}
+    old = {s.name: s.value for f in text_string_to_metric_families(before.text) for s in f.samples if not s.labels}
+    assert samples["bie_generation_tokens_total"] - old["bie_generation_tokens_total"] == 3
+    assert samples["bie_time_to_first_token_seconds_count"] - old["bie_time_to_first_token_seconds_count"] == 1
+    assert samples["bie_inter_token_latency_seconds_count"] - old["bie_inter_token_latency_seconds_count"] == 2
+    assert samples["bie_e2e_request_latency_seconds_count"] - old["bie_e2e_request_latency_seconds_count"] == 1
+    assert {"bie_spec_decode_num_drafts", "bie_spec_decode_num_accepted_tokens_per_pos"} <= set(families)
+
+
+def _start_server(engine_dir: Path, port: int, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    return subprocess.Popen([sys.executable, "-m", "bie_trt.cli", "serve", str(engine_dir), "--port", str(port),
+                             "--device", "cpu", "--max-model-len", "256", "--log-level", "warning", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _up(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_sigterm_stops_accepting_aborts_after_the_grace_period_and_exits_0(smollm2_engine):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _start_server(smollm2_engine, port, "--shutdown-timeout", "2", "--served-model-name", "tiny")
+    try:
+        wait_until(lambda: _up(base) or proc.poll() is not None, "the server never came up", timeout=180)
+        assert proc.poll() is None, proc.stdout.read()
+        assert httpx.get(base + "/v1/models").json()["data"][0]["id"] == "tiny"
+        lines: list[str] = []
+
+        def read_stream() -> None:
+            body = {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 230, "ignore_eos": True,
+                    "stream": True}
+            try:
+                with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+                    lines.extend(line for line in r.iter_lines() if line)
+            except httpx.TransportError:
+                pass   # cut at the end of the grace period
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        wait_until(lambda: len(lines) >= 2, "the stream never started")
+        stopped = time.time()
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: not _up(base), "still accepting after SIGTERM", timeout=5)
+        assert proc.wait(timeout=60) == 0, proc.stdout.read()
+        took = time.time() - stopped
+        reader.join(timeout=30)
+        assert 1.5 < took < 20   # waited for the grace period, then aborted the 230-token stream
+        assert lines[-1] != "data: [DONE]" and len(lines) < 230
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_lets_a_short_request_finish(smollm2_engine):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _start_server(smollm2_engine, port, "--shutdown-timeout", "60")
+    try:
+        wait_until(lambda: _up(base) or proc.poll() is not None, "the server never came up", timeout=180)
+        lines: list[str] = []
+
+        def read_stream() -> None:
+            body = {"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        wait_until(lambda: len(lines) >= 1, "the stream never started")
+        proc.send_signal(signal.SIGTERM)
+        reader.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+        assert lines[-1] == "data: [DONE]" and len(lines) == 21   # all 20 tokens, then [DONE]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
