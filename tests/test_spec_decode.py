@@ -3,9 +3,14 @@ bundled SmolLM2 engine with an INT4 KV cache (a short window, so blocks are quan
 batched with mixed lengths, across prefill chunks, a prefix-cache hit, preemption, stops; no leaks."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from bie_trt import BieEngine, EngineConfig, EngineError, SamplingParams, SpeculativeConfig
+from bie_trt.spec.select import resolve_speculative
 
 PASSAGE = ("The river rises in the hills above the old mill and runs south through three villages before it "
            "meets the sea. In spring the water is high and fast; in late summer children walk across it on the "
@@ -139,3 +144,27 @@ def test_draft_model_without_a_draft_is_refused(smollm2_engine):
 def test_bad_speculative_configs_say_what_is_wrong(bad, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(bad)
+
+
+def test_the_default_comes_from_the_manifest_else_a_draft_else_off(tmp_path):
+    assert resolve_speculative(None, {}, tmp_path) == SpeculativeConfig("none")
+    stored = {"method": "ngram", "num_speculative_tokens": 3}
+    assert resolve_speculative(None, {"speculative": stored}, tmp_path) == SpeculativeConfig("ngram", 3)
+    (tmp_path / "draft").mkdir()
+    assert resolve_speculative(None, {}, tmp_path) == SpeculativeConfig("draft_model", 5)
+    assert resolve_speculative({"method": "none"}, {}, tmp_path) == SpeculativeConfig("none")
+    with pytest.raises(EngineError, match="unknown"):
+        resolve_speculative({"method": "medusa"}, {}, tmp_path)
+
+
+def test_generate_cli_speculates_and_reports_it(smollm2_engine):
+    prompt = "Repeat after me: one two three four, one two three four, one two"
+    cmd = [sys.executable, "-m", "bie_trt.cli", "generate", "--engine", str(smollm2_engine), "--prompt", prompt,
+           "--max-tokens", "12", "--device", "cpu", "--json", "--speculative-config", '{"method": "ngram"}']
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["spec_decode"]["num_accepted_tokens"] > 0
+    assert out["spec_decode"]["num_draft_tokens"] >= out["spec_decode"]["num_accepted_tokens"]
+    plain = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=384))
+    assert out["token_ids"] == plain.generate(prompt, SamplingParams(temperature=0, max_tokens=12)).token_ids

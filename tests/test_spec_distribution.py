@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bie_trt import BieEngine, EngineConfig, SamplingParams
+from bie_trt import BieEngine, EngineConfig, SamplingParams, SpeculativeConfig
 from bie_trt.build import BuildOptions, build_engine
 from bie_trt.checkpoint.quantize import quantize_checkpoint
 from bie_trt.model.synthetic import write_word_tokenizer
@@ -34,11 +34,13 @@ def tiny_engine(tmp_path_factory) -> Path:
             weights[name] = weights[name] * 0.1
     save_file(weights, str(hf / "model.safetensors"))
     awq = quantize_checkpoint(hf, root / "awq", group_size=32)
+    # The engine's default speculation, stored at build: the speculative run below asks for no other.
+    default = SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1)
     return build_engine(BuildOptions(checkpoint=str(awq), out=str(root / "engine"), profile="cpu", max_model_len=256,
-                                     max_num_seqs=64), log=lambda m: None)
+                                     max_num_seqs=64, speculative=default), log=lambda m: None)
 
 
-def histograms(engine_dir: Path, speculative: dict) -> tuple[torch.Tensor, dict]:
+def histograms(engine_dir: Path, speculative: dict | None) -> tuple[torch.Tensor, dict]:
     engine = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu", max_num_seqs=64,
                                     speculative=speculative))
     # The model's own greedy chains from every token: lookup then proposes what the model finds likely, so
@@ -71,8 +73,8 @@ def two_sample_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_positions_1_to_4_have_the_same_distribution_with_and_without_speculation(tiny_engine):
     plain, _ = histograms(tiny_engine, {"method": "none"})
-    spec, counters = histograms(tiny_engine, {"method": "ngram", "num_speculative_tokens": 3,
-                                              "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    spec, counters = histograms(tiny_engine, None)   # the engine's default: n-gram, γ = 3
+    assert len(counters["accepted_by_position"]) == 3
     # Speculation ran and both outcomes happened often: proposals accepted and rejected.
     assert counters["num_draft_tokens"] > N and 0.05 < counters["num_accepted_tokens"] / counters["num_draft_tokens"] < 0.95
     p_values = [two_sample_p_value(plain[i], spec[i]) for i in range(POSITIONS)]

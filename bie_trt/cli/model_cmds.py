@@ -8,6 +8,7 @@ import time
 import click
 
 from . import main
+from .options import speculative_config
 
 KV_DTYPE = click.Choice(["fp16", "fp8", "int4_asym"])
 
@@ -47,6 +48,7 @@ def quantize(src: str, out: str, group_size: int) -> None:
                    "divergence, not lower perplexity (docs/kv-cache-quality.md).")
 @click.option("--max-num-seqs", type=int, help="Concurrent sequences the KV pool is sized for.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
+@speculative_config
 def build(**kw) -> None:
     """Compile a checkpoint into an engine directory for one GPU profile.
 
@@ -116,13 +118,14 @@ def verify(engine_dir: str, sm: int | None) -> None:
 @click.option("--seed", type=int, help="Same seed, same tokens.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@speculative_config
 def generate(engine_dir: str, prompt: str, chat: bool, max_tokens: int, temperature: float, top_p: float,
-             top_k: int, seed: int | None, device: str, as_json: bool) -> None:
+             top_k: int, seed: int | None, device: str, as_json: bool, speculative) -> None:
     """Generate from an engine, streaming text to the terminal as it decodes."""
     from .. import BieEngine, EngineConfig, SamplingParams
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
-    engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device))
+    engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, speculative=speculative))
     start, out = time.perf_counter(), None
     for event in engine.stream(prompt, params, chat=chat):
         if not as_json:
@@ -135,6 +138,7 @@ def generate(engine_dir: str, prompt: str, chat: bool, max_tokens: int, temperat
             "finish_reason": out.finish_reason, "tokens_per_s": round(out.decode_tokens_per_s, 3),
             "time_to_first_token_s": round(out.time_to_first_token_s, 4), "elapsed_s": round(elapsed, 3),
             "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens},
+            **({"spec_decode": out.spec_decode} if out.spec_decode is not None else {}),
         }))
     else:
         click.echo()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from . import main
+from .options import speculative_config
 
 
 @main.command()
@@ -15,7 +16,8 @@ from . import main
 @click.option("--max-num-seqs", default=8, show_default=True, type=int, help="Concurrent sequences (at most the engine's).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def run(engine_dir: str, host: str, port: int, device: str, max_num_seqs: int, log_level: str) -> None:
+@speculative_config
+def run(engine_dir: str, host: str, port: int, device: str, max_num_seqs: int, log_level: str, speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
     \b
@@ -29,6 +31,7 @@ def run(engine_dir: str, host: str, port: int, device: str, max_num_seqs: int, l
     from .. import BieEngine, EngineConfig
     from ..server.app import create_app
 
-    engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_num_seqs=max_num_seqs))
+    engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_num_seqs=max_num_seqs,
+                                    speculative=speculative))
     click.echo(f"serving {engine.model_name} (max_model_len {engine.max_model_len}) on http://{host}:{port}", err=True)
     uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level)
