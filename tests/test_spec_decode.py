@@ -4,8 +4,10 @@ batched with mixed lengths, across prefill chunks, a prefix-cache hit, preemptio
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -168,3 +170,19 @@ def test_generate_cli_speculates_and_reports_it(smollm2_engine):
     assert out["spec_decode"]["num_draft_tokens"] >= out["spec_decode"]["num_accepted_tokens"]
     plain = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=384))
     assert out["token_ids"] == plain.generate(prompt, SamplingParams(temperature=0, max_tokens=12)).token_ids
+
+
+def test_bench_spec_smoke(smollm2_engine, tmp_path):
+    out = tmp_path / "spec.json"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "scripts/bench_spec.py", "--smoke", "--engine", str(smollm2_engine),
+                    "--out", str(out)], cwd=root, check=True, timeout=600, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(root)})   # this checkout's bie_trt, installed or not
+    result = json.loads(out.read_text())
+    rows = {r["task"]: r for r in result["tasks"]}
+    assert set(rows) == {"quote_passage", "edit_code", "free_generation"}
+    for r in rows.values():
+        assert r["identical_tokens"] and r["num_accepted_tokens"] <= r["num_draft_tokens"]
+        assert r["speedup"] == pytest.approx(r["tokens_per_s_ngram"] / r["tokens_per_s_off"])
+    verify = result["verify"]["rows"][0]
+    assert verify["verify_cost_ratio"] == pytest.approx(verify["ms_verify_6"] / verify["ms_verify_1"])
