@@ -17,7 +17,7 @@ from tqdm import tqdm
 from . import engine_format as ef
 from .checkpoint.loader import TOKENIZER_FILES, Checkpoint
 from .checkpoint.registry import resolve_checkpoint
-from .config import KVCacheConfig, ModelConfig
+from .config import KVCacheConfig, ModelConfig, SpeculativeConfig
 from .errors import BieError, CheckpointError, PlanError
 from .kernels.int8_rows import quantize_rows_int8
 from .kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
@@ -53,6 +53,7 @@ class BuildOptions:
     chunked_prefill_size: int | None = None
     gpu_memory_utilization: float | None = None
     force: bool = False
+    speculative: SpeculativeConfig | None = None   # the engine's default speculation (None: off, or its draft)
 
 
 def resolve_kv(opts: BuildOptions, profile: BuildProfile) -> KVCacheConfig:
@@ -225,6 +226,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
             "max_model_len": max_len,
             "max_num_seqs": max_seqs,
             "chunked_prefill_size": chunk,
+            **({"speculative": opts.speculative.to_dict()} if opts.speculative else {}),
             "plan": plan.to_dict(),
             "kernels": tune_kernels(m, profile, ckpt.quant.group_size),
             "toolchain": _toolchain(),

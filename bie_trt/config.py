@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,6 +168,62 @@ class KVCacheConfig:
             raise ValueError("kv sink tokens and window must be non-negative.")
 
 
+SPEC_METHODS = ("ngram", "draft_model", "none")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, spelled as vLLM's `--speculative-config` JSON.
+
+    "ngram" proposes by prompt lookup (the longest match of the last prompt_lookup_max ..
+    prompt_lookup_min tokens earlier in prompt + output); "draft_model" runs the engine's draft;
+    "none" decodes one token per step.
+    """
+
+    method: str = "none"
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is unknown; choose one of {SPEC_METHODS}.")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative {name} must be an integer >= 1; got {value!r}.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min {self.prompt_lookup_min} is above prompt_lookup_max "
+                             f"{self.prompt_lookup_max}; make min <= max.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str") -> "SpeculativeConfig":
+        """A SpeculativeConfig, a dict or a JSON object in vLLM's spelling -> SpeculativeConfig (ValueError
+        naming the problem otherwise)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON ({e.msg}); write e.g. "
+                                 '\'{"method": "ngram", "num_speculative_tokens": 5}\'.') from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object; got {type(value).__name__}.")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"speculative config has unknown keys {unknown}; known: method, num_speculative_tokens, "
+                             f"prompt_lookup_max, prompt_lookup_min.")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     """What `BieEngine` needs to load and serve an engine directory."""
@@ -192,6 +249,9 @@ class EngineConfig:
     kv_window: int | None = None
     kv_rotation: str | None = None
     kv_key_centering: bool | None = None
+    # Speculative decoding: a SpeculativeConfig or a dict in vLLM's spelling; None: the engine's default
+    # (its manifest's "speculative", else a draft if it has one, else off).
+    speculative: SpeculativeConfig | dict[str, Any] | None = None
 
     def kv_overrides(self) -> dict[str, Any]:
         names = {"kv_cache_dtype": "dtype", "kv_group_size": "group_size", "kv_sink_tokens": "sink_tokens",

@@ -8,7 +8,7 @@ import time
 import click
 
 from . import main
-from .options import NON_NEGATIVE, POSITIVE, device_option, kv_options
+from .options import NON_NEGATIVE, POSITIVE, device_option, kv_options, speculative_config
 from ..config import SamplingParams
 from ..errors import EngineError, RequestError
 
@@ -45,6 +45,7 @@ def quantize(src: str, out: str, group_size: int) -> None:
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               help="Fraction of the profile's VRAM the plan may use. [default: the profile's]")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
+@speculative_config
 def build(**kw) -> None:
     """Compile a checkpoint into an engine directory for one GPU profile.
 
@@ -160,9 +161,10 @@ _SAMPLING = SamplingParams.__dataclass_fields__   # one set of defaults: the SDK
               help="Do not check each file's sha256 against the manifest before loading (it is remembered "
                    "per file once checked, so only the first load after a change pays for it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@speculative_config
 def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None, echo: bool, max_tokens: int,
              temperature: float, top_p: float, top_k: int, seed: int | None, device: str, skip_verify: bool,
-             as_json: bool) -> None:
+             as_json: bool, speculative) -> None:
     """Generate from an engine, streaming text to the terminal as it decodes.
 
     Sampling defaults are the SDK's and the server's (OpenAI's): temperature 1, top-p 1, no top-k,
@@ -174,7 +176,7 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
         raise RequestError("--prompt is empty or only whitespace; give the text to continue or answer.")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
     engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, skip_verify=skip_verify,
-                                    chat_template=chat_template))
+                                    chat_template=chat_template, speculative=speculative))
     prompt_ids = engine.encode(prompt, chat=chat)
     if len(prompt_ids) + max_tokens > engine.max_model_len:
         raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens {max_tokens} exceeds this "
@@ -195,6 +197,7 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
             "finish_reason": out.finish_reason, "tokens_per_s": round(out.decode_tokens_per_s, 3),
             "time_to_first_token_s": round(out.time_to_first_token_s, 4), "elapsed_s": round(elapsed, 3),
             "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens},
+            **({"spec_decode": out.spec_decode} if out.spec_decode is not None else {}),
         }))
     else:
         click.echo()

@@ -5,7 +5,7 @@ from typing import Callable
 
 import click
 
-from ..config import KV_DTYPES, KV_ROTATIONS
+from ..config import KV_DTYPES, KV_ROTATIONS, SpeculativeConfig
 from ..devices import DEVICE_HELP, check_device_name
 from ..errors import BieError
 
@@ -54,3 +54,19 @@ def kv_options(default_from: str, build_defaults: bool) -> Callable[[Callable], 
         return f
 
     return apply
+
+
+def _parse_speculative(ctx: click.Context, param: click.Parameter, value: str | None) -> SpeculativeConfig | None:
+    if value is None:
+        return None
+    try:
+        return SpeculativeConfig.parse(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+speculative_config = click.option(
+    "--speculative-config", "speculative", callback=_parse_speculative, metavar="JSON",
+    help='Speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 5, '
+         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', {"method": "draft_model"} or {"method": "none"}. '
+         "[default: the engine's]")

@@ -7,6 +7,7 @@ import re
 import click
 
 from . import main
+from .options import speculative_config
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -82,10 +83,12 @@ def _check_against_engine(engine_dir: str, max_num_seqs: int | None, max_model_l
               help="On SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="Server log verbosity.")
+@speculative_config
 def serve(engine: str | None, engine_opt: str | None, host: str, port: int, device: str,
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int | None,
           gpu_memory_utilization: float | None, api_key: str | None, max_waiting: int | None,
-          request_timeout: float | None, shutdown_timeout: float, log_level: str) -> None:
+          request_timeout: float | None, shutdown_timeout: float, log_level: str,
+          speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
     \b
@@ -107,7 +110,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
 
     seqs = max_num_seqs or int(read_manifest(engine_dir)["max_num_seqs"])
     bie = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
-                                 max_num_seqs=seqs))
+                                 max_num_seqs=seqs, speculative=speculative))
     app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
                                         max_waiting=max_waiting, request_timeout=request_timeout))
     name = served_model_name or bie.model_name

@@ -184,6 +184,15 @@ class BlockManager:
             if self.cache.get(key) is None:   # else an equal block is cached already: this one stays private
                 self.cache.add(key, seq.block_table[b])
 
+    def truncate(self, seq: Sequence) -> None:
+        """Speculation's rollback: free the blocks past seq's cached tokens, which held only rejected
+        proposals (never indexed: `commit` keys accepted tokens only). The table is then what a step
+        without proposals leaves; rejected K/V left in the last block is overwritten before it is read."""
+        keep = -(-seq.num_cached // self.block_size)
+        for entry in reversed(seq.block_table[keep:]):
+            self._release(entry)
+        del seq.block_table[keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (whose tokens start with parent's) continues from parent's cache, sharing every block;
         the partly filled last block is copied when either of them first writes it."""

@@ -24,6 +24,9 @@ from ..errors import EngineError, RequestError
 from ..model.llama import SeqInput
 from ..plan import bounded_fp_blocks_per_seq
 from ..sampling import make_generator, sample_next
+from ..spec.proposer import Proposal
+from ..spec.rejection import verify
+from ..spec.select import make_proposer, resolve_speculative
 from .block_manager import BlockManager, copy_blocks
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -51,6 +54,8 @@ class RequestOutput:
     time_to_first_token_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     logprobs: list[dict[int, float]] | None = None   # per token: top-N and the sampled one, when asked
+    # with speculative decoding: {"num_drafts", "num_draft_tokens", "num_accepted_tokens"} of this request
+    spec_decode: dict[str, int] | None = None
 
 
 @dataclass
@@ -173,10 +178,15 @@ class BieEngine:
         self.max_model_len = self.runner.max_model_len
         pools, kv, chunk = self.runner.pools, self.runner.kv_config, self.runner.chunk_size
         max_num_seqs = self.runner.max_num_seqs
-        budget = self.config.max_num_batched_tokens or chunk + max_num_seqs
-        self._check_limits(pools.num_fp_blocks, budget, max_num_seqs)
+        engine_dir = Path(self.config.engine_dir)
+        self.speculative = resolve_speculative(self.config.speculative, self.runner.manifest, engine_dir)
+        gamma = self.speculative.num_speculative_tokens if self.speculative.enabled else 0
+        budget = self.config.max_num_batched_tokens or chunk + max_num_seqs * (1 + gamma)
+        self._check_limits(pools.num_fp_blocks, budget, max_num_seqs, gamma)
+        self.proposer = make_proposer(self.speculative, engine_dir, self.runner)
         self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, budget, chunk)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, budget, chunk, gamma, self.max_model_len,
+                                   self.proposer.free if self.proposer else None)
         cfg = self.runner.model_config
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -188,8 +198,10 @@ class BieEngine:
         self._loop_thread: threading.Thread | None = None
         self._finished: collections.Counter[str] = collections.Counter()
         self._prompt_tokens = self._generation_tokens = 0
+        self._spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self._accepted_by_position = [0] * gamma
 
-    def _check_limits(self, num_fp_blocks: int, budget: int, max_num_seqs: int) -> None:
+    def _check_limits(self, num_fp_blocks: int, budget: int, max_num_seqs: int, gamma: int) -> None:
         """The scheduler relies on one sequence always fitting the pool alone, and on a step's budget
         holding a decode of every running sequence, so that it always makes progress."""
         kv = self.runner.kv_config
@@ -202,6 +214,11 @@ class BieEngine:
         if budget < max_num_seqs:
             raise EngineError(f"max_num_batched_tokens {budget} is below max_num_seqs {max_num_seqs}; every running "
                               f"sequence must be able to decode in each step.")
+        # Verified tokens must stay FP16 until accepted: a block is quantised only once its tokens are final.
+        if gamma and kv.dtype != "fp16" and kv.window < gamma + 1:
+            raise EngineError(f"the KV window of {kv.window} tokens is smaller than the {gamma + 1} tokens a "
+                              f"speculative step verifies; lower num_speculative_tokens to {max(kv.window - 1, 0)} or "
+                              f"less (0: off), or build with a larger --kv-window.")
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
@@ -314,33 +331,93 @@ class BieEngine:
         copy_blocks(pools, batch.copies)
         for seq, _ in batch.chunks:   # a prefix hit can bring FP16 blocks already out of seq's window
             self.blocks.compact(seq, pools)
-        inputs = [SeqInput(torch.tensor(seq.token_slice(seq.num_cached, seq.num_cached + n)), seq.num_cached,
-                           seq.block_table) for seq, n in batch.chunks]
+        proposals = self._propose(batch.lookahead)
+        inputs = []
+        for seq, n in batch.chunks:
+            drafts = proposals[seq].token_ids if seq in proposals else []
+            ids = seq.token_slice(seq.num_cached, seq.num_cached + n) + drafts
+            inputs.append(SeqInput(torch.tensor(ids), seq.num_cached, seq.block_table, all_logits=bool(drafts)))
         logits = self.runner.forward(inputs)
-        for (seq, n), row in zip(batch.chunks, logits):
+        for (seq, n), rows in zip(batch.chunks, logits):
+            request = self._requests[seq]
+            if seq in proposals:
+                self._verify(request, rows, proposals[seq])
+                continue
             self.blocks.commit(seq, n)
+            if seq in batch.lookahead:   # room was kept for proposals that did not come
+                self.blocks.truncate(seq)
             self.blocks.compact(seq, pools)
             if seq.num_pending == 0:   # the whole prompt (or the last sampled token) is cached: sample
-                self._sample(self._requests[seq], row)
+                token = sample_next(rows, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+                self._publish(request, *self._append(request, rows[None], [token]))
 
-    def _sample(self, request: _Request, logits: torch.Tensor) -> None:
+    def _propose(self, lookahead: dict[Sequence, int]) -> dict[Sequence, Proposal]:
+        """Proposals for the decodes the scheduler kept room for; empty ones are left out."""
+        if not lookahead or self.proposer is None:
+            return {}
+        seqs = list(lookahead)
+        proposals = self.proposer.propose(seqs, [lookahead[s] for s in seqs])
+        for seq, proposal in zip(seqs, proposals):
+            if len(proposal.token_ids) > lookahead[seq]:
+                raise RuntimeError(f"the proposer returned {len(proposal.token_ids)} tokens where "
+                                   f"{lookahead[seq]} fit (a proposer bug)")
+        return {seq: p for seq, p in zip(seqs, proposals) if p.token_ids}
+
+    def _verify(self, request: _Request, rows: torch.Tensor, proposal: Proposal) -> None:
+        """rows [k+1, V]: the target's logits at the pending token and each of k proposals. Emit what
+        rejection sampling keeps; the cache keeps the K/V of the accepted tokens only."""
         seq = request.seq
-        token = sample_next(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
-        seq.output_ids.append(token)
-        top = None
-        if seq.params.logprobs is not None:
-            top = _top_logprobs(logits, token, seq.params.logprobs)
-            seq.logprobs.append(top)
+        tokens = verify(rows, proposal, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+        accepted = len(tokens) - 1
+        self._count_spec(seq, len(proposal.token_ids), accepted)
+        appended = self._append(request, rows, tokens)
+        # K/V hold for the pending token and the accepted proposals: as many as were appended, when the
+        # request stopped inside the run (its blocks are freed just after; prefix caching keeps them).
+        self.blocks.commit(seq, min(len(tokens), len(appended[0]) + 1))
+        self.blocks.truncate(seq)
+        self.blocks.compact(seq, self.runner.pools)
+        self._publish(request, *appended)
+
+    def _count_spec(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        seq.num_drafts += 1
+        seq.num_draft_tokens += proposed
+        seq.num_accepted_tokens += accepted
+        self._spec["num_drafts"] += 1
+        self._spec["num_draft_tokens"] += proposed
+        self._spec["num_accepted_tokens"] += accepted
+        for i in range(accepted):
+            self._accepted_by_position[i] += 1
+
+    def _append(self, request: _Request, rows: torch.Tensor, tokens: list[int]
+                ) -> tuple[list[int], str, str | None, list[dict[int, float]]]:
+        """Append tokens (each sampled from the logits row beside it) one at a time, stopping exactly where
+        decoding them one per step would. -> (tokens appended, new text, finish reason, their logprobs)."""
+        seq = request.seq
+        new, delta, reason, tops = [], "", None, []
+        for row, token in zip(rows, tokens):
+            seq.output_ids.append(token)
+            new.append(token)
+            if seq.params.logprobs is not None:
+                tops.append(_top_logprobs(row, token, seq.params.logprobs))
+                seq.logprobs.append(tops[-1])
+            reason = self._finish_reason(seq, token)
+            # a stop token ends the text but is not part of it (OpenAI semantics)
+            text, hit = request.detok.update(seq, final=reason is not None, drop_last=reason == "stop")
+            delta += text
+            reason = "stop" if hit else reason
+            if reason:
+                break
         seq.first_token_time = seq.first_token_time or time.perf_counter()
-        self._generation_tokens += 1
-        reason = self._finish_reason(seq, token)
-        # a stop token ends the text but is not part of it (OpenAI semantics)
-        delta, hit = request.detok.update(seq, final=reason is not None, drop_last=reason == "stop")
-        reason = "stop" if hit else reason
+        self._generation_tokens += len(new)
+        return new, delta, reason, tops
+
+    def _publish(self, request: _Request, tokens: list[int], delta: str, reason: str | None,
+                 tops: list[dict[int, float]]) -> None:
         if reason:
             self._end(request, reason)
-        request.events.put(StreamEvent(delta, [token], reason, self._output(seq) if reason else None,
-                                       [top] if top is not None else None))
+        output = self._output(request.seq) if reason else None
+        request.events.put(StreamEvent(delta, tokens, reason, output, tops if request.seq.params.logprobs is not None
+                                       else None))
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -355,7 +432,9 @@ class BieEngine:
         rate = (n - 1) / (now - first) if n > 1 and now > first else 0.0
         return RequestOutput(seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), seq.finish_reason,
                              Usage(len(seq.prompt_ids), n), first - seq.arrival_time, rate,
-                             list(seq.logprobs) if seq.params.logprobs is not None else None)
+                             list(seq.logprobs) if seq.params.logprobs is not None else None,
+                             {"num_drafts": seq.num_drafts, "num_draft_tokens": seq.num_draft_tokens,
+                              "num_accepted_tokens": seq.num_accepted_tokens} if self.proposer else None)
 
     # -- public API ----------------------------------------------------------------------------
     def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
@@ -405,4 +484,5 @@ class BieEngine:
         if self.blocks.quantised:
             pools["quant"] = self.blocks.usage(True)
         return EngineStats(dict(self._finished), self._prompt_tokens, self._generation_tokens, s.num_preemptions,
-                           s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting))
+                           s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting),
+                           {**self._spec, "accepted_by_position": list(self._accepted_by_position)})

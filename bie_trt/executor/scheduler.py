@@ -4,11 +4,16 @@ Each step has a token budget. Running decodes go first (latency), then the next 
 already under way, then new requests in arrival order while the budget, `max_num_seqs` and the KV
 pool allow. A running sequence that cannot grow preempts the most recently admitted one: its
 blocks are freed and it waits again, first in line, keeping its generated tokens to recompute.
+
+With speculative decoding a decode may also reserve room for proposals (lookahead): only once
+every running sequence is scheduled, from the budget and blocks left over, so speculation never
+preempts.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from .block_manager import BlockManager, Copy
 from .sequence import Sequence, Status
@@ -18,11 +23,18 @@ from .sequence import Sequence, Status
 class ScheduledBatch:
     chunks: list[tuple[Sequence, int]]   # each sequence and how many of its pending tokens run
     copies: list[Copy]                   # copy-on-write to carry out before the step
+    # decodes with room for proposals: how many tokens may follow the pending one (blocks held for them)
+    lookahead: dict[Sequence, int] = field(default_factory=dict)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
+                 num_lookahead: int = 0, max_model_len: int | None = None,
+                 on_free: Callable[[Sequence], None] | None = None):
         self.blocks = blocks
+        self.num_lookahead = num_lookahead   # γ: proposals per decode step (0: no speculation)
+        self.max_model_len = max_model_len
+        self.on_free = on_free               # a sequence's blocks went (finished, aborted, preempted)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_size = chunk_size
@@ -45,22 +57,35 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
+        self._free(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        if self.on_free:
+            self.on_free(seq)
 
     def schedule(self) -> ScheduledBatch:
         scheduled: dict[Sequence, tuple[int, list[Copy]]] = {}
+        lookahead: dict[Sequence, int] = {}
         preemptions = self.num_preemptions
 
         def budget() -> int:
-            return self.max_num_batched_tokens - sum(n for n, _ in scheduled.values())
+            return (self.max_num_batched_tokens - sum(n for n, _ in scheduled.values())
+                    - sum(k for s, k in lookahead.items() if s in scheduled))
 
-        for seq in sorted(self.running, key=lambda s: s.num_pending > 1):   # decodes, then prompt chunks
-            if seq.status is not Status.RUNNING or budget() == 0:   # preempted by an earlier one
-                continue
-            n = min(seq.num_pending, self.chunk_size, budget())
-            if self._make_room(seq, seq.num_cached + n, scheduled):
-                scheduled[seq] = (n, self.blocks.grow(seq, seq.num_cached + n))
+        def run(seqs: list[Sequence]) -> None:
+            for seq in seqs:
+                if seq.status is not Status.RUNNING or budget() == 0:   # preempted by an earlier one
+                    continue
+                n = min(seq.num_pending, self.chunk_size, budget())
+                if self._make_room(seq, seq.num_cached + n, scheduled):
+                    scheduled[seq] = (n, self.blocks.grow(seq, seq.num_cached + n))
+
+        run([s for s in self.running if s.num_pending == 1])   # decodes first (latency)
+        run([s for s in self.running if s.num_pending > 1])    # then the prompt chunks under way
+        if self.num_lookahead:   # then proposals, from what is left: speculation never preempts
+            self._reserve_lookahead(scheduled, lookahead, budget)
 
         # Admitting right after preempting would only thrash: the pool is full.
         while (self.num_preemptions == preemptions and self.waiting and budget() > 0
@@ -80,7 +105,24 @@ class Scheduler:
             scheduled[seq] = (n, self.blocks.grow(seq, cached + n))
 
         return ScheduledBatch([(seq, n) for seq, (n, _) in scheduled.items()],
-                              [c for _, copies in scheduled.values() for c in copies])
+                              [c for _, copies in scheduled.values() for c in copies],
+                              {s: k for s, k in lookahead.items() if s in scheduled})
+
+    def _reserve_lookahead(self, scheduled: dict, lookahead: dict[Sequence, int], budget: Callable[[], int]) -> None:
+        """Room for proposals after each scheduled decode's token, as many as it can still use (max_tokens,
+        max_model_len), the step's budget and the free blocks allow. Only decodes of generated tokens
+        speculate: a prompt's last token is a prompt chunk, which proposals never join."""
+        for seq, (n, copies) in scheduled.items():
+            if n != 1 or seq.num_pending != 1 or not seq.output_ids:
+                continue
+            k = min(self.num_lookahead, seq.params.max_tokens - len(seq.output_ids) - 1, budget())
+            if self.max_model_len is not None:
+                k = min(k, self.max_model_len - seq.num_tokens - 1)
+            while k > 0 and not self.blocks.can_grow(seq, seq.num_cached + 1 + k):
+                k -= 1
+            if k > 0:
+                copies += self.blocks.grow(seq, seq.num_cached + 1 + k)
+                lookahead[seq] = k
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: dict) -> bool:
         """Preempt the newest running sequences until `seq` can hold `num_tokens`; False if that meant
@@ -88,7 +130,7 @@ class Scheduler:
         while not self.blocks.can_grow(seq, num_tokens):
             victim = self.running.pop()
             scheduled.pop(victim, None)
-            self.blocks.free(victim)
+            self._free(victim)
             victim.status = Status.WAITING
             self.waiting.appendleft(victim)
             self.num_preemptions += 1

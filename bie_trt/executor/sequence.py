@@ -37,6 +37,10 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)   # per output token, when params.logprobs
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
+    # speculative decoding: proposals verified, tokens proposed, and of those accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:

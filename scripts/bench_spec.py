@@ -1,0 +1,174 @@
+"""Speculative decoding: what n-gram proposals buy, and what verifying γ + 1 tokens costs.
+
+CPU part (always): one engine with speculation off and one with n-gram lookup, greedy, on
+input-grounded tasks (quote a given passage, edit given code) and on free generation. For each:
+acceptance rate (accepted ÷ proposed), mean tokens accepted per proposal, tokens per decode step,
+decode tokens/s with and without, their ratio, and whether the tokens are identical.
+
+GPU part (`--gpu`): the verify cost T(γ+1) / T(1) of one sequence at 4k / 32k / 64k context for
+Llama-3-8B shapes with an INT4 KV cache (random AWQ-shaped weights), and the speedup that implies
+at acceptance 0.6 / 0.7 / 0.8 with a free proposer. `--smoke` runs both parts small (a few
+tokens; tiny shapes for the GPU part, on the CPU when there is no GPU) so the tests run the script.
+
+    python scripts/bench_spec.py --engine engines/smollm2 --out benchmarks/results/spec_cpu.json
+    python scripts/bench_spec.py --gpu --out benchmarks/results/spec_gpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bie_trt import BieEngine, EngineConfig, SamplingParams
+from bie_trt.config import KVCacheConfig
+from bie_trt.model.llama import LlamaModel, SeqInput
+from bie_trt.model.synthetic import llama3_8b, random_weights, tiny_llama
+from bie_trt.plan import kv_pool_blocks
+from bie_trt.kv.pool import allocate_pools
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import fill_cache, sync  # noqa: E402
+
+PASSAGE = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_background.txt"
+FALLBACK = ("The river rises in the hills above the old mill and runs south through three villages before it "
+            "meets the sea. In spring the water is high and fast; in late summer children walk across it on the "
+            "stones below the bridge, and the miller's dog follows them as far as the second pool.")
+CODE = '''def load_users(path):
+    users = []
+    with open(path) as f:
+        for line in f:
+            name, email, age = line.strip().split(",")
+            users.append({"name": name, "email": email, "age": int(age)})
+    return users
+
+
+def adults(users):
+    return [u for u in users if u["age"] >= 18]
+'''
+
+
+def tasks(passage: str) -> dict[str, str]:
+    return {
+        "quote_passage": f"Repeat the following passage word for word.\n\nPassage:\n{passage}\n\nRepeated passage:\n",
+        "edit_code": f"Rename the variable `users` to `people` everywhere in this code.\n\n{CODE}\nRenamed code:\n",
+        "free_generation": "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n",
+    }
+
+
+def run_engine_part(args: argparse.Namespace) -> list[dict]:
+    text = PASSAGE.read_text()[:args.passage_chars] if PASSAGE.exists() else FALLBACK
+    configs = {"off": {"method": "none"},
+               "ngram": {"method": "ngram", "num_speculative_tokens": args.gamma}}
+    engines = {name: BieEngine(EngineConfig(engine_dir=args.engine, device="cpu", speculative=spec))
+               for name, spec in configs.items()}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    for engine in engines.values():   # warm-up: first-call costs out of the timings
+        engine.generate("Hello", SamplingParams(temperature=0, max_tokens=4))
+    rows = []
+    for task, prompt in tasks(text).items():
+        outs = {}
+        for name, engine in engines.items():
+            best = None
+            for _ in range(args.repeats):   # the best of a few runs: the host is shared
+                engine.reset_prefix_cache()
+                out = engine.generate(prompt, params)
+                if best is None or out.decode_tokens_per_s > best.decode_tokens_per_s:
+                    best = out
+            outs[name] = best
+        off, spec = outs["off"], outs["ngram"]
+        s = spec.spec_decode
+        decode_tokens = spec.usage.completion_tokens - 1   # the first comes from the prefill
+        steps = decode_tokens - s["num_accepted_tokens"]   # each verify step emits one token beyond its accepted
+        row = {
+            "task": task, "prompt_tokens": spec.usage.prompt_tokens, "completion_tokens": spec.usage.completion_tokens,
+            "identical_tokens": spec.token_ids == off.token_ids, **s,
+            "acceptance_rate": s["num_accepted_tokens"] / s["num_draft_tokens"] if s["num_draft_tokens"] else 0.0,
+            "mean_accepted_per_proposal": s["num_accepted_tokens"] / s["num_drafts"] if s["num_drafts"] else 0.0,
+            "tokens_per_decode_step": decode_tokens / steps if steps else 1.0,
+            "tokens_per_s_off": off.decode_tokens_per_s, "tokens_per_s_ngram": spec.decode_tokens_per_s,
+            "speedup": spec.decode_tokens_per_s / off.decode_tokens_per_s,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def expected_tokens_per_step(alpha: float, gamma: int) -> float:
+    """Tokens one verify step emits when each proposal is accepted with probability alpha, independently."""
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def time_forward(model: LlamaModel, pools, table: list[int], start: int, tokens: int, steps: int) -> float:
+    step = [SeqInput(torch.ones(tokens, dtype=torch.long), start, table, all_logits=tokens > 1)]
+    for _ in range(2):
+        model.forward(step, pools)
+    sync(model.device)
+    begin = time.perf_counter()
+    for _ in range(steps):
+        model.forward(step, pools)
+    sync(model.device)
+    return (time.perf_counter() - begin) / steps
+
+
+def run_verify_part(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg, group = (tiny_llama(hidden_size=128, num_heads=2, num_kv_heads=1), 64) if args.smoke else (llama3_8b(), 128)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    model = LlamaModel(cfg, random_weights(cfg, group, device=device), device, dtype, embedding_on_host=True)
+    kv = KVCacheConfig(dtype="int4_asym")
+    rows = []
+    for ctx in map(int, args.contexts.split(",")):
+        n_fp, n_q = kv_pool_blocks(cfg, kv, ctx + args.gamma + 1, 1, 512)
+        pools = allocate_pools(cfg, kv, n_fp, n_q, dtype, device)
+        table = fill_cache(pools, ctx + args.gamma + 1, kv)
+        t1 = time_forward(model, pools, table, ctx - 1, 1, args.steps)
+        tg = time_forward(model, pools, table, ctx - 1, args.gamma + 1, args.steps)
+        ratio = tg / t1
+        row = {"context": ctx, "kv": kv.dtype, "gamma": args.gamma, "ms_verify_1": 1e3 * t1,
+               f"ms_verify_{args.gamma + 1}": 1e3 * tg, "verify_cost_ratio": ratio,
+               "implied_speedup": {str(a): expected_tokens_per_step(a, args.gamma) / ratio for a in (0.6, 0.7, 0.8)}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del pools
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": cfg.to_dict(),
+            "weight_group_size": group, "eager": True, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", help="engine directory for the CPU part (e.g. built from smollm2-135m)")
+    ap.add_argument("--gamma", type=int, default=5, help="tokens proposed per step")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--passage-chars", type=int, default=700)
+    ap.add_argument("--gpu", action="store_true", help="also time T(γ+1)/T(1) at 8B shapes (needs a CUDA GPU)")
+    ap.add_argument("--contexts", default="4096,32768,65536")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="a few tokens and tiny shapes: checks the script end to end")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_cpu.json"))
+    args = ap.parse_args()
+    if args.smoke:
+        args.max_tokens, args.repeats, args.contexts, args.steps = 6, 1, "256", 2
+    elif args.gpu and not torch.cuda.is_available():
+        print("bench_spec --gpu needs a CUDA GPU (none here; --smoke runs it small on the CPU).", file=sys.stderr)
+        sys.exit(2)
+    out = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "smoke": args.smoke, "gamma": args.gamma,
+           "max_tokens": args.max_tokens, "engine": None, "tasks": None, "verify": None}
+    if args.engine:
+        manifest = json.loads((Path(args.engine) / "manifest.json").read_text())
+        out["engine"] = {"model": manifest["model"]["name"], "kv": manifest["kv"]["dtype"]}
+        out["tasks"] = run_engine_part(args)
+    if args.gpu or args.smoke:
+        out["verify"] = run_verify_part(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

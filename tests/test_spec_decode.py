@@ -1,0 +1,188 @@
+"""Speculative decoding in the engine: greedy output identical with n-gram proposals and without, on the
+bundled SmolLM2 engine with an INT4 KV cache (a short window, so blocks are quantised during the runs),
+batched with mixed lengths, across prefill chunks, a prefix-cache hit, preemption, stops; no leaks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bie_trt import BieEngine, EngineConfig, EngineError, SamplingParams, SpeculativeConfig
+from bie_trt.spec.select import resolve_speculative
+
+PASSAGE = ("The river rises in the hills above the old mill and runs south through three villages before it "
+           "meets the sea. In spring the water is high and fast; in late summer children walk across it on the "
+           "stones below the bridge.")
+CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+        "    return 2 * (width + height)\n")
+PROMPTS = [   # input-grounded, so that lookup proposals are often right; mixed lengths
+    f"Copy the passage exactly.\n\nPassage: {PASSAGE}\n\nCopy: The river rises in the hills",
+    f"Rename width to w in this code.\n\n{CODE}\nRenamed:\ndef area(w, height):",
+    "Repeat after me: one two three four, one two three four, one two",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+# INT4 with a 32-token window and 4 sinks: blocks leave the window within these prompts; 32-token
+# chunks: the first prompt (~60+ tokens with the instruction) spans several.
+KV = dict(kv_cache_dtype="int4_asym", kv_window=32, kv_sink_tokens=4, chunked_prefill_size=32)
+
+
+def make(engine_dir, speculative, **kw) -> BieEngine:
+    return BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu", max_model_len=384, speculative=speculative,
+                                  **{**KV, **kw}))
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_engine):
+    return make(smollm2_engine, {"method": "none"})
+
+
+@pytest.fixture(scope="module")
+def spec(smollm2_engine):
+    return make(smollm2_engine, {"method": "ngram", "num_speculative_tokens": 5})
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    return [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+def idle(engine: BieEngine) -> bool:
+    return all(pool["used"] == 0 for pool in engine.stats().kv_blocks.values())
+
+
+def test_batched_greedy_is_identical_and_proposals_are_accepted(spec, expected):
+    assert len(spec.tokenizer(PROMPTS[0])["input_ids"]) > 2 * KV["chunked_prefill_size"]   # several chunks
+    outs = spec.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    stats = spec.stats().spec_decode
+    assert stats["num_accepted_tokens"] > 10 and stats["num_drafts"] > 0
+    assert sum(stats["accepted_by_position"]) == stats["num_accepted_tokens"]
+    assert stats["accepted_by_position"] == sorted(stats["accepted_by_position"], reverse=True)
+    assert sum(o.spec_decode["num_accepted_tokens"] for o in outs) == stats["num_accepted_tokens"]
+    assert idle(spec)
+
+
+def test_a_prefix_cache_hit_keeps_the_tokens(spec, expected):
+    before = spec.stats().prefix_hit_tokens
+    out = spec.generate(PROMPTS[0], GREEDY)   # its blocks (accepted tokens only) are cached from the batch
+    assert spec.stats().prefix_hit_tokens > before
+    assert out.token_ids == expected[0]
+
+
+def test_stops_inside_an_accepted_run_cut_where_plain_decoding_stops(spec, plain, expected):
+    events = list(spec.stream(PROMPTS[0], GREEDY))
+    offsets, at = [], 0
+    for e in events:
+        offsets.append(at)
+        at += len(e.token_ids)
+    run = next(i for i, e in enumerate(events) if len(e.token_ids) >= 3)   # a step that accepted proposals
+    inside = offsets[run] + 1   # the run's second token
+    tokens = expected[0]
+    text_before = spec.tokenizer.decode(tokens[:inside])
+    stop = spec.tokenizer.decode(tokens[:inside + 1])[len(text_before):]
+    assert stop.strip() and stop not in text_before
+    for params in (SamplingParams(temperature=0, max_tokens=inside + 1, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+                   SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[tokens[inside]])):
+        if tokens[inside] in tokens[:inside] and params.stop_token_ids:
+            continue
+        got, want = spec.generate(PROMPTS[0], params), plain.generate(PROMPTS[0], params)
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        assert len(got.token_ids) == inside + 1
+    assert idle(spec)
+
+
+def test_streamed_deltas_add_up_with_several_tokens_a_step(spec):
+    events = list(spec.stream(PROMPTS[2], GREEDY))
+    assert max(len(e.token_ids) for e in events) > 1
+    assert "".join(e.delta for e in events) == events[-1].output.text
+    assert sum(len(e.token_ids) for e in events) == len(events[-1].output.token_ids)
+
+
+def test_logprobs_are_the_targets(spec, plain):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    got, want = spec.generate(PROMPTS[2], params), plain.generate(PROMPTS[2], params)
+    assert got.token_ids == want.token_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-3 for t in a)
+
+
+def test_an_abort_mid_run_frees_every_block(spec):
+    stream = spec.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    next(stream), next(stream)
+    stream.close()
+    assert idle(spec)
+
+
+def test_preemption_in_a_tiny_pool_keeps_the_tokens(smollm2_engine, expected):
+    engine = make(smollm2_engine, {"method": "ngram"}, num_kv_blocks=10, enable_prefix_caching=False)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert engine.stats().preemptions > 0
+    assert [o.token_ids for o in outs] == expected
+    assert idle(engine)
+
+
+def test_a_window_smaller_than_a_verify_step_is_refused(smollm2_engine):
+    with pytest.raises(EngineError, match="window of 4 tokens is smaller than the 6"):
+        make(smollm2_engine, {"method": "ngram", "num_speculative_tokens": 5}, kv_window=4)
+
+
+def test_draft_model_without_a_draft_is_refused(smollm2_engine):
+    with pytest.raises(EngineError, match="draft"):
+        make(smollm2_engine, {"method": "draft_model"})
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"method": "eagle"}, "method 'eagle' is unknown"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "prompt_lookup_min": 5}, "prompt_lookup_min 5 is above prompt_lookup_max 4"),
+    ({"method": "ngram", "gamma": 3}, "unknown keys \\['gamma'\\]"),
+    ('{"method": ', "not valid JSON"),
+])
+def test_bad_speculative_configs_say_what_is_wrong(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(bad)
+
+
+def test_the_default_comes_from_the_manifest_else_a_draft_else_off(tmp_path):
+    assert resolve_speculative(None, {}, tmp_path) == SpeculativeConfig("none")
+    stored = {"method": "ngram", "num_speculative_tokens": 3}
+    assert resolve_speculative(None, {"speculative": stored}, tmp_path) == SpeculativeConfig("ngram", 3)
+    (tmp_path / "draft").mkdir()
+    assert resolve_speculative(None, {}, tmp_path) == SpeculativeConfig("draft_model", 5)
+    assert resolve_speculative({"method": "none"}, {}, tmp_path) == SpeculativeConfig("none")
+    with pytest.raises(EngineError, match="unknown"):
+        resolve_speculative({"method": "medusa"}, {}, tmp_path)
+
+
+def test_generate_cli_speculates_and_reports_it(smollm2_engine):
+    prompt = "Repeat after me: one two three four, one two three four, one two"
+    cmd = [sys.executable, "-m", "bie_trt.cli", "generate", "--engine", str(smollm2_engine), "--prompt", prompt,
+           "--max-tokens", "12", "--device", "cpu", "--json", "--speculative-config", '{"method": "ngram"}']
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["spec_decode"]["num_accepted_tokens"] > 0
+    assert out["spec_decode"]["num_draft_tokens"] >= out["spec_decode"]["num_accepted_tokens"]
+    plain = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=384))
+    assert out["token_ids"] == plain.generate(prompt, SamplingParams(temperature=0, max_tokens=12)).token_ids
+
+
+def test_bench_spec_smoke(smollm2_engine, tmp_path):
+    out = tmp_path / "spec.json"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "scripts/bench_spec.py", "--smoke", "--engine", str(smollm2_engine),
+                    "--out", str(out)], cwd=root, check=True, timeout=600, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(root)})   # this checkout's bie_trt, installed or not
+    result = json.loads(out.read_text())
+    rows = {r["task"]: r for r in result["tasks"]}
+    assert set(rows) == {"quote_passage", "edit_code", "free_generation"}
+    for r in rows.values():
+        assert r["identical_tokens"] and r["num_accepted_tokens"] <= r["num_draft_tokens"]
+        assert r["speedup"] == pytest.approx(r["tokens_per_s_ngram"] / r["tokens_per_s_off"])
+    verify = result["verify"]["rows"][0]
+    assert verify["verify_cost_ratio"] == pytest.approx(verify["ms_verify_6"] / verify["ms_verify_1"])
