@@ -17,6 +17,8 @@ from .errors import EngineError
 SCHEMA_VERSION = 2   # 2: kv.key_mean in the weights
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
+DRAFT_DIR = "draft"            # the speculative draft model: its WEIGHTS and DRAFT_VOCAB
+DRAFT_VOCAB = "vocab.json"     # {"ranking": how the ids were chosen, "ids": the draft head's token ids}
 UNHASHED = ("build-info.json",)
 
 

@@ -297,17 +297,16 @@ def _check_inputs(
     weight_group_size: int, draft: ModelConfig | None, lm_head_dtype: str, embedding: str, utilisation: float,
 ) -> None:
     _check_max_model_len(model, max_model_len)
-    for m in (model, draft) if draft is not None else (model,):
-        try:
-            kv.validate(m.head_dim)
-        except ValueError as e:
-            raise PlanError(str(e)) from None
-        bad = sorted({i for _, i, _ in linear_shapes(m) if i % weight_group_size})
-        if bad:
-            raise PlanError(
-                f"weight group size {weight_group_size} does not divide the in_features {bad}; "
-                f"use a group size that does (e.g. {default_weight_group_size(m)})."
-            )
+    try:
+        kv.validate(model.head_dim)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    bad = sorted({i for _, i, _ in linear_shapes(model) if i % weight_group_size})
+    if bad:
+        raise PlanError(
+            f"weight group size {weight_group_size} does not divide the in_features {bad}; "
+            f"use a group size that does (e.g. {default_weight_group_size(model)})."
+        )
     if draft is not None and draft.vocab_size != model.vocab_size:
         raise PlanError(
             f"the draft's vocab_size {draft.vocab_size} differs from the target's {model.vocab_size}: "
@@ -345,6 +344,7 @@ def solve_plan(
     draft: ModelConfig | None = None,
     draft_window_tokens: int = DEFAULT_DRAFT_WINDOW_TOKENS,
     draft_vocab_size: int | None = None,
+    draft_weight_group_size: int | None = None,
     num_speculative_tokens: int | None = None,
     lm_head_dtype: str | None = None,
     embedding_placement: str | None = None,
@@ -356,7 +356,8 @@ def solve_plan(
     Settings left as None take the profile's defaults. `num_speculative_tokens` (gamma) defaults
     to the profile's when a draft is given, else 0 (pass it for n-gram speculation).
     `draft_vocab_size` (K): the draft's head covers the K most frequent token ids
-    (DEFAULT_DRAFT_VOCAB_SIZE when None; the whole vocabulary when K >= it).
+    (DEFAULT_DRAFT_VOCAB_SIZE when None; the whole vocabulary when K >= it). The draft's AWQ group
+    size is the target's unless `draft_weight_group_size` says otherwise.
     """
     d = profile.defaults
     lm_head_dtype = lm_head_dtype or d.lm_head_dtype
@@ -366,8 +367,11 @@ def solve_plan(
     gamma = num_speculative_tokens if num_speculative_tokens is not None else (d.num_draft_tokens if draft else 0)
     _check_inputs(model, kv, max_model_len, max_num_seqs, chunk_tokens, weight_group_size, draft,
                   lm_head_dtype, embedding, utilisation)
+    draft_group = draft_weight_group_size or weight_group_size
     if draft is not None:
         check_draft_settings(draft_window_tokens, draft_vocab_size)
+        _check_inputs(draft, kv, min(max_model_len, draft.max_position_embeddings), max_num_seqs, chunk_tokens,
+                      draft_group, None, lm_head_dtype, embedding, utilisation)
     budget = int(profile.vram_bytes * utilisation)
 
     # Everything except the KV pools is independent of max_model_len.
@@ -378,7 +382,7 @@ def solve_plan(
     workspace = activation_workspace_bytes(model, chunk_tokens, block_size=kv.block_size)
     if draft is not None:
         draft_items = _draft_items(draft, kv, draft_window_tokens, draft_vocab_rows(draft, draft_vocab_size),
-                                   max_num_seqs, gamma, weight_group_size, lm_head_dtype, embedding)
+                                   max_num_seqs, gamma, draft_group, lm_head_dtype, embedding)
         # Draft and target run one after the other and share the workspace.
         workspace = max(workspace, activation_workspace_bytes(draft, chunk_tokens, block_size=kv.block_size))
     captured = [s for s in graph_sizes if s <= max_num_seqs]  # a bigger batch never runs

@@ -52,6 +52,22 @@ def smollm2_engine(build):
     return build()
 
 
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory, smollm2_checkpoint):
+    """A draft sharing SmolLM2's tokenizer but nothing else: a random 2-layer model, RTN-quantised."""
+    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from tiny_model import write_tiny_hf
+
+    root = tmp_path_factory.mktemp("tiny")
+    return quantize_checkpoint(write_tiny_hf(root / "hf", smollm2_checkpoint), root / "awq", group_size=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_engine(build, tiny_draft):
+    """SmolLM2 with the tiny draft: its head over 4,096 token ids, a 64-token window."""
+    return build(draft_checkpoint=str(tiny_draft), draft_vocab_size=4096, draft_window_tokens=64)
+
+
 # The evaluation text lives beside the project (CI lays shared/ next to the clone), not in it.
 LEE_BACKGROUND = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_background.txt"
 

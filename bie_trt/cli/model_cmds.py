@@ -46,6 +46,14 @@ def quantize(src: str, out: str, group_size: int) -> None:
               help="Subtract the calibrated mean key before quantising: exact for attention, lower KL "
                    "divergence, not lower perplexity (docs/kv-cache-quality.md).")
 @click.option("--max-num-seqs", type=int, help="Concurrent sequences the KV pool is sized for.")
+@click.option("--draft-checkpoint", metavar="DIR|NAME",
+              help="A draft model for speculative decoding (AWQ checkpoint sharing the tokenizer), "
+                   "written to draft/ in the engine.")
+@click.option("--draft-vocab-size", type=int,
+              help="Token ids the draft's head covers: the K most frequent by the tokenizer's merge rank "
+                   "(the target still verifies over all). [default: 16384]")
+@click.option("--draft-window-tokens", type=int, default=1024, show_default=True,
+              help="Most recent tokens the draft's bounded cache keeps (besides its sinks).")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build(**kw) -> None:
     """Compile a checkpoint into an engine directory for one GPU profile.
@@ -85,6 +93,10 @@ def inspect(engine_dir: str, as_json: bool) -> None:
     click.echo(f"plan        {plan['total_bytes'] / 2**30:.2f} GiB of {plan['budget_bytes'] / 2**30:.2f} GiB budget")
     for item in plan["items"]:
         click.echo(f"  {item['name']:<28} {item['bytes'] / 2**20:10.1f} MiB")
+    if "draft" in m:
+        d = m["draft"]
+        click.echo(f"draft       {d['name']}: {d['config']['num_layers']} layers, head over {d['vocab_size']:,} of "
+                   f"{d['config']['vocab_size']:,} token ids, cache {d['sink_tokens']} sinks + {d['window']:,} window")
     click.echo(f"files       {len(m['files'])} (sha256 in manifest.json)")
 
 
