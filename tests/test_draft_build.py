@@ -47,10 +47,11 @@ def test_draft_dir_is_in_the_manifest_digests(engine, tiny_draft):
 
 
 def test_draft_head_holds_exactly_the_chosen_rows(engine, tiny_draft, smollm2_checkpoint):
+    """The cpu profile keeps heads fp16: the stored head is exactly the chosen rows of the draft's."""
     ids = json.loads((engine / "draft" / "vocab.json").read_text())["ids"]
     assert ids == reduced_vocabulary(smollm2_checkpoint, 49152, K) and len(ids) == K
     w = load_file(str(engine / "draft" / "weights.safetensors"))
-    head = Checkpoint(tiny_draft).tensor("lm_head.weight")      # untied: the cpu profile keeps it fp16
+    head = Checkpoint(tiny_draft).tensor("lm_head.weight")
     assert torch.equal(w["lm_head"], head[torch.tensor(ids)].half())
     assert w["embed_tokens"].shape == (49152, 64) and "kv.key_mean" not in w
 
