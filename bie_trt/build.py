@@ -17,14 +17,16 @@ from tqdm import tqdm
 from . import engine_format as ef
 from .checkpoint.loader import TOKENIZER_FILES, Checkpoint
 from .checkpoint.registry import resolve_checkpoint
+from .checkpoint.tokenizer_match import check_same_tokenizer
 from .config import KVCacheConfig, ModelConfig, SpeculativeConfig
 from .errors import BieError, CheckpointError, PlanError
 from .kernels.int8_rows import quantize_rows_int8
 from .kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
 from .kernels.w4_layout import awq_to_w4
 from .model.llama import LlamaModel, fused_linear_shapes
-from .plan import MemoryPlan, solve_plan
+from .plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, solve_plan
 from .profiles import BuildProfile, resolve_profile
+from .spec.draft_vocab import RANKING, reduced_vocabulary
 from .templates import render
 
 # Fused at build time: one GEMM reads the shared input once.
@@ -53,6 +55,10 @@ class BuildOptions:
     chunked_prefill_size: int | None = None
     gpu_memory_utilization: float | None = None
     force: bool = False
+    # Speculative decoding's draft model (a checkpoint sharing the tokenizer), written to draft/.
+    draft_checkpoint: str | None = None
+    draft_vocab_size: int | None = None     # None: DEFAULT_DRAFT_VOCAB_SIZE
+    draft_window_tokens: int = DEFAULT_DRAFT_WINDOW_TOKENS
     speculative: SpeculativeConfig | None = None   # the engine's default speculation (None: off, or its draft)
 
 
@@ -89,14 +95,27 @@ def _repack_layer(ckpt: Checkpoint, i: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _lm_head(ckpt: Checkpoint, dtype: str) -> dict[str, torch.Tensor]:
-    """The output head in the plan's dtype; a tied fp16 head is the embedding itself (nothing stored)."""
+def _lm_head(ckpt: Checkpoint, dtype: str, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """The output head in the plan's dtype; a tied fp16 head is the embedding itself (nothing stored).
+    `rows`: only those vocabulary rows, in that order (a draft's reduced vocabulary)."""
     tied = ckpt.model.tie_word_embeddings
     head = ckpt.tensor("model.embed_tokens.weight" if tied else "lm_head.weight")
+    if rows is not None:
+        head = head[torch.tensor(rows)]
     if dtype == "int8":
         q, scale = quantize_rows_int8(head)
         return {"lm_head.q": q, "lm_head.scale": scale}
-    return {} if tied else {"lm_head": head.half()}
+    return {} if tied and rows is None else {"lm_head": head.half()}
+
+
+def _model_weights(ckpt: Checkpoint, lm_head_dtype: str, head_rows: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Every weight the runtime's LlamaModel loads, repacked."""
+    weights = {"embed_tokens": ckpt.tensor("model.embed_tokens.weight").half(),
+               "norm": ckpt.tensor("model.norm.weight").half()}
+    weights.update(_lm_head(ckpt, lm_head_dtype, head_rows))
+    for i in tqdm(range(ckpt.model.num_layers), desc="repack", unit="layer"):
+        weights.update(_repack_layer(ckpt, i))
+    return weights
 
 
 def calibrate_key_mean(model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path) -> torch.Tensor:
@@ -153,10 +172,16 @@ def _toolchain() -> dict[str, str]:
 
 def plan_for(ckpt: Checkpoint, profile: BuildProfile, kv: KVCacheConfig, max_model_len: int,
              max_num_seqs: int, chunk_tokens: int | None = None,
-             gpu_memory_utilization: float | None = None) -> MemoryPlan:
+             gpu_memory_utilization: float | None = None, draft: Checkpoint | None = None,
+             opts: BuildOptions | None = None) -> MemoryPlan:
+    extra = {}
+    if draft is not None and opts is not None:
+        extra = dict(draft=draft.model, draft_vocab_size=opts.draft_vocab_size,
+                     draft_window_tokens=opts.draft_window_tokens, draft_weight_group_size=draft.quant.group_size)
     return solve_plan(ckpt.model, profile, max_model_len=max_model_len, kv=kv, max_num_seqs=max_num_seqs,
                       chunk_tokens=chunk_tokens or profile.defaults.chunked_prefill_size,
-                      weight_group_size=ckpt.quant.group_size, gpu_memory_utilization=gpu_memory_utilization)
+                      weight_group_size=ckpt.quant.group_size, gpu_memory_utilization=gpu_memory_utilization,
+                      **extra)
 
 
 def check_tokenizer(path: Path) -> None:
@@ -170,6 +195,40 @@ def check_tokenizer(path: Path) -> None:
         raise CheckpointError(f"{path}: its tokenizer does not load ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint needs tokenizer.json "
                               f"(or tokenizer.model) from its source.") from None
+
+
+def open_draft(opts: BuildOptions, target: Checkpoint) -> Checkpoint | None:
+    """The draft checkpoint, validated against the target (tokenizer, vocabulary) before heavy work."""
+    if opts.draft_checkpoint is None:
+        return None
+    draft = Checkpoint(resolve_checkpoint(opts.draft_checkpoint))
+    if draft.model.vocab_size != target.model.vocab_size:
+        raise PlanError(
+            f"the draft's vocab_size {draft.model.vocab_size} differs from the target's {target.model.vocab_size}; "
+            f"a draft must share the target's tokenizer and vocabulary (e.g. Llama-3.2-1B for Llama-3.1-8B).")
+    check_same_tokenizer(target.path, draft.path)
+    return draft
+
+
+def write_draft(draft: Checkpoint, plan: MemoryPlan, out: Path, source: str) -> dict:
+    """draft/: the draft's repacked weights (head over the reduced vocabulary) and that vocabulary's
+    ids; returns the manifest's "draft" entry."""
+    inputs = plan.inputs
+    ids = reduced_vocabulary(draft.path, draft.model.vocab_size, inputs["draft_vocab_size"])
+    out.mkdir()
+    weights = _model_weights(draft, inputs["lm_head_dtype"], ids if len(ids) < draft.model.vocab_size else None)
+    save_file(weights, str(out / ef.WEIGHTS))
+    (out / ef.DRAFT_VOCAB).write_text(json.dumps({"ranking": RANKING, "ids": ids}) + "\n")
+    return {
+        "config": draft.model.to_dict(),
+        "name": Path(str(source)).name,
+        "source": {"checkpoint": str(source), "digest": ef.digest_files(draft.digest_files(), draft.path),
+                   "weight_group_size": draft.quant.group_size},
+        "vocab_size": len(ids),
+        "vocab_ranking": RANKING,
+        "sink_tokens": inputs["draft_sink_tokens"],
+        "window": inputs["draft_window_tokens"],
+    }
 
 
 def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path:
@@ -187,8 +246,9 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
     max_len = opts.max_model_len or min(profile.defaults.max_model_len, ckpt.model.max_position_embeddings)
     max_seqs = opts.max_num_seqs or profile.defaults.max_num_seqs
     chunk = opts.chunked_prefill_size or profile.defaults.chunked_prefill_size
+    draft = open_draft(opts, ckpt)
     # refuse before any heavy work
-    plan = plan_for(ckpt, profile, kv, max_len, max_seqs, chunk, opts.gpu_memory_utilization)
+    plan = plan_for(ckpt, profile, kv, max_len, max_seqs, chunk, opts.gpu_memory_utilization, draft, opts)
     if not plan.fits:
         raise PlanError(
             f"the memory plan does not fit {profile.name}:\n{plan.format_table()}\n"
@@ -201,11 +261,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         m = ckpt.model
-        weights = {"embed_tokens": ckpt.tensor("model.embed_tokens.weight").half(),
-                   "norm": ckpt.tensor("model.norm.weight").half()}
-        weights.update(_lm_head(ckpt, plan.inputs["lm_head_dtype"]))
-        for i in tqdm(range(m.num_layers), desc="repack", unit="layer"):
-            weights.update(_repack_layer(ckpt, i))
+        weights = _model_weights(ckpt, plan.inputs["lm_head_dtype"])
         for f in TOKENIZER_FILES + EXTRA_TOKENIZER_FILES:
             if (ckpt.path / f).exists():
                 shutil.copyfile(ckpt.path / f, tmp / f)
@@ -231,6 +287,9 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
             "kernels": tune_kernels(m, profile, ckpt.quant.group_size),
             "toolchain": _toolchain(),
         }
+        if draft is not None:
+            log("repacking the draft model")
+            manifest["draft"] = write_draft(draft, plan, tmp / ef.DRAFT_DIR, opts.draft_checkpoint)
         (tmp / "README.md").write_text(render("engine_README.md.j2", manifest=manifest, plan=plan))
         ef.write_manifest(tmp, manifest)
         if manifest["kernels"]:   # tuned, so on the target GPU: compile every kernel into the engine too

@@ -19,6 +19,8 @@ from .jsonio import read_json_object
 SCHEMA_VERSION = 2   # 2: kv.key_mean in the weights
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
+DRAFT_DIR = "draft"            # the speculative draft model: its WEIGHTS and DRAFT_VOCAB
+DRAFT_VOCAB = "vocab.json"     # {"ranking": how the ids were chosen, "ids": the draft head's token ids}
 UNHASHED = ("build-info.json",)
 # What every reader of a manifest relies on; anything else is optional or checked where used.
 REQUIRED_KEYS = ("schema_version", "model", "kv", "plan", "files", "max_model_len", "max_num_seqs")

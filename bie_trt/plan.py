@@ -28,7 +28,12 @@ CUDA_GRAPH_BYTES_PER_BATCH_SIZE = 16 * MIB
 # Allocator fragmentation and small buffers nobody itemised (block tables, sampling state).
 MARGIN_FRACTION = 0.02
 MIN_MARGIN_BYTES = 64 * MIB
+# The draft's bounded cache (sinks + a sliding window) and its reduced vocabulary (spec/draft.py).
+DEFAULT_DRAFT_SINK_TOKENS = 8
 DEFAULT_DRAFT_WINDOW_TOKENS = 1024
+# The draft's head covers only the K most frequent token ids: on Llama-3 vocabularies (128,256)
+# this cuts a 1B draft's int8 head from 251 MiB to 32 MiB, what an 8B + 1B pair needs to fit 8 GB.
+DEFAULT_DRAFT_VOCAB_SIZE = 16384
 
 
 @dataclass
@@ -145,26 +150,34 @@ def default_weight_group_size(model: ModelConfig) -> int:
     )
 
 
-def lm_head_bytes(model: ModelConfig, dtype: str) -> int:
-    rows = model.vocab_size * model.hidden_size
+def lm_head_bytes(model: ModelConfig, dtype: str, rows: int | None = None) -> int:
+    """The output head over `rows` vocabulary entries (all of them by default)."""
+    rows = model.vocab_size if rows is None else rows
+    weights = rows * model.hidden_size
     # int8: one byte a weight plus a per-row (per vocab entry) fp16 scale.
-    return rows + model.vocab_size * FP16 if dtype == "int8" else rows * FP16
+    return weights + rows * FP16 if dtype == "int8" else weights * FP16
 
 
-def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding: str) -> list[PlanItem]:
+def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding: str,
+             head_rows: int | None = None) -> list[PlanItem]:
+    """The weight items; `head_rows` < vocab_size: a head over a reduced vocabulary (a draft's)."""
     h, v = model.hidden_size, model.vocab_size
+    reduced = head_rows is not None and head_rows < v
     items = [PlanItem(
         "linear_weights", linear_weight_bytes(model, group_size),
         f"4-bit AWQ, group {group_size}: q,k,v,o,gate,up,down x {model.num_layers} layers",
     )]
     if model.qkv_bias:
         items.append(PlanItem("qkv_bias", model.num_layers * (model.q_size + 2 * model.kv_size) * FP16, "fp16"))
-    if model.tie_word_embeddings and embedding == "gpu" and lm_head_dtype == "fp16":
+    if model.tie_word_embeddings and embedding == "gpu" and lm_head_dtype == "fp16" and not reduced:
         items.append(PlanItem("lm_head", 0, "tied: shares the fp16 embedding table"))
     else:
-        tied = "; a GPU copy of the tied embedding" if model.tie_word_embeddings else ""
+        copy = "those rows of the tied embedding" if reduced else "the tied embedding"
+        tied = f"; a GPU copy of {copy}" if model.tie_word_embeddings else ""
         scale = " + per-row fp16 scale" if lm_head_dtype == "int8" else ""
-        items.append(PlanItem("lm_head", lm_head_bytes(model, lm_head_dtype), f"{lm_head_dtype}{scale}{tied}"))
+        rows = f", {head_rows:,} of {v:,} vocabulary rows" if reduced else ""
+        items.append(PlanItem("lm_head", lm_head_bytes(model, lm_head_dtype, head_rows),
+                              f"{lm_head_dtype}{scale}{rows}{tied}"))
     if embedding == "host":
         items.append(PlanItem(
             "embedding", 0, f"pinned host memory ({format_bytes(v * h * FP16)}); "
@@ -173,8 +186,6 @@ def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding:
     else:
         items.append(PlanItem("embedding", v * h * FP16, "fp16 table in device memory"))
     items.append(PlanItem("norms", (2 * model.num_layers + 1) * h * FP16, "fp16 RMSNorm weights"))
-    items.append(PlanItem("kv_key_mean", model.num_layers * model.kv_size * FP16,
-                          "fp16 mean key per layer and KV head, subtracted before quantising"))
     return items
 
 
@@ -223,9 +234,26 @@ def kv_pool_bytes(model: ModelConfig, kv: KVCacheConfig, num_fp_blocks: int, num
     return fp, num_quant_blocks * b * quant_bytes_per_token_per_layer(model, kv) * model.num_layers
 
 
-def draft_kv_blocks(kv: KVCacheConfig, draft_window_tokens: int, max_num_seqs: int, chunk_tokens: int) -> int:
-    """FP16 blocks of the draft model's KV: bounded (sinks + a sliding window), never the whole context."""
-    return max_num_seqs * bounded_fp_blocks_per_seq(kv, draft_window_tokens, chunk_tokens)
+def draft_kv_blocks_per_seq(sink_tokens: int, window: int, block_size: int) -> int:
+    """FP16 blocks of one sequence's draft cache: bounded, never the whole context.
+
+    The sinks in whole blocks, the window's blocks, and one more so that a full window plus the
+    newest tokens fit; when they are all full the oldest window block is recycled (spec/draft.py).
+    Nothing for a prefill chunk: the draft reads a long prompt only through its last window.
+    """
+    return math.ceil(sink_tokens / block_size) + math.ceil(window / block_size) + 1
+
+
+def draft_kv_blocks(kv: KVCacheConfig, draft_window_tokens: int, max_num_seqs: int,
+                    draft_sink_tokens: int = DEFAULT_DRAFT_SINK_TOKENS) -> int:
+    """FP16 blocks of the draft model's KV pool."""
+    return max_num_seqs * draft_kv_blocks_per_seq(draft_sink_tokens, draft_window_tokens, kv.block_size)
+
+
+def draft_vocab_rows(draft: ModelConfig, draft_vocab_size: int | None) -> int:
+    """Rows of the draft's head: the reduced vocabulary, never more than the whole one."""
+    k = DEFAULT_DRAFT_VOCAB_SIZE if draft_vocab_size is None else draft_vocab_size
+    return min(k, draft.vocab_size)
 
 
 # --- activations -----------------------------------------------------------------------------
@@ -269,17 +297,16 @@ def _check_inputs(
     weight_group_size: int, draft: ModelConfig | None, lm_head_dtype: str, embedding: str, utilisation: float,
 ) -> None:
     _check_max_model_len(model, max_model_len)
-    for m in (model, draft) if draft is not None else (model,):
-        try:
-            kv.validate(m.head_dim)
-        except ValueError as e:
-            raise PlanError(str(e)) from None
-        bad = sorted({i for _, i, _ in linear_shapes(m) if i % weight_group_size})
-        if bad:
-            raise PlanError(
-                f"weight group size {weight_group_size} does not divide the in_features {bad}; "
-                f"use a group size that does (e.g. {default_weight_group_size(m)})."
-            )
+    try:
+        kv.validate(model.head_dim)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    bad = sorted({i for _, i, _ in linear_shapes(model) if i % weight_group_size})
+    if bad:
+        raise PlanError(
+            f"weight group size {weight_group_size} does not divide the in_features {bad}; "
+            f"use a group size that does (e.g. {default_weight_group_size(model)})."
+        )
     if draft is not None and draft.vocab_size != model.vocab_size:
         raise PlanError(
             f"the draft's vocab_size {draft.vocab_size} differs from the target's {model.vocab_size}: "
@@ -296,6 +323,13 @@ def _check_inputs(
         raise PlanError(f"gpu_memory_utilization must be in (0, 1]; got {utilisation}.")
 
 
+def check_draft_settings(window: int, vocab_size: int | None) -> None:
+    if window < 1:
+        raise PlanError(f"the draft's window must be at least 1 token; got {window}.")
+    if vocab_size is not None and vocab_size < 1:
+        raise PlanError(f"the draft's vocabulary size must be at least 1 token id; got {vocab_size}.")
+
+
 # --- the plan --------------------------------------------------------------------------------
 
 def solve_plan(
@@ -309,6 +343,8 @@ def solve_plan(
     weight_group_size: int = 128,
     draft: ModelConfig | None = None,
     draft_window_tokens: int = DEFAULT_DRAFT_WINDOW_TOKENS,
+    draft_vocab_size: int | None = None,
+    draft_weight_group_size: int | None = None,
     num_speculative_tokens: int | None = None,
     lm_head_dtype: str | None = None,
     embedding_placement: str | None = None,
@@ -319,6 +355,9 @@ def solve_plan(
 
     Settings left as None take the profile's defaults. `num_speculative_tokens` (gamma) defaults
     to the profile's when a draft is given, else 0 (pass it for n-gram speculation).
+    `draft_vocab_size` (K): the draft's head covers the K most frequent token ids
+    (DEFAULT_DRAFT_VOCAB_SIZE when None; the whole vocabulary when K >= it). The draft's AWQ group
+    size is the target's unless `draft_weight_group_size` says otherwise.
     """
     d = profile.defaults
     lm_head_dtype = lm_head_dtype or d.lm_head_dtype
@@ -328,15 +367,22 @@ def solve_plan(
     gamma = num_speculative_tokens if num_speculative_tokens is not None else (d.num_draft_tokens if draft else 0)
     _check_inputs(model, kv, max_model_len, max_num_seqs, chunk_tokens, weight_group_size, draft,
                   lm_head_dtype, embedding, utilisation)
+    draft_group = draft_weight_group_size or weight_group_size
+    if draft is not None:
+        check_draft_settings(draft_window_tokens, draft_vocab_size)
+        _check_inputs(draft, kv, min(max_model_len, draft.max_position_embeddings), max_num_seqs, chunk_tokens,
+                      draft_group, None, lm_head_dtype, embedding, utilisation)
     budget = int(profile.vram_bytes * utilisation)
 
     # Everything except the KV pools is independent of max_model_len.
     weights = _weights(model, weight_group_size, lm_head_dtype, embedding)
+    weights.append(PlanItem("kv_key_mean", model.num_layers * model.kv_size * FP16,
+                            "fp16 mean key per layer and KV head, subtracted before quantising"))
     draft_items: list[PlanItem] = []
     workspace = activation_workspace_bytes(model, chunk_tokens, block_size=kv.block_size)
     if draft is not None:
-        draft_items = _draft_items(draft, kv, draft_window_tokens, max_num_seqs, chunk_tokens, gamma,
-                                   weight_group_size, lm_head_dtype, embedding)
+        draft_items = _draft_items(draft, kv, draft_window_tokens, draft_vocab_rows(draft, draft_vocab_size),
+                                   max_num_seqs, gamma, draft_group, lm_head_dtype, embedding)
         # Draft and target run one after the other and share the workspace.
         workspace = max(workspace, activation_workspace_bytes(draft, chunk_tokens, block_size=kv.block_size))
     captured = [s for s in graph_sizes if s <= max_num_seqs]  # a bigger batch never runs
@@ -378,6 +424,8 @@ def solve_plan(
         "cuda_graph_batch_sizes": captured,
         "draft": draft.to_dict() if draft is not None else None,
         "draft_window_tokens": draft_window_tokens if draft is not None else None,
+        "draft_sink_tokens": DEFAULT_DRAFT_SINK_TOKENS if draft is not None else None,
+        "draft_vocab_size": draft_vocab_rows(draft, draft_vocab_size) if draft is not None else None,
         "num_speculative_tokens": gamma,
     }
     return MemoryPlan(
@@ -392,18 +440,21 @@ def solve_plan(
 
 
 def _draft_items(
-    draft: ModelConfig, kv: KVCacheConfig, window: int, max_num_seqs: int, chunk_tokens: int, gamma: int,
+    draft: ModelConfig, kv: KVCacheConfig, window: int, vocab_rows: int, max_num_seqs: int, gamma: int,
     group_size: int, lm_head_dtype: str, embedding: str,
 ) -> list[PlanItem]:
-    weights = sum(it.bytes for it in _weights(draft, group_size, lm_head_dtype, embedding))
-    blocks = draft_kv_blocks(kv, window, max_num_seqs, chunk_tokens)
+    """The draft's own items, each named draft_*: its weights (head over `vocab_rows` ids), its
+    bounded FP16 KV and the distributions it proposes from."""
+    weights = [dataclasses.replace(it, name="draft_" + it.name)
+               for it in _weights(draft, group_size, lm_head_dtype, embedding, head_rows=vocab_rows)]
+    blocks = draft_kv_blocks(kv, window, max_num_seqs)
+    sinks = math.ceil(DEFAULT_DRAFT_SINK_TOKENS / kv.block_size) * kv.block_size
     return [
-        PlanItem("draft_weights", weights, f"{draft.num_layers}-layer draft: 4-bit linears, {lm_head_dtype} "
-                 f"lm_head, embedding on {embedding}"),
+        *weights,
         PlanItem("draft_kv", blocks * kv.block_size * fp16_kv_bytes_per_token(draft),
-                 f"fp16, {blocks:,} blocks: sinks + {window}-token window + a chunk, per seq"),
+                 f"fp16, {blocks:,} blocks: {sinks} sink + {window:,} window tokens + one block, per seq"),
         PlanItem("draft_probs", max_num_seqs * gamma * draft.vocab_size * FP32,
-                 f"fp32 draft distributions for {gamma} proposed token(s)"),
+                 f"fp32 draft distributions for {gamma} proposed token(s), over the whole vocabulary"),
     ]
 
 

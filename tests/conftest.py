@@ -32,15 +32,16 @@ def smollm2_checkpoint():
 
 @pytest.fixture(scope="session")
 def build(tmp_path_factory, smollm2_checkpoint):
-    """build(**options) -> engine dir; identical options reuse one engine."""
+    """build(**options) -> engine dir (of SmolLM2 unless checkpoint= says otherwise); identical
+    options reuse one engine."""
     made = {}
 
     def _build(**kw):
         key = tuple(sorted(kw.items()))
         if key not in made:
             out = tmp_path_factory.mktemp("engine")
-            kw = {"profile": "cpu", "max_model_len": 2048, **kw}
-            made[key] = build_engine(BuildOptions(checkpoint=str(smollm2_checkpoint), out=str(out), force=True, **kw),
+            kw = {"checkpoint": str(smollm2_checkpoint), "profile": "cpu", "max_model_len": 2048, **kw}
+            made[key] = build_engine(BuildOptions(out=str(out), force=True, **kw),
                                      log=lambda m: None)
         return made[key]
 
@@ -50,6 +51,25 @@ def build(tmp_path_factory, smollm2_checkpoint):
 @pytest.fixture(scope="session")
 def smollm2_engine(build):
     return build()
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory, smollm2_checkpoint):
+    """A model sharing SmolLM2's tokenizer but nothing else: random, 2 layers, RTN-quantised."""
+    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from tiny_model import write_tiny_hf
+
+    root = tmp_path_factory.mktemp("tiny")
+    hf = write_tiny_hf(root / "hf", smollm2_checkpoint, max_position_embeddings=8192)
+    return quantize_checkpoint(hf, root / "awq", group_size=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_engine(build, tiny_draft):
+    """The tiny model, with itself as the draft: the draft's head over 4,096 ids, a 64-token window.
+    (Seconds to build, where a SmolLM2 target takes minutes on two cores.)"""
+    return build(checkpoint=str(tiny_draft), draft_checkpoint=str(tiny_draft), draft_vocab_size=4096,
+                 draft_window_tokens=64)
 
 
 # The evaluation text lives beside the project (CI lays shared/ next to the clone), not in it.

@@ -13,8 +13,10 @@ from bie_trt.config import KVCacheConfig, ModelConfig
 from bie_trt.errors import PlanError
 from bie_trt.kv.pool import allocate_pools
 from bie_trt.plan import (
+    DEFAULT_DRAFT_VOCAB_SIZE,
     activation_workspace_bytes,
     draft_kv_blocks,
+    draft_kv_blocks_per_seq,
     kv_pool_blocks,
     solve_plan,
 )
@@ -185,21 +187,53 @@ def test_draft_adds_weights_and_bounded_kv(llama, ti):
     draft = ModelConfig.from_hf(LLAMA_32_1B)
     base = plan64k(llama, ti)
     plan = plan64k(llama, ti, draft=draft, draft_window_tokens=1024)
-    blocks = draft_kv_blocks(kv_cfg(), 1024, 1, 512)
-    assert blocks == 1 + 64 + 32 + 1
+    blocks = draft_kv_blocks(kv_cfg(), 1024, 1)
+    assert blocks == draft_kv_blocks_per_seq(8, 1024, 16) == 1 + 64 + 1   # sink block, window, one more
     assert plan.bytes_of("draft_kv") == blocks * 16 * 2 * 16 * 8 * 64 * 2
-    # Bounded: the draft's KV does not grow with the target's context.
-    longer = solve_plan(llama, ti, max_model_len=131072, kv=kv_cfg(), draft=draft, draft_window_tokens=1024)
+    # Bounded: the draft's KV grows neither with the target's context nor with the prefill chunk.
+    longer = solve_plan(llama, ti, max_model_len=131072, kv=kv_cfg(), draft=draft, draft_window_tokens=1024,
+                        chunk_tokens=2048)
     assert longer.bytes_of("draft_kv") == plan.bytes_of("draft_kv")
     linears = 16 * (2048 * (2048 + 512 + 512) + 2048 * 2048 + 3 * 2048 * 8192)
-    lm_head = 128256 * 2048 + 128256 * 2
-    norms = 33 * 2048 * 2
-    key_mean = 16 * 512 * 2
-    assert plan.bytes_of("draft_weights") == linears * 133 // 256 + lm_head + norms + key_mean
+    assert plan.bytes_of("draft_linear_weights") == linears * 133 // 256
+    k = DEFAULT_DRAFT_VOCAB_SIZE
+    assert plan.bytes_of("draft_lm_head") == k * 2048 + k * 2      # int8 rows + fp16 scales, K rows only
+    assert plan.bytes_of("draft_embedding") == 0                    # host
+    assert plan.bytes_of("draft_norms") == 33 * 2048 * 2
+    assert plan.bytes_of("draft_kv_key_mean") == 0                  # the draft's cache is fp16: nothing to centre
     gamma = ti.defaults.num_draft_tokens
     assert plan.bytes_of("logits") == (1 + gamma) * 128256 * 4
     assert plan.bytes_of("draft_probs") == gamma * 128256 * 4
     assert plan.total_bytes > base.total_bytes
+    names = [i.name for i in plan.items if i.name.startswith("draft_")]
+    assert names == ["draft_linear_weights", "draft_lm_head", "draft_embedding", "draft_norms", "draft_kv",
+                     "draft_probs"]
+
+
+def test_draft_vocab_size_sets_the_head_rows(llama, ti):
+    draft = ModelConfig.from_hf(LLAMA_32_1B)
+    full = plan64k(llama, ti, draft=draft, draft_vocab_size=10**6)   # more than the vocabulary: all of it
+    assert full.bytes_of("draft_lm_head") == 128256 * 2048 + 128256 * 2
+    assert full.inputs["draft_vocab_size"] == 128256
+    small = plan64k(llama, ti, draft=draft, draft_vocab_size=1000)
+    assert small.bytes_of("draft_lm_head") == 1000 * 2050 and small.inputs["draft_vocab_size"] == 1000
+    fp16 = plan64k(llama, ti, draft=draft, draft_vocab_size=1000, lm_head_dtype="fp16", embedding_placement="gpu")
+    assert fp16.bytes_of("draft_lm_head") == 1000 * 2048 * 2    # tied, but a reduced head cannot share the table
+    for bad in ({"draft_vocab_size": 0}, {"draft_window_tokens": 0}):
+        with pytest.raises(PlanError, match="at least 1"):
+            plan64k(llama, ti, draft=draft, **bad)
+
+
+def test_8b_with_1b_draft_fits_64k_on_8gb_cards(llama):
+    """The acceptance pair: Llama-3.1-8B + Llama-3.2-1B, 64k, INT4 KV, gamma 5, each 8 GB profile's
+    defaults, with at least 64 MiB to spare."""
+    draft = ModelConfig.from_hf(LLAMA_32_1B)
+    for name in ("rtx4060ti-8gb", "rtx4060-8gb", "rtx3060-8gb", "rtx3070-8gb", "rtx4070-laptop-8gb"):
+        p = load_profile(name)
+        d = p.defaults
+        plan = solve_plan(llama, p, max_model_len=65536, kv=d.kv_config(), max_num_seqs=d.max_num_seqs,
+                          chunk_tokens=d.chunked_prefill_size, draft=draft, num_speculative_tokens=5)
+        assert plan.budget_bytes - plan.total_bytes >= 64 * MIB, plan.format_table()
 
 
 def test_qkv_bias_and_tied_embeddings():
@@ -288,7 +322,7 @@ def test_cli_plan_does_not_fit_says_what_to_change(llama_json):
                                   "--kv-cache-dtype", "fp16"])
     assert r.exit_code == 3
     assert "DOES NOT FIT" in r.stdout
-    assert "--kv-cache-dtype int4_asym" in r.stdout and "--max-model-len 23632" in r.stdout
+    assert "--kv-cache-dtype int4_asym" in r.stdout and "--max-model-len 23856" in r.stdout
 
 
 def test_cli_plan_json_and_checkpoint_dir(llama_json):
@@ -344,3 +378,19 @@ def test_the_whole_card_and_the_models_whole_length_are_allowed(ti):
     assert plan.budget_bytes == ti.vram_bytes and plan.fits
     with pytest.raises(PlanError, match="gpu_memory_utilization must be in"):
         solve_plan(model, ti, max_model_len=1024, kv=kv_cfg(), weight_group_size=64, gpu_memory_utilization=1.01)
+
+
+def test_cli_plan_with_draft_shows_each_draft_item():
+    from pathlib import Path
+
+    examples = Path(__file__).parent.parent / "docs" / "examples"
+    r = CliRunner().invoke(main, ["plan", "--model-config", str(examples / "llama-3.1-8b-instruct-awq.config.json"),
+                                  "--speculative-draft-config", str(examples / "llama-3.2-1b-instruct.config.json"),
+                                  "--profile", "rtx4060ti-8gb", "--max-model-len", "65536",
+                                  "--kv-cache-dtype", "int4_asym", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    items = {i["name"]: i["bytes"] for i in d["items"]}
+    assert d["budget_bytes"] - d["total_bytes"] >= 64 * MIB
+    assert items["draft_lm_head"] == 16384 * 2050 and items["draft_embedding"] == 0
+    assert d["inputs"]["draft_window_tokens"] == 1024 and d["inputs"]["draft_vocab_size"] == 16384

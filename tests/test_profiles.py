@@ -41,7 +41,7 @@ def test_8gb_profiles_plan_64k_int4(name):
     assert 300 * 2**20 <= p.cuda_context_reserve_bytes <= 500 * 2**20
     assert (d.max_model_len, d.kv_cache_dtype, d.kv_group_size, d.kv_sink_tokens, d.kv_window) == (
         65536, "int4_asym", 64, 8, 128)
-    assert (d.block_size, d.chunked_prefill_size, d.gpu_memory_utilization) == (16, 512, 0.92)
+    assert (d.block_size, d.chunked_prefill_size, d.gpu_memory_utilization) == (16, 256, 0.92)
     assert (d.lm_head_dtype, d.embedding_placement) == ("int8", "host")
 
 

@@ -44,6 +44,14 @@ def quantize(src: str, out: str, group_size: int) -> None:
               help="Prompt tokens per prefill step; bounds the activation workspace. [default: the profile's]")
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               help="Fraction of the profile's VRAM the plan may use. [default: the profile's]")
+@click.option("--draft-checkpoint", metavar="DIR|NAME",
+              help="A draft model for speculative decoding (AWQ checkpoint sharing the tokenizer), "
+                   "written to draft/ in the engine.")
+@click.option("--draft-vocab-size", type=POSITIVE,
+              help="Token ids the draft's head covers: the K most frequent by the tokenizer's merge rank "
+                   "(the target still verifies over all). [default: 16384]")
+@click.option("--draft-window-tokens", type=POSITIVE, default=1024, show_default=True,
+              help="Most recent tokens the draft's bounded cache keeps (besides its sinks).")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 @speculative_config
 def build(**kw) -> None:
@@ -110,6 +118,10 @@ def _summary(engine_dir: str, m: dict) -> list[str]:
     lines += [f"  {item['name']:<28} {_size(item['bytes']):>12}" for item in plan["items"] if item["bytes"]]
     if m.get("kernels"):
         lines.append(f"kernels     tuned and compiled for SM {m['target']['sm']}")
+    if "draft" in m:
+        d = m["draft"]
+        lines.append(f"draft       {d['name']}: {d['config']['num_layers']} layers, head over {d['vocab_size']:,} of "
+                     f"{d['config']['vocab_size']:,} token ids, cache {d['sink_tokens']} sinks + {d['window']:,} window")
     lines.append(f"files       {len(m['files'])} (sha256 in manifest.json)")
     return lines
 

@@ -14,7 +14,13 @@ from ..config import KV_DTYPES, KVCacheConfig, ModelConfig
 from ..errors import CheckpointError, PlanError
 from ..jsonio import read_json_object
 from .options import POSITIVE
-from ..plan import MemoryPlan, default_weight_group_size, solve_plan
+from ..plan import (
+    DEFAULT_DRAFT_VOCAB_SIZE,
+    DEFAULT_DRAFT_WINDOW_TOKENS,
+    MemoryPlan,
+    default_weight_group_size,
+    solve_plan,
+)
 from ..profiles import EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile, load_profile, resolve_profile
 
 EXIT_DOES_NOT_FIT = 3
@@ -84,6 +90,11 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
 @click.option("--speculative-draft-config", type=click.Path(dir_okay=False, path_type=Path),
               help="config.json of a draft model (same vocabulary) for speculative decoding; adds its "
                    "weights and its bounded KV to the plan.")
+@click.option("--draft-vocab-size", type=int,
+              help=f"Token ids the draft's head covers: the K most frequent (the target still verifies over "
+                   f"all). [default: {DEFAULT_DRAFT_VOCAB_SIZE:,}]")
+@click.option("--draft-window-tokens", type=int, default=DEFAULT_DRAFT_WINDOW_TOKENS, show_default=True,
+              help="Most recent tokens the draft's bounded cache keeps (besides its sinks).")
 @click.option("--num-speculative-tokens", type=int,
               help="Tokens proposed per step (gamma). [default: the profile's with a draft, else 0]")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table.")
@@ -93,7 +104,8 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
              kv_sink_tokens: int | None, kv_window: int | None, max_num_seqs: int | None,
              chunked_prefill_size: int | None, lm_head_dtype: str | None, embedding_placement: str | None,
              gpu_memory_utilization: float | None, speculative_draft_config: Path | None,
-             num_speculative_tokens: int | None, as_json: bool) -> None:
+             draft_vocab_size: int | None, draft_window_tokens: int, num_speculative_tokens: int | None,
+             as_json: bool) -> None:
     """Print the fixed memory plan of an engine: every GPU allocation, item by item, and whether it
     fits the profile's budget.
 
@@ -135,6 +147,8 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
         chunk_tokens=chunked_prefill_size or d.chunked_prefill_size,
         weight_group_size=_weight_group_size(hf, model),
         draft=draft,
+        draft_vocab_size=draft_vocab_size,
+        draft_window_tokens=draft_window_tokens,
         num_speculative_tokens=num_speculative_tokens,
         lm_head_dtype=lm_head_dtype,
         embedding_placement=embedding_placement,

@@ -95,7 +95,7 @@ class DecodeGraphs:
 
     def run(self, seqs: list[SeqInput]) -> list[torch.Tensor] | None:
         """Logits of a decode-only step, or None when no graph fits it (the caller runs eagerly)."""
-        if any(len(s.token_ids) != 1 or s.all_logits for s in seqs):
+        if any(len(s.token_ids) != 1 or s.all_logits or s.rope_offset for s in seqs):
             return None
         fitting = [b for b in self.steps if b >= len(seqs)]
         if not fitting:

@@ -46,6 +46,9 @@ class SeqInput:
     start_pos: int
     block_table: list[int]
     all_logits: bool = False         # prefill-for-eval / speculative verify want every position
+    # RoPE position = cache position + rope_offset. Non-zero for a cache that dropped older tokens
+    # (the draft's sliding window): the tokens keep their original positions.
+    rope_offset: int = 0
 
 
 @dataclass
@@ -105,7 +108,8 @@ class LlamaModel:
         decode-only steps), so CUDA graphs can capture it; the embedding gather stays outside
         because its table may live in host memory."""
         cfg = self.cfg
-        cos, sin = self.rope.cos_sin(meta.positions, self.dtype)
+        cos, sin = self.rope.cos_sin(meta.positions if meta.rope_positions is None else meta.rope_positions,
+                                     self.dtype)
         residual = None
         for li, layer in enumerate(self.layers):
             x, residual = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps, residual)
@@ -166,10 +170,11 @@ class StepMetadata:
     prefills: list[tuple[int, int, torch.Tensor]]  # (first row, tokens, int32 table) of multi-token chunks
     logit_rows: torch.Tensor                 # rows whose logits are wanted
     logit_counts: list[int]
+    rope_positions: torch.Tensor | None = None   # [T] when some SeqInput has a rope_offset; else `positions`
 
     @classmethod
     def build(cls, seqs: list[SeqInput], block_size: int, device: torch.device) -> "StepMetadata":
-        positions, blocks, offsets, logit_rows, counts = [], [], [], [], []
+        positions, blocks, offsets, logit_rows, counts, rope = [], [], [], [], [], []
         decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
         row = 0
         for s in seqs:
@@ -179,6 +184,7 @@ class StepMetadata:
             if min(entries) < 0:
                 raise RuntimeError("write into a quantised KV block: the FP16 tail must cover every position written")
             positions += pos
+            rope += [p + s.rope_offset for p in pos]
             blocks += entries
             offsets += [p % block_size for p in pos]
             logit_rows += list(range(row, row + n)) if s.all_logits else [row + n - 1]
@@ -201,4 +207,5 @@ class StepMetadata:
                    t(decode_rows) if decode_rows else None,
                    t(padded, torch.int32) if decode_rows else None,
                    t(decode_lens, torch.int32) if decode_rows else None,
-                   prefills, t(logit_rows), counts)
+                   prefills, t(logit_rows), counts,
+                   t(rope) if any(s.rope_offset for s in seqs) else None)

@@ -1,0 +1,212 @@
+"""The draft-model proposer: a small model sharing the target's tokenizer guesses the next tokens.
+
+Its cache is bounded per sequence: the first tokens (sinks, in whole blocks) and a sliding window
+of the most recent ones, all FP16, each token keeping its original RoPE position. A sequence owns
+a fixed set of blocks; when they are full the oldest window block is moved to the end of the
+table and reused, so memory and the cost of a step do not grow with the context. A long prompt
+is read only through its sinks and its last window (O(window), not O(prompt)).
+
+The proposer remembers which token it cached in each slot. On each call it compares them with
+the sequence's tokens: rejected guesses are simply no longer there, and the cache is cut back to
+the longest prefix that still matches.
+
+The draft's head covers a reduced vocabulary (draft/vocab.json). Its logits are scattered into
+the whole vocabulary (-inf elsewhere) and processed exactly as the target's are (penalties,
+temperature, top-k/p, min-p), so q(x) = 0 outside the subset and rejection sampling stays exact.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+from safetensors.torch import load_file
+
+from .. import engine_format as ef
+from ..config import KVCacheConfig, ModelConfig
+from ..errors import EngineError
+from ..executor.model_runner import ModelRunner
+from ..executor.sequence import Sequence
+from ..kv.pool import allocate_pools
+from ..model.llama import LlamaModel, SeqInput
+from ..plan import draft_kv_blocks_per_seq
+from ..sampling import apply_penalties, probabilities
+from .proposer import Proposal
+
+# The draft draws from its own generator, derived from the request's seed, so the target's stream
+# of random numbers is the same whether or not it speculates with a draft.
+DRAFT_SEED_SALT = 0x5DEECE66D
+
+
+@dataclass
+class _DraftSeq:
+    """One sequence's draft cache: slot i of its block table holds token ids[i] at position pos[i]."""
+
+    blocks: list[int]
+    generator: torch.Generator
+    pos: list[int]
+    ids: list[int]
+
+
+class DraftModelProposer:
+    def __init__(self, engine_dir: Path, runner: ModelRunner, config) -> None:
+        """`config`: anything with `num_speculative_tokens` (the engine's SpeculativeConfig)."""
+        engine_dir = Path(engine_dir)
+        draft = ef.read_manifest(engine_dir).get("draft")
+        if draft is None:
+            raise EngineError(f"{engine_dir}: the engine has no draft model; build it with "
+                              f"`bie-trt build --draft-checkpoint DIR|NAME`, or speculate with n-gram lookup.")
+        self.cfg = ModelConfig.from_dict(draft["config"])
+        self.window = int(draft["window"])
+        gamma = int(config.num_speculative_tokens)
+        if gamma >= self.window:
+            raise EngineError(f"num_speculative_tokens {gamma} does not fit the draft's {self.window}-token window; "
+                              f"use fewer tokens or rebuild with a larger --draft-window-tokens.")
+        self.device, self.block_size = runner.device, runner.kv_config.block_size
+        self.sink_slots = math.ceil(int(draft["sink_tokens"]) / self.block_size) * self.block_size
+        placement = runner.manifest["plan"]["inputs"].get("embedding_placement", "gpu")
+        self.model = LlamaModel(self.cfg, load_file(str(engine_dir / ef.DRAFT_DIR / ef.WEIGHTS)), runner.device,
+                                runner.dtype, embedding_on_host=placement == "host")
+        ids = json.loads((engine_dir / ef.DRAFT_DIR / ef.DRAFT_VOCAB).read_text())["ids"]
+        self.vocab_ids = torch.tensor(ids, dtype=torch.long)
+        self.blocks_per_seq = draft_kv_blocks_per_seq(int(draft["sink_tokens"]), self.window, self.block_size)
+        kv = KVCacheConfig(dtype="fp16", sink_tokens=int(draft["sink_tokens"]), window=self.window,
+                           block_size=self.block_size)
+        self.pools = allocate_pools(self.cfg, kv, runner.max_num_seqs * self.blocks_per_seq, 0, runner.dtype,
+                                    runner.device)
+        self.free_blocks = list(range(runner.max_num_seqs * self.blocks_per_seq))
+        self.chunk_size = runner.chunk_size
+        self.seqs: dict[Sequence, _DraftSeq] = {}
+        self.tokens_forwarded = 0   # tokens run through the draft, for tests and benchmarks
+
+    # -- the Proposer protocol ----------------------------------------------------------------
+
+    def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> list[Proposal]:
+        proposals = [Proposal([], None) for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        feeds = {i: self._sync(seq) for i, (seq, n) in enumerate(zip(seqs, num_tokens)) if n > 0}
+        while feeds:
+            budget, inputs, fed = self.chunk_size, [], []
+            for i, feed in feeds.items():
+                if budget <= 0:
+                    break
+                piece = self._take(self.seqs[seqs[i]], feed, budget)
+                inputs.append(piece)
+                fed.append(i)
+                budget -= len(piece.token_ids)
+            self.tokens_forwarded += sum(len(s.token_ids) for s in inputs)
+            for i, logits in zip(fed, self.model.forward(inputs, self.pools)):
+                if feeds[i]:
+                    continue   # more of its context first
+                token, q = self._sample(seqs[i], logits, proposals[i].token_ids)
+                proposals[i].token_ids.append(token)
+                if q is not None:
+                    probs[i].append(q)
+                state = self.seqs[seqs[i]]
+                if len(proposals[i].token_ids) < num_tokens[i]:
+                    feeds[i] = [(state.pos[-1] + 1, token)]
+                else:
+                    del feeds[i]
+        for p, q in zip(proposals, probs):
+            p.probs = torch.stack(q) if q else None
+        return proposals
+
+    def free(self, seq: Sequence) -> None:
+        state = self.seqs.pop(seq, None)
+        if state is not None:
+            self.free_blocks += state.blocks
+
+    # -- the bounded cache --------------------------------------------------------------------
+
+    def cached_positions(self, seq: Sequence) -> list[int]:
+        """Original positions of the tokens the draft holds for seq (sinks, then the window)."""
+        state = self.seqs.get(seq)
+        return list(state.pos) if state else []
+
+    def blocks_held(self, seq: Sequence) -> int:
+        state = self.seqs.get(seq)
+        return len(state.blocks) if state else 0
+
+    def _state(self, seq: Sequence) -> _DraftSeq:
+        if seq not in self.seqs:
+            if len(self.free_blocks) < self.blocks_per_seq:
+                raise EngineError("the draft's cache is full: more sequences speculate than the engine's "
+                                  "max_num_seqs; free finished sequences with `free(seq)`.")
+            blocks, self.free_blocks = self.free_blocks[:self.blocks_per_seq], self.free_blocks[self.blocks_per_seq:]
+            g = torch.Generator()
+            g.manual_seed((seq.generator.initial_seed() ^ DRAFT_SEED_SALT) % 2**63)
+            self.seqs[seq] = _DraftSeq(blocks, g, [], [])
+        return self.seqs[seq]
+
+    def _sync(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Cut the cache back to what still matches seq's tokens; return the (position, token) pairs
+        to run before proposing: the new tokens, or only the sinks and the last window of them."""
+        state = self._state(seq)
+        n = seq.num_tokens
+        keep = self._matching_prefix(state, seq)
+        if keep and state.pos[keep - 1] == n - 1:
+            keep -= 1   # everything is cached: run the last token again for its logits
+        del state.pos[keep:], state.ids[keep:]
+        start = state.pos[-1] + 1 if state.pos else 0
+        if n - start <= self.window:
+            wanted = list(range(start, n))
+        else:   # far behind (a long prompt): the sinks it lacks, then the last window
+            sinks = sum(p < self.sink_slots for p in state.pos)
+            del state.pos[sinks:], state.ids[sinks:]
+            wanted = list(range(sinks, min(self.sink_slots, n))) + list(range(max(self.sink_slots, n - self.window), n))
+        tokens = seq.token_slice(wanted[0], n) if wanted else []
+        return [(p, tokens[p - wanted[0]]) for p in wanted]
+
+    @staticmethod
+    def _matching_prefix(state: _DraftSeq, seq: Sequence) -> int:
+        """Slots whose cached token is still seq's token at that position (positions run in at most
+        two contiguous stretches: the sinks and the window)."""
+        slot = 0
+        while slot < len(state.pos):
+            end = slot
+            while end + 1 < len(state.pos) and state.pos[end + 1] == state.pos[end] + 1:
+                end += 1
+            actual = seq.token_slice(state.pos[slot], state.pos[end] + 1)
+            for cached, token in zip(state.ids[slot:end + 1], actual):
+                if cached != token:
+                    return slot
+                slot += 1
+            if slot <= end:   # the sequence is shorter than what was cached
+                return slot
+        return slot
+
+    def _take(self, state: _DraftSeq, feed: list[tuple[int, int]], budget: int) -> SeqInput:
+        """The next piece of `feed` (contiguous positions, at most `budget` tokens, as many as the
+        sequence's blocks hold), appended to its cache."""
+        capacity = self.blocks_per_seq * self.block_size
+        if len(state.pos) == capacity:   # full: recycle the oldest window block (>= window tokens stay)
+            first = self.sink_slots // self.block_size
+            state.blocks.append(state.blocks.pop(first))
+            del state.pos[self.sink_slots:self.sink_slots + self.block_size]
+            del state.ids[self.sink_slots:self.sink_slots + self.block_size]
+        n = 1
+        limit = min(len(feed), capacity - len(state.pos), budget)
+        while n < limit and feed[n][0] == feed[n - 1][0] + 1:
+            n += 1
+        piece, feed[:n] = feed[:n], []
+        slot = len(state.pos)
+        state.pos += [p for p, _ in piece]
+        state.ids += [t for _, t in piece]
+        return SeqInput(torch.tensor([t for _, t in piece], dtype=torch.long), slot, state.blocks,
+                        rope_offset=piece[0][0] - slot)
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, proposed: list[int]) -> tuple[int, torch.Tensor | None]:
+        """One proposal from the draft's logits over its vocabulary, processed as the target's are;
+        returns q over the whole vocabulary (None when greedy: q is one-hot)."""
+        full = torch.full((self.cfg.vocab_size,), -torch.inf)
+        full[self.vocab_ids] = logits.float().cpu()
+        full = apply_penalties(full, seq.params, seq.prompt_ids, seq.output_ids + proposed)
+        if seq.params.temperature == 0:
+            return int(torch.argmax(full)), None
+        q = probabilities(full, seq.params)
+        return int(torch.multinomial(q, 1, generator=self.seqs[seq].generator)), q

@@ -1,0 +1,101 @@
+"""`bie-trt build --draft-checkpoint`: draft/ in the engine, its digests, the reduced vocabulary,
+and the refusals (another tokenizer, another vocabulary) before any heavy work."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from bie_trt.build import BuildOptions, build_engine
+from bie_trt.checkpoint.loader import Checkpoint
+from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.cli import main
+from bie_trt.config import ModelConfig
+from bie_trt.engine_format import sha256_file, verify_engine
+from bie_trt.errors import CheckpointError, PlanError
+from bie_trt.spec.draft_vocab import frequency_order, reduced_vocabulary
+from tiny_model import write_tiny_hf
+
+K = 4096   # tiny_draft_engine's (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_draft_engine):
+    return tiny_draft_engine
+
+
+def test_draft_dir_is_in_the_manifest_digests(engine, tiny_draft):
+    manifest = json.loads((engine / "manifest.json").read_text())
+    for name in ("draft/weights.safetensors", "draft/vocab.json"):
+        assert manifest["files"][name] == sha256_file(engine / name)
+    d = manifest["draft"]
+    assert d["vocab_size"] == K and d["window"] == 64 and d["sink_tokens"] == 8
+    assert ModelConfig.from_dict(d["config"]) == Checkpoint(tiny_draft).model
+    assert d["source"]["weight_group_size"] == 32
+    assert verify_engine(engine).ok
+    (engine / "draft" / "vocab.json").write_bytes((engine / "draft" / "vocab.json").read_bytes() + b" ")
+    try:
+        report = verify_engine(engine)
+        assert not report.ok and any("draft/vocab.json" in p for p in report.problems)
+    finally:
+        (engine / "draft" / "vocab.json").write_bytes((engine / "draft" / "vocab.json").read_bytes()[:-1])
+    out = CliRunner().invoke(main, ["inspect", str(engine)])
+    assert out.exit_code == 0 and f"head over {K:,} of 49,152 token ids" in out.output
+
+
+def test_draft_head_holds_exactly_the_chosen_rows(engine, tiny_draft, smollm2_checkpoint):
+    """The cpu profile keeps heads fp16: the stored head is exactly the chosen rows of the draft's."""
+    ids = json.loads((engine / "draft" / "vocab.json").read_text())["ids"]
+    assert ids == reduced_vocabulary(smollm2_checkpoint, 49152, K) and len(ids) == K
+    w = load_file(str(engine / "draft" / "weights.safetensors"))
+    head = Checkpoint(tiny_draft).tensor("lm_head.weight")
+    assert torch.equal(w["lm_head"], head[torch.tensor(ids)].half())
+    assert w["embed_tokens"].shape == (49152, 64) and "kv.key_mean" not in w
+
+
+def _swap_two_tokens(src, dst, a: int, b: int):
+    tok = json.loads((src / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    ta, tb = (next(t for t, i in vocab.items() if i == x) for x in (a, b))
+    vocab[ta], vocab[tb] = b, a
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
+    return ta, tb
+
+
+def test_a_draft_with_another_tokenizer_is_refused_naming_the_id(tmp_path, smollm2_checkpoint, tiny_draft):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_draft, other)
+    ta, _ = _swap_two_tokens(tiny_draft, other, 300, 301)
+    out = tmp_path / "engine"
+    with pytest.raises(CheckpointError, match=r"token id 300 is .* in the target but .* in the draft") as e:
+        build_engine(BuildOptions(checkpoint=str(smollm2_checkpoint), out=str(out), profile="cpu",
+                                  draft_checkpoint=str(other)), log=lambda m: None)
+    assert repr(ta) in str(e.value)
+    assert not out.exists()   # refused before anything was written
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tmp_path, smollm2_checkpoint):
+    small = quantize_checkpoint(write_tiny_hf(tmp_path / "hf", smollm2_checkpoint, vocab_size=32768),
+                                tmp_path / "awq", group_size=32)
+    with pytest.raises(PlanError, match="vocab_size 32768 differs from the target's 49152"):
+        build_engine(BuildOptions(checkpoint=str(smollm2_checkpoint), out=str(tmp_path / "e"), profile="cpu",
+                                  draft_checkpoint=str(small)), log=lambda m: None)
+
+
+def test_frequency_order_bpe_unigram_and_added_tokens(tmp_path):
+    bpe = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4, "bc": 5},
+                     "merges": ["b c", "a b", ["ab", "c"]]},
+           "added_tokens": [{"id": 6, "content": "<eos>"}]}
+    # base alphabet first (by id), then by merge rank: bc (first merge), ab, abc.
+    assert frequency_order(bpe) == [0, 1, 2, 5, 3, 4]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(bpe))
+    assert reduced_vocabulary(tmp_path, 7, 3) == [0, 1, 6]          # the added token always kept
+    assert reduced_vocabulary(tmp_path, 7, 5) == [0, 1, 2, 5, 6]
+    assert reduced_vocabulary(tmp_path, 7, 7) == list(range(7))
+    unigram = {"model": {"type": "Unigram", "vocab": [["x", -3.0], ["y", -1.0], ["z", -2.0]]}}
+    assert frequency_order(unigram) == [1, 2, 0]

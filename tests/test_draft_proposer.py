@@ -1,0 +1,145 @@
+"""DraftModelProposer: its bounded cache (sinks + window, original positions), rollback, the
+reduced vocabulary's q, and the SmolLM2 engine proposing for itself."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bie_trt.checkpoint.loader import Checkpoint
+from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.executor.engine import BieEngine
+from bie_trt.executor.model_runner import ModelRunner
+from bie_trt.executor.sequence import Sequence
+from bie_trt.sampling import make_generator
+from bie_trt.spec.draft import DraftModelProposer
+from hf_reference import hf_model
+
+GAMMA = SimpleNamespace(num_speculative_tokens=4)
+
+
+def seq_of(ids: list[int], **params) -> Sequence:
+    p = SamplingParams(**{"temperature": 0.0, **params})
+    return Sequence(list(ids), p, make_generator(p, 7))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_draft_engine):
+    """SmolLM2 target, the random 2-layer draft: head over 4,096 ids, window 64."""
+    runner = ModelRunner(EngineConfig(engine_dir=str(tiny_draft_engine), device="cpu", max_num_seqs=2))
+    return runner, DraftModelProposer(tiny_draft_engine, runner, GAMMA)
+
+
+@pytest.fixture(scope="module")
+def text_ids(smollm2_checkpoint, lee_text):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_checkpoint)(lee_text.read_text())["input_ids"]
+
+
+def test_long_prompt_reads_sinks_and_last_window_at_their_positions(tiny, tiny_draft, tiny_draft_engine, text_ids):
+    """The draft's distribution after a 300-token prompt equals transformers' on the sinks and the
+    last window only, fed with their original position ids."""
+    _, proposer = tiny
+    ids = text_ids[:300]
+    seq = seq_of(ids, temperature=1.0)
+    before = proposer.tokens_forwarded
+    q = proposer.propose([seq], [1])[0].probs[0]
+    assert proposer.tokens_forwarded - before == 16 + 64          # O(window), not O(prompt)
+    kept = list(range(16)) + list(range(300 - 64, 300))
+    assert proposer.cached_positions(seq) == kept
+    with torch.no_grad():
+        logits = hf_model(Checkpoint(tiny_draft))(torch.tensor([[ids[p] for p in kept]]),
+                                                  position_ids=torch.tensor([kept])).logits[0, -1]
+    vocab = torch.tensor(json.loads((tiny_draft_engine / "draft" / "vocab.json").read_text())["ids"])
+    want = torch.zeros(49152)
+    want[vocab] = torch.softmax(logits[vocab], -1)
+    assert torch.allclose(q, want, atol=2e-4), (q - want).abs().max()
+    proposer.free(seq)
+
+
+def test_reduced_vocabulary_zeroes_q_outside_it(tiny, text_ids):
+    _, proposer = tiny
+    seq = seq_of(text_ids[:40], temperature=1.0, top_p=1.0)
+    prop = proposer.propose([seq], [4])[0]
+    inside = torch.zeros(49152, dtype=torch.bool)
+    inside[proposer.vocab_ids] = True
+    assert len(prop.token_ids) == 4 and prop.probs.shape == (4, 49152)
+    assert (prop.probs[:, ~inside] == 0).all() and (prop.probs[:, inside] > 0).all()
+    assert torch.allclose(prop.probs.sum(-1), torch.ones(4), atol=1e-5)
+    assert all(inside[t] for t in prop.token_ids)
+    proposer.free(seq)
+
+
+def test_rollback_equals_a_fresh_draft(tiny, tiny_draft_engine, text_ids):
+    """After proposals are rejected (the sequence took other tokens), the draft's next q is the one a
+    draft that never saw the rejected guesses gives."""
+    runner, proposer = tiny
+    seq = seq_of(text_ids[:50], temperature=1.0)
+    guesses = proposer.propose([seq], [4])[0].token_ids
+    seq.output_ids += [guesses[0], (guesses[1] + 1) % 4096]       # first accepted, second replaced
+    q = proposer.propose([seq], [3])[0].probs[0]
+    fresh = DraftModelProposer(tiny_draft_engine, runner, GAMMA)
+    q_fresh = fresh.propose([seq_of(seq.token_ids, temperature=1.0)], [1])[0].probs[0]
+    assert torch.allclose(q, q_fresh, atol=1e-5), (q - q_fresh).abs().max()
+    proposer.free(seq)
+
+
+def test_draft_kv_is_the_same_for_6k_and_1k_prompts(build, tiny_draft, text_ids):
+    engine = build(checkpoint=str(tiny_draft), draft_checkpoint=str(tiny_draft))   # default window 1,024
+    runner = ModelRunner(EngineConfig(engine_dir=str(engine), device="cpu", max_num_seqs=2))
+    proposer = DraftModelProposer(engine, runner, GAMMA)
+    held, forwarded = [], []
+    for n in (1000, 6000):
+        seq = seq_of(text_ids[:n])
+        before = proposer.tokens_forwarded
+        proposer.propose([seq], [4])
+        forwarded.append(proposer.tokens_forwarded - before)
+        held.append(proposer.blocks_held(seq))
+        # the prompt (or its sinks and last window), then the 3 proposals fed back (the 4th is not)
+        window = list(range(n + 3)) if n <= 1024 else list(range(16)) + list(range(n - 1024, n + 3))
+        assert proposer.cached_positions(seq) == window
+        proposer.free(seq)
+    assert held[0] == held[1] == proposer.blocks_per_seq == 1 + 64 + 1
+    assert forwarded == [1000 + 3, 16 + 1024 + 3]
+    assert sorted(proposer.free_blocks) == list(range(2 * proposer.blocks_per_seq))   # all returned
+
+
+def test_a_long_run_keeps_a_sliding_window_in_its_fixed_blocks(tiny, text_ids):
+    """Proposing step after step past the window: the blocks never change in number, and the cache
+    always holds the sinks and a contiguous run of at least `window` tokens ending at the newest."""
+    _, proposer = tiny
+    seq = seq_of(text_ids[:20])
+    for step in range(40):
+        guesses = proposer.propose([seq], [4])[0].token_ids
+        seq.output_ids += guesses[:step % 3] + [text_ids[20 + step]]   # some accepted, then the target's own
+        pos = proposer.cached_positions(seq)
+        window = pos[16:]
+        assert pos[:16] == list(range(16)) and proposer.blocks_held(seq) == proposer.blocks_per_seq
+        assert window == list(range(window[0], window[0] + len(window)))
+        assert len(window) >= min(64, seq.num_tokens - 16) and len(pos) <= proposer.blocks_per_seq * 16
+    proposer.free(seq)
+
+
+@pytest.mark.slow
+def test_smollm2_as_its_own_draft_proposes_the_targets_greedy_tokens(build, text_ids):
+    """The target (INT4 KV) decodes greedily; the draft (the same weights, FP16 window covering the
+    context) proposes 4 tokens a step, accepted up to the first mismatch: >= 95% accepted."""
+    engine_dir = build(draft_checkpoint="smollm2-135m", draft_vocab_size=49152)
+    target = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu", kv_cache_dtype="int4_asym"))
+    proposer = DraftModelProposer(engine_dir, target.runner, GAMMA)
+    proposed = accepted = 0
+    for start in (0, 2000, 5000):
+        prompt = text_ids[start:start + 200]
+        ref = target.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)).token_ids
+        seq, i = seq_of(prompt), 0
+        while i < len(ref) - 1:
+            guesses = proposer.propose([seq], [4])[0].token_ids
+            m = next((j for j, (g, r) in enumerate(zip(guesses, ref[i:])) if g != r), min(len(guesses), len(ref) - i))
+            proposed, accepted = proposed + len(guesses), accepted + m
+            seq.output_ids += ref[i:i + m + 1]
+            i += m + 1
+        proposer.free(seq)
+    assert accepted / proposed >= 0.95, (accepted, proposed)
