@@ -58,6 +58,27 @@ def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     return ref.w4_linear_ref(x, w)
 
 
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: W4Weight,
+                silu_mul: bool = False) -> torch.Tensor:
+    """w4_linear(rms_norm(x)), then SiLU(gate)·up when w is gate_up: one launch on the GPU."""
+    if use_triton(x):
+        from .triton_w4 import w4_linear_triton
+
+        return w4_linear_triton(x, w, w.gemv_config if x.shape[0] == 1 else None, norm_weight=norm_weight, eps=eps,
+                                silu_mul=silu_mul)
+    y = ref.w4_linear_ref(ref.rms_norm_ref(x, norm_weight, eps)[0], w)
+    return ref.silu_mul_ref(y) if silu_mul else y
+
+
+def linear_residual(x: torch.Tensor, w: W4Weight, residual: torch.Tensor) -> torch.Tensor:
+    """residual + w4_linear(x), added in the activation dtype: one launch on the GPU."""
+    if use_triton(x):
+        from .triton_w4 import w4_linear_triton
+
+        return w4_linear_triton(x, w, w.gemv_config if x.shape[0] == 1 else None, residual=residual)
+    return ref.w4_linear_ref(x, w) + residual
+
+
 def int8_rows_linear(x: torch.Tensor, head: Int8Rows) -> torch.Tensor:
     """Logits from the int8 lm_head: the Triton kernel for up to 16 rows (decode), torch beyond."""
     if use_triton(x):

@@ -106,14 +106,16 @@ class LlamaModel:
         because its table may live in host memory."""
         cfg = self.cfg
         cos, sin = self.rope.cos_sin(meta.positions, self.dtype)
-        residual = None
+        # h is the residual stream: each linear that ends a sub-block adds into it, and the norm
+        # in front of a sub-block is folded into the linear that starts it.
         for li, layer in enumerate(self.layers):
-            x, residual = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps, residual)
-            h = self._attention(li, layer, x, cos, sin, meta, pools)
-            x, residual = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps, residual)
-            h = ops.w4_linear(ops.silu_mul(ops.w4_linear(x, layer.linears["gate_up"])), layer.linears["down"])
-        h, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
-        return self._logits(h[meta.logit_rows]).float()
+            h = self._attention(li, layer, h, cos, sin, meta, pools)
+            act = ops.norm_linear(h, layer.mlp_norm, cfg.rms_norm_eps, layer.linears["gate_up"], silu_mul=True)
+            h = ops.linear_residual(act, layer.linears["down"], h)
+        if meta.logit_rows.numel() != h.shape[0]:   # build() lists rows in order: as many means all of them
+            h = h[meta.logit_rows]
+        h, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps)
+        return self._logits(h).float()
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_on_host:
@@ -125,10 +127,11 @@ class LlamaModel:
             return ops.int8_rows_linear(rows, self.lm_head)
         return F.linear(rows, self.lm_head)
 
-    def _attention(self, li: int, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _attention(self, li: int, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
+        """h + o_proj(attention(norm(h))): the residual stream after the attention sub-block."""
         cfg = self.cfg
-        qkv = ops.w4_linear(x, layer.linears["qkv"])
+        qkv = ops.norm_linear(h, layer.attn_norm, cfg.rms_norm_eps, layer.linears["qkv"])
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = Rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = Rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -150,7 +153,7 @@ class LlamaModel:
                                                                meta.positions[start:start + n], self.scale)
         if rotates_values(pools.cfg):
             out = rotate(out)
-        return ops.w4_linear(out.reshape(-1, cfg.q_size), layer.linears["o"])
+        return ops.linear_residual(out.reshape(-1, cfg.q_size), layer.linears["o"], h)
 
 
 @dataclass
