@@ -105,11 +105,10 @@ class LlamaModel:
         decode-only steps), so CUDA graphs can capture it; the embedding gather stays outside
         because its table may live in host memory."""
         cfg = self.cfg
-        cos, sin = self.rope.cos_sin(meta.positions, self.dtype)
         # h is the residual stream: each linear that ends a sub-block adds into it, and the norm
         # in front of a sub-block is folded into the linear that starts it.
         for li, layer in enumerate(self.layers):
-            h = self._attention(li, layer, h, cos, sin, meta, pools)
+            h = self._attention(li, layer, h, meta, pools)
             act = ops.norm_linear(h, layer.mlp_norm, cfg.rms_norm_eps, layer.linears["gate_up"], silu_mul=True)
             h = ops.linear_residual(act, layer.linears["down"], h)
         if meta.logit_rows.numel() != h.shape[0]:   # build() lists rows in order: as many means all of them
@@ -127,23 +126,15 @@ class LlamaModel:
             return ops.int8_rows_linear(rows, self.lm_head)
         return F.linear(rows, self.lm_head)
 
-    def _attention(self, li: int, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
+    def _attention(self, li: int, layer: Layer, h: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
         """h + o_proj(attention(norm(h))): the residual stream after the attention sub-block."""
         cfg = self.cfg
         qkv = ops.norm_linear(h, layer.attn_norm, cfg.rms_norm_eps, layer.linears["qkv"])
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = Rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = Rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if centres_keys(pools.cfg):   # the runner checked at load that key_mean exists
-            k = k - self.key_mean[li]   # every score of a query shifts by q·m: softmax is unchanged
-        if rotates_keys(pools.cfg):
-            # Hadamard-rotated keys quantise without outlier channels; rotating q too keeps q·k.
-            q, k = rotate(q), rotate(k)
-        if rotates_values(pools.cfg):
-            v = rotate(v)
-        ops.write_kv(pools, li, k, v, meta.slot_blocks, meta.slot_offsets)
+        # RoPE, the calibrated key centering and the Hadamard rotation of q and k (v too with
+        # hadamard_kv), K/V into the FP16 tail: one launch (the runner checked key_mean exists).
+        q = ops.qkv_epilogue(qkv, cfg.num_heads, cfg.num_kv_heads, meta.positions, self.rope.inv_freq,
+                             self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
+                             rotates_values(pools.cfg), pools, li, meta.slot_blocks, meta.slot_offsets)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = ops.paged_decode_attention(q[meta.decode_rows], pools, li, meta.decode_tables,
