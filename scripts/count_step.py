@@ -114,7 +114,7 @@ def _triton_bytes(name: str, arg_names: list[str], args: tuple, shape: StepShape
         else:
             read += _nbytes(a)
     m, kv = shape.model, shape.kv
-    if "attention" in name and "partial" in name:
+    if "attention" in name:
         read += shape.batch * shape.context * kv_bytes_per_token(m, kv) // m.num_layers
     if "write_kv" in name:
         written += shape.batch * 2 * m.num_kv_heads * m.head_dim * 2

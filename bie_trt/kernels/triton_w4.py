@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrival import arrival_counters
 from .w4_layout import W4Weight, pack_w4
 
 _GEMV_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"}
@@ -371,18 +372,6 @@ def _resolve_config(M: int, N: int, K: int, group_size: int, device: torch.devic
 
 # --- Entry points -------------------------------------------------------------------------------
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per output tile, shared by every launch on the device: the
-    last slice of a tile sets its counter back to 0, and launches on one stream do not overlap."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < tiles:
-        c = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return c
-
-
 def w4_linear_triton(x: torch.Tensor, w: W4Weight, config: dict[str, Any] | None = None, *,
                      norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                      residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
@@ -434,12 +423,12 @@ def w4_linear_triton(x: torch.Tensor, w: W4Weight, config: dict[str, Any] | None
     if M == 1:
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), split)
         _w4_gemv_kernel[grid](
-            x2, w.qweight, w.scales, w.zeros, bias, out, part, _arrival_counters(x.device, grid[0]), nw, res,
+            x2, w.qweight, w.scales, w.zeros, bias, out, part, arrival_counters(x.device, grid[0]), nw, res,
             N, KW, kw_per_split, _NIBBLE_MASK, w.qweight.stride(0), w.scales.stride(0), eps, **fused)
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split)
         _w4_mma_kernel[grid](
-            x2, w.qweight, w.scales, w.zeros, bias, out, part, _arrival_counters(x.device, grid[0] * grid[1]), nw,
+            x2, w.qweight, w.scales, w.zeros, bias, out, part, arrival_counters(x.device, grid[0] * grid[1]), nw,
             res, M, N, KW, kw_per_split, _NIBBLE_MASK,
             x2.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0), res.stride(0), eps,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=cfg["BLOCK_M"],

@@ -135,6 +135,15 @@ class LlamaModel:
         q = ops.qkv_epilogue(qkv, cfg.num_heads, cfg.num_kv_heads, meta.positions, self.rope.inv_freq,
                              self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
                              rotates_values(pools.cfg), pools, li, meta.slot_blocks, meta.slot_offsets)
+        if meta.all_decode:   # a decode-only step (the graphs'): no gather and scatter of rows
+            out = ops.paged_decode_attention(q, pools, li, meta.decode_tables, meta.decode_lens, self.scale)
+        else:
+            out = self._mixed_attention(li, q, meta, pools)
+        if rotates_values(pools.cfg):
+            out = rotate(out)
+        return ops.linear_residual(out.reshape(-1, cfg.q_size), layer.linears["o"], h)
+
+    def _mixed_attention(self, li: int, q: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = ops.paged_decode_attention(q[meta.decode_rows], pools, li, meta.decode_tables,
@@ -142,9 +151,7 @@ class LlamaModel:
         for start, n, table in meta.prefills:
             out[start:start + n] = ops.paged_prefill_attention(q[start:start + n], pools, li, table,
                                                                meta.positions[start:start + n], self.scale)
-        if rotates_values(pools.cfg):
-            out = rotate(out)
-        return ops.linear_residual(out.reshape(-1, cfg.q_size), layer.linears["o"], h)
+        return out
 
 
 @dataclass
@@ -160,6 +167,11 @@ class StepMetadata:
     prefills: list[tuple[int, int, torch.Tensor]]  # (first row, tokens, int32 table) of multi-token chunks
     logit_rows: torch.Tensor                 # rows whose logits are wanted
     logit_counts: list[int]
+
+    @property
+    def all_decode(self) -> bool:
+        """Every row is a one-token sequence, in order (build() and the graphs list them so)."""
+        return not self.prefills and self.decode_rows is not None and self.decode_rows.numel() == self.positions.numel()
 
     @classmethod
     def build(cls, seqs: list[SeqInput], block_size: int, device: torch.device) -> "StepMetadata":
