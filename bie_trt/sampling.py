@@ -20,12 +20,13 @@ def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generato
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
                     output_ids: list[int]) -> torch.Tensor:
+    # Index tensors on the logits' device: the same ops run on the host or on the GPU (device_sampling.py).
     if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
     if output_ids and (params.presence_penalty or params.frequency_penalty):
-        ids, counts = torch.tensor(output_ids, dtype=torch.long).unique(return_counts=True)
+        ids, counts = torch.tensor(output_ids, dtype=torch.long, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
     return logits
 

@@ -147,6 +147,15 @@ def w4_launches() -> list[Launch]:
                 # may run on another GPU than the one that tuned it, so every M = 1 candidate counts.
                 out += record_launches(lambda: w4.w4_linear_triton(x, w, cfg), f"{name} M={m} {tag}",
                                        tuning_only=m > 1 and cfg != default)
+        # What the decoder layer launches: the norm folded in front of qkv and gate_up, SiLU·mul
+        # behind gate_up, the residual add behind o and down (decode and verify-sized M).
+        fused = {"qkv": {"norm_weight": torch.empty(k, dtype=torch.float16), "eps": 1e-5},
+                 "gate_up": {"norm_weight": torch.empty(k, dtype=torch.float16), "eps": 1e-5, "silu_mul": True},
+                 "o": {"residual": None}, "down": {"residual": None}}[name]
+        for m in (1, 6):
+            x = torch.empty(m, k, dtype=torch.float16)
+            kw = {key: (torch.empty(m, n, dtype=torch.float16) if key == "residual" else v) for key, v in fused.items()}
+            out += record_launches(lambda: w4.w4_linear_triton(x, w, None, **kw), f"{name} M={m} fused")
     return out
 
 
@@ -163,7 +172,7 @@ def lm_head_launches() -> list[Launch]:
 
 
 def ops_launches() -> list[Launch]:
-    """rms_norm with and without the residual, silu_mul, write_kv and both block quantisers."""
+    """rms_norm with and without the residual, silu_mul, write_kv, the qkv epilogue and both block quantisers."""
     model = dataclasses.replace(llama3_8b(), num_layers=1)
     h = torch.empty(PREFILL_CHUNK, model.hidden_size, dtype=torch.float16)
     norm_w = torch.empty(model.hidden_size, dtype=torch.float16)
@@ -176,6 +185,15 @@ def ops_launches() -> list[Launch]:
     fp16_pools = allocate_pools(model, KVCacheConfig(dtype="fp16"), num_fp_blocks=4, num_quant_blocks=0)
     out += record_launches(lambda: ops.write_kv_triton(fp16_pools, 0, kv_new, kv_new, slots, slots),
                            "8 kv heads x 128")
+    qkv = torch.empty(PREFILL_CHUNK, model.q_size + 2 * model.kv_size, dtype=torch.float16)
+    inv_freq = torch.empty(model.head_dim // 2, dtype=torch.float32)
+    mean = torch.empty(model.num_kv_heads, model.head_dim, dtype=torch.float16)
+    long_slots = torch.zeros(PREFILL_CHUNK, dtype=torch.long)
+    for centre, rotate_v in ((False, False), (True, True)):
+        out += record_launches(lambda: ops.qkv_epilogue_triton(qkv, model.num_heads, model.num_kv_heads, long_slots,
+                                                               inv_freq, mean if centre else None, True, rotate_v,
+                                                               fp16_pools, 0, long_slots, long_slots),
+                               f"qkv epilogue centre={centre} rotate_v={rotate_v}")
     for dtype in ("int4_asym", "fp8"):
         pools = allocate_pools(model, KVCacheConfig(dtype=dtype), num_fp_blocks=4, num_quant_blocks=4)
         # Writes raw bytes, no fp8 arithmetic: must compile on sm_86 too.

@@ -85,7 +85,7 @@ def test_the_triton_path_really_runs(runner, monkeypatch):
     counting(triton_attention, "paged_decode_attention", "attn")
     counting(triton_attention, "paged_prefill_attention", "attn")
     counting(triton_ops, "rms_norm_triton", "norm")
-    counting(triton_ops, "write_kv_triton", "kv")
+    counting(triton_ops, "qkv_epilogue_triton", "kv")
     monkeypatch.setenv("BIE_TRT_KERNELS", "triton")
     runner.forward([SeqInput(torch.tensor([5, 6, 7]), 0, [0])])
     assert all(v > 0 for v in calls.values()), calls

@@ -180,3 +180,51 @@ def test_quantize_block_refuses_what_it_does_not_implement() -> None:
     pools = allocate_pools(model_config(), KVCacheConfig(dtype="int4_asym", scale_scope="block"), 2, 2, device=DEVICE)
     with pytest.raises(ValueError, match="ablation"):
         quantize_block_triton(pools, 0, 0)
+
+
+# --- the qkv epilogue -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, centre, rotate_k, rotate_v", [
+    (torch.float32, False, True, False), (torch.float32, True, True, True), (torch.float32, False, False, False),
+    (torch.float16, True, True, False)])
+def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v: bool) -> None:
+    """RoPE, centering, Hadamard rotation and the K/V write in one launch, against the torch twin and
+    against math written here (rotation as an explicit matrix, RoPE as the complex rotation of pairs)."""
+    from bie_trt.kernels.reference import qkv_epilogue_ref
+    from bie_trt.kernels.triton_ops import qkv_epilogue_triton
+    from bie_trt.model.rope import inverse_frequencies
+    from bie_trt.kv.rotation import hadamard_matrix
+
+    mc, kv = model_config(kv_heads=2, head_dim=64), KVCacheConfig(dtype="int4_asym", group_size=32)
+    Hq, Hkv, D = mc.num_heads, mc.num_kv_heads, mc.head_dim
+    pools = allocate_pools(mc, kv, num_fp_blocks=6, num_quant_blocks=1, dtype=dtype, device=DEVICE)
+    ref_pools = clone_pools(pools)
+    g = torch.Generator().manual_seed(11)
+    positions = torch.tensor([5, 17, 300, 4095, 16], device=DEVICE)   # a verify-like run of rows and others
+    T = positions.numel()
+    blocks = torch.tensor([0, 1, 4, 5, 1], device=DEVICE)
+    offsets = positions % 16
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(DEVICE, dtype)
+    mean = torch.randn(Hkv, D, generator=g).to(DEVICE, dtype) if centre else None
+    inv_freq = inverse_frequencies(mc).to(DEVICE)
+    args = (Hq, Hkv, positions, inv_freq, mean, rotate_k, rotate_v)
+    q = qkv_epilogue_triton(qkv, *args, pools, 1, blocks, offsets)
+    q_ref = qkv_epilogue_ref(qkv, *args, ref_pools, 1, blocks, offsets)
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(q, q_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(pools.k, ref_pools.k, rtol=tol, atol=tol)
+    torch.testing.assert_close(pools.v, ref_pools.v, rtol=tol, atol=tol)
+
+    # Independent float64 math for the keys: pair (d, d + D/2) turned by angle pos·inv_freq[d].
+    x = qkv.double().cpu()[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+    ang = positions.double().cpu()[:, None] * inv_freq.double().cpu()[None, :]
+    c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    a, b = x[..., :D // 2], x[..., D // 2:]
+    k = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    if centre:
+        k = k - mean.double().cpu()
+    if rotate_k:
+        k = k @ hadamard_matrix(D, torch.float64)
+    for t in range(T):
+        got = pools.k[1, blocks[t], :, offsets[t]].double().cpu()
+        torch.testing.assert_close(got, k[t], rtol=5e-3 if dtype == torch.float16 else 1e-4, atol=5e-3)

@@ -150,3 +150,45 @@ def test_a_few_candidates_run() -> None:
 
 def test_tune_without_cuda_returns_the_default() -> None:
     assert tune_w4(1, 4096, 4096, "cpu") == default_config(1, 4096, 4096)
+
+
+# --- the fused prologue and epilogues -------------------------------------------------------------
+
+def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xd = x.double()
+    return xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+@pytest.mark.parametrize("m, split", [(1, 1), (1, 3), (3, 1), (6, 2)])
+def test_norm_in_front_and_silu_mul_behind(m: int, split: int) -> None:
+    """gate_up of the normalised row with SiLU(gate)·up: one launch, against float64 math."""
+    n, k, group = 2 * 40, 256, 32
+    w = weight(n, k, group, bias=False, seed=3)
+    x = torch.randn(m, k, device=DEVICE) * 3
+    nw = torch.rand(k, device=DEVICE) + 0.5
+    y = w4_linear_triton(x, w, {"SPLIT_K": split}, norm_weight=nw, eps=1e-5, silu_mul=True)
+    gate_up = rms_normed(x.cpu(), nw.cpu(), 1e-5) @ dense_from_layout(w).t()
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert y.shape == (m, n // 2)
+    torch.testing.assert_close(y.cpu().double(), torch.nn.functional.silu(gate) * up, rtol=1e-4, atol=1e-4)
+    # twice: the arrival counters are back at 0 after a split launch
+    torch.testing.assert_close(w4_linear_triton(x, w, {"SPLIT_K": split}, norm_weight=nw, eps=1e-5, silu_mul=True), y)
+
+
+@pytest.mark.parametrize("m, split, bias", [(1, 1, True), (1, 4, False), (5, 1, False), (2, 3, True)])
+def test_residual_behind(m: int, split: int, bias: bool) -> None:
+    n, k, group = 48, 512, 64
+    w = weight(n, k, group, bias=bias, seed=4)
+    x = torch.randn(m, k, device=DEVICE)
+    residual = torch.randn(m, n, device=DEVICE)
+    y = w4_linear_triton(x, w, {"SPLIT_K": split}, residual=residual)
+    torch.testing.assert_close(y.cpu().double(), expected(x, w) + residual.cpu().double(), rtol=1e-4, atol=1e-4)
+
+
+def test_norm_in_front_fp16() -> None:
+    w = weight(64, 256, 64, bias=True, seed=5)
+    x = torch.randn(1, 256, device=DEVICE).half() * 4
+    nw = (torch.rand(256, device=DEVICE) + 0.5).half()
+    y = w4_linear_triton(x, w, {"SPLIT_K": 2}, norm_weight=nw, eps=1e-5)
+    from bie_trt.kernels.reference import rms_norm_ref
+    torch.testing.assert_close(y, w4_linear_ref(rms_norm_ref(x, nw, 1e-5)[0], w), rtol=2e-3, atol=2e-3)

@@ -43,7 +43,7 @@ class _StaticStep:
         self.meta = StepMetadata(
             positions=self.small[0], slot_blocks=self.small[1], slot_offsets=self.small[2],
             decode_rows=rows, decode_tables=self.tables, decode_lens=self.lens,
-            prefills=[], logit_rows=rows, logit_counts=[1] * batch)
+            prefills=[], logit_rows=rows, logit_counts=[1] * batch, rope_positions=self.small[0])
         self.graph = None
         if capture:
             side = torch.cuda.Stream()

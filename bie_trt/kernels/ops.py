@@ -58,6 +58,27 @@ def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     return ref.w4_linear_ref(x, w)
 
 
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: W4Weight,
+                silu_mul: bool = False) -> torch.Tensor:
+    """w4_linear(rms_norm(x)), then SiLU(gate)·up when w is gate_up: one launch on the GPU."""
+    if use_triton(x):
+        from .triton_w4 import w4_linear_triton
+
+        return w4_linear_triton(x, w, w.gemv_config if x.shape[0] == 1 else None, norm_weight=norm_weight, eps=eps,
+                                silu_mul=silu_mul)
+    y = ref.w4_linear_ref(ref.rms_norm_ref(x, norm_weight, eps)[0], w)
+    return ref.silu_mul_ref(y) if silu_mul else y
+
+
+def linear_residual(x: torch.Tensor, w: W4Weight, residual: torch.Tensor) -> torch.Tensor:
+    """residual + w4_linear(x), added in the activation dtype: one launch on the GPU."""
+    if use_triton(x):
+        from .triton_w4 import w4_linear_triton
+
+        return w4_linear_triton(x, w, w.gemv_config if x.shape[0] == 1 else None, residual=residual)
+    return ref.w4_linear_ref(x, w) + residual
+
+
 def int8_rows_linear(x: torch.Tensor, head: Int8Rows) -> torch.Tensor:
     """Logits from the int8 lm_head: the Triton kernel for up to 16 rows (decode), torch beyond."""
     if use_triton(x):
@@ -75,6 +96,18 @@ def write_kv(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,
 
         return write_kv_triton(pools, layer, k, v, slot_blocks, slot_offsets)
     return ref.write_kv_ref(pools, layer, k, v, slot_blocks, slot_offsets)
+
+
+def qkv_epilogue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                 inv_freq: torch.Tensor, key_mean: torch.Tensor | None, rotate_keys: bool, rotate_values: bool,
+                 pools: KVPools, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> torch.Tensor:
+    """qkv rows -> attention's q [T, H_q, D]; RoPE, key centering and rotation applied, K/V written."""
+    if use_triton(qkv):
+        from .triton_ops import qkv_epilogue_triton as fn
+    else:
+        fn = ref.qkv_epilogue_ref
+    return fn(qkv, num_heads, num_kv_heads, positions, inv_freq, key_mean, rotate_keys, rotate_values,
+              pools, layer, slot_blocks, slot_offsets)
 
 
 def quantize_block(pools: KVPools, fp_block: int, q_block: int) -> None:

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.pool import KVPools
+from ..kv.rotation import rotate
+from ..model.rope import Rope, cos_sin
 from .w4_layout import W4Weight
 
 
@@ -32,3 +34,27 @@ def write_kv_ref(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,
     """Store k, v [T, H_kv, D]: token t goes to FP16 block slot_blocks[t], offset slot_offsets[t]."""
     pools.k[layer, slot_blocks, :, slot_offsets] = k.to(pools.k.dtype)
     pools.v[layer, slot_blocks, :, slot_offsets] = v.to(pools.v.dtype)
+
+
+def qkv_epilogue_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                     inv_freq: torch.Tensor, key_mean: torch.Tensor | None, rotate_keys: bool, rotate_values: bool,
+                     pools: KVPools, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> torch.Tensor:
+    """The qkv projection's rows [T, (H_q + 2 H_kv) D] -> attention's q [T, H_q, D]; K and V into the cache.
+
+    RoPE on q and k (rotate-half convention, cos and sin rounded to the activation dtype), the
+    calibrated mean key subtracted (key_mean [H_kv, D], or None), then the Hadamard rotation of q
+    and k (and of v with rotate_values), and K/V written to their FP16-tail slots."""
+    D = pools.k.shape[-1]
+    T = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    cos, sin = cos_sin(positions, inv_freq, qkv.dtype)
+    q, k = Rope.apply(q.view(T, num_heads, D), cos, sin), Rope.apply(k.view(T, num_kv_heads, D), cos, sin)
+    v = v.view(T, num_kv_heads, D)
+    if key_mean is not None:   # every score of a query shifts by q·m: softmax is unchanged
+        k = k - key_mean
+    if rotate_keys:   # rotated keys quantise without outlier channels; rotating q too keeps q·k
+        q, k = rotate(q), rotate(k)
+    if rotate_values:
+        v = rotate(v)
+    write_kv_ref(pools, layer, k, v, slot_blocks, slot_offsets)
+    return q

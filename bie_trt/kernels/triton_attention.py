@@ -6,8 +6,10 @@ sequence, or BLOCK_M consecutive queries of a prefill chunk), one kv head, and o
 pair of the tile that reads that kv head, so each K/V byte crosses the memory bus
 once per tile however many query heads share it (GQA). A partition walks its slice
 of the block table TILE tokens at a time with an online softmax and writes the
-unnormalised partial (max, sum, accumulator) to a workspace; a second small kernel
-merges the partitions. Splitting the context is what fills the GPU at batch 1.
+unnormalised partial (max, sum, accumulator) to a workspace, and the last partition of
+a (query tile, kv head) to arrive (an atomic counter, which it sets back to 0) merges
+them into the output: one launch. With one partition the program normalises and
+writes the output itself. Splitting the context is what fills the GPU at batch 1.
 
 Every block-table entry carries its block's precision (`kv/pool.py`): e >= 0 is FP16
 block e, e < 0 is quantised block -e-1, and the quantised pool's format (INT4 asym
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from ..kv.pool import KVPools
+from .arrival import arrival_counters
 from .attention_ref import paged_attention_ref, paged_decode_attention_ref  # noqa: F401 (the twins)
 
 try:
@@ -200,20 +203,46 @@ def _plain_rows(table, kv, live, slot, kv_head, stride_blk, stride_head, stride_
     return _fp_offsets(entry, rows, slot, kv_head, stride_blk, stride_head, stride_tok), rows
 
 
+@_jit()
+def _merge_partitions(m_ws_ptr, l_ws_ptr, acc_ws_ptr, ws_row, row_ok, num_partitions,
+                      ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[ROWS, HEAD_DIM] = Σ_p 2^(m_p - M) acc_p / Σ_p 2^(m_p - M) l_p; empty partitions weigh 0.
+    The partials were written by other programs: .cg loads read them from L2, not this SM's L1."""
+    m_max = tl.full((ROWS,), float("-inf"), tl.float32)
+    for p in range(num_partitions):
+        m_max = tl.maximum(m_max, tl.load(m_ws_ptr + ws_row + p, mask=row_ok, other=float("-inf"),
+                                          cache_modifier=".cg"))
+    # A query that saw no token at all (an empty decode slot) has every max at -inf: 0 keeps
+    # the weights at exp2(-inf) = 0 and the output at 0 instead of NaN.
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    d = tl.arange(0, HEAD_DIM)
+    denom = tl.zeros((ROWS,), tl.float32)
+    out = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+    for p in range(num_partitions):
+        w = tl.exp2(tl.load(m_ws_ptr + ws_row + p, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_ref)
+        denom += w * tl.load(l_ws_ptr + ws_row + p, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc = tl.load(acc_ws_ptr + (ws_row + p)[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0,
+                      cache_modifier=".cg")
+        out += w[:, None] * acc
+    return out / tl.where(denom > 0, denom, 1.0)[:, None]
+
+
 @_jit(do_not_specialize=("num_queries", "num_partitions", "stride_table"))
-def _paged_attention_partial_kernel(
+def _paged_attention_kernel(
     q_ptr, pos_ptr, table_ptr,
     k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
-    m_ws_ptr, l_ws_ptr, acc_ws_ptr,
+    m_ws_ptr, l_ws_ptr, acc_ws_ptr, cnt_ptr, out_ptr,
     num_queries, num_partitions, qk_scale,
-    stride_q_tok, stride_q_head, stride_table,
+    stride_q_tok, stride_q_head, stride_table, stride_out_tok, stride_out_head,
     stride_fp_blk, stride_fp_head, stride_fp_tok,
     stride_qd_blk, stride_qd_head, stride_qd_tok,
     stride_sc_blk, stride_sc_head, stride_sc_tok,
     NUM_Q_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr,
+    LENGTHS: tl.constexpr,
 ):
+    """pos_ptr: each query's position, or with LENGTHS each decode sequence's length (position + 1)."""
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -229,7 +258,10 @@ def _paged_attention_partial_kernel(
     q_a = tl.load(q_ptr + q_off[:, None] + ch_a[None, :], mask=row_ok[:, None], other=0.0)
     q_b = tl.load(q_ptr + q_off[:, None] + ch_b[None, :], mask=row_ok[:, None], other=0.0)
     # A query at position p sees cached tokens 0..p; padding rows (and an empty decode slot, p = -1) see none.
-    pos = tl.load(pos_ptr + qi, mask=row_ok, other=-1)
+    if LENGTHS:
+        pos = tl.load(pos_ptr + qi, mask=row_ok, other=0) - 1
+    else:
+        pos = tl.load(pos_ptr + qi, mask=row_ok, other=-1)
     context = tl.max(pos, 0) + 1
 
     # This partition's tiles: the tile's context split into num_partitions runs of whole tiles.
@@ -306,46 +338,28 @@ def _paged_attention_partial_kernel(
                 acc_a += tl.dot(p, f_a, input_precision="ieee")
                 acc_b += tl.dot(p, f_b, input_precision="ieee")
 
-    # Partials, unnormalised: workspace [query, q_head, partition] (+ channel for the accumulator).
-    ws = (qi * NUM_Q_HEADS + q_head) * num_partitions + part
-    tl.store(m_ws_ptr + ws, m_i, mask=row_ok)
-    tl.store(l_ws_ptr + ws, l_i, mask=row_ok)
-    tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + ch_a[None, :], acc_a, mask=row_ok[:, None])
-    tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + ch_b[None, :], acc_b, mask=row_ok[:, None])
-
-
-@_jit(do_not_specialize=("num_partitions",))
-def _combine_partitions_kernel(m_ws_ptr, l_ws_ptr, acc_ws_ptr, out_ptr, num_partitions,
-                               stride_out_tok, stride_out_head,
-                               NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PART_CHUNK: tl.constexpr):
-    """out = Σ_p 2^(m_p - M) acc_p / Σ_p 2^(m_p - M) l_p for one (query, head); empty partitions weigh 0."""
-    qi = tl.program_id(0)
-    head = tl.program_id(1)
-    base = (qi * NUM_Q_HEADS + head) * num_partitions
-    c = tl.arange(0, PART_CHUNK)
-    d = tl.arange(0, HEAD_DIM)
-
-    m_run = tl.full((PART_CHUNK,), float("-inf"), tl.float32)
-    for p0 in range(0, num_partitions, PART_CHUNK):
-        m_run = tl.maximum(m_run, tl.load(m_ws_ptr + base + p0 + c, mask=p0 + c < num_partitions,
-                                          other=float("-inf")))
-    m_max = tl.max(m_run, 0)
-    # A query that saw no token at all (an empty decode slot) has every max at -inf: 0 keeps
-    # the weights at exp2(-inf) = 0 and the output at 0 instead of NaN.
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-
-    l_run = tl.zeros((PART_CHUNK,), tl.float32)
-    out = tl.zeros((HEAD_DIM,), tl.float32)
-    for p0 in range(0, num_partitions, PART_CHUNK):
-        part = p0 + c
-        live = part < num_partitions
-        w = tl.exp2(tl.load(m_ws_ptr + base + part, mask=live, other=float("-inf")) - m_ref)
-        l_run += w * tl.load(l_ws_ptr + base + part, mask=live, other=0.0)
-        acc = tl.load(acc_ws_ptr + (base + part)[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
-        out += tl.sum(w[:, None] * acc, 0)
-    denom = tl.sum(l_run, 0)
-    out = out / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + qi * stride_out_tok + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty))
+    out_row = qi * stride_out_tok + q_head * stride_out_head
+    if num_partitions == 1:
+        denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + out_row[:, None] + ch_a[None, :], (acc_a / denom).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(out_ptr + out_row[:, None] + ch_b[None, :], (acc_b / denom).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        # Partials, unnormalised: workspace [query, q_head, partition] (+ channel for the accumulator).
+        ws_row = (qi * NUM_Q_HEADS + q_head) * num_partitions
+        ws = ws_row + part
+        tl.store(m_ws_ptr + ws, m_i, mask=row_ok)
+        tl.store(l_ws_ptr + ws, l_i, mask=row_ok)
+        tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + ch_a[None, :], acc_a, mask=row_ok[:, None])
+        tl.store(acc_ws_ptr + ws[:, None] * HEAD_DIM + ch_b[None, :], acc_b, mask=row_ok[:, None])
+        tl.debug_barrier()   # every thread's partials are out before the arrival is counted
+        counter = cnt_ptr + q_tile * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_partitions - 1:
+            out = _merge_partitions(m_ws_ptr, l_ws_ptr, acc_ws_ptr, ws_row, row_ok, num_partitions, ROWS, HEAD_DIM)
+            d = tl.arange(0, HEAD_DIM)
+            tl.store(out_ptr + out_row[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.atomic_xchg(counter, 0)
 
 
 # --------------------------------------------------------------------------- host side
@@ -419,9 +433,9 @@ def _check_inputs(q: torch.Tensor, pools: KVPools, table: torch.Tensor) -> None:
 
 
 def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.Tensor, stride_table: int,
-                     table_width: int, positions: torch.Tensor, scale: float, block_m: int,
-                     num_partitions: int | None, cfg: dict) -> torch.Tensor:
-    """Launch the partial kernel over (query tiles, kv heads, partitions), then the combine kernel."""
+                     table_width: int, positions: torch.Tensor, lengths: bool, scale: float, block_m: int,
+                     num_partitions: int | None, cfg: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch over (query tiles, kv heads, partitions); `positions` holds lengths when `lengths`."""
     num_queries, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = pools.k.shape[2], pools.k.shape[3]
     group = num_q_heads // num_kv_heads
@@ -442,29 +456,28 @@ def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.T
         kz = pools.k_zero[layer] if mode == _INT4 else ks  # FP8 has no zero point
         vz = pools.v_zero[layer] if mode == _INT4 else vs
 
-    m_ws = torch.empty((num_queries, num_q_heads, parts), dtype=torch.float32, device=q.device)
+    ws = parts if parts > 1 else 0   # one partition writes its output directly
+    m_ws = torch.empty((num_queries, num_q_heads, ws), dtype=torch.float32, device=q.device)
     l_ws = torch.empty_like(m_ws)
-    acc_ws = torch.empty((num_queries, num_q_heads, parts, head_dim), dtype=torch.float32, device=q.device)
+    acc_ws = torch.empty((num_queries, num_q_heads, ws, head_dim), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"attention output {tuple(out.shape)} must have q's shape {tuple(q.shape)}, channels contiguous.")
     launch = {key: cfg[key] for key in ("num_warps", "num_stages") if key in cfg}
-    _paged_attention_partial_kernel[(num_q_tiles, num_kv_heads, parts)](
+    _paged_attention_kernel[(num_q_tiles, num_kv_heads, parts)](
         q, positions, table,
         k, v, kq, vq, ks, vs, kz, vz,
-        m_ws, l_ws, acc_ws,
+        m_ws, l_ws, acc_ws, arrival_counters(q.device, num_q_tiles * num_kv_heads), out,
         num_queries, parts, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), stride_table,
+        q.stride(0), q.stride(1), stride_table, out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         kq.stride(0), kq.stride(1), kq.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2),
         NUM_Q_HEADS=num_q_heads, GROUP_HEADS=group, GROUP_PAD=group_pad, BLOCK_M=block_m, ROWS=rows,
         BLOCK_SIZE=block_size, TILE=tile, HEAD_DIM=head_dim, KV_MODE=mode,
-        QUANT_GROUP=pools.cfg.group_size if mode == _INT4 else 1, DTYPE=_tl_dtype(q.dtype),
+        QUANT_GROUP=pools.cfg.group_size if mode == _INT4 else 1, DTYPE=_tl_dtype(q.dtype), LENGTHS=lengths,
         **launch,
-    )
-    out = torch.empty_like(q)
-    _combine_partitions_kernel[(num_queries, num_q_heads)](
-        m_ws, l_ws, acc_ws, out, parts, out.stride(0), out.stride(1),
-        # PART_CHUNK fixed: derived from `parts`, it would compile a variant per range of context lengths
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PART_CHUNK=16,
     )
     return out
 
@@ -478,19 +491,21 @@ def paged_decode_attention(
     scale: float,
     num_partitions: int | None = None,
     config: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence, q [S, H_q, D], attending all context_lens[s] cached tokens -> [S, H_q, D].
 
     block_tables int32 [S, max_blocks] of signed entries (anything past a sequence's length is
     ignored); the current token's K/V must already be in the cache. A sequence of length 0 (a
     padding slot) gets zeros. `num_partitions` splits each context (default: enough programs to
-    fill the GPU); `config` takes tile_blocks, num_warps, num_stages.
+    fill the GPU); `config` takes tile_blocks, num_warps, num_stages; the result goes to `out` when given.
     """
     _check_inputs(q, pools, block_tables)
     cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]))
-    positions = context_lens.to(device=q.device, dtype=torch.int32) - 1  # the query sits at the last position
+    # the kernel reads lengths: each query sits at its sequence's last position
+    context_lens = context_lens.to(device=q.device, dtype=torch.int32)   # no copy when it already is
     return _paged_attention(q, pools, layer, block_tables, block_tables.stride(0), block_tables.shape[1],
-                            positions, scale, 1, num_partitions, cfg)
+                            context_lens, True, scale, 1, num_partitions, cfg, out)
 
 
 def paged_prefill_attention(
@@ -513,5 +528,5 @@ def paged_prefill_attention(
     cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]),
                           quantised_prefill=_kv_mode(pools) != _FP16_ONLY)
     pos = positions.to(device=q.device, dtype=torch.int32)
-    return _paged_attention(q, pools, layer, block_table, 0, block_table.shape[0], pos, scale,
+    return _paged_attention(q, pools, layer, block_table, 0, block_table.shape[0], pos, False, scale,
                             cfg["block_m"], None, cfg)

@@ -8,7 +8,8 @@ row scale at the end, so a step reads the codes once.
 
 One kernel, two inner products chosen at compile time: a single row (decode at batch 1) is a
 chain of FMAs reduced across the tile; 2..16 rows (batched decode) go through `tl.dot` on a
-16-row tile, with codes converted to the activation dtype (|q| <= 127 is exact in fp16). Larger M
+16-row tile. Codes become fp16 by bit operations, not a conversion instruction (`_codes_f16`;
+|q| <= 127 is exact in fp16). Larger M
 (every position's logits, for evaluation) is compute-bound and stays with torch. The twin is
 `Int8Rows.linear`.
 """
@@ -21,6 +22,14 @@ import triton.language as tl
 from .int8_rows import Int8Rows
 
 MAX_ROWS = 16   # the one tl.dot tile's rows; more rows take the torch path
+
+
+@triton.jit
+def _codes_f16(w):
+    """int8 codes -> exact fp16 without an int-to-float conversion: q + 128 as the low byte of the
+    half 0x6400 | b (= 1024 + b), minus 1152 (the magic-number trick of the W4 nibble path)."""
+    b = (w.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16)
+    return (b | 0x6400).to(tl.float16, bitcast=True) - 1152.0
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -42,11 +51,11 @@ def _int8_rows_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, V, K, stride_x, stride_q,
         w = tl.load(w_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)
         if BLOCK_M == 1:
             x = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            acc += tl.sum(_codes_f16(w).to(tl.float32) * x[None, :], axis=1)
         else:
             x = tl.load(x_ptr + ms[:, None] * stride_x + (k0 + ks)[None, :],
                         mask=(ms[:, None] < M) & k_ok[None, :], other=0)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+            acc += tl.dot(x, tl.trans(_codes_f16(w).to(x.dtype)), input_precision=DOT_PRECISION)
     scale = tl.load(s_ptr + rows, mask=row_ok, other=0).to(tl.float32)
     if BLOCK_M == 1:
         tl.store(out_ptr + rows, (acc * scale).to(out_ptr.dtype.element_ty), mask=row_ok)

@@ -134,6 +134,97 @@ def write_kv_triton(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor
         BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D), num_warps=4)
 
 
+# --- The qkv epilogue: RoPE, key centering, Hadamard rotation, K/V into the FP16 tail -----------
+
+@triton.jit
+def _halves(x, D: tl.constexpr):
+    """x [D] -> its first and second half [D/2] (register renumbering only)."""
+    return tl.split(tl.permute(tl.reshape(x, (2, D // 2)), (1, 0)))
+
+
+@triton.jit
+def _hadamard(x, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """x [D] fp32 -> x @ H, the normalised Sylvester Walsh–Hadamard matrix (`kv.rotation`), in registers.
+
+    H_D is the D-fold tensor power of H_2, so one butterfly on the leading index bit followed by a
+    rotation of the bits, repeated log2(D) times, applies it; each stage is the same reshape."""
+    for _ in tl.static_range(LOG2_D):
+        a, b = _halves(x, D)
+        x = tl.reshape(tl.join(a + b, a - b), (D,))
+    return x * tl.rsqrt(tl.zeros_like(x) + D)
+
+
+@triton.jit
+def _rope(x, cos, sin, D: tl.constexpr, DTYPE: tl.constexpr):
+    """Rotate-half RoPE of x [D] in fp32 with cos/sin [D/2] (the same for both halves); each product
+    and the sum rounded to the activation dtype, as the torch twin computes them."""
+    x1, x2 = _halves(x, D)
+    r1 = ((x1 * cos).to(DTYPE).to(tl.float32) + (-x2 * sin).to(DTYPE).to(tl.float32)).to(DTYPE)
+    r2 = ((x2 * cos).to(DTYPE).to(tl.float32) + (x1 * sin).to(DTYPE).to(tl.float32)).to(DTYPE)
+    return tl.reshape(tl.permute(tl.join(r1, r2), (1, 0)), (D,)).to(tl.float32)
+
+
+@triton.jit
+def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, q_out_ptr, kc_ptr, vc_ptr, blocks_ptr, offsets_ptr,
+                         stride_qkv, stride_qo, stride_cb, stride_ch, stride_cs,
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr,
+                         CENTRE: tl.constexpr, ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr):
+    """One program per (token, head): a query head, or a kv head's K and V."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    DTYPE = q_out_ptr.dtype.element_ty
+    d = tl.arange(0, D)
+    j = tl.arange(0, D // 2)
+    # cos/sin in fp32, then rounded to the activation dtype (Rope.cos_sin)
+    freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + j)
+    cos = tl.cos(freq).to(DTYPE).to(tl.float32)
+    sin = tl.sin(freq).to(DTYPE).to(tl.float32)
+    row = qkv_ptr + t * stride_qkv
+    if head < NUM_HEADS:
+        q = _rope(tl.load(row + head * D + d).to(tl.float32), cos, sin, D, DTYPE)
+        if ROTATE_K:
+            q = _hadamard(q, D, LOG2_D)
+        tl.store(q_out_ptr + t * stride_qo + head * D + d, q.to(DTYPE))
+    else:
+        kv_head = head - NUM_HEADS
+        k = _rope(tl.load(row + (NUM_HEADS + kv_head) * D + d).to(tl.float32), cos, sin, D, DTYPE)
+        if CENTRE:
+            k = (k - tl.load(mean_ptr + kv_head * D + d).to(tl.float32)).to(DTYPE).to(tl.float32)
+        if ROTATE_K:
+            k = _hadamard(k, D, LOG2_D)
+        v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * D + d).to(tl.float32)
+        if ROTATE_V:
+            v = _hadamard(v, D, LOG2_D)
+        # K/V are rounded to the activation dtype first, as the unfused path hands them over
+        dst = tl.load(blocks_ptr + t).to(tl.int64) * stride_cb + kv_head * stride_ch + tl.load(offsets_ptr + t) * stride_cs + d
+        tl.store(kc_ptr + dst, k.to(DTYPE).to(kc_ptr.dtype.element_ty))
+        tl.store(vc_ptr + dst, v.to(DTYPE).to(vc_ptr.dtype.element_ty))
+
+
+def qkv_epilogue_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                        inv_freq: torch.Tensor, key_mean: torch.Tensor | None, rotate_keys: bool, rotate_values: bool,
+                        pools: KVPools, layer: int, slot_blocks: torch.Tensor,
+                        slot_offsets: torch.Tensor) -> torch.Tensor:
+    """One launch for everything between the qkv projection and attention; twin of `qkv_epilogue_ref`."""
+    T = qkv.shape[0]
+    D = pools.k.shape[-1]
+    if D & (D - 1):
+        raise ValueError(f"the fused qkv epilogue needs a power-of-two head_dim; got {D}.")
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    kc, vc = pools.k[layer], pools.v[layer]
+    mean = key_mean if key_mean is not None else inv_freq   # never read without CENTRE
+    _qkv_epilogue_kernel[(T, num_heads + num_kv_heads)](
+        qkv, positions, inv_freq, mean, q, kc, vc, slot_blocks, slot_offsets,
+        qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=D, LOG2_D=D.bit_length() - 1, CENTRE=key_mean is not None,
+        ROTATE_K=rotate_keys, ROTATE_V=rotate_values, num_warps=1 if D <= 64 else 2)
+    return q
+
+
 # --- The fused block quantiser ------------------------------------------------------------------
 
 @triton.jit

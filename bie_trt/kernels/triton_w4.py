@@ -15,9 +15,16 @@ Two kernels, picked by the number of rows M of x (`w4_linear_ref` in reference.p
   M = 4 against about 6 here, because the tensor cores take over the per-row multiply-adds.
 
 Both split K when there are too few output tiles to fill the GPU: each K-slice writes fp32
-partial sums to a workspace that a small kernel adds up in a fixed order (deterministic, unlike
-atomics, and with no memset). A K-step never straddles a quantisation group (BLOCK_K divides
-the group size), so a step needs one scale and one zero per output row, not one per weight.
+partial sums to a workspace, and the last slice of a tile to arrive (an atomic counter per tile,
+which that slice sets back to 0) adds them up in a fixed order (deterministic, unlike atomic sums)
+and finishes the tile: no second launch. A K-step never straddles a quantisation group (BLOCK_K
+divides the group size), so a step needs one scale and one zero per output row, not one per weight.
+
+The decoder layer's small ops ride along, so a layer is one launch per linear: an RMSNorm of the
+input (each program computes the row's 1/rms itself; the row is a few KB from L2) in front of the
+qkv and gate_up linears, the residual add behind o_proj and down, and SiLU(gate)·up behind gate_up
+(a program then owns matching gate and up rows, interleaved: local row 2r is gate row r, 2r + 1
+up row r). Twins: `rms_norm_ref`, `silu_mul_ref` and `+` around `w4_linear_ref` (`ops.py`).
 
 Tile sizes obey two rules found by compiling for sm_90 and reading the SASS: a [BLOCK_K] or
 [BLOCK_N] vector loaded every step must have fewer elements than the program has threads, or
@@ -36,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrival import arrival_counters
 from .w4_layout import W4Weight, pack_w4
 
 _GEMV_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"}
@@ -86,18 +94,90 @@ def _load_step(qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw, live_rows, stride_qn, s
 
 
 @triton.jit
+def _row_rstd(x_ptr, offs_m, mask_m, stride_xm, K, eps, BLOCK: tl.constexpr):
+    """1/rms of each row [BM] of x: the RMSNorm folded into the linear that consumes it."""
+    acc = tl.zeros([offs_m.shape[0], BLOCK], dtype=tl.float32)
+    offs = tl.arange(0, BLOCK)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs)[None, :],
+                    mask=mask_m[:, None] & (k0 + offs < K)[None, :], other=0).to(tl.float32)
+        acc += x * x
+    return tl.rsqrt(tl.sum(acc, axis=1) / K + eps)
+
+
+@triton.jit
+def _normed(x, rstd, nw_ptr, offs_k, DTYPE: tl.constexpr):
+    """x [BM, BK] -> norm(x) · weight rounded to the activation dtype, as the standalone norm stores it."""
+    w = tl.load(nw_ptr + offs_k).to(tl.float32)
+    return (x.to(tl.float32) * rstd[:, None] * w[None, :]).to(DTYPE)
+
+
+@triton.jit
+def _weight_rows(pid_n, BLOCK_N: tl.constexpr, N, GLU: tl.constexpr):
+    """(weight rows, output columns) of a program's BLOCK_N rows. GLU: gate and up rows interleaved."""
+    r = tl.arange(0, BLOCK_N)
+    if GLU:
+        col = pid_n * (BLOCK_N // 2) + r // 2
+        return col + (r % 2) * (N // 2), col
+    return pid_n * BLOCK_N + r, pid_n * BLOCK_N + r
+
+
+@triton.jit
+def _last_slice_sum(acc, part_ptr, cnt_ptr, tile, part_off, pid_k, SPLIT_K: tl.constexpr, stride_part, mask):
+    """Split K: store this slice's partials; the tile's last slice to arrive sums all of them in
+    slice order and gets (True, sum), the others (False, _). The counter is reset for the next launch."""
+    tl.store(part_ptr + pid_k * stride_part + part_off, acc, mask=mask)
+    tl.debug_barrier()   # every thread's partials are out before the arrival is counted
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    if last:
+        for s in tl.static_range(SPLIT_K):
+            # .cg: other programs wrote these, so read them from L2, not this SM's L1
+            total += tl.load(part_ptr + s * stride_part + part_off, mask=mask, other=0, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile, 0)
+    return last, total
+
+
+@triton.jit
+def _epilogue(acc, offs_m, cols, mask_m, bias_ptr, bias_rows, res_ptr, out_ptr, stride_rm, stride_om, N_OUT,
+              HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GLU: tl.constexpr):
+    """acc [BM, BN] fp32 -> out: + bias, then SiLU(gate)·up (GLU) or + residual, in the output dtype."""
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + bias_rows).to(tl.float32)[None, :]
+    if GLU:
+        # The gate_up output is rounded to the activation dtype first, as the unfused path stores it.
+        gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), (acc.shape[0], acc.shape[1] // 2, 2)))
+        y = (gate * tl.sigmoid(gate) * up).to(dtype)
+        cols = tl.reshape(cols, (cols.shape[0] // 2, 2))
+        cols, _ = tl.split(cols)
+    else:
+        y = acc.to(dtype)
+    mask = mask_m[:, None] & (cols < N_OUT)[None, :]
+    if RESIDUAL:
+        # Added in the activation dtype, as the reference adds the residual stream.
+        y = (y + tl.load(res_ptr + offs_m[:, None] * stride_rm + cols[None, :], mask=mask, other=0)).to(dtype)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], y, mask=mask)
+
+
+@triton.jit
 def _w4_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
-    N, KW, KW_PER_SPLIT, nib_mask, stride_qn, stride_sn,
-    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, nw_ptr, res_ptr,
+    N, KW, KW_PER_SPLIT, nib_mask, stride_qn, stride_sn, eps,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, GLU: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: BLOCK_N output rows × one K-slice of a single row of x."""
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, cols = _weight_rows(pid_n, BLOCK_N, N, GLU)
     offs_w = tl.arange(0, BLOCK_KW)
+    row0 = tl.zeros([1], dtype=tl.int32)
+    if NORM:
+        rstd = _row_rstd(x_ptr, row0, row0 == 0, 0, KW * 8, eps, 1024)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
 
@@ -112,7 +192,10 @@ def _w4_gemv_kernel(
         next_words, next_scale, next_zero = _load_step(
             qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw + BLOCK_KW,
             tl.where(kw + BLOCK_KW < kw_end, N, 0), stride_qn, stride_sn, GROUP)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split_planes(tl.load(x_ptr + kw * 8 + offs_k).to(tl.float32))
+        x = tl.load(x_ptr + kw * 8 + offs_k)
+        if NORM:
+            x = tl.reshape(_normed(x[None, :], rstd, nw_ptr, kw * 8 + offs_k, x_ptr.dtype.element_ty), (BLOCK_K,))
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split_planes(x.to(tl.float32))
         # Explicit FMAs: Triton is moving to no fp contraction by default.
         t = _nibble(words, 0, zero, nib_mask) * x0[None, :]
         t = tl.fma(_nibble(words, 1, zero, nib_mask), x1[None, :], t)
@@ -127,19 +210,23 @@ def _w4_gemv_kernel(
         words, scale, zero = next_words, next_scale, next_zero
 
     mask = offs_n < N
-    if SPLIT:
-        tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask)
+    bias_rows = tl.where(mask, offs_n, 0)
+    if SPLIT_K > 1:
+        last, total = _last_slice_sum(acc, part_ptr, cnt_ptr, pid_n, offs_n, pid_k, SPLIT_K, N, mask)
+        if last:
+            _epilogue(total[None, :], row0, cols, row0 == 0, bias_ptr, bias_rows, res_ptr, out_ptr, 0, 0,
+                      N // 2 if GLU else N, HAS_BIAS, RESIDUAL, GLU)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask, other=0).to(tl.float32)
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _epilogue(acc[None, :], row0, cols, row0 == 0, bias_ptr, bias_rows, res_ptr, out_ptr, 0, 0,
+                  N // 2 if GLU else N, HAS_BIAS, RESIDUAL, GLU)
 
 
 @triton.jit
 def _w4_mma_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
-    M, N, KW, KW_PER_SPLIT, nib_mask, stride_xm, stride_qn, stride_sn, stride_om,
-    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, nw_ptr, res_ptr,
+    M, N, KW, KW_PER_SPLIT, nib_mask, stride_xm, stride_qn, stride_sn, stride_om, stride_rm, eps,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, GLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K-slice, on the tensor cores."""
@@ -150,17 +237,21 @@ def _w4_mma_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, cols = _weight_rows(pid_n, BLOCK_N, N, GLU)
     offs_w = tl.arange(0, BLOCK_KW)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    if NORM:
+        rstd = _row_rstd(x_ptr, offs_m, mask_m, stride_xm, KW * 8, eps, 256)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     kw_start = pid_k * KW_PER_SPLIT
     kw_end = tl.minimum(kw_start + KW_PER_SPLIT, KW)
     for kw in range(kw_start, kw_end, BLOCK_KW):
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (kw * 8 + offs_k)[None, :],
                     mask=mask_m[:, None], other=0)
+        if NORM:
+            a = _normed(a, rstd, nw_ptr, kw * 8 + offs_k, x_ptr.dtype.element_ty)
         words, scale, zero = _load_step(qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw, N,
                                         stride_qn, stride_sn, GROUP)
         # Three rounds of interleaving put weight k = 8·word + i back in K order; like the
@@ -183,28 +274,17 @@ def _w4_mma_kernel(
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
 
     mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT:
-        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+    bias_rows = tl.where(mask_n, offs_n, 0)
+    if SPLIT_K > 1:
+        tile = pid_n * tl.num_programs(0) + pid_m
+        last, total = _last_slice_sum(acc, part_ptr, cnt_ptr, tile, offs_m[:, None] * N + offs_n[None, :], pid_k,
+                                      SPLIT_K, M * N, mask)
+        if last:
+            _epilogue(total, offs_m, cols, mask_m, bias_ptr, bias_rows, res_ptr, out_ptr, stride_rm, stride_om,
+                      N // 2 if GLU else N, HAS_BIAS, RESIDUAL, GLU)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                          SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[m] = the SPLIT_K partials added in split order + bias, cast to the output dtype."""
-    m = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs_n < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + m) * N + offs_n, mask=mask, other=0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask, other=0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _epilogue(acc, offs_m, cols, mask_m, bias_ptr, bias_rows, res_ptr, out_ptr, stride_rm, stride_om,
+                  N // 2 if GLU else N, HAS_BIAS, RESIDUAL, GLU)
 
 
 # --- Configs ------------------------------------------------------------------------------------
@@ -292,10 +372,15 @@ def _resolve_config(M: int, N: int, K: int, group_size: int, device: torch.devic
 
 # --- Entry points -------------------------------------------------------------------------------
 
-def w4_linear_triton(x: torch.Tensor, w: W4Weight, config: dict[str, Any] | None = None) -> torch.Tensor:
+def w4_linear_triton(x: torch.Tensor, w: W4Weight, config: dict[str, Any] | None = None, *,
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                     residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x [..., K] (fp16 or fp32) · Wᵀ + bias -> [..., N] in x's dtype; twin of `w4_linear_ref`.
 
-    `config` overrides the default tile config (see `candidate_configs` for its keys).
+    Fused around it, each optional: `norm_weight` (x is RMS-normalised first: `rms_norm_ref`),
+    `silu_mul` (W is gate_up: returns SiLU(gate)·up [..., N/2]: `silu_mul_ref`), `residual`
+    (returns residual + the product, added in x's dtype). `config` overrides the default tile
+    config (see `candidate_configs` for its keys).
     """
     K = w.qweight.shape[1] * 8
     N = w.out_features
@@ -304,6 +389,8 @@ def w4_linear_triton(x: torch.Tensor, w: W4Weight, config: dict[str, Any] | None
         raise ValueError(f"x has {x.shape[-1]} features but the 4-bit weight expects {K}.")
     if K % G:
         raise ValueError(f"K={K} is not a multiple of the group size {G}.")
+    if silu_mul and (N % 2 or residual is not None):
+        raise ValueError(f"silu_mul needs an even number of gate_up rows ({N}) and no residual.")
     for name in ("qweight", "scales", "zeros"):
         if not getattr(w, name).is_contiguous():
             raise ValueError(f"W4Weight.{name} must be contiguous (row n, then K).")
@@ -311,9 +398,15 @@ def w4_linear_triton(x: torch.Tensor, w: W4Weight, config: dict[str, Any] | None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    n_out = N // 2 if silu_mul else N
+    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     if M == 0:
-        return out.reshape(*x.shape[:-1], N)
+        return out.reshape(*x.shape[:-1], n_out)
+    res = out
+    if residual is not None:
+        res = residual.reshape(M, n_out)
+        if res.stride(-1) != 1:
+            res = res.contiguous()
     cfg = _resolve_config(M, N, K, G, x.device, config)
     KW = K // 8
     step = cfg["BLOCK_K"] // 8
@@ -322,30 +415,25 @@ def w4_linear_triton(x: torch.Tensor, w: W4Weight, config: dict[str, Any] | None
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
     has_bias = w.bias is not None
     bias = w.bias if has_bias else w.scales  # any tensor: never read without HAS_BIAS
+    nw = norm_weight if norm_weight is not None else w.scales   # never read without NORM
+    fused = dict(GROUP=G, HAS_BIAS=has_bias, SPLIT_K=split, NORM=norm_weight is not None,
+                 RESIDUAL=residual is not None, GLU=silu_mul, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                 num_warps=cfg["num_warps"])
 
     if M == 1:
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), split)
         _w4_gemv_kernel[grid](
-            x2, w.qweight, w.scales, w.zeros, bias, out, part,
-            N, KW, kw_per_split, _NIBBLE_MASK, w.qweight.stride(0), w.scales.stride(0),
-            GROUP=G, HAS_BIAS=has_bias, SPLIT=split > 1,
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+            x2, w.qweight, w.scales, w.zeros, bias, out, part, arrival_counters(x.device, grid[0]), nw, res,
+            N, KW, kw_per_split, _NIBBLE_MASK, w.qweight.stride(0), w.scales.stride(0), eps, **fused)
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split)
         _w4_mma_kernel[grid](
-            x2, w.qweight, w.scales, w.zeros, bias, out, part,
-            M, N, KW, kw_per_split, _NIBBLE_MASK,
-            x2.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
-            GROUP=G, HAS_BIAS=has_bias, SPLIT=split > 1,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if split > 1:
-        block = 256
-        _splitk_reduce_kernel[(M, triton.cdiv(N, block))](
-            part, bias, out, M, N, out.stride(0),
-            SPLIT_K=split, HAS_BIAS=has_bias, BLOCK_N=block, num_warps=2)
-    return out.reshape(*x.shape[:-1], N)
+            x2, w.qweight, w.scales, w.zeros, bias, out, part, arrival_counters(x.device, grid[0] * grid[1]), nw,
+            res, M, N, KW, kw_per_split, _NIBBLE_MASK,
+            x2.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0), res.stride(0), eps,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=cfg["BLOCK_M"],
+            num_stages=cfg["num_stages"], **fused)
+    return out.reshape(*x.shape[:-1], n_out)
 
 
 def random_w4(N: int, K: int, group_size: int = 128, bias: bool = False,

@@ -108,16 +108,16 @@ class LlamaModel:
         decode-only steps), so CUDA graphs can capture it; the embedding gather stays outside
         because its table may live in host memory."""
         cfg = self.cfg
-        cos, sin = self.rope.cos_sin(meta.positions if meta.rope_positions is None else meta.rope_positions,
-                                     self.dtype)
-        residual = None
+        # h is the residual stream: each linear that ends a sub-block adds into it, and the norm
+        # in front of a sub-block is folded into the linear that starts it.
         for li, layer in enumerate(self.layers):
-            x, residual = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps, residual)
-            h = self._attention(li, layer, x, cos, sin, meta, pools)
-            x, residual = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps, residual)
-            h = ops.w4_linear(ops.silu_mul(ops.w4_linear(x, layer.linears["gate_up"])), layer.linears["down"])
-        h, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
-        return self._logits(h[meta.logit_rows]).float()
+            h = self._attention(li, layer, h, meta, pools)
+            act = ops.norm_linear(h, layer.mlp_norm, cfg.rms_norm_eps, layer.linears["gate_up"], silu_mul=True)
+            h = ops.linear_residual(act, layer.linears["down"], h)
+        if meta.logit_rows.numel() != h.shape[0]:   # build() lists rows in order: as many means all of them
+            h = h[meta.logit_rows]
+        h, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps)
+        return self._logits(h).float()
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_on_host:
@@ -129,22 +129,24 @@ class LlamaModel:
             return ops.int8_rows_linear(rows, self.lm_head)
         return F.linear(rows, self.lm_head)
 
-    def _attention(self, li: int, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
+    def _attention(self, li: int, layer: Layer, h: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
+        """h + o_proj(attention(norm(h))): the residual stream after the attention sub-block."""
         cfg = self.cfg
-        qkv = ops.w4_linear(x, layer.linears["qkv"])
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = Rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = Rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if centres_keys(pools.cfg):   # the runner checked at load that key_mean exists
-            k = k - self.key_mean[li]   # every score of a query shifts by q·m: softmax is unchanged
-        if rotates_keys(pools.cfg):
-            # Hadamard-rotated keys quantise without outlier channels; rotating q too keeps q·k.
-            q, k = rotate(q), rotate(k)
+        qkv = ops.norm_linear(h, layer.attn_norm, cfg.rms_norm_eps, layer.linears["qkv"])
+        # RoPE, the calibrated key centering and the Hadamard rotation of q and k (v too with
+        # hadamard_kv), K/V into the FP16 tail: one launch (the runner checked key_mean exists).
+        q = ops.qkv_epilogue(qkv, cfg.num_heads, cfg.num_kv_heads, meta.rope_positions, self.rope.inv_freq,
+                             self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
+                             rotates_values(pools.cfg), pools, li, meta.slot_blocks, meta.slot_offsets)
+        if meta.all_decode:   # a decode-only step (the graphs'): no gather and scatter of rows
+            out = ops.paged_decode_attention(q, pools, li, meta.decode_tables, meta.decode_lens, self.scale)
+        else:
+            out = self._mixed_attention(li, q, meta, pools)
         if rotates_values(pools.cfg):
-            v = rotate(v)
-        ops.write_kv(pools, li, k, v, meta.slot_blocks, meta.slot_offsets)
+            out = rotate(out)
+        return ops.linear_residual(out.reshape(-1, cfg.q_size), layer.linears["o"], h)
+
+    def _mixed_attention(self, li: int, q: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = ops.paged_decode_attention(q[meta.decode_rows], pools, li, meta.decode_tables,
@@ -152,9 +154,7 @@ class LlamaModel:
         for start, n, table in meta.prefills:
             out[start:start + n] = ops.paged_prefill_attention(q[start:start + n], pools, li, table,
                                                                meta.positions[start:start + n], self.scale)
-        if rotates_values(pools.cfg):
-            out = rotate(out)
-        return ops.w4_linear(out.reshape(-1, cfg.q_size), layer.linears["o"])
+        return out
 
 
 @dataclass
@@ -170,7 +170,12 @@ class StepMetadata:
     prefills: list[tuple[int, int, torch.Tensor]]  # (first row, tokens, int32 table) of multi-token chunks
     logit_rows: torch.Tensor                 # rows whose logits are wanted
     logit_counts: list[int]
-    rope_positions: torch.Tensor | None = None   # [T] when some SeqInput has a rope_offset; else `positions`
+    rope_positions: torch.Tensor             # [T] positions RoPE rotates by: `positions` + each rope_offset
+
+    @property
+    def all_decode(self) -> bool:
+        """Every row is a one-token sequence, in order (build() and the graphs list them so)."""
+        return not self.prefills and self.decode_rows is not None and self.decode_rows.numel() == self.positions.numel()
 
     @classmethod
     def build(cls, seqs: list[SeqInput], block_size: int, device: torch.device) -> "StepMetadata":
@@ -208,4 +213,4 @@ class StepMetadata:
                    t(padded, torch.int32) if decode_rows else None,
                    t(decode_lens, torch.int32) if decode_rows else None,
                    prefills, t(logit_rows), counts,
-                   t(rope) if any(s.rope_offset for s in seqs) else None)
+                   t(rope))

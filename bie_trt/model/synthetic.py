@@ -41,8 +41,9 @@ def random_weights(cfg: ModelConfig, group_size: int = 128, seed: int = 0,
                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """fp16 embedding and norms, int8 lm_head, W4 linears whose scales (~0.5/√K) keep outputs O(1).
     Drawn on `device` (an 8B's 4 GB draw in seconds on a GPU, a minute on a small CPU); the
-    embedding comes back on the CPU, where the model places it as the plan says."""
-    g = torch.Generator(device=device).manual_seed(seed)
+    embedding comes back on the CPU, where the model places it as the plan says. On the `meta`
+    device only the shapes exist (step accounting at real scale; meta has no generator)."""
+    g = None if torch.device(device).type == "meta" else torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.rand(*shape, generator=g, device=device)
@@ -55,7 +56,8 @@ def random_weights(cfg: ModelConfig, group_size: int = 128, seed: int = 0,
 
     h = cfg.hidden_size
     ones = torch.ones(h, dtype=torch.float16)
-    w = {"embed_tokens": (randn(cfg.vocab_size, h) * 0.02).half().cpu(), "norm": ones}
+    keep = torch.device(device) if g is None else torch.device("cpu")
+    w = {"embed_tokens": (randn(cfg.vocab_size, h) * 0.02).half().to(keep), "norm": ones}
     w["lm_head.q"], w["lm_head.scale"] = quantize_rows_int8(randn(cfg.vocab_size, h) * 0.02)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."

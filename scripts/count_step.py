@@ -1,0 +1,240 @@
+"""Count what one graph-captured decode step launches, per decoder layer and outside the layers,
+and the bytes those launches move, against the roofline bytes (weights + KV a token must read).
+
+No GPU needed. The step is `cuda_graphs._StaticStep`'s own (the code a CUDA graph records), run
+eagerly with the Triton kernels forced (`BIE_TRT_KERNELS=triton`):
+
+* **launches**: every Triton kernel launch (a hook on the launcher), and every torch op that would
+  be a CUDA kernel (a `TorchDispatchMode`: views, empty allocations and the interpreter's own host
+  copies are not kernels, in-place and out-of-place math is);
+* **per layer / outside**: the step of a 1-layer and a 2-layer model of the same shapes; the
+  difference is one layer, the rest is outside the layers;
+* **bytes** at the real shapes (Llama-3-8B by default) on the `meta` device, where nothing is
+  computed or allocated and each Triton launch is recorded instead of run: a torch op moves its
+  inputs and outputs; a Triton launch moves its tensor arguments, except the KV pools, of which
+  an attention launch reads the context's K/V (`plan.kv_bytes_per_token` a layer) and write_kv
+  writes the step's rows. Outputs are the arguments a kernel writes (`*out*`, partials, workspaces).
+
+    python scripts/count_step.py --out benchmarks/results/count_step.json          # 8B shapes, 64k, batch 1
+    python scripts/count_step.py --batch 8 --context 8192 --tiny                     # also run the tiny model
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
+os.environ["BIE_TRT_KERNELS"] = "triton"
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
+from bie_trt.executor.cuda_graphs import _StaticStep  # noqa: E402
+from bie_trt.kv.pool import allocate_pools  # noqa: E402
+from bie_trt.model.llama import LlamaModel, SeqInput  # noqa: E402
+from bie_trt.model.synthetic import llama3_8b, random_weights, tiny_llama  # noqa: E402
+from bie_trt.plan import kv_bytes_per_token, lm_head_bytes, linear_weight_bytes  # noqa: E402
+
+# Ops that allocate without touching memory, or only look at metadata.
+_NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
+                "is_same_size", "_unsafe_view", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_has_compatible_shallow_copy_type"}
+# Triton arguments a kernel writes; every other tensor argument is read.
+_WRITTEN = re.compile(r"(^out|_out|part|_ws|sum|^kc_|^vc_)")
+# Triton arguments that are whole KV pools: only what the step touches counts.
+_POOL_ARGS = {"k_ptr", "v_ptr", "kq_ptr", "vq_ptr", "ks_ptr", "vs_ptr", "kz_ptr", "vz_ptr", "kc_ptr", "vc_ptr"}
+
+
+@dataclasses.dataclass
+class Launch:
+    name: str
+    triton: bool
+    read: int
+    written: int
+
+
+@dataclasses.dataclass
+class StepShape:
+    """What the byte model needs to know about the step beyond the arguments' shapes."""
+
+    model: ModelConfig
+    kv: KVCacheConfig
+    batch: int
+    context: int
+
+
+def _is_view(op: Any) -> bool:
+    returns = op._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+class _TorchOps(TorchDispatchMode):
+    """Records every dispatched op that would be a kernel, unless a Triton launch is running."""
+
+    def __init__(self, sink: list[Launch]):
+        super().__init__()
+        self.sink, self.paused = sink, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        tensors_out = [a for a in torch.utils._pytree.tree_leaves(out) if isinstance(a, torch.Tensor)]
+        if not self.paused and tensors_out and name not in _NOT_KERNELS and not _is_view(func):
+            flat_in = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            mutated = {id(a) for i, a in enumerate(args) if i < len(func._schema.arguments)
+                       and func._schema.arguments[i].alias_info is not None
+                       and func._schema.arguments[i].alias_info.is_write}
+            read = sum(_nbytes(a) for a in flat_in if id(a) not in mutated)
+            written = sum(_nbytes(a) for a in tensors_out)
+            if mutated and not name.endswith("_"):   # out= variants
+                written = sum(_nbytes(a) for a in flat_in if id(a) in mutated)
+            self.sink.append(Launch(name, False, read, written))
+        return out
+
+
+def _triton_bytes(name: str, arg_names: list[str], args: tuple, shape: StepShape) -> tuple[int, int]:
+    read = written = 0
+    for arg_name, a in zip(arg_names, args):
+        if not isinstance(a, torch.Tensor) or arg_name in _POOL_ARGS:
+            continue
+        if _WRITTEN.search(arg_name):
+            written += _nbytes(a)
+        else:
+            read += _nbytes(a)
+    m, kv = shape.model, shape.kv
+    if "attention" in name:
+        read += shape.batch * shape.context * kv_bytes_per_token(m, kv) // m.num_layers
+    if "write_kv" in name:
+        written += shape.batch * 2 * m.num_kv_heads * m.head_dim * 2
+    return read, written
+
+
+def _triton_hook(sink: list[Launch], mode: _TorchOps, shape: StepShape, execute: bool) -> Callable:
+    """A replacement for the Triton launcher's `run`: records the launch, then runs it (or not)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = InterpretedFunction.run
+
+    def run(fn, *args, grid, warmup, **kwargs):
+        name = fn.fn.__name__
+        sink.append(Launch(name, True, *_triton_bytes(name, fn.arg_names, args, shape)))
+        if not execute:
+            return None
+        mode.paused = True
+        try:
+            return original(fn, *args, grid=grid, warmup=warmup, **kwargs)
+        finally:
+            mode.paused = False
+
+    return run
+
+
+def launches_of_step(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str) -> list[Launch]:
+    """Every launch of one decode step of `batch` sequences at `context` tokens each (shapes only on meta)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    dtype = torch.float16 if device == "meta" else torch.float32
+    weights = random_weights(cfg, group_size=min(128, cfg.hidden_size // 2), device=device)
+    model = LlamaModel(cfg, weights, torch.device(device), dtype)
+    blocks_per_seq = -(-context // kv.block_size)
+    num_blocks = batch * blocks_per_seq   # every block FP16: which pool a block sits in changes no launch
+    pools = allocate_pools(cfg, kv, num_blocks, num_blocks, dtype, torch.device(device), scratch_block=True)
+    step = _StaticStep(model, pools, batch, blocks_per_seq, pools.scratch_block, capture=False)
+    seqs = [SeqInput(torch.tensor([1 + i]), context - 1,
+                     list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(batch)]
+    sink: list[Launch] = []
+    mode = _TorchOps(sink)
+    real_run = InterpretedFunction.run
+    InterpretedFunction.run = _triton_hook(sink, mode, StepShape(cfg, kv, batch, context), execute=device != "meta")
+    try:
+        step.run(seqs)   # fills the static buffers
+        sink.clear()
+        with mode:
+            step._step()
+    finally:
+        InterpretedFunction.run = real_run
+    return sink
+
+
+def _tally(launches: list[Launch]) -> collections.Counter:
+    return collections.Counter(("triton" if x.triton else "torch", x.name) for x in launches)
+
+
+def _bytes(launches: list[Launch]) -> tuple[int, int]:
+    return sum(x.read for x in launches), sum(x.written for x in launches)
+
+
+def roofline_bytes(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, group_size: int = 128) -> int:
+    """What a step must read at least: every weight once (W4 layers, int8 lm_head) and each sequence's K/V."""
+    return (linear_weight_bytes(cfg, group_size) + lm_head_bytes(cfg, "int8")
+            + batch * context * kv_bytes_per_token(cfg, kv))
+
+
+def split_layers(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str) -> dict:
+    """Launches of one layer (2-layer step minus 1-layer step) and outside the layers."""
+    one = launches_of_step(dataclasses.replace(cfg, num_layers=1), kv, batch, context, device)
+    two = launches_of_step(dataclasses.replace(cfg, num_layers=2), kv, batch, context, device)
+    layer = _tally(two) - _tally(one)
+    outside = _tally(one) - layer
+    layer_bytes = [b - a for a, b in zip(_bytes(one), _bytes(two))]
+    outside_bytes = [a - b for a, b in zip(_bytes(one), layer_bytes)]
+    return {"layer": layer, "outside": outside, "layer_bytes": layer_bytes, "outside_bytes": outside_bytes}
+
+
+def _listing(counts: collections.Counter) -> list[dict]:
+    return [{"kind": kind, "name": name, "count": n} for (kind, name), n in sorted(counts.items())]
+
+
+def count(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str = "meta") -> dict:
+    parts = split_layers(cfg, kv, batch, context, device)
+    L = cfg.num_layers
+    read = L * parts["layer_bytes"][0] + parts["outside_bytes"][0]
+    written = L * parts["layer_bytes"][1] + parts["outside_bytes"][1]
+    roof = roofline_bytes(cfg, kv, batch, context)
+    per_layer, outside = sum(parts["layer"].values()), sum(parts["outside"].values())
+    return {
+        "device": device, "batch": batch, "context": context, "kv": dataclasses.asdict(kv),
+        "model": dataclasses.asdict(cfg),
+        "launches_per_layer": per_layer, "launches_outside": outside, "launches_total": L * per_layer + outside,
+        "triton_per_layer": sum(n for (k, _), n in parts["layer"].items() if k == "triton"),
+        "per_layer": _listing(parts["layer"]), "outside": _listing(parts["outside"]),
+        "bytes_read": read, "bytes_written": written, "roofline_bytes": roof,
+        "bytes_over_roofline": (read + written) / roof,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=65536)
+    ap.add_argument("--kv", default="int4_asym", choices=["int4_asym", "fp16", "fp8"])
+    ap.add_argument("--tiny", action="store_true",
+                    help="also run the tiny model of the same structure through the interpreted kernels")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    kv = KVCacheConfig(dtype=args.kv)
+    result = {"llama3_8b": count(llama3_8b(), kv, args.batch, args.context, "meta")}
+    if args.tiny:
+        tiny_kv = dataclasses.replace(kv, group_size=32, sink_tokens=4, window=16) if args.kv != "fp16" else kv
+        result["tiny"] = count(tiny_llama(), tiny_kv, args.batch, 64, "cpu")
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The decode step's launch and byte accounting (`scripts/count_step.py`) holds: the counts a step of
+the Llama-3-8B structure launches per layer and outside the layers, the tiny model run through the
+interpreted kernels launching the same, and the bytes moved against the roofline."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from bie_trt.config import KVCacheConfig
+from bie_trt.kernels import triton_ops
+from bie_trt.model.synthetic import llama3_8b, tiny_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import count_step  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not triton_ops.available(), reason="triton not importable")
+
+# What one decode step launches today. Lower these as launches are fused away; a change that adds
+# a launch fails here.
+LAUNCHES_PER_LAYER = 6
+LAUNCHES_OUTSIDE = 4
+MAX_BYTES_OVER_ROOFLINE = 1.10
+KV = KVCacheConfig(dtype="int4_asym")
+
+
+@pytest.fixture(scope="module")
+def llama_step():
+    return count_step.count(llama3_8b(), KV, 1, 65536)
+
+
+def test_launch_counts_of_the_8b_structure(llama_step):
+    r = llama_step
+    assert (r["launches_per_layer"], r["launches_outside"]) == (LAUNCHES_PER_LAYER, LAUNCHES_OUTSIDE)
+    assert r["launches_total"] == 32 * LAUNCHES_PER_LAYER + LAUNCHES_OUTSIDE
+    names = {x["name"] for x in r["per_layer"]}
+    assert "_paged_attention_kernel" in names   # the layer's real work is in the listing
+    assert sum(x["count"] for x in r["per_layer"] if x["name"].startswith("_w4_")) >= 4
+
+
+def test_bytes_against_the_roofline(llama_step):
+    r = llama_step
+    cfg = llama3_8b()
+    # Independent arithmetic: 4-bit weights + an fp16 scale and a 4-bit zero per 128 inputs, the
+    # int8 head with a row scale, and 64k tokens of INT4 K and V (codes + fp16 scale and zero per 64).
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    linears = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+    weights = cfg.num_layers * sum(a * b // 2 + (a // 128) * b * 2 + (a // 128) * b // 2 for a, b in linears)
+    head = cfg.vocab_size * (h + 2)
+    kv_bytes = 65536 * cfg.num_layers * cfg.num_kv_heads * 2 * (cfg.head_dim // 2 + 4 * (cfg.head_dim // 64))
+    assert r["roofline_bytes"] == weights + head + kv_bytes
+    # The step reads at least the roofline (the runtime stores zeros as whole bytes) and not much more.
+    assert r["bytes_read"] >= r["roofline_bytes"]
+    assert r["bytes_over_roofline"] <= MAX_BYTES_OVER_ROOFLINE
+
+
+def test_shape_only_accounting_equals_an_executed_step():
+    """The tiny model of the same structure with its kernels really run (interpreter) launches what
+    the shape-only (meta) accounting of the same model counts."""
+    tiny_kv = dataclasses.replace(KV, group_size=32, sink_tokens=4, window=16)
+    run = count_step.split_layers(tiny_llama(), tiny_kv, 2, 48, "cpu")
+    meta = count_step.split_layers(tiny_llama(), tiny_kv, 2, 48, "meta")
+    # fp32 on the CPU has no dtype casts around the fp32 Hadamard product; everything else matches
+    for part in ("layer", "outside"):
+        assert {k: n for k, n in run[part].items() if k[1] != "_to_copy"} == \
+               {k: n for k, n in meta[part].items() if k[1] != "_to_copy"}
+    assert run["layer"][("triton", "_paged_attention_kernel")] == 1
