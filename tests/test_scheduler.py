@@ -166,3 +166,13 @@ def test_finishing_a_waiting_sequence_drops_it_from_the_queue():
     assert queued.is_finished and list(s.waiting) == []
     s.finish(running, "stop")
     assert not s.has_work() and s.schedule().chunks == []
+
+
+def test_a_decode_runs_before_a_prompt_chunk_admitted_earlier():
+    s = scheduler(num_blocks=16, budget=20, chunk=16)
+    long, short = new_seq([1] * 40), new_seq([2] * 5)
+    s.add(long)
+    s.add(short)
+    assert step(s) == [(40, 16), (5, 4)]          # the short prompt gets what the budget leaves
+    assert step(s) == [(5, 1), (40, 16)]          # its last prompt token goes first: one token, like a decode
+    assert step(s) == [(5, 1), (40, 8)]           # and then its decodes
