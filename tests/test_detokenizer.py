@@ -94,3 +94,11 @@ def test_sentencepiece_spacing_needs_context():
     assert sp.decode(ids) == "The pass key is🙂." and sp.decode([2]) == "pass"
     deltas, text, _ = stream(sp, ids, [])
     assert text == "".join(deltas) == "The pass key is🙂."
+
+
+def test_two_stop_strings_in_one_token_cut_at_the_earlier(tokenizer):
+    ids = tokenizer(" one two three", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids[-1:]) == " three"      # both stop strings arrive with this one token
+    for stop in ([" th", "ree"], ["ree", " th"]):       # the earlier in the text wins, not the first listed
+        _, text, hit = stream(tokenizer, ids, stop)
+        assert hit and text == " one two"

@@ -322,3 +322,9 @@ def test_dequantize_blocks_keeps_the_tables_order_across_both_pools() -> None:
     for i, entry in enumerate(table):
         want_k, want_v = dequantize_block(pools, 1, entry)
         assert torch.equal(k[:, 4 * i:4 * (i + 1)], want_k) and torch.equal(v[:, 4 * i:4 * (i + 1)], want_v), i
+
+
+def test_fp8_dequantize_returns_the_requested_dtype() -> None:
+    q, scale = quantize_fp8(torch.randn(4, 64))
+    x = dequantize_fp8(q, scale, dtype=torch.float16)
+    assert x.dtype == torch.float16 and torch.equal(x, (q.float() * scale.float()).half())

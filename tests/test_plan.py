@@ -394,3 +394,19 @@ def test_cli_plan_with_draft_shows_each_draft_item():
     assert d["budget_bytes"] - d["total_bytes"] >= 64 * MIB
     assert items["draft_lm_head"] == 16384 * 2050 and items["draft_embedding"] == 0
     assert d["inputs"]["draft_window_tokens"] == 1024 and d["inputs"]["draft_vocab_size"] == 16384
+
+
+def test_a_tied_int8_head_on_the_gpu_is_its_own_copy(ti):
+    model = tiny()                                # tie_word_embeddings=True
+    plan = solve_plan(model, ti, max_model_len=1024, kv=kv_cfg(), weight_group_size=64, lm_head_dtype="int8",
+                      embedding_placement="gpu")
+    assert plan.bytes_of("lm_head") == 512 * 256 + 512 * 2 and plan.bytes_of("embedding") == 512 * 256 * 2
+
+
+def test_activation_workspace_is_the_attention_phase_when_the_mlp_is_narrow():
+    model = dataclasses.replace(tiny(), intermediate_size=64)   # hidden 256, 4 heads, 2 KV heads of 64
+    t = 8
+    residual = (t * 256 + 2 * t * 64) * 2
+    attention = (t * 256 + t * (256 + 2 * 128) + t * 256 + t * 256) * 2 + t * 4 * 16 * 4
+    mlp = (t * 256 + 2 * t * 64 + t * 64 + t * 256) * 2
+    assert mlp < attention and activation_workspace_bytes(model, t) == residual + attention == 28672

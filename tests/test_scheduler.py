@@ -100,13 +100,19 @@ def test_prefix_hits_are_counted():
     assert (s.prefix_queried_tokens, s.prefix_hit_tokens) == (81, 32)
 
 
-def test_a_prefix_hit_on_cached_blocks_does_not_count_them_as_free():
+def shared_prefix_computed():
+    """A 5-block pool with caching, after a 49-token prompt ran: it holds 4 blocks, 3 of them full and cached."""
     s = scheduler(num_blocks=5, budget=64, caching=True)
     shared = list(range(48))
     first = new_seq(shared + [99])
     s.add(first)
     step(s)
     step(s)
+    return s, shared, first
+
+
+def test_a_prefix_hit_on_cached_blocks_does_not_count_them_as_free():
+    s, shared, first = shared_prefix_computed()
     s.finish(first, "length")                     # its 3 full blocks stay cached, nobody holds them
     other = new_seq([1000] * 20)
     s.add(other)
@@ -143,12 +149,7 @@ def test_a_preempted_sequence_is_not_readmitted_in_the_same_step():
 
 
 def test_a_prefix_hit_on_blocks_another_sequence_holds_costs_no_free_block():
-    s = scheduler(num_blocks=5, budget=64, caching=True)
-    shared = list(range(48))
-    first = new_seq(shared + [99])
-    s.add(first)
-    step(s)
-    step(s)                                       # first holds 4 blocks, 3 of them full and cached; 1 free
+    s, shared, first = shared_prefix_computed()   # first still runs; 1 block is free
     second = new_seq(shared + [98])
     s.add(second)
     assert step(s) == [(49, 1), (49, 1)]          # shares the 3 held blocks, takes the free one
@@ -165,3 +166,13 @@ def test_finishing_a_waiting_sequence_drops_it_from_the_queue():
     assert queued.is_finished and list(s.waiting) == []
     s.finish(running, "stop")
     assert not s.has_work() and s.schedule().chunks == []
+
+
+def test_a_decode_runs_before_a_prompt_chunk_admitted_earlier():
+    s = scheduler(num_blocks=16, budget=20, chunk=16)
+    long, short = new_seq([1] * 40), new_seq([2] * 5)
+    s.add(long)
+    s.add(short)
+    assert step(s) == [(40, 16), (5, 4)]          # the short prompt gets what the budget leaves
+    assert step(s) == [(5, 1), (40, 16)]          # its last prompt token goes first: one token, like a decode
+    assert step(s) == [(5, 1), (40, 8)]           # and then its decodes
