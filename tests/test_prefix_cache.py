@@ -170,7 +170,8 @@ def test_a_long_document_asked_again_is_found_in_a_quantised_cache(smollm2_engin
     the document in the cache (all of it up to its own recent window) and picks the token an uncached
     run picks, with log-probabilities as close as a change of prefill chunk size moves them (the cached
     run's K/V after the hit are computed beside quantised neighbours; an uncached run's beside FP16 ones;
-    measured: INT4 0.05, FP8 0.02, where chunk sizes 16 vs 256 differ by 0.06)."""
+    measured on the top 5: INT4 <= 0.035, FP8 <= 0.015; prefill chunks of 16 vs 256 tokens move the picked
+    token's by up to 0.032 / 0.006). Both hits are 592 of the 600 document tokens."""
     config = EngineConfig(engine_dir=str(smollm2_engine), device="cpu", kv_cache_dtype=kv_dtype,
                           chunked_prefill_size=256)
     engine = BieEngine(config)
