@@ -180,7 +180,7 @@ def test_bench_spec_smoke(smollm2_engine, tmp_path):
                    env={**os.environ, "PYTHONPATH": str(root)})   # this checkout's bie_trt, installed or not
     result = json.loads(out.read_text())
     rows = {r["task"]: r for r in result["tasks"]}
-    assert set(rows) == {"quote_passage", "edit_code", "free_generation"}
+    assert set(rows) == {"quote_passage"}
     for r in rows.values():
         assert r["identical_tokens"] and r["num_accepted_tokens"] <= r["num_draft_tokens"]
         assert r["speedup"] == pytest.approx(r["tokens_per_s_ngram"] / r["tokens_per_s_off"])
