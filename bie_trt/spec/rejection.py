@@ -29,7 +29,8 @@ def rejection_sample(target: torch.Tensor, draft_tokens: torch.Tensor, draft_pro
     B, k = draft_tokens.shape
     rows = torch.arange(B)
     p_draft = target[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
-    q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    q_draft = (torch.ones_like(p_draft) if draft_probs is None
+               else draft_probs.gather(-1, draft_tokens[..., None])[..., 0])
     u = torch.rand(B, k, generator=generator, dtype=target.dtype)
     accepted = u * q_draft < p_draft   # u < p/q without dividing by a q that may underflow
     num_accepted = accepted.long().cumprod(-1).sum(-1)
