@@ -1,12 +1,13 @@
 """Load test of the OpenAI-compatible server through the real `openai` client, on loopback only.
 
 N clients send requests back to back for a fixed duration: streamed completions and chats with random
-prompt lengths and max_tokens, 10% hanging up mid-stream and 5% invalid (each must get a 4xx). It prints and writes JSON: requests by outcome, p50/p95/p99 time to first token and
-inter-token latency, the number of 5xx answers (must be 0) and the KV blocks in use before and after
-(must return to idle). Exits 1 when either check fails.
+prompt lengths and max_tokens, 10% hanging up mid-stream and 5% invalid (each must get a 4xx). It
+prints and writes JSON: requests by outcome, p50/p95/p99 time to first token and inter-token latency,
+the number of 5xx answers (must be 0) and the KV blocks in use before and after (must return to
+idle). Exits 1 when either check fails.
 
     python scripts/load_test.py --engine engines/smollm2 --clients 16 --duration 300 \\
-        --out benchmarks/results/load_test.json
+        --out benchmarks/results/load_test_cpu_16clients_300s.json
     python scripts/load_test.py --base-url http://127.0.0.1:8080 --clients 8 --duration 30
 
 With --engine it starts the server in this process on a free 127.0.0.1 port (CPU by default).

@@ -21,16 +21,10 @@ from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.executor.engine import EngineStats
 from bie_trt.server.app import ServerOptions
 from bie_trt.server.metrics import CONTENT_TYPE, Metrics
+from test_concurrency import wait_until
 from test_server import free_port, serving
 
 LONG = {"prompt": "Tell me a long story", "max_tokens": 1000, "ignore_eos": True}   # longer than any test waits
-
-
-def wait_until(condition, what: str, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, what
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +192,7 @@ def test_sigterm_stops_accepting_aborts_after_the_grace_period_and_exits_0(smoll
 
         reader = threading.Thread(target=read_stream)
         reader.start()
-        wait_until(lambda: len(lines) >= 2, "the stream never started")
+        wait_until(lambda: len(lines) >= 2, "the stream never started", timeout=120)
         stopped = time.time()
         proc.send_signal(signal.SIGTERM)
         wait_until(lambda: not _up(base), "still accepting after SIGTERM", timeout=5)
@@ -229,7 +223,7 @@ def test_sigterm_lets_a_short_request_finish(smollm2_engine):
 
         reader = threading.Thread(target=read_stream)
         reader.start()
-        wait_until(lambda: len(lines) >= 1, "the stream never started")
+        wait_until(lambda: len(lines) >= 1, "the stream never started", timeout=120)
         proc.send_signal(signal.SIGTERM)
         reader.join(timeout=60)
         assert proc.wait(timeout=60) == 0
