@@ -25,9 +25,14 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The filtered distribution sampling draws from (temperature > 0); speculation reuses it."""
-    logits = logits / params.temperature
+    # a temperature near zero would overflow the logits to inf (and the softmax to NaN): below
+    # MIN_TEMPERATURE the distribution is already all but one-hot
+    logits = logits / max(params.temperature, MIN_TEMPERATURE)
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

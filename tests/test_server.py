@@ -109,6 +109,13 @@ def test_chat(client, model_id):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
+def test_a_tiny_temperature_is_all_but_greedy(client, model_id):
+    """1e-300 once divided the logits into inf and the softmax into NaN: a 500 (found by the fuzz)."""
+    kw = dict(model=model_id, prompt="The capital of France is", max_tokens=6)
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    assert client.completions.create(temperature=1e-300, seed=1, **kw).choices[0].text == greedy
+
+
 def test_seeded_sampling_is_reproducible(client, model_id):
     kw = dict(model=model_id, prompt="My favourite colour is", max_tokens=10, temperature=0.9, seed=7)
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
