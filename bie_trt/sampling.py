@@ -43,6 +43,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_p, order = probs.sort(descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop[0] = False   # also when top_p rounds to 0 in float32
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     return probs / probs.sum()
 
