@@ -31,9 +31,14 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The filtered distribution sampling draws from (temperature > 0); speculation reuses it."""
-    logits = logits / params.temperature
+    # a temperature near zero would overflow the logits to inf (and the softmax to NaN): below
+    # MIN_TEMPERATURE the distribution is already all but one-hot
+    logits = logits / max(params.temperature, MIN_TEMPERATURE)
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -46,6 +51,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # float64 and against the actual total: float32 softmax over a large vocabulary can be off by 1e-4.
         cum = sorted_p.double().cumsum(-1)
         drop = (cum - sorted_p) / cum[-1] >= params.top_p - _BOUNDARY_TOL
+        drop[0] = False   # also when top_p is below the slack
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     return probs / probs.sum()
 

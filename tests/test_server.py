@@ -109,6 +109,15 @@ def test_chat(client, model_id):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
+@pytest.mark.parametrize("tiny", [{"temperature": 1e-300}, {"top_p": 1e-300}])
+def test_a_tiny_temperature_or_top_p_is_greedy(client, model_id, tiny):
+    """Both once turned the distribution into NaN, a 500 (found by the fuzz): 1e-300 as a divisor
+    overflows the logits, and as top_p it rounds to 0 in float32, which dropped every token."""
+    kw = dict(model=model_id, prompt="The capital of France is", max_tokens=6)
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    assert client.completions.create(seed=1, **kw, **tiny).choices[0].text == greedy
+
+
 def test_seeded_sampling_is_reproducible(client, model_id):
     kw = dict(model=model_id, prompt="My favourite colour is", max_tokens=10, temperature=0.9, seed=7)
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text

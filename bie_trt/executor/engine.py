@@ -279,8 +279,9 @@ class BieEngine:
                 self._fail(self._requests_of_step(), e)
 
     def _requests_of_step(self) -> list[_Request]:
-        """The requests a failed step may have touched: the running batch (each running sequence is in
-        every step). With none running, the waiting ones, so that a fault that recurs cannot spin."""
+        """The requests a failed step may have touched: the running batch, which every step is drawn from
+        (the scheduler's state mid-step is not kept, so all of it). With none running, the waiting
+        ones, so that a fault that recurs cannot spin."""
         seqs = self.scheduler.running or self.scheduler.waiting
         return [self._requests[seq] for seq in list(seqs) if seq in self._requests]
 

@@ -133,7 +133,17 @@ def _usage(outputs: list[RequestOutput], n: int) -> dict[str, int]:
 
 def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions()
-    app = FastAPI(title="bie-trt", description="OpenAI-compatible server for a bie-trt engine")
+    live: set[RequestStream] = set()   # the engine requests of every HTTP request in flight
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Shutting down: the grace period is over and uvicorn has cancelled the responses still running,
+        # but a response parked between two chunks never notices; end what is left on the engine's loop.
+        leftover = list(live)
+        await anyio.to_thread.run_sync(lambda: [events.close() for events in leftover])
+
+    app = FastAPI(title="bie-trt", description="OpenAI-compatible server for a bie-trt engine", lifespan=lifespan)
     install_error_handlers(app)
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
@@ -198,6 +208,7 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
                 events.close()
             return openai_error(400, str(e), param)
         state["in_flight"] += count
+        live.update(streams)
         return streams
 
     async def respond(http: Request, streams: list[RequestStream], req: SamplingRequest, base: dict, make_chunk,
@@ -231,6 +242,7 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
 
         def release() -> None:
             state["in_flight"] -= n
+            live.difference_update(streams)
 
         if not req.stream:
             try:

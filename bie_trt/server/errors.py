@@ -42,7 +42,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}; see GET /v1/models and POST /v1/completions."
         elif exc.status_code == 405:
-            message = f"{request.method} is not allowed on {request.url.path}; use {(exc.headers or {}).get('Allow', 'another method')}."
+            allowed = (exc.headers or {}).get("Allow", "another method")
+            message = f"{request.method} is not allowed on {request.url.path}; use {allowed}."
         else:
             message = str(exc.detail)
         return openai_error(exc.status_code, message, headers=exc.headers)

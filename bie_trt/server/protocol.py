@@ -40,7 +40,7 @@ class SamplingRequest(_Strict):
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10)   # beyond, the logits overflow to inf (NaN)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -1,0 +1,47 @@
+"""`bie-trt serve` (and its alias `run`) refuses bad options before loading the engine, each with one
+line naming the option, and every option has help."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from bie_trt.cli import main
+from bie_trt.engine_format import read_manifest
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--port", "99999"], "Invalid value for '--port': 99999 is not in the range 1<=x<=65535"),
+    (["--port", "0"], "Invalid value for '--port'"),
+    (["--max-num-seqs", "0"], "Invalid value for '--max-num-seqs': 0 is not in the range x>=1"),
+    (["--max-num-seqs", "100"], "Invalid value for '--max-num-seqs': 100 is above this engine's {max_num_seqs}"),
+    (["--max-model-len", "100000"],
+     "Invalid value for '--max-model-len': 100000 is above this engine's {max_model_len}"),
+    (["--device", "tpu"], "'tpu' is not a device; use auto, cpu, cuda or cuda:N"),
+    (["--gpu-memory-utilization", "1.5"], "Invalid value for '--gpu-memory-utilization'"),
+    (["--max-waiting", "-1"], "Invalid value for '--max-waiting'"),
+    (["--request-timeout", "0"], "Invalid value for '--request-timeout'"),
+])
+@pytest.mark.parametrize("command", ["serve", "run"])
+def test_bad_options_are_refused_before_the_engine_loads(smollm2_engine, monkeypatch, command, args, fragment):
+    def no_load(*a, **k):
+        raise AssertionError("the engine was loaded before the options were checked")
+
+    monkeypatch.setattr("bie_trt.BieEngine", no_load)
+    result = CliRunner().invoke(main, [command, str(smollm2_engine), *args])
+    assert result.exit_code == 2, result.output
+    assert fragment.format(**read_manifest(smollm2_engine)) in result.output
+
+
+def test_the_engine_is_given_once(smollm2_engine):
+    both = CliRunner().invoke(main, ["serve", str(smollm2_engine), "--engine", str(smollm2_engine)])
+    neither = CliRunner().invoke(main, ["serve"])
+    for result in (both, neither):
+        assert result.exit_code == 2 and "give the engine directory once" in result.output
+
+
+@pytest.mark.parametrize("command", ["serve", "run"])
+def test_every_option_has_help(command):
+    cmd = main.get_command(None, command)
+    missing = [p.name for p in cmd.params if getattr(p, "help", "") == "" or
+               (p.param_type_name == "option" and not p.help)]
+    assert not missing
