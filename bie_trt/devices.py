@@ -10,7 +10,15 @@ DEVICE_HELP = "auto (a GPU the engine was built for, else cpu), cpu, cuda or cud
 
 
 def check_device_name(name: str) -> str:
-    """`name` if bie-trt can run on it; otherwise a BieError listing the choices."""
+    """`name` if bie-trt can run on it here; otherwise a BieError listing the choices (checked before
+    an engine loads, which takes a while)."""
     if not DEVICE_RE.fullmatch(name):
         raise BieError(f"device {name!r} is unknown; choose {DEVICE_HELP}")
+    if name.startswith("cuda"):
+        import torch
+
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (int(name.split(":")[1]) if ":" in name else 0) >= available:
+            raise BieError(f"device {name}: this machine has {available} CUDA GPU(s) visible to PyTorch; "
+                           f"use --device cpu or auto.")
     return name

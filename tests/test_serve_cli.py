@@ -16,7 +16,7 @@ from bie_trt.engine_format import read_manifest
     (["--max-num-seqs", "100"], "Invalid value for '--max-num-seqs': 100 is above this engine's {max_num_seqs}"),
     (["--max-model-len", "100000"],
      "Invalid value for '--max-model-len': 100000 is above this engine's {max_model_len}"),
-    (["--device", "tpu"], "'tpu' is not a device; use auto, cpu, cuda or cuda:N"),
+    (["--device", "tpu"], "device 'tpu' is unknown; choose auto"),
     (["--gpu-memory-utilization", "1.5"], "Invalid value for '--gpu-memory-utilization'"),
     (["--max-waiting", "-1"], "Invalid value for '--max-waiting'"),
     (["--request-timeout", "0"], "Invalid value for '--request-timeout'"),

@@ -2,29 +2,11 @@
 from __future__ import annotations
 
 import copy
-import re
 
 import click
 
 from . import main
-from .options import speculative_config
-
-DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    if not DEVICE.fullmatch(value):
-        raise click.BadParameter(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N.")
-    if value.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise click.BadParameter(f"{value} was asked for but this machine has no usable CUDA GPU; "
-                                     f"use --device cpu.")
-        if ":" in value and int(value.split(":")[1]) >= torch.cuda.device_count():
-            raise click.BadParameter(f"{value} does not exist; this machine has {torch.cuda.device_count()} GPU(s).")
-    return value
-
+from .options import device_option, speculative_config
 
 def _check_against_engine(engine_dir: str, max_num_seqs: int | None, max_model_len: int | None,
                           gpu_memory_utilization: float | None, device: str) -> None:
@@ -61,8 +43,7 @@ def _check_against_engine(engine_dir: str, max_num_seqs: int | None, max_model_l
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; 0.0.0.0 serves other machines (set --api-key then).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
-@click.option("--device", default="auto", show_default=True, callback=_device,
-              help="auto (CUDA when the engine's GPU is present), cpu, cuda or cuda:N.")
+@device_option
 @click.option("--served-model-name", help="The model name clients send and /v1/models lists "
                                           "(default: the engine's).")
 @click.option("--max-model-len", type=click.IntRange(min=2),

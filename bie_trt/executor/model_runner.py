@@ -44,13 +44,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def pick_device(config: EngineConfig, manifest: dict) -> torch.device:
     if config.device != "auto":
-        device = torch.device(check_device_name(config.device))
-        if device.type == "cuda":
-            available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if (device.index or 0) >= available:
-                raise EngineError(f"device {config.device}: this machine has {available} CUDA GPU(s) visible to "
-                                  f"PyTorch; use --device cpu or auto.")
-        return device
+        return torch.device(check_device_name(config.device))
     if torch.cuda.is_available() and ef.check_target(manifest, ef.present_gpu_sm()) is None:
         return torch.device("cuda")
     return torch.device("cpu")
