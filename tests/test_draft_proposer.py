@@ -54,23 +54,36 @@ def test_long_prompt_reads_sinks_and_last_window_at_their_positions(tiny, tiny_d
         logits = hf_model(Checkpoint(tiny_draft))(torch.tensor([[ids[p] for p in kept]]),
                                                   position_ids=torch.tensor([kept])).logits[0, -1]
     vocab = torch.tensor(json.loads((tiny_draft_engine / "draft" / "vocab.json").read_text())["ids"])
-    want = torch.zeros(49152)
-    want[vocab] = torch.softmax(logits[vocab], -1)
-    assert torch.allclose(q, want, atol=2e-4), (q - want).abs().max()
+    want = torch.log_softmax(logits[vocab], -1)
+    assert (q > 0).sum() == len(vocab)
+    # log q to 1e-4 (fp32 ~1e-6 here); position ids of the slots instead of the originals: ~5e-2
+    assert torch.allclose(q[vocab].log(), want, atol=1e-4), (q[vocab].log() - want).abs().max()
     proposer.free(seq)
 
 
-def test_reduced_vocabulary_zeroes_q_outside_it(tiny, text_ids):
-    _, proposer = tiny
+def test_reduced_vocabulary_zeroes_q_outside_it(tiny, tiny_draft_engine, tmp_path, text_ids):
+    """q is zero outside the draft's ids, positive inside, and the proposals come from them. SmolLM2's
+    merge order is its id order, so the built vocabulary is ids 0..4095: this copy of the engine
+    names 4,096 scattered ids instead, to tell a scatter from a prefix."""
+    import random
+    import shutil
+
+    runner, _ = tiny
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_draft_engine, engine)
+    ids = sorted(random.Random(0).sample(range(49152), 4096))
+    (engine / "draft" / "vocab.json").write_text(json.dumps({"ids": ids}))
+    proposer = DraftModelProposer(engine, runner, GAMMA)
     seq = seq_of(text_ids[:40], temperature=1.0, top_p=1.0)
     prop = proposer.propose([seq], [4])[0]
     inside = torch.zeros(49152, dtype=torch.bool)
-    inside[proposer.vocab_ids] = True
+    inside[ids] = True
     assert len(prop.token_ids) == 4 and prop.probs.shape == (4, 49152)
     assert (prop.probs[:, ~inside] == 0).all() and (prop.probs[:, inside] > 0).all()
     assert torch.allclose(prop.probs.sum(-1), torch.ones(4), atol=1e-5)
     assert all(inside[t] for t in prop.token_ids)
-    proposer.free(seq)
+    greedy = proposer.propose([seq_of(text_ids[:40])], [2])[0]
+    assert greedy.probs is None and all(inside[t] for t in greedy.token_ids)
 
 
 def test_rollback_equals_a_fresh_draft(tiny, tiny_draft_engine, text_ids):
