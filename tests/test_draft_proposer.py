@@ -118,6 +118,12 @@ def test_draft_kv_is_the_same_for_6k_and_1k_prompts(build, tiny_draft, text_ids)
     assert held[0] == held[1] == proposer.blocks_per_seq == 1 + 64 + 1
     assert forwarded == [1000 + 3, 16 + 1024 + 3]
     assert sorted(proposer.free_blocks) == list(range(2 * proposer.blocks_per_seq))   # all returned
+    # the pool is the plan's draft_kv item (fp16 bytes, max_num_seqs sequences), scaled to this runner
+    manifest = json.loads((engine / "manifest.json").read_text())
+    planned = next(i["bytes"] for i in manifest["plan"]["items"] if i["name"] == "draft_kv")
+    allocated = sum(t.nbytes for t in proposer.pools.tensors().values())
+    per_seq_fp16 = allocated // runner.max_num_seqs * 2 // runner.dtype.itemsize
+    assert per_seq_fp16 == planned // manifest["max_num_seqs"]
 
 
 def test_a_long_run_keeps_a_sliding_window_in_its_fixed_blocks(tiny, text_ids):

@@ -60,7 +60,7 @@ class ModelRunner:
         built_len = int(self.manifest["max_model_len"])
         self.max_model_len = min(config.max_model_len or built_len, built_len)
         self.max_num_seqs = min(config.max_num_seqs, int(self.manifest["max_num_seqs"]))
-        self.chunk_size = config.chunked_prefill_size
+        self.chunk_size = config.chunked_prefill_size or int(self.manifest.get("chunked_prefill_size", 512))
         weights_path = self.engine_dir / ef.WEIGHTS
         if not weights_path.exists():
             raise EngineError(f"{weights_path}: missing; the engine directory is incomplete (rebuild it).")
