@@ -66,7 +66,7 @@ MAX_REGS_PER_BLOCK = 65536
 FP8_MIN_ARCH = 89
 W4_GROUP = 128
 CONTEXT = 8192          # tokens of cached context the attention launches see
-PREFILL_CHUNK = 512     # EngineConfig.chunked_prefill_size
+PREFILL_CHUNK = 512     # the largest chunk any profile plans for (an engine runs with its own)
 H200_SMS = 132
 
 

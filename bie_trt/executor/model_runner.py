@@ -72,9 +72,9 @@ class ModelRunner:
         built_len = int(self.manifest["max_model_len"])
         self.max_model_len = min(config.max_model_len or built_len, built_len)
         self.max_num_seqs = min(config.max_num_seqs, int(self.manifest["max_num_seqs"]))
+        built_chunk = int(self.manifest.get("chunked_prefill_size", 512))
         # never above the build's: the plan's activation workspace is sized for it
-        self.chunk_size = min(config.chunked_prefill_size,
-                              int(self.manifest.get("chunked_prefill_size", config.chunked_prefill_size)))
+        self.chunk_size = min(config.chunked_prefill_size or built_chunk, built_chunk)
         weights_path = self.engine_dir / ef.WEIGHTS
         if not weights_path.exists():
             raise EngineError(f"{weights_path}: missing; the engine directory is incomplete (rebuild it).")
