@@ -1,0 +1,70 @@
+"""Speculation with a draft model, end to end through the engine: greedy output identical to plain
+decoding with the target's own weights as the draft (which then accepts nearly every guess within its
+window) and with a
+genuinely different draft (which is mostly wrong), across prompts longer than the draft's window, a
+batch of mixed lengths and a sampled request; blocks back to idle afterwards."""
+from __future__ import annotations
+
+import pytest
+
+from bie_trt import BieEngine, EngineConfig, SamplingParams
+from bie_trt.checkpoint.quantize import quantize_checkpoint
+from tiny_model import write_tiny_hf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory, smollm2_checkpoint):
+    """Another random model with SmolLM2's tokenizer: shares nothing with the target but the vocabulary."""
+    root = tmp_path_factory.mktemp("other-draft")
+    hf = write_tiny_hf(root / "hf", smollm2_checkpoint, seed=1, max_position_embeddings=8192)
+    return quantize_checkpoint(hf, root / "awq", group_size=64)
+
+
+def engines(engine_dir) -> tuple[BieEngine, BieEngine]:
+    def make(speculative):
+        return BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu", speculative=speculative))
+
+    return make({"method": "none"}), make(None)   # None: the engine's default, its draft with γ = 5
+
+
+def prompts(engine: BieEngine, lee_text) -> list[list[int]]:
+    ids = engine.encode(" ".join(lee_text.read_text().split()[:400]))
+    return [ids[:12], ids[40:70], ids[100:300]]   # the last is longer than sinks + window (16 + 64)
+
+
+def idle(engine: BieEngine) -> bool:
+    return all(pool["used"] == 0 for pool in engine.stats().kv_blocks.values())
+
+
+def test_the_target_as_its_own_draft_is_accepted_and_changes_nothing(build, tiny_draft, lee_text):
+    engine_dir = build(checkpoint=str(tiny_draft), draft_checkpoint=str(tiny_draft), draft_vocab_size=49152,
+                       draft_window_tokens=64)
+    plain, spec = engines(engine_dir)
+    batch = prompts(plain, lee_text)
+    want = [o.token_ids for o in plain.generate(batch, GREEDY)]
+    got = spec.generate(batch, GREEDY)
+    assert [o.token_ids for o in got] == want
+    # Inside its window the draft sees what the target sees, so it guesses the target's tokens; past it
+    # (the long prompt) a random model's nearly flat logits flip with the context it lacks.
+    within = [o.spec_decode for o in got[:2]]
+    assert all(d["num_drafts"] > 0 for d in within)
+    assert sum(d["num_accepted_tokens"] for d in within) >= 0.95 * sum(d["num_draft_tokens"] for d in within)
+    s = spec.stats().spec_decode
+    assert sum(o.spec_decode["num_accepted_tokens"] for o in got) == s["num_accepted_tokens"]
+    assert sum(s["accepted_by_position"]) == s["num_accepted_tokens"]
+    assert idle(spec)
+
+
+def test_a_different_draft_changes_no_greedy_token(build, tiny_draft, other_draft, lee_text):
+    engine_dir = build(checkpoint=str(tiny_draft), draft_checkpoint=str(other_draft), draft_vocab_size=4096,
+                       draft_window_tokens=64)
+    plain, spec = engines(engine_dir)
+    batch = prompts(plain, lee_text)
+    assert [o.token_ids for o in spec.generate(batch, GREEDY)] == [o.token_ids for o in plain.generate(batch, GREEDY)]
+    s = spec.stats().spec_decode
+    assert s["num_drafts"] > 0 and s["num_accepted_tokens"] < s["num_draft_tokens"]
+    sampled = spec.generate(batch[1], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=3))
+    assert len(sampled.token_ids) == 16 or sampled.finish_reason == "stop"
+    assert idle(spec)
