@@ -7,6 +7,8 @@ tokens/s, the roofline (weights + KV bytes a step reads ÷ bandwidth), its fract
 memory beside what the memory plan of an 8 GB profile allots; then a chunked prefill of a
 --prefill-len prompt with its peak activation memory. `--smoke` runs the same code on a tiny
 model (on the CPU when there is no GPU) so that the script is tested before a GPU is lent.
+`--trace` profiles one more step with torch.profiler and writes its kernels (launches, device
+time each) into the row: the real step's launch count beside `scripts/count_step.py`'s.
 
     python scripts/bench_decode.py --out benchmarks/results/decode.json
 """
@@ -76,6 +78,27 @@ def plan_gib(cfg: ModelConfig, kv: KVCacheConfig, context: int, profile: str) ->
     return plan.total_bytes / GiB
 
 
+def trace_step(step, device: torch.device) -> dict:
+    """One step under torch.profiler: per kernel (device kernels on CUDA, ops on the CPU) its count
+    and total time, and the step's number of launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    kernels: dict[str, dict] = {}
+    for e in prof.events():
+        on_device = e.device_type.name == "CUDA"
+        if on_device != (device.type == "cuda") or (not on_device and e.cpu_parent is not None):
+            continue   # device kernels on CUDA; top-level ops on the CPU
+        k = kernels.setdefault(e.name, {"count": 0, "us": 0.0})
+        k["count"] += 1
+        k["us"] += e.device_time if on_device else e.cpu_time
+    return {"launches": sum(k["count"] for k in kernels.values()),
+            "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us"]))}
+
+
 def bench_decode(model: LlamaModel, kv: KVCacheConfig, context: int, args: argparse.Namespace) -> dict:
     cfg, dev = model.cfg, model.device
     n_fp, n_q = kv_pool_blocks(cfg, kv, context, 1, 512)
@@ -97,10 +120,13 @@ def bench_decode(model: LlamaModel, kv: KVCacheConfig, context: int, args: argpa
     roofline = args.bandwidth / read
     peak = cuda_peak_gib(dev)
     planned = plan_gib(cfg, kv, context, args.profile)
-    return {"context": context, "kv": kv.dtype, "tokens_per_s": 1 / seconds, "ms_per_token": 1e3 * seconds,
-            "bytes_per_token": read, "roofline_tokens_per_s": roofline, "roofline_fraction": (1 / seconds) / roofline,
-            "peak_memory_gib": peak, "plan_gib": planned,
-            "within_plan": None if peak is None else peak <= planned}
+    row = {"context": context, "kv": kv.dtype, "tokens_per_s": 1 / seconds, "ms_per_token": 1e3 * seconds,
+           "bytes_per_token": read, "roofline_tokens_per_s": roofline, "roofline_fraction": (1 / seconds) / roofline,
+           "peak_memory_gib": peak, "plan_gib": planned,
+           "within_plan": None if peak is None else peak <= planned}
+    if args.trace:
+        row["trace"] = trace_step(lambda: graphs.run(step), dev)
+    return row
 
 
 def bench_prefill(model: LlamaModel, kv: KVCacheConfig, length: int, chunk: int) -> dict:
@@ -138,6 +164,8 @@ def main() -> None:
     ap.add_argument("--profile", default="rtx4060ti-8gb", help="build profile whose memory plan peaks are judged by")
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for the roofline")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--trace", action="store_true", help="profile one step per row: kernels, launches, device time")
+    ap.add_argument("--no-prefill", dest="prefill", action="store_false", help="decode rows only")
     ap.add_argument("--prefill-len", type=int, default=65536)
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny model, short contexts and few steps, on the CPU when there is no GPU: "
@@ -182,6 +210,8 @@ def main() -> None:
             rows.append(row)
             save()
             print(json.dumps(row), flush=True)
+    if not args.prefill:
+        return
     out["prefill"] = bench_prefill(model, KVCacheConfig(dtype="int4_asym"), args.prefill_len, 512)
     save()
     print(json.dumps(out["prefill"]), flush=True)

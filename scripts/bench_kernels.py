@@ -25,6 +25,7 @@ ours). Needs a CUDA GPU: without one it prints why and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import platform
@@ -103,6 +104,65 @@ def sweep_w4(m: int, k: int, n: int, args: argparse.Namespace, time_ms: Callable
     return {"M": m, "K": k, "N": n, "winner": best, "default_us": default_ms * 1e3,
             **roof(w4_bytes(m, k, n), ms, args.bandwidth),
             "all": [{"config": c, "us": t * 1e3} for t, c in timed]}
+
+
+def calibrate_read_bandwidth(time_ms: Callable[[Callable], float]) -> float:
+    """Bytes/s a plain read reaches on this GPU (a 2 GiB sum): what the kernels' fractions are also judged by."""
+    x = torch.ones(2**30, dtype=torch.float16, device=DEVICE)
+    ms = time_ms(lambda: x.sum(dtype=torch.float32))
+    del x
+    return 2**31 / (ms * 1e-3)
+
+
+def bench_fused_layer(args: argparse.Namespace, time_ms: Callable[[Callable], float], cfg=None) -> dict:
+    """The decoder layer's fused launches at batch 1 (norm + gate_up + SiLU·mul, down + residual,
+    the qkv epilogue) at `cfg`'s shapes (Llama-3-8B's), each against its twins; max |Δ| asserted."""
+    from bie_trt.kernels.reference import qkv_epilogue_ref, rms_norm_ref, silu_mul_ref, w4_linear_ref
+    from bie_trt.kernels.triton_ops import qkv_epilogue_triton
+    from bie_trt.kernels.triton_w4 import random_w4, w4_linear_triton
+    from bie_trt.kv.pool import allocate_pools
+    from bie_trt.model.rope import inverse_frequencies
+
+    cfg = cfg or llama3_8b()
+    hid, inter = cfg.hidden_size, cfg.intermediate_size
+    rows = {}
+    h = torch.randn(1, hid, dtype=torch.float16, device=DEVICE)
+    nw = torch.rand(hid, dtype=torch.float16, device=DEVICE) + 0.5
+    gate_up = random_w4(2 * inter, hid, GROUP, device=DEVICE)
+    down = random_w4(hid, inter, GROUP, device=DEVICE)
+    act = w4_linear_triton(h, gate_up, norm_weight=nw, eps=1e-5, silu_mul=True)
+    want = silu_mul_ref(w4_linear_ref(rms_norm_ref(h, nw, 1e-5)[0], gate_up))
+    rows[f"norm_gate_up_silu_1x{hid}x{2 * inter}"] = {
+        "max_abs_err": assert_close(act, want, 2e-2),
+        **roof(w4_bytes(1, hid, 2 * inter) - inter * 2,
+               time_ms(lambda: w4_linear_triton(h, gate_up, norm_weight=nw, eps=1e-5, silu_mul=True)), args.bandwidth)}
+    y = w4_linear_triton(act, down, residual=h)
+    rows[f"down_residual_1x{inter}x{hid}"] = {
+        "max_abs_err": assert_close(y, w4_linear_ref(act, down) + h, 2e-2),
+        **roof(w4_bytes(1, inter, hid) + hid * 2, time_ms(lambda: w4_linear_triton(act, down, residual=h)),
+               args.bandwidth)}
+    kv = KVCacheConfig(dtype="int4_asym")
+    pools = [allocate_pools(dataclasses.replace(cfg, num_layers=1), kv, 8, 1, torch.float16, DEVICE) for _ in range(2)]
+    qkv = torch.randn(1, cfg.q_size + 2 * cfg.kv_size, dtype=torch.float16, device=DEVICE)
+    pos = torch.tensor([65535], device=DEVICE)
+    slot = torch.tensor([3], device=DEVICE)
+    inv = inverse_frequencies(cfg).to(DEVICE)
+    args_ = (cfg.num_heads, cfg.num_kv_heads, pos, inv, None, True, False)
+    q = qkv_epilogue_triton(qkv, *args_, pools[0], 0, slot, slot)
+    q_ref = qkv_epilogue_ref(qkv, *args_, pools[1], 0, slot, slot)
+    rows[f"qkv_epilogue_1x{qkv.shape[1]}"] = {
+        "max_abs_err": max(assert_close(q, q_ref, 2e-2), assert_close(pools[0].k, pools[1].k, 2e-2)),
+        **roof(qkv.nbytes + q.nbytes + 2 * cfg.kv_size * 2,
+               time_ms(lambda: qkv_epilogue_triton(qkv, *args_, pools[0], 0, slot, slot)), args.bandwidth)}
+    return rows
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
+    """max |Δ|, which must stay under tol · max(1, max |want|): a wrong kernel stops the run rather than being timed."""
+    err = (got.float() - want.float()).abs().max().item()
+    bound = tol * max(1.0, want.float().abs().max().item())
+    assert err <= bound, f"max |Δ| {err:.3g} > {bound:.3g}"
+    return err
 
 
 def bench_small_ops(args: argparse.Namespace, time_ms: Callable[[Callable], float]) -> dict:
@@ -205,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-candidates", type=int, default=48, help="configs timed per shape in the sweep (M=5 has 41)")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip torch's _weight_int4pack_mm")
     ap.add_argument("--no-attention", dest="attention", action="store_false", help="skip scripts/bench_attention.py")
+    ap.add_argument("--no-cudagraph", dest="cudagraph", action="store_false",
+                    help="time with do_bench (a launch each) instead of do_bench_cudagraph (launch overhead out)")
     ap.add_argument("--out", default="benchmarks/results/kernels.json")
     args = ap.parse_args(argv)
 
@@ -217,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
     def time_ms(fn: Callable[[], object]) -> float:
+        if args.cudagraph:
+            fn()   # compile outside the capture
+            return triton.testing.do_bench_cudagraph(fn, rep=args.rep, return_mode="median")
         return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
 
     torch.manual_seed(0)
@@ -230,7 +295,15 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": torch.cuda.get_device_name(0), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "bandwidth_bytes_per_s": args.bandwidth, "group_size": GROUP, "w4": [], "w4_sweep": [],
+        "timing": "do_bench_cudagraph" if args.cudagraph else "do_bench",
     }
+    report["measured_read_bytes_per_s"] = calibrate_read_bandwidth(time_ms)
+    print(f"read bandwidth (2 GiB sum): {report['measured_read_bytes_per_s'] / 1e9:.0f} GB/s")
+    report["fused_layer"] = bench_fused_layer(args, time_ms)
+    save()
+    for name, row in report["fused_layer"].items():
+        print(f"{name:>32} {row['us']:>7.1f} µs {row['gb_per_s']:>6.0f} GB/s "
+              f"({row['bytes'] / row['us'] / 1e-6 / report['measured_read_bytes_per_s']:.0%} of measured)")
     print(f"{'shape':>10} {'M×K×N':>16} {'µs':>8} {'MB':>7} {'GB/s':>6} {'roof':>5} {'rel err':>8} {'int4pack µs':>12}")
     for name, m, k, n in [(name, 1, k, n) for name, k, n in DECODE] + BATCHED:
         row = {"name": name, **bench_w4(m, k, n, args, time_ms)}

@@ -24,7 +24,7 @@ any other kernel fails to compile or exceeds a limit.
     .venv/bin/python scripts/compile_check.py --out benchmarks/results/compile_check_triton3.9.json
     PYTHONPATH=/tmp/tri36 .venv/bin/python scripts/compile_check.py \
         --out benchmarks/results/compile_check_triton3.6.json      # Triton 3.6 unpacked in /tmp/tri36
-    options: --arch 86 89 90 (default)
+    options: --arch 86 89 90 (default); --match REGEX (a subset: kernel name or variant)
 """
 from __future__ import annotations
 
@@ -262,8 +262,10 @@ def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[s
     return row
 
 
-def run(archs: list[int]) -> list[dict[str, Any]]:
+def run(archs: list[int], match: str | None = None) -> list[dict[str, Any]]:
     launches = attention_launches() + w4_launches() + lm_head_launches() + ops_launches()
+    if match:   # a subset, e.g. the decoder layer's launches: "fused|epilogue|decode|lm_head"
+        launches = [l for l in launches if re.search(match, f"{l.fn.__name__} {l.variant}")]
     rows: list[dict[str, Any]] = []
     for arch in archs:
         seen: dict[str, dict[str, Any]] = {}
@@ -308,13 +310,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="JSON report path")
     parser.add_argument("--arch", type=int, nargs="+", default=[86, 89, 90], choices=sorted(MAX_SHARED))
+    parser.add_argument("--match", help="only launches whose kernel name or variant matches this regex")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as cache:
         # A fresh cache makes every compile run ptxas (so its log exists) and leaves ~/.triton alone.
         knobs.cache.dir = cache
         knobs.nvidia.dump_ptxas_log = True
-        rows = run(args.arch)
+        rows = run(args.arch, args.match)
     print_table(rows)
     bad = [r for r in rows if r["status"] in ("failed", "exceeds")]
     counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "unsupported", "tuning-only", "failed", "exceeds")}
@@ -322,6 +325,7 @@ def main() -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         report = {"triton_version": triton.__version__, "torch_version": torch.__version__, "archs": args.arch,
+                  "match": args.match,
                   "limits": {"max_shared_bytes": MAX_SHARED, "max_regs_per_thread": MAX_REGS_PER_THREAD,
                              "max_regs_per_block": MAX_REGS_PER_BLOCK},
                   "summary": counts, "results": rows}

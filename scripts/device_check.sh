@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (see the device tool's README): GPU tests, kernel benchmarks, decode
-# benchmark; JSON and logs under $OUT (default: benchmarks/results/<date>). At most 565 s (the
-# steps' timeouts); each step's JSON is saved as it goes, so a step cut short keeps what it measured.
-#   through the device tool:  run(command="bash scripts/device_check.sh", timeout_s=590)
+# The one prepared GPU run (see the device tool's README): at most 420 s of steps (their timeouts),
+# so a 15-minute lease leaves room for a rerun. Headline first, so a run cut short still answers it:
+#   1. INT4 decode attention at 64k (and the same without the inline-PTX nibbles);
+#   2. the 64k INT4 decode step under an 8 GiB cap: tokens/s, roofline fraction, peak memory against
+#      the plan, and one torch.profiler trace of a graph replay summarised per kernel (the real step's
+#      launch count beside scripts/count_step.py's);
+#   3. correctness on the GPU (max |Δ| asserted): kernels against their twins on the fp16 MMA path,
+#      graph decode against eager decode, device sampling, the engine's kernel cache;
+#   4. kernels at Llama-3-8B shapes with do_bench_cudagraph, a read-bandwidth calibration in the same
+#      run (fractions against it and against 4.3 TB/s), the fused layer launches against their twins;
+#   5. the other decode contexts and a 64k chunked prefill.
+# JSON and logs under $OUT (default: benchmarks/results/<date>); each step saves as it goes.
+#   through the device tool:  run(command="bash scripts/device_check.sh", timeout_s=450)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/$(date +%Y-%m-%d)}
@@ -11,26 +20,29 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
-# 1. correctness on the GPU: kernels vs their reference twins, CUDA-graph decode vs eager decode, and a
-#    GPU build whose engine carries every kernel the runtime then launches.
-#    Not the slow tests: those force Triton onto CPU tensors, which needs the interpreter.
-#    pytest-xdist (in the lent machine's image) spreads the Triton compiles over 8 processes.
+# 1. headline: INT4 attention at 64k                                                   (45 s)
+timeout 30 python3 scripts/bench_attention.py --kv int4_asym --contexts 65536 --warmup 10 --rep 40 \
+    --out "$OUT/attention_int4_64k.json" 2>&1 | tee "$OUT/headline.log" | tail -4
+BIE_TRT_INT4_PTX=0 timeout 15 python3 scripts/bench_attention.py --kv int4_asym --contexts 65536 --warmup 5 --rep 20 \
+    --out "$OUT/attention_int4_64k_noptx.json" 2>&1 | tee -a "$OUT/headline.log" | tail -2
+
+# 2. headline: the 64k INT4 decode step under 8 GiB, traced                             (75 s)
+timeout 75 python3 scripts/bench_decode.py --contexts 65536 --kv int4_asym --steps 30 --trace --no-prefill \
+    --out "$OUT/decode_64k.json" 2>&1 | tee -a "$OUT/headline.log" | tail -3 | cut -c1-2000
+
+# 3. correctness on the GPU. Not the slow tests: those force Triton onto CPU tensors (interpreter).
+#    pytest-xdist (in the lent machine's image) spreads the Triton compiles over 8 processes. (150 s)
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-timeout 190 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" $XDIST \
+timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" $XDIST \
     tests/test_triton_attention.py tests/test_triton_w4.py tests/test_triton_ops.py tests/test_triton_int8.py \
-    tests/test_decode_graphs.py \
-    tests/test_kernel_cache.py \
+    tests/test_decode_graphs.py tests/test_device_sampling.py tests/test_kernel_cache.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 
-# 2. kernels at Llama-3-8B shapes (µs, GB/s, roofline fraction), then decode and prefill
-# (timeouts sum to 565 s: the device tool kills a command at 600 s, and the lease is 15 min with the start)
-timeout 130 python3 scripts/bench_kernels.py --no-attention --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -40
-# attention: sweep partitions x tile_blocks x warps (INT4 decode sits at 230-255 registers, 2 programs
-# an SM: is a smaller tile with more programs faster?), with short do_bench windows to fit
-timeout 60 python3 scripts/bench_attention.py --tune --warmup 10 --rep 40 --out "$OUT/attention.json" 2>&1 \
-    | tee -a "$OUT/kernels.log" | tail -12
-# the INT4 nibbles converted without inline PTX, for comparison (and as the fallback should the PTX be wrong)
-BIE_TRT_INT4_PTX=0 timeout 25 python3 scripts/bench_attention.py --kv int4_asym --contexts 65536 --warmup 10 --rep 40 \
-    --out "$OUT/attention_noptx.json" 2>&1 | tee -a "$OUT/kernels.log" | tail -4
-timeout 160 python3 scripts/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -20
+# 4. kernels: calibration, fused layer launches, W4 shapes, small ops, lm_head (no sweep)   (90 s)
+timeout 90 python3 scripts/bench_kernels.py --no-attention --no-tune --rep 30 --out "$OUT/kernels.json" 2>&1 \
+    | tee "$OUT/kernels.log" | tail -40
+
+# 5. the rest, if the lease allows                                                     (60 s)
+timeout 60 python3 scripts/bench_decode.py --contexts 4096,32768 --kv int4_asym,fp16 --steps 20 --prefill-len 65536 \
+    --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -8
 ls -la "$OUT"
