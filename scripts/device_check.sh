@@ -9,7 +9,8 @@
 #      graph decode against eager decode, device sampling, the engine's kernel cache;
 #   4. kernels at Llama-3-8B shapes with do_bench_cudagraph, a read-bandwidth calibration in the same
 #      run (fractions against it and against 4.3 TB/s), the fused layer launches against their twins;
-#   5. the other decode contexts and a 64k chunked prefill.
+#   5. the speculative verify step: T(γ+1)/T(1) at 4k/32k/64k, 8B shapes, INT4 KV;
+#   6. the other decode contexts and a 64k chunked prefill.
 # JSON and logs under $OUT (default: benchmarks/results/<date>); each step saves as it goes.
 #   through the device tool:  run(command="bash scripts/device_check.sh", timeout_s=450)
 set -uo pipefail
@@ -31,9 +32,9 @@ timeout 75 python3 scripts/bench_decode.py --contexts 65536 --kv int4_asym --ste
     --out "$OUT/decode_64k.json" 2>&1 | tee -a "$OUT/headline.log" | tail -3 | cut -c1-2000
 
 # 3. correctness on the GPU. Not the slow tests: those force Triton onto CPU tensors (interpreter).
-#    pytest-xdist (in the lent machine's image) spreads the Triton compiles over 8 processes. (150 s)
+#    pytest-xdist (in the lent machine's image) spreads the Triton compiles over 8 processes. (130 s)
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" $XDIST \
+timeout 130 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" $XDIST \
     tests/test_triton_attention.py tests/test_triton_w4.py tests/test_triton_ops.py tests/test_triton_int8.py \
     tests/test_decode_graphs.py tests/test_device_sampling.py tests/test_kernel_cache.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -30
@@ -42,7 +43,10 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow"
 timeout 90 python3 scripts/bench_kernels.py --no-attention --no-tune --rep 30 --out "$OUT/kernels.json" 2>&1 \
     | tee "$OUT/kernels.log" | tail -40
 
-# 5. the rest, if the lease allows                                                     (60 s)
-timeout 60 python3 scripts/bench_decode.py --contexts 4096,32768 --kv int4_asym,fp16 --steps 20 --prefill-len 65536 \
+# 5. speculative decoding's verify cost at 8B shapes                                     (40 s)
+timeout 40 python3 scripts/bench_spec.py --gpu --out "$OUT/spec_gpu.json" 2>&1 | tee "$OUT/spec.log" | tail -6
+
+# 6. the rest, if the lease allows                                                     (40 s)
+timeout 40 python3 scripts/bench_decode.py --contexts 4096,32768 --kv int4_asym,fp16 --steps 20 --prefill-len 65536 \
     --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -8
 ls -la "$OUT"
