@@ -20,6 +20,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from ..config import EngineConfig, SamplingParams
+from ..device_sampling import device_generator, sample_on_device
 from ..errors import EngineError, RequestError
 from ..model.llama import SeqInput
 from ..plan import bounded_fp_blocks_per_seq
@@ -349,8 +350,17 @@ class BieEngine:
                 self.blocks.truncate(seq)
             self.blocks.compact(seq, pools)
             if seq.num_pending == 0:   # the whole prompt (or the last sampled token) is cached: sample
-                token = sample_next(rows, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
-                self._publish(request, *self._append(request, rows[None], [token]))
+                self._publish(request, *self._append(request, rows[None], [self._sample(seq, rows)]))
+
+    @staticmethod
+    def _sample(seq: Sequence, logits: torch.Tensor) -> int:
+        """The next token from logits [V]. On a GPU it is drawn there and only its id crosses to the host;
+        a seed then repeats on that kind of device (a CUDA generator's numbers are not the CPU's)."""
+        if not logits.is_cuda:
+            return sample_next(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+        if seq.device_generator is None:
+            seq.device_generator = device_generator(seq.params, seq.generator.initial_seed(), logits.device)
+        return sample_on_device(logits, seq.params, seq.device_generator, seq.prompt_ids, seq.output_ids)[0]
 
     def _propose(self, lookahead: dict[Sequence, int]) -> dict[Sequence, Proposal]:
         """Proposals for the decodes the scheduler kept room for; empty ones are left out."""

@@ -24,6 +24,8 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator
+    # the same seed's generator on the GPU, made at the first token sampled there (device_sampling.py)
+    device_generator: torch.Generator | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
