@@ -1,7 +1,8 @@
 """End to end, sampling at temperature 1 with top-p 0.9: the tokens at output positions 1-4 follow the same
-distribution with n-gram speculation as without (two-sample chi-square per position), on a tiny random
-model whose next-token distributions are peaked enough for the histograms to tell samplers apart
-(drawing from p instead of the residual on a rejection fails this test by orders of magnitude)."""
+distribution with n-gram speculation, and with a draft model whose distributions differ from the
+target's, as without (two-sample chi-square per position), on a tiny random model whose next-token
+distributions are peaked enough for the histograms to tell samplers apart (drawing from p instead of
+the residual on a rejection fails this test by orders of magnitude)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,24 +21,37 @@ N = 800           # requests per engine
 POSITIONS = 4
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tiny-spec")
-    hf = write_tiny_hf(root / "hf", write_word_tokenizer(root / "tok"), num_attention_heads=2,
-                       num_key_value_heads=1, vocab_size=48)
+def peaked_model(root: Path, tokenizer: Path, head_scale: float) -> Path:
+    """Peaked next-token distributions (a few likely tokens), and attention nearly silent so the next token
+    depends mostly on the last one: lookup proposals from the model's own chains are then often right."""
+    hf = write_tiny_hf(root / "hf", tokenizer, num_attention_heads=2, num_key_value_heads=1, vocab_size=48)
     weights = load_file(str(hf / "model.safetensors"))
-    # Peaked next-token distributions (a few likely tokens), and attention nearly silent so the next token
-    # depends mostly on the last one: lookup proposals from the model's own chains are then often right.
-    weights["lm_head.weight"] = weights["lm_head.weight"] * 9
+    weights["lm_head.weight"] = weights["lm_head.weight"] * head_scale
     for name in weights:
         if "o_proj" in name:
             weights[name] = weights[name] * 0.1
     save_file(weights, str(hf / "model.safetensors"))
-    awq = quantize_checkpoint(hf, root / "awq", group_size=32)
-    # The engine's default speculation, stored at build: the speculative run below asks for no other.
+    return quantize_checkpoint(hf, root / "awq", group_size=32)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tiny-spec")
+    tokenizer = write_word_tokenizer(root / "tok")
+    awq = peaked_model(root / "target", tokenizer, 9)
+    # The same weights with a sharper head as the draft: q over-weights the likeliest tokens, so a sampler
+    # that drew from p instead of the residual after a rejection would over-weight them too.
+    draft = peaked_model(root / "draft", tokenizer, 14)
+    # The engine's default speculation, stored at build: the n-gram run below asks for no other.
     default = SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1)
     return build_engine(BuildOptions(checkpoint=str(awq), out=str(root / "engine"), profile="cpu", max_model_len=256,
-                                     max_num_seqs=64, speculative=default), log=lambda m: None)
+                                     max_num_seqs=64, speculative=default, draft_checkpoint=str(draft),
+                                     draft_vocab_size=48, draft_window_tokens=64), log=lambda m: None)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_engine) -> torch.Tensor:
+    return histograms(tiny_engine, {"method": "none"})[0]
 
 
 def histograms(engine_dir: Path, speculative: dict | None) -> tuple[torch.Tensor, dict]:
@@ -72,9 +86,11 @@ def two_sample_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
-def test_positions_1_to_4_have_the_same_distribution_with_and_without_speculation(tiny_engine):
-    plain, _ = histograms(tiny_engine, {"method": "none"})
-    spec, counters = histograms(tiny_engine, None)   # the engine's default: n-gram, γ = 3
+@pytest.mark.parametrize("speculative", [None, {"method": "draft_model", "num_speculative_tokens": 3}],
+                         ids=["ngram", "draft"])
+def test_positions_1_to_4_have_the_same_distribution_with_and_without_speculation(tiny_engine, plain,
+                                                                                  speculative):
+    spec, counters = histograms(tiny_engine, speculative)   # None: the engine's default, n-gram with γ = 3
     assert len(counters["accepted_by_position"]) == 3
     # Speculation ran and both outcomes happened often: proposals accepted and rejected.
     assert counters["num_draft_tokens"] > N
