@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
-os.environ["BIE_TRT_KERNELS"] = "triton"
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -156,8 +155,10 @@ def launches_of_step(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: i
                      list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(batch)]
     sink: list[Launch] = []
     mode = _TorchOps(sink)
-    real_run = InterpretedFunction.run
+    real_run, kernels = InterpretedFunction.run, os.environ.get("BIE_TRT_KERNELS")
     InterpretedFunction.run = _triton_hook(sink, mode, StepShape(cfg, kv, batch, context), execute=device != "meta")
+    # The Triton kernels on CPU tensors, for this step only: an importer's other work keeps its kernels.
+    os.environ["BIE_TRT_KERNELS"] = "triton"
     try:
         step.run(seqs)   # fills the static buffers
         sink.clear()
@@ -165,6 +166,10 @@ def launches_of_step(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: i
             step._step()
     finally:
         InterpretedFunction.run = real_run
+        if kernels is None:
+            del os.environ["BIE_TRT_KERNELS"]
+        else:
+            os.environ["BIE_TRT_KERNELS"] = kernels
     return sink
 
 
