@@ -135,6 +135,7 @@ def test_target_check_and_schema_without_a_build(tmp_path):
         write_manifest(tmp_path, {"schema_version": version})
         with pytest.raises(EngineError, match=f"engine schema version {version}, but"):
             read_manifest(tmp_path)
-    write_manifest(tmp_path, {"schema_version": SCHEMA_VERSION})
+    required = {"model": {}, "kv": {}, "plan": {}, "max_model_len": 16, "max_num_seqs": 1}
+    write_manifest(tmp_path, {"schema_version": SCHEMA_VERSION, **required})
     assert read_manifest(tmp_path)["files"].keys() == {"a.bin", "b.bin"}
     assert verify_engine(tmp_path, check_gpu=False).ok
