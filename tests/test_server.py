@@ -141,7 +141,7 @@ CONTEXT = ("This model's maximum context length is 256 tokens. However, you requ
     ({"prompt": ""}, "the prompt is empty", "prompt"),
     ({"prompt": []}, "prompt must not be empty", "prompt"),
     ({"prompt": ["Hello", 3]}, "prompt must be a string, a list of strings", "prompt"),
-    ({"prompt": [1, 10 ** 6]}, "prompt token ids must be in [0, ", "prompt"),
+    ({"prompt": [1, 10 ** 6]}, "prompt token id 1000000 is outside the vocabulary [0, ", "prompt"),
     ({"logprobs": 21}, "logprobs: input should be less than or equal to 20", "logprobs"),
     ({"n": 0}, "n: input should be greater than or equal to 1", "n"),
     ({"n": 17}, "n: input should be less than or equal to 16", "n"),
