@@ -162,7 +162,8 @@ def test_the_default_comes_from_the_manifest_else_a_draft_else_off(tmp_path):
 def test_generate_cli_speculates_and_reports_it(smollm2_engine):
     prompt = "Repeat after me: one two three four, one two three four, one two"
     cmd = [sys.executable, "-m", "bie_trt.cli", "generate", "--engine", str(smollm2_engine), "--prompt", prompt,
-           "--max-tokens", "12", "--device", "cpu", "--json", "--speculative-config", '{"method": "ngram"}']
+           "--max-tokens", "12", "--temperature", "0", "--device", "cpu", "--json",
+           "--speculative-config", '{"method": "ngram"}']
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
