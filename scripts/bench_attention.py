@@ -57,7 +57,7 @@ def build_cache(args: argparse.Namespace, kv_dtype: str, context: int, gen: torc
     pools.k.normal_(generator=gen)
     pools.v.normal_(generator=gen)
     if pools.k_q is not None:
-        for name, t in pools.tensors().items():
+        for name, t in pools.quant_views().items():
             if name.endswith("_q") and t.dtype == torch.uint8:  # INT4: any byte is two valid nibbles
                 t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device="cuda", generator=gen))
             elif name.endswith("_q"):  # FP8: from normals, as random bytes would include NaN codes

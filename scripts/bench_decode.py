@@ -44,10 +44,10 @@ def weight_bytes(model: LlamaModel) -> int:
 
 def fill_cache(pools, context: int, kv: KVCacheConfig) -> list[int]:
     """A block table for `context` tokens: FP16 sinks and recent window, the body quantised."""
-    for name, t in pools.tensors().items():
-        if name in ("k", "v"):
-            t.normal_(0, 0.5)
-        elif t.dtype == torch.float8_e4m3fn:
+    pools.k.normal_(0, 0.5)
+    pools.v.normal_(0, 0.5)
+    for name, t in pools.quant_views().items():
+        if t.dtype == torch.float8_e4m3fn:
             t.view(torch.uint8).random_(0, 120)   # finite e4m3 codes
         elif name.endswith("_q"):
             t.random_(0, 256)

@@ -12,6 +12,9 @@ to fp16, which alone can differ by one ulp = 2^-10 |x|: the bound is 2e-3 + 2^-1
 
 Every pool slot a sequence does not own is NaN, and block tables are padded with ids that do
 not exist, so any read outside a sequence's context turns its output into NaN.
+
+Both tile loops (config variant "v1" and "v2") pass every test over a quantised pool; over an FP16
+cache v2 runs v1's loop, so that case runs once.
 """
 from __future__ import annotations
 
@@ -39,6 +42,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (kv dtype, INT4 group size): each quantised format, INT4 at two group sizes.
 KINDS = [("fp16", 64), ("int4_asym", 32), ("int4_asym", 64), ("fp8", 64)]
 KIND_IDS = ["fp16", "int4-g32", "int4-g64", "fp8"]
+VARIANT_KINDS = [pytest.param(variant, kind, id=f"{variant}-{kid}") for variant in ("v1", "v2")
+                 for kind, kid in zip(KINDS, KIND_IDS) if variant == "v1" or kind[0] != "fp16"]
+VARIANTS = ["v1", "v2"]
 FP_BLOCKS, Q_BLOCKS = 20, 12
 TABLE_WIDTH = 7  # wider than any sequence here: the tail of every row is padding
 
@@ -127,38 +133,43 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert (diff <= bound).all(), f"max |Δ| {diff.max().item():.3g}"
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("variant,kind", VARIANT_KINDS)
 @pytest.mark.parametrize("parts", [1, 2, 3])
-def test_decode_matches_reference(kind: tuple[str, int], parts: int) -> None:
+def test_decode_matches_reference(variant: str, kind: tuple[str, int], parts: int) -> None:
     pools, tables, lens, q = decode_batch(*kind)
     for layer in range(LAYERS):
-        out = paged_decode_attention(q, pools, layer, tables, lens, SCALE, num_partitions=parts)
+        out = paged_decode_attention(q, pools, layer, tables, lens, SCALE, num_partitions=parts,
+                                     config={"variant": variant})
         assert_close(out, paged_decode_attention_ref(q, pools, layer, tables, lens, SCALE))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kind", [("int4_asym", 32), ("fp8", 64)], ids=["int4-g32", "fp8"])
-def test_decode_fp16_activations(kind: tuple[str, int]) -> None:
+def test_decode_fp16_activations(variant: str, kind: tuple[str, int]) -> None:
     pools, tables, lens, q = decode_batch(*kind, act=torch.float16, seed=3)
-    out = paged_decode_attention(q, pools, 1, tables, lens, SCALE, num_partitions=2)
+    out = paged_decode_attention(q, pools, 1, tables, lens, SCALE, num_partitions=2, config={"variant": variant})
     assert out.dtype == torch.float16
     assert_close(out, paged_decode_attention_ref(q, pools, 1, tables, lens, SCALE))
 
 
-def test_decode_more_partitions_than_tiles_and_empty_slot() -> None:
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_more_partitions_than_tiles_and_empty_slot(variant: str) -> None:
     """Most partitions hold no tile; a length-0 slot (CUDA-graph padding) yields zeros and no NaN."""
     pools, tables, lens, q = decode_batch("int4_asym", 64, seed=5)
     lens[1] = 0
-    out = paged_decode_attention(q, pools, 0, tables, lens, SCALE, num_partitions=8, config={"tile_blocks": 1})
+    out = paged_decode_attention(q, pools, 0, tables, lens, SCALE, num_partitions=8,
+                                 config={"tile_blocks": 1, "variant": variant})
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert_close(out, paged_decode_attention_ref(q, pools, 0, tables, lens, SCALE))
 
 
-def test_decode_default_config_and_tile_sizes() -> None:
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_default_config_and_tile_sizes(variant: str) -> None:
     pools, tables, lens, q = decode_batch("int4_asym", 64, seed=7)
     ref = paged_decode_attention_ref(q, pools, 1, tables, lens, SCALE)
-    assert_close(paged_decode_attention(q, pools, 1, tables, lens, SCALE), ref)
+    assert_close(paged_decode_attention(q, pools, 1, tables, lens, SCALE, config={"variant": variant}), ref)
     assert_close(paged_decode_attention(q, pools, 1, tables, lens, SCALE, num_partitions=2,
-                                        config={"tile_blocks": 4, "num_warps": 2}), ref)
+                                        config={"tile_blocks": 4, "num_warps": 2, "variant": variant}), ref)
 
 
 # (first position, chunk length, config): a chunk ending a 40-token context (FP16 sink, quantised
@@ -172,9 +183,9 @@ PREFILL_CASES = {
 }
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("variant,kind", VARIANT_KINDS)
 @pytest.mark.parametrize("case", PREFILL_CASES)
-def test_prefill_matches_reference(kind: tuple[str, int], case: str) -> None:
+def test_prefill_matches_reference(variant: str, kind: tuple[str, int], case: str) -> None:
     start, n, config = PREFILL_CASES[case]
     pools = poisoned_pools(*kind, torch.float32)
     cache = Cache(pools, seed=11)
@@ -183,18 +194,19 @@ def test_prefill_matches_reference(kind: tuple[str, int], case: str) -> None:
     table = padded([cache.sequence(start + n, quantised)])[0]
     q = torch.randn(n, HQ, D, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     positions = torch.arange(start, start + n, dtype=torch.int32, device=DEVICE)
-    out = paged_prefill_attention(q, pools, 1, table, positions, SCALE, config=config)
+    out = paged_prefill_attention(q, pools, 1, table, positions, SCALE, config={**config, "variant": variant})
     assert_close(out, paged_attention_ref(q, pools, 1, table, positions, SCALE))
 
 
-def test_prefill_fp16_speculative_verify() -> None:
-    """Speculative verification: a few queries (γ+1 = 4) over a mixed cache, fp16, default config."""
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_fp16_speculative_verify(variant: str) -> None:
+    """Speculative verification: a few queries (γ+1 = 4) over a mixed cache, fp16, default tiles."""
     pools = poisoned_pools("int4_asym", 64, torch.float16)
     cache = Cache(pools, seed=13)
     table = padded([cache.sequence(52, {1, 2})])[0]
     q = torch.randn(4, HQ, D, generator=torch.Generator().manual_seed(14)).to(DEVICE, torch.float16)
     positions = torch.arange(48, 52, dtype=torch.int32, device=DEVICE)
-    out = paged_prefill_attention(q, pools, 0, table, positions, SCALE)
+    out = paged_prefill_attention(q, pools, 0, table, positions, SCALE, config={"variant": variant})
     assert_close(out, paged_attention_ref(q, pools, 0, table, positions, SCALE))
 
 
@@ -204,5 +216,7 @@ def test_rejects_bad_inputs() -> None:
         paged_decode_attention(q, pools, 0, tables.long(), lens, SCALE)
     with pytest.raises(ValueError, match="unknown"):
         paged_decode_attention(q, pools, 0, tables, lens, SCALE, config={"BLOCK": 64})
+    with pytest.raises(ValueError, match="variant 'v3'"):
+        paged_decode_attention(q, pools, 0, tables, lens, SCALE, config={"variant": "v3"})
     with pytest.raises(ValueError, match="does not fit"):
         paged_decode_attention(q[:, :5], pools, 0, tables, lens, SCALE)

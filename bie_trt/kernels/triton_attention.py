@@ -45,7 +45,9 @@ except ImportError:  # triton is optional: without it the runtime uses the refer
 
 # How the quantised pool stores rows: the kernels' KV_MODE constexpr (0 no quantised pool, 1 INT4, 2 FP8).
 _FP16_ONLY, _INT4, _FP8 = 0, 1, 2
-_CONFIG_KEYS = frozenset({"tile_blocks", "block_m", "num_partitions", "num_warps", "num_stages"})
+_CONFIG_KEYS = frozenset({"variant", "tile_blocks", "block_m", "num_partitions", "num_warps", "num_stages"})
+# The tile loops (`_partition_v1`, `_partition_v2`); v1 is the default until a GPU measures v2 faster.
+VARIANTS = ("v1", "v2")
 # Programs per SM the default partition count aims for: a few waves keep the memory
 # system busy while some programs wait on their loads.
 _PROGRAMS_PER_SM = 4
@@ -133,7 +135,7 @@ def _nibbles_f16(packed):
 
 
 @_jit()
-def _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, rows,
+def _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, rows, stride_sc_grp,
                   TILE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
     """Even and odd channels [TILE, HEAD_DIM // 2] of INT4 rows: x = q · scale + zero per group of channels."""
     # Byte j carries channels 2j and 2j+1, both in group j // (QUANT_GROUP // 2); laying the
@@ -142,8 +144,9 @@ def _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, rows,
     byte = g[:, None] * (QUANT_GROUP // 2) + tl.arange(0, QUANT_GROUP // 2)[None, :]
     mask = rows[:, None, None]
     packed = tl.load(qd_ptr + qd_off[:, None, None] + byte[None, :, :], mask=mask, other=0)
-    scale = tl.load(sc_ptr + sc_off[:, None, None] + g[None, :, None], mask=mask, other=0.0).to(DTYPE)
-    zero = tl.load(zr_ptr + sc_off[:, None, None] + g[None, :, None], mask=mask, other=0.0).to(DTYPE)
+    sc_grp = sc_off[:, None, None] + (g * stride_sc_grp)[None, :, None]
+    scale = tl.load(sc_ptr + sc_grp, mask=mask, other=0.0).to(DTYPE)
+    zero = tl.load(zr_ptr + sc_grp, mask=mask, other=0.0).to(DTYPE)
     lo, hi = _nibbles_f16(packed)
     if _PTX_NIBBLES or DTYPE != tl.float16:
         even = (lo.to(DTYPE) * scale + zero).to(DTYPE)
@@ -176,13 +179,14 @@ def _load_plain_tile(fp_ptr, fp_off, plain, ch_a, ch_b, DTYPE: tl.constexpr):
 
 
 @_jit()
-def _load_quant_tile(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, quant, ch_a, ch_b,
+def _load_quant_tile(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, quant, ch_a, ch_b, stride_sc_grp,
                      TILE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr,
                      QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
     """A K or V tile's two channel halves from the quantised pool; rows not in `quant` are 0 (masked
     loads give code, scale and zero 0), so a tile's FP16 rows can be added as a separate product."""
     if KV_MODE == 1:
-        a, b = _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, quant, TILE, HEAD_DIM, QUANT_GROUP, DTYPE)
+        a, b = _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, quant, stride_sc_grp, TILE, HEAD_DIM,
+                             QUANT_GROUP, DTYPE)
     else:
         a, b = _dequant_fp8(qd_ptr, sc_ptr, qd_off, sc_off, quant, ch_a, ch_b, DTYPE)
     return a, b
@@ -227,6 +231,225 @@ def _merge_partitions(m_ws_ptr, l_ws_ptr, acc_ws_ptr, ws_row, row_ok, num_partit
     return out / tl.where(denom > 0, denom, 1.0)[:, None]
 
 
+@_jit()
+def _tile_rows(table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+               stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
+    """Tile t's token positions, which of them are FP16 (`plain`) and quantised (`quant`) rows, and
+    the quantised rows' code and record offsets (other rows point at block 0, never read)."""
+    kv = t * TILE + tl.arange(0, TILE)
+    live = kv < context
+    entry = tl.load(table + kv // BLOCK_SIZE, mask=live, other=0)
+    plain = live & (entry >= 0)
+    quant = live & (entry < 0)
+    slot = kv % BLOCK_SIZE
+    # Block ids in 64 bits: a large pool's element offset can pass 2**31.
+    q_blk = tl.where(quant, -entry - 1, 0).to(tl.int64)
+    qd_off = q_blk * stride_qd_blk + kv_head * stride_qd_head + slot * stride_qd_tok
+    sc_off = q_blk * stride_sc_blk + kv_head * stride_sc_head + slot * stride_sc_tok
+    has_plain = tl.max(plain.to(tl.int32), 0) > 0
+    return kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain
+
+
+@_jit()
+def _softmax_step(s, m_i, l_i, kv, pos, qk_scale):
+    """Online softmax over one tile of raw scores s [ROWS, TILE] -> (p, alpha, m_i, l_i).
+
+    A row may see nothing in this tile or even this whole partition (an early query of a chunk, a
+    padding row): subtracting 0 instead of a -inf max keeps exp2 at a clean 0 rather than NaN."""
+    s = tl.where(kv[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@_jit()
+def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, kv_head, qk_scale,
+                  k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+                  stride_fp_blk, stride_fp_head, stride_fp_tok,
+                  stride_qd_blk, stride_qd_head, stride_qd_tok,
+                  stride_sc_blk, stride_sc_head, stride_sc_tok, stride_sc_grp,
+                  ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """v1: each tile's quantised K and V are dequantised into [TILE, HEAD_DIM // 2] halves that tl.dot
+    takes as they are. Returns the partition's (m, l, acc_a, acc_b) over channel halves a and b."""
+    ch_a, ch_b = _channel_halves(HEAD_DIM, KV_MODE == 1)
+    q_a = tl.load(q_ptr + q_off[:, None] + ch_a[None, :], mask=row_ok[:, None], other=0.0)
+    q_b = tl.load(q_ptr + q_off[:, None] + ch_b[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    acc_a = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
+    acc_b = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
+    for t in range(tile_begin, tile_end):
+        kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
+            table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+            stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE)
+
+        # The quantised body is nearly every tile, so its loads stay unconditional (and free to be
+        # software-pipelined); only the few tiles holding sink or window blocks visit the FP16 pool,
+        # as a second product: each pool's loads give 0 for the other's rows. (Merging the rows into
+        # one tile instead made every tile move its dequantised K/V into the FP16 load's layout.)
+        if KV_MODE == 0:
+            fp_off = _fp_offsets(entry, plain, slot, kv_head, stride_fp_blk, stride_fp_head, stride_fp_tok)
+            k_a, k_b = _load_plain_tile(k_ptr, fp_off, plain, ch_a, ch_b, DTYPE)
+        else:
+            k_a, k_b = _load_quant_tile(kq_ptr, ks_ptr, kz_ptr, qd_off, sc_off, quant, ch_a, ch_b, stride_sc_grp,
+                                        TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
+        s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
+        s += tl.dot(q_b, tl.trans(k_b), input_precision="ieee")
+        if KV_MODE != 0:
+            if has_plain:
+                # FP16 rows are rare with a quantised pool: their offsets are built only here, from
+                # the block table read again (a cache hit), not for every tile in the FP16 load's
+                # layout (Triton 3.9 hoists the pipelined table read's conversions to the loop top).
+                p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
+                                            stride_fp_tok, BLOCK_SIZE)
+                f_a, f_b = _load_plain_tile(k_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
+                s += tl.dot(q_a, tl.trans(f_a), input_precision="ieee")
+                s += tl.dot(q_b, tl.trans(f_b), input_precision="ieee")
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, qk_scale)
+
+        if KV_MODE == 0:
+            v_a, v_b = _load_plain_tile(v_ptr, fp_off, plain, ch_a, ch_b, DTYPE)
+        else:
+            v_a, v_b = _load_quant_tile(vq_ptr, vs_ptr, vz_ptr, qd_off, sc_off, quant, ch_a, ch_b, stride_sc_grp,
+                                        TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
+        p = p.to(DTYPE)
+        acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a, input_precision="ieee")
+        acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision="ieee")
+        if KV_MODE != 0:
+            if has_plain:
+                p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
+                                            stride_fp_tok, BLOCK_SIZE)
+                f_a, f_b = _load_plain_tile(v_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
+                acc_a += tl.dot(p, f_a, input_precision="ieee")
+                acc_b += tl.dot(p, f_b, input_precision="ieee")
+    return m_i, l_i, acc_a, acc_b
+
+
+# v2 keeps every head vector as [group, channel pair in group] (INT4) or, with one "group", as the
+# two halves v1 uses (FP8): operands are [NG, rows, HG] and tl.dot runs batched over the groups, so
+# a group's scale multiplies its own product and the codes reach tl.dot as they are.
+
+
+@_jit()
+def _group_channels(HEAD_DIM: tl.constexpr, NG: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Channel indices [NG, HEAD_DIM // (2 NG)] of the two halves, group by group. Flattened they are
+    `_channel_halves`'s, so a v2 accumulator reshaped to [ROWS, HEAD_DIM // 2] is v1's."""
+    HG: tl.constexpr = HEAD_DIM // (2 * NG)
+    h = tl.arange(0, NG)[:, None] * HG + tl.arange(0, HG)[None, :]
+    if INTERLEAVED:  # byte h holds channels 2h (low nibble) and 2h + 1
+        return 2 * h, 2 * h + 1
+    return h, h + HEAD_DIM // 2
+
+
+@_jit()
+def _codes_v2(qd_ptr, qd_off, quant, NG: tl.constexpr, HG: tl.constexpr, KV_MODE: tl.constexpr,
+              DTYPE: tl.constexpr):
+    """Both halves' codes [NG, TILE, HG] of a tile's quantised rows as exact DTYPE numbers (INT4:
+    the integers 0..15; FP8: e4m3 values, which fp16 holds exactly); other rows are 0."""
+    byte = tl.arange(0, NG)[:, None, None] * HG + tl.arange(0, HG)[None, None, :]
+    mask = quant[None, :, None]
+    if KV_MODE == 1:
+        lo, hi = _nibbles_f16(tl.load(qd_ptr + qd_off[None, :, None] + byte, mask=mask, other=0))
+        return lo.to(DTYPE), hi.to(DTYPE)
+    a = tl.load(qd_ptr + qd_off[None, :, None] + byte, mask=mask, other=0.0).to(DTYPE)
+    b = tl.load(qd_ptr + qd_off[None, :, None] + NG * HG + byte, mask=mask, other=0.0).to(DTYPE)
+    return a, b
+
+
+@_jit()
+def _record_v2(sc_ptr, sc_off, quant, TILE: tl.constexpr, NG: tl.constexpr, KV_MODE: tl.constexpr):
+    """Scale and zero [NG, TILE] fp32 of a tile's quantised rows, 0 for other rows (a masked load: a
+    stale NaN record of a slot outside the context never reaches the products). INT4 reads each
+    row's (scale, zero) pairs as one [TILE, 2 NG] tile; FP8 has a scale only (returned twice)."""
+    if KV_MODE == 1:
+        pairs = tl.load(sc_ptr + sc_off[:, None] + tl.arange(0, 2 * NG)[None, :], mask=quant[:, None], other=0.0)
+        scale, zero = tl.split(tl.reshape(pairs, (TILE, NG, 2)))
+        return tl.trans(scale).to(tl.float32), tl.trans(zero).to(tl.float32)
+    scale = tl.load(sc_ptr + sc_off, mask=quant, other=0.0).to(tl.float32)[None, :]
+    return scale, scale
+
+
+@_jit()
+def _plain_v2(fp_ptr, fp_off, plain, ch_lo, ch_hi, DTYPE: tl.constexpr):
+    """A K or V tile's FP16-pool rows as both halves [NG, TILE, HG]; other rows are 0."""
+    mask = plain[None, :, None]
+    a = tl.load(fp_ptr + fp_off[None, :, None] + ch_lo[:, None, :], mask=mask, other=0.0).to(DTYPE)
+    b = tl.load(fp_ptr + fp_off[None, :, None] + ch_hi[:, None, :], mask=mask, other=0.0).to(DTYPE)
+    return a, b
+
+
+@_jit()
+def _scores_v2(q_lo, q_hi, k_lo, k_hi):
+    """Σ over halves of the batched products q [NG, ROWS, HG] · k [NG, TILE, HG]ᵀ -> [NG, ROWS, TILE]."""
+    s = tl.dot(q_lo, tl.permute(k_lo, (0, 2, 1)), input_precision="ieee")
+    return s + tl.dot(q_hi, tl.permute(k_hi, (0, 2, 1)), input_precision="ieee")
+
+
+@_jit()
+def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, kv_head, qk_scale,
+                  k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr,
+                  stride_fp_blk, stride_fp_head, stride_fp_tok,
+                  stride_qd_blk, stride_qd_head, stride_qd_tok,
+                  stride_sc_blk, stride_sc_head, stride_sc_tok,
+                  ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """v2 over a quantised pool: no dequantised K/V tile. Per group g of a quantised row,
+        score = scale_g · (q_g · codes_g) + zero_g · Σ_{c∈g} q_c          (INT4; FP8: scale · (q · codes))
+        acc_g += (P ⊙ scale_g) · codes_g + (P · zero_g) ⊗ 1
+    with codes as exact fp16 integers straight into tl.dot; FP16 rows add v1's second product.
+    The V loads come first in the iteration, ahead of the K math. Returns v1's (m, l, acc_a, acc_b)."""
+    NG: tl.constexpr = HEAD_DIM // QUANT_GROUP if KV_MODE == 1 else 1
+    HG: tl.constexpr = HEAD_DIM // (2 * NG)
+    ch_lo, ch_hi = _group_channels(HEAD_DIM, NG, KV_MODE == 1)
+    q_lo = tl.load(q_ptr + q_off[None, :, None] + ch_lo[:, None, :], mask=row_ok[None, :, None], other=0.0)
+    q_hi = tl.load(q_ptr + q_off[None, :, None] + ch_hi[:, None, :], mask=row_ok[None, :, None], other=0.0)
+    q_sum = tl.sum(q_lo.to(tl.float32) + q_hi.to(tl.float32), 2)   # [NG, ROWS]: what each zero multiplies
+    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    acc_lo = tl.zeros((NG, ROWS, HG), tl.float32)
+    acc_hi = tl.zeros((NG, ROWS, HG), tl.float32)
+    for t in range(tile_begin, tile_end):
+        kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
+            table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+            stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE)
+        v_lo, v_hi = _codes_v2(vq_ptr, qd_off, quant, NG, HG, KV_MODE, DTYPE)
+        v_scale, v_zero = _record_v2(vs_ptr, sc_off, quant, TILE, NG, KV_MODE)
+        k_lo, k_hi = _codes_v2(kq_ptr, qd_off, quant, NG, HG, KV_MODE, DTYPE)
+        k_scale, k_zero = _record_v2(ks_ptr, sc_off, quant, TILE, NG, KV_MODE)
+
+        s3 = _scores_v2(q_lo, q_hi, k_lo, k_hi) * k_scale[:, None, :]
+        if KV_MODE == 1:
+            s3 += q_sum[:, :, None] * k_zero[:, None, :]
+        s = tl.sum(s3, 0)
+        if has_plain:
+            p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
+                                        stride_fp_tok, BLOCK_SIZE)
+            f_lo, f_hi = _plain_v2(k_ptr, p_off, p_rows, ch_lo, ch_hi, DTYPE)
+            s += tl.sum(_scores_v2(q_lo, q_hi, f_lo, f_hi), 0)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, qk_scale)
+
+        p_scaled = (p[None, :, :] * v_scale[:, None, :]).to(DTYPE)   # [NG, ROWS, TILE]
+        acc_lo = acc_lo * alpha[None, :, None] + tl.dot(p_scaled, v_lo, input_precision="ieee")
+        acc_hi = acc_hi * alpha[None, :, None] + tl.dot(p_scaled, v_hi, input_precision="ieee")
+        if KV_MODE == 1:
+            p_zero = tl.sum(p[None, :, :] * v_zero[:, None, :], 2)[:, :, None]   # [NG, ROWS, 1]
+            acc_lo += p_zero
+            acc_hi += p_zero
+        if has_plain:
+            p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
+                                        stride_fp_tok, BLOCK_SIZE)
+            f_lo, f_hi = _plain_v2(v_ptr, p_off, p_rows, ch_lo, ch_hi, DTYPE)
+            p_fp = tl.broadcast_to(p.to(DTYPE)[None, :, :], (NG, ROWS, TILE))
+            acc_lo += tl.dot(p_fp, f_lo, input_precision="ieee")
+            acc_hi += tl.dot(p_fp, f_hi, input_precision="ieee")
+    acc_a = tl.reshape(tl.permute(acc_lo, (1, 0, 2)), (ROWS, HEAD_DIM // 2))
+    acc_b = tl.reshape(tl.permute(acc_hi, (1, 0, 2)), (ROWS, HEAD_DIM // 2))
+    return m_i, l_i, acc_a, acc_b
+
+
 @_jit(do_not_specialize=("num_queries", "num_partitions", "stride_table"))
 def _paged_attention_kernel(
     q_ptr, pos_ptr, table_ptr,
@@ -236,13 +459,14 @@ def _paged_attention_kernel(
     stride_q_tok, stride_q_head, stride_table, stride_out_tok, stride_out_head,
     stride_fp_blk, stride_fp_head, stride_fp_tok,
     stride_qd_blk, stride_qd_head, stride_qd_tok,
-    stride_sc_blk, stride_sc_head, stride_sc_tok,
+    stride_sc_blk, stride_sc_head, stride_sc_tok, stride_sc_grp,
     NUM_Q_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr,
-    LENGTHS: tl.constexpr,
+    LENGTHS: tl.constexpr, V2: tl.constexpr,
 ):
-    """pos_ptr: each query's position, or with LENGTHS each decode sequence's length (position + 1)."""
+    """pos_ptr: each query's position, or with LENGTHS each decode sequence's length (position + 1).
+    V2 picks `_partition_v2` for the tile loop (a quantised pool only), else `_partition_v1`."""
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -253,10 +477,7 @@ def _paged_attention_kernel(
     qi = q_tile * BLOCK_M + r // GROUP_PAD
     q_head = kv_head * GROUP_HEADS + r % GROUP_PAD
     row_ok = (r // GROUP_PAD < BLOCK_M) & (r % GROUP_PAD < GROUP_HEADS) & (qi < num_queries)
-    ch_a, ch_b = _channel_halves(HEAD_DIM, KV_MODE == 1)
     q_off = qi * stride_q_tok + q_head * stride_q_head
-    q_a = tl.load(q_ptr + q_off[:, None] + ch_a[None, :], mask=row_ok[:, None], other=0.0)
-    q_b = tl.load(q_ptr + q_off[:, None] + ch_b[None, :], mask=row_ok[:, None], other=0.0)
     # A query at position p sees cached tokens 0..p; padding rows (and an empty decode slot, p = -1) see none.
     if LENGTHS:
         pos = tl.load(pos_ptr + qi, mask=row_ok, other=0) - 1
@@ -271,73 +492,22 @@ def _paged_attention_kernel(
     tile_end = tl.minimum(tile_begin + tiles_per_part, num_tiles)
     table = table_ptr + q_tile * stride_table
 
-    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
-    l_i = tl.zeros((ROWS,), tl.float32)
-    acc_a = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
-    acc_b = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
-    for t in range(tile_begin, tile_end):
-        kv = t * TILE + tl.arange(0, TILE)
-        live = kv < context
-        entry = tl.load(table + kv // BLOCK_SIZE, mask=live, other=0)
-        plain = live & (entry >= 0)
-        quant = live & (entry < 0)
-        slot = kv % BLOCK_SIZE
-        # Block ids in 64 bits: a large pool's element offset can pass 2**31.
-        q_blk = tl.where(quant, -entry - 1, 0).to(tl.int64)
-        qd_off = q_blk * stride_qd_blk + kv_head * stride_qd_head + slot * stride_qd_tok
-        sc_off = q_blk * stride_sc_blk + kv_head * stride_sc_head + slot * stride_sc_tok
-        has_plain = tl.max(plain.to(tl.int32), 0) > 0
+    if V2:
+        m_i, l_i, acc_a, acc_b = _partition_v2(
+            q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, kv_head, qk_scale,
+            k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr,
+            stride_fp_blk, stride_fp_head, stride_fp_tok, stride_qd_blk, stride_qd_head, stride_qd_tok,
+            stride_sc_blk, stride_sc_head, stride_sc_tok,
+            ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
+    else:
+        m_i, l_i, acc_a, acc_b = _partition_v1(
+            q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, kv_head, qk_scale,
+            k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+            stride_fp_blk, stride_fp_head, stride_fp_tok, stride_qd_blk, stride_qd_head, stride_qd_tok,
+            stride_sc_blk, stride_sc_head, stride_sc_tok, stride_sc_grp,
+            ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
 
-        # The quantised body is nearly every tile, so its loads stay unconditional (and free to be
-        # software-pipelined); only the few tiles holding sink or window blocks visit the FP16 pool,
-        # as a second product: each pool's loads give 0 for the other's rows. (Merging the rows into
-        # one tile instead made every tile move its dequantised K/V into the FP16 load's layout.)
-        if KV_MODE == 0:
-            fp_off = _fp_offsets(entry, plain, slot, kv_head, stride_fp_blk, stride_fp_head, stride_fp_tok)
-            k_a, k_b = _load_plain_tile(k_ptr, fp_off, plain, ch_a, ch_b, DTYPE)
-        else:
-            k_a, k_b = _load_quant_tile(kq_ptr, ks_ptr, kz_ptr, qd_off, sc_off, quant, ch_a, ch_b,
-                                        TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
-        s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
-        s += tl.dot(q_b, tl.trans(k_b), input_precision="ieee")
-        if KV_MODE != 0:
-            if has_plain:
-                # FP16 rows are rare with a quantised pool: their offsets are built only here, from
-                # the block table read again (a cache hit), not for every tile in the FP16 load's
-                # layout (Triton 3.9 hoists the pipelined table read's conversions to the loop top).
-                p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
-                                            stride_fp_tok, BLOCK_SIZE)
-                f_a, f_b = _load_plain_tile(k_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
-                s += tl.dot(q_a, tl.trans(f_a), input_precision="ieee")
-                s += tl.dot(q_b, tl.trans(f_b), input_precision="ieee")
-        s = tl.where(kv[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
-
-        # Online softmax. A row may see nothing in this tile or even this whole partition
-        # (an early query of a chunk, a padding row): subtracting 0 instead of a -inf max
-        # keeps exp2 at a clean 0 rather than NaN.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-
-        if KV_MODE == 0:
-            v_a, v_b = _load_plain_tile(v_ptr, fp_off, plain, ch_a, ch_b, DTYPE)
-        else:
-            v_a, v_b = _load_quant_tile(vq_ptr, vs_ptr, vz_ptr, qd_off, sc_off, quant, ch_a, ch_b,
-                                        TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
-        p = p.to(DTYPE)
-        acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a, input_precision="ieee")
-        acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision="ieee")
-        if KV_MODE != 0:
-            if has_plain:
-                p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
-                                            stride_fp_tok, BLOCK_SIZE)
-                f_a, f_b = _load_plain_tile(v_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
-                acc_a += tl.dot(p, f_a, input_precision="ieee")
-                acc_b += tl.dot(p, f_b, input_precision="ieee")
-
+    ch_a, ch_b = _channel_halves(HEAD_DIM, KV_MODE == 1)
     out_row = qi * stride_out_tok + q_head * stride_out_head
     if num_partitions == 1:
         denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -404,8 +574,9 @@ def default_config(on_gpu: bool, group_pad: int, quantised_prefill: bool = False
     under Triton 3.9, 516 B on sm_86 under 3.6); with 2 it spills at most 84 B (sm_86, 3.9) and
     nothing on sm_90 under 3.6. The interpreter gets small tiles."""
     if not on_gpu:
-        return {"tile_blocks": 2, "block_m": max(1, 16 // group_pad), "num_warps": 4}
-    return {"tile_blocks": 2 if quantised_prefill else 4, "block_m": max(1, 64 // group_pad), "num_warps": 4}
+        return {"variant": "v1", "tile_blocks": 2, "block_m": max(1, 16 // group_pad), "num_warps": 4}
+    return {"variant": "v1", "tile_blocks": 2 if quantised_prefill else 4, "block_m": max(1, 64 // group_pad),
+            "num_warps": 4}
 
 
 def _resolve_config(config: dict | None, device: torch.device, group_pad: int, quantised_prefill: bool = False) -> dict:
@@ -413,6 +584,8 @@ def _resolve_config(config: dict | None, device: torch.device, group_pad: int, q
     unknown = set(cfg) - _CONFIG_KEYS
     if unknown:
         raise ValueError(f"unknown paged-attention config keys {sorted(unknown)}; known: {sorted(_CONFIG_KEYS)}.")
+    if cfg.get("variant", "v1") not in VARIANTS:
+        raise ValueError(f"unknown paged-attention variant {cfg['variant']!r}; use one of {', '.join(VARIANTS)}.")
     return {**default_config(device.type == "cuda", group_pad, quantised_prefill), **cfg}
 
 
@@ -473,11 +646,11 @@ def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.T
         q.stride(0), q.stride(1), stride_table, out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         kq.stride(0), kq.stride(1), kq.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2), ks.stride(-1),
         NUM_Q_HEADS=num_q_heads, GROUP_HEADS=group, GROUP_PAD=group_pad, BLOCK_M=block_m, ROWS=rows,
         BLOCK_SIZE=block_size, TILE=tile, HEAD_DIM=head_dim, KV_MODE=mode,
         QUANT_GROUP=pools.cfg.group_size if mode == _INT4 else 1, DTYPE=_tl_dtype(q.dtype), LENGTHS=lengths,
-        **launch,
+        V2=cfg["variant"] == "v2" and mode != _FP16_ONLY, **launch,
     )
     return out
 
@@ -498,7 +671,8 @@ def paged_decode_attention(
     block_tables int32 [S, max_blocks] of signed entries (anything past a sequence's length is
     ignored); the current token's K/V must already be in the cache. A sequence of length 0 (a
     padding slot) gets zeros. `num_partitions` splits each context (default: enough programs to
-    fill the GPU); `config` takes tile_blocks, num_warps, num_stages; the result goes to `out` when given.
+    fill the GPU); `config` takes variant ("v1" or "v2"), tile_blocks, num_warps, num_stages; the result
+    goes to `out` when given.
     """
     _check_inputs(q, pools, block_tables)
     cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]))
@@ -521,7 +695,7 @@ def paged_prefill_attention(
 
     Same semantics as `paged_attention_ref`: the chunk's K/V are already written into the
     cache (FP16 tail) and block_table int32 [max_blocks] covers positions.max(). Also the
-    verification pass of speculative decoding (a few queries). `config` takes block_m,
+    verification pass of speculative decoding (a few queries). `config` takes variant, block_m,
     tile_blocks, num_partitions, num_warps, num_stages.
     """
     _check_inputs(q, pools, block_table)

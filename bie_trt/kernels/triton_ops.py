@@ -248,9 +248,10 @@ def _fp16_at_or_below(lo):
 
 
 @triton.jit
-def _quant_int4_head(src, dst_q, dst_s, dst_z,
+def _quant_int4_head(src, dst_q, dst_s, dst_z, stride_st, stride_sg,
                      BLOCK_SIZE: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr):
-    """One head's [B, D] tile -> packed codes [B, D/2], scale and zero [B, D/G] (quantize_int4_asym)."""
+    """One head's [B, D] tile -> packed codes [B, D/2], scale and zero [B, D/G] (quantize_int4_asym);
+    scale and zero are strided (token, group): the pool interleaves them in one record."""
     NG: tl.constexpr = D // GROUP
     HALF: tl.constexpr = GROUP // 2
     # [token, group, channel pair]: channel 2c of a pair is the low nibble, 2c + 1 the high one.
@@ -271,7 +272,7 @@ def _quant_int4_head(src, dst_q, dst_s, dst_z,
     q_hi = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x_hi - zf, sf)), 0.0), 15.0)
     packed = q_lo.to(tl.int32) | (q_hi.to(tl.int32) << 4)
     tl.store(dst_q + t * (D // 2) + g * HALF + c, packed.to(tl.uint8))
-    ts = tl.arange(0, BLOCK_SIZE)[:, None] * NG + tl.arange(0, NG)[None, :]
+    ts = tl.arange(0, BLOCK_SIZE)[:, None] * stride_st + tl.arange(0, NG)[None, :] * stride_sg
     tl.store(dst_s + ts, scale)
     tl.store(dst_z + ts, zero)
 
@@ -292,19 +293,19 @@ def _e4m3_bits(v):
 
 
 @triton.jit
-def _quant_fp8_head(src, dst_q, dst_s, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+def _quant_fp8_head(src, dst_q, dst_s, stride_st, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
     """One head's [B, D] tile -> e4m3 bytes [B, D] and one scale per token (quantize_fp8)."""
     offs = tl.arange(0, BLOCK_SIZE)[:, None] * D + tl.arange(0, D)[None, :]
     x = tl.load(src + offs).to(tl.float32)
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX), _MIN_SCALE).to(tl.float16)
     v = tl.math.div_rn(x, scale.to(tl.float32)[:, None])
     tl.store(dst_q + offs, _e4m3_bits(tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)))
-    tl.store(dst_s + tl.arange(0, BLOCK_SIZE), scale)
+    tl.store(dst_s + tl.arange(0, BLOCK_SIZE) * stride_st, scale)
 
 
 @triton.jit
 def _quantize_block_kernel(k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
-                           stride_l, stride_h, stride_ql, stride_qh, stride_sl, stride_sh,
+                           stride_l, stride_h, stride_ql, stride_qh, stride_sl, stride_sh, stride_st, stride_sg,
                            IS_INT4: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
                            GROUP: tl.constexpr):
     """One program per (layer, head), K then V: a whole block leaves the window in one launch."""
@@ -315,11 +316,11 @@ def _quantize_block_kernel(k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr,
     q = layer * stride_ql + head * stride_qh
     s = layer * stride_sl + head * stride_sh
     if IS_INT4:
-        _quant_int4_head(k_ptr + src, kq_ptr + q, ks_ptr + s, kz_ptr + s, BLOCK_SIZE, D, GROUP)
-        _quant_int4_head(v_ptr + src, vq_ptr + q, vs_ptr + s, vz_ptr + s, BLOCK_SIZE, D, GROUP)
+        _quant_int4_head(k_ptr + src, kq_ptr + q, ks_ptr + s, kz_ptr + s, stride_st, stride_sg, BLOCK_SIZE, D, GROUP)
+        _quant_int4_head(v_ptr + src, vq_ptr + q, vs_ptr + s, vz_ptr + s, stride_st, stride_sg, BLOCK_SIZE, D, GROUP)
     else:
-        _quant_fp8_head(k_ptr + src, kq_ptr + q, ks_ptr + s, BLOCK_SIZE, D)
-        _quant_fp8_head(v_ptr + src, vq_ptr + q, vs_ptr + s, BLOCK_SIZE, D)
+        _quant_fp8_head(k_ptr + src, kq_ptr + q, ks_ptr + s, stride_st, BLOCK_SIZE, D)
+        _quant_fp8_head(v_ptr + src, vq_ptr + q, vs_ptr + s, stride_st, BLOCK_SIZE, D)
 
 
 def quantize_block_triton(pools: KVPools, fp_block: int, q_block: int) -> None:
@@ -347,5 +348,6 @@ def quantize_block_triton(pools: KVPools, fp_block: int, q_block: int) -> None:
     vz = pools.v_zero[:, q_block] if is_int4 else vs
     _quantize_block_kernel[(L, H)](
         src_k, src_v, kq, vq, ks, vs, kz, vz,
-        src_k.stride(0), src_k.stride(1), kq.stride(0), kq.stride(1), ks.stride(0), ks.stride(1),
+        src_k.stride(0), src_k.stride(1), kq.stride(0), kq.stride(1), ks.stride(0), ks.stride(1), ks.stride(2),
+        ks.stride(3),
         IS_INT4=is_int4, BLOCK_SIZE=B, D=D, GROUP=group, num_warps=4)

@@ -2,17 +2,24 @@
 
 Layout (head-major inside a block, so one program reads one head's block contiguously):
   FP16 pool    k, v        [L, N_fp, H_kv, B, D]            activation dtype (fp16; fp32 on the CPU reference)
-  INT4 pool    k_q, v_q    [L, N_q, H_kv, B, D // 2] uint8  two nibbles a byte: channel 2j low, 2j+1 high
-               *_scale, *_zero [L, N_q, H_kv, B, D // G] fp16   x ≈ q · scale + zero   (q in 0..15)
-  FP8 pool     k_q, v_q    [L, N_q, H_kv, B, D] float8_e4m3fn
-               *_scale     [L, N_q, H_kv, B, 1] fp16          x ≈ q · scale
+  quantised    k_pack, v_pack [L, N_q, H_kv, R] uint8       one (block, head) = R contiguous bytes: its codes,
+               then its scale/zero record, so the loads that fetch a block's codes reach its record too
+  INT4         codes   [B, D // 2]  two nibbles a byte: channel 2j low, 2j+1 high
+               record  [B, D // G, 2] fp16 (scale, zero) pairs       x ≈ q · scale + zero   (q in 0..15)
+  FP8          codes   [B, D] float8_e4m3fn
+               record  [B, 1] fp16 scale                             x ≈ q · scale
+
+`k_q`, `k_scale`, `k_zero` (and the `v_` ones) are views into the packs with the shapes of the
+separate tensors they once were ([L, N_q, H_kv, B, D // 2] and [L, N_q, H_kv, B, D // G] for INT4,
+[L, N_q, H_kv, B, D] and [L, N_q, H_kv, B, 1] for FP8): quantisers and the reference read and write
+through them; `tensors()` lists the storage (k, v and the packs), so copying a pool keeps them aliased.
 
 A block-table entry e >= 0 names FP16 block e; e < 0 names quantised block -e - 1
 (`encode_quant_block` / `decode_block`), so one int32 table carries each block's precision.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,14 +35,30 @@ def decode_block(entry: int) -> tuple[bool, int]:
     return (True, -entry - 1) if entry < 0 else (False, entry)
 
 
+def quant_bytes_per_token_per_head(kv: KVCacheConfig, head_dim: int) -> int:
+    """Bytes of one token of one head in the quantised pool, one side (K or V): codes and record."""
+    return {
+        "fp16": 2 * head_dim,
+        "fp8": head_dim + 2,
+        "int4_asym": head_dim // 2 + 4 * (head_dim // kv.group_size),
+    }[kv.dtype]
+
+
 def quant_bytes_per_token_per_layer(model: ModelConfig, kv: KVCacheConfig) -> int:
     """Bytes one token costs in one layer of the quantised pool (K and V)."""
-    per_head = {
-        "fp16": 2 * model.head_dim,
-        "fp8": model.head_dim + 2,
-        "int4_asym": model.head_dim // 2 + 4 * (model.head_dim // kv.group_size),
-    }[kv.dtype]
-    return 2 * model.num_kv_heads * per_head
+    return 2 * model.num_kv_heads * quant_bytes_per_token_per_head(kv, model.head_dim)
+
+
+def pack_views(pack: torch.Tensor, kv: KVCacheConfig, block_size: int, head_dim: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes, scale, zero) views of a pack [..., R]; zero is None for FP8."""
+    B, D = block_size, head_dim
+    if kv.dtype == "int4_asym":
+        codes = pack[..., :B * D // 2].unflatten(-1, (B, D // 2))
+        record = pack[..., B * D // 2:].view(torch.float16).unflatten(-1, (B, D // kv.group_size, 2))
+        return codes, record[..., 0], record[..., 1]
+    codes = pack[..., :B * D].view(torch.float8_e4m3fn).unflatten(-1, (B, D))
+    return codes, pack[..., B * D:].view(torch.float16).unflatten(-1, (B, 1)), None
 
 
 @dataclass
@@ -43,13 +66,32 @@ class KVPools:
     cfg: KVCacheConfig
     k: torch.Tensor
     v: torch.Tensor
-    k_q: torch.Tensor | None = None
-    v_q: torch.Tensor | None = None
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
-    k_zero: torch.Tensor | None = None
-    v_zero: torch.Tensor | None = None
+    k_pack: torch.Tensor | None = None
+    v_pack: torch.Tensor | None = None
     scratch_block: int | None = None   # an FP16 block no sequence owns: CUDA-graph padding writes here
+    # Views into the packs (see the module docstring), made from them.
+    k_q: torch.Tensor | None = field(init=False, default=None)
+    v_q: torch.Tensor | None = field(init=False, default=None)
+    k_scale: torch.Tensor | None = field(init=False, default=None)
+    v_scale: torch.Tensor | None = field(init=False, default=None)
+    k_zero: torch.Tensor | None = field(init=False, default=None)
+    v_zero: torch.Tensor | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        block_size, head_dim = self.k.shape[-2], self.k.shape[-1]
+        for side in ("k", "v"):
+            pack = getattr(self, f"{side}_pack")
+            if pack is None:
+                continue
+            expected = block_size * quant_bytes_per_token_per_head(self.cfg, head_dim)
+            if pack.dtype != torch.uint8 or pack.shape[-1] != expected or pack.stride(-1) != 1:
+                raise ValueError(f"{side}_pack must be uint8 [..., {expected}] with contiguous bytes for "
+                                 f"{self.cfg.dtype} blocks of {block_size} x {head_dim}; got {pack.dtype} "
+                                 f"{tuple(pack.shape)}.")
+            codes, scale, zero = pack_views(pack, self.cfg, block_size, head_dim)
+            setattr(self, f"{side}_q", codes)
+            setattr(self, f"{side}_scale", scale)
+            setattr(self, f"{side}_zero", zero)
 
     @property
     def num_fp_blocks(self) -> int:
@@ -58,10 +100,16 @@ class KVPools:
 
     @property
     def num_quant_blocks(self) -> int:
-        return 0 if self.k_q is None else self.k_q.shape[1]
+        return 0 if self.k_pack is None else self.k_pack.shape[1]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        names = ("k", "v", "k_q", "v_q", "k_scale", "v_scale", "k_zero", "v_zero")
+        """The storage (k, v and the packs): the views share it."""
+        names = ("k", "v", "k_pack", "v_pack")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def quant_views(self) -> dict[str, torch.Tensor]:
+        """The quantised pool's views by name (k_q, k_scale, k_zero, v_...), those the format has."""
+        names = ("k_q", "v_q", "k_scale", "v_scale", "k_zero", "v_zero")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def nbytes(self) -> dict[str, int]:
@@ -83,20 +131,10 @@ def allocate_pools(
     """Allocate every pool tensor once. `num_quant_blocks` is ignored for fp16 KV."""
     L, H, B, D = model.num_layers, model.num_kv_heads, kv.block_size, model.head_dim
     fp_shape = (L, num_fp_blocks + scratch_block, H, B, D)
-    pools = KVPools(kv, torch.zeros(fp_shape, dtype=dtype, device=device),
-                    torch.zeros(fp_shape, dtype=dtype, device=device),
-                    scratch_block=num_fp_blocks if scratch_block else None)
-    if kv.dtype == "fp16" or num_quant_blocks == 0:
-        return pools
-    qshape = (L, num_quant_blocks, H, B)
-    if kv.dtype == "int4_asym":
-        G = kv.group_size
-        for side in ("k", "v"):
-            setattr(pools, f"{side}_q", torch.zeros(qshape + (D // 2,), dtype=torch.uint8, device=device))
-            setattr(pools, f"{side}_scale", torch.zeros(qshape + (D // G,), dtype=torch.float16, device=device))
-            setattr(pools, f"{side}_zero", torch.zeros(qshape + (D // G,), dtype=torch.float16, device=device))
-    else:  # fp8
-        for side in ("k", "v"):
-            setattr(pools, f"{side}_q", torch.zeros(qshape + (D,), dtype=torch.float8_e4m3fn, device=device))
-            setattr(pools, f"{side}_scale", torch.zeros(qshape + (1,), dtype=torch.float16, device=device))
-    return pools
+    packs = {}
+    if kv.dtype != "fp16" and num_quant_blocks:
+        shape = (L, num_quant_blocks, H, B * quant_bytes_per_token_per_head(kv, D))
+        packs = {f"{side}_pack": torch.zeros(shape, dtype=torch.uint8, device=device) for side in ("k", "v")}
+    return KVPools(kv, torch.zeros(fp_shape, dtype=dtype, device=device),
+                   torch.zeros(fp_shape, dtype=dtype, device=device), **packs,
+                   scratch_block=num_fp_blocks if scratch_block else None)
