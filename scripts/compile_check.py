@@ -97,7 +97,8 @@ def record_launches(call: Callable[[], Any], variant: str, needs_fp8: bool = Fal
 
 
 def attention_launches() -> list[Launch]:
-    """Decode (batch 1 and 8) and a 512-token prefill chunk, for each KV cache dtype, plus the merges."""
+    """Decode (batch 1 and 8) and a 512-token prefill chunk, for each KV cache dtype and, over a
+    quantised pool, each tile loop (v1, v2; over FP16 v2 runs v1's)."""
     model = dataclasses.replace(llama3_8b(), num_layers=1)
     scale = model.head_dim ** -0.5
     # Off the GPU the wrappers pick interpreter-friendly tiles and one partition, so pass what
@@ -108,25 +109,28 @@ def attention_launches() -> list[Launch]:
         kv = KVCacheConfig(dtype=dtype)
         pools = allocate_pools(model, kv, num_fp_blocks=4, num_quant_blocks=4)
         width = CONTEXT // kv.block_size
-        decode = attn.default_config(True, group_pad)
-        for batch in (1, 8):
-            q = torch.empty(batch, model.num_heads, model.head_dim, dtype=torch.float16)
-            table = torch.zeros(batch, width, dtype=torch.int32)
-            lens = torch.full((batch,), CONTEXT, dtype=torch.int32)
-            parts = attn.default_num_partitions(batch * model.num_kv_heads, width // decode["tile_blocks"], H200_SMS)
+        for variant in attn.VARIANTS if dtype != "fp16" else ("v1",):
+            tag = f" {variant}" if dtype != "fp16" else ""
+            decode = {**attn.default_config(True, group_pad), "variant": variant}
+            for batch in (1, 8):
+                q = torch.empty(batch, model.num_heads, model.head_dim, dtype=torch.float16)
+                table = torch.zeros(batch, width, dtype=torch.int32)
+                lens = torch.full((batch,), CONTEXT, dtype=torch.int32)
+                parts = attn.default_num_partitions(batch * model.num_kv_heads, width // decode["tile_blocks"],
+                                                    H200_SMS)
+                out += record_launches(
+                    lambda: attn.paged_decode_attention(q, pools, 0, table, lens, scale, num_partitions=parts,
+                                                        config=decode),
+                    f"decode {dtype}{tag} batch {batch}", needs_fp8=dtype == "fp8")
+            q = torch.empty(PREFILL_CHUNK, model.num_heads, model.head_dim, dtype=torch.float16)
+            pos = torch.arange(CONTEXT - PREFILL_CHUNK, CONTEXT, dtype=torch.int32)
+            config = {**attn.default_config(True, group_pad, quantised_prefill=dtype != "fp16"), "variant": variant}
+            config["num_partitions"] = attn.default_num_partitions(
+                PREFILL_CHUNK // config["block_m"] * model.num_kv_heads, width // config["tile_blocks"], H200_SMS)
             out += record_launches(
-                lambda: attn.paged_decode_attention(q, pools, 0, table, lens, scale, num_partitions=parts,
-                                                    config=decode),
-                f"decode {dtype} batch {batch}", needs_fp8=dtype == "fp8")
-        q = torch.empty(PREFILL_CHUNK, model.num_heads, model.head_dim, dtype=torch.float16)
-        pos = torch.arange(CONTEXT - PREFILL_CHUNK, CONTEXT, dtype=torch.int32)
-        config = attn.default_config(True, group_pad, quantised_prefill=dtype != "fp16")
-        config["num_partitions"] = attn.default_num_partitions(PREFILL_CHUNK // config["block_m"] * model.num_kv_heads,
-                                                               width // config["tile_blocks"], H200_SMS)
-        out += record_launches(
-            lambda: attn.paged_prefill_attention(q, pools, 0, torch.zeros(width, dtype=torch.int32), pos, scale,
-                                                 config=config),
-            f"prefill {dtype} chunk {PREFILL_CHUNK}", needs_fp8=dtype == "fp8")
+                lambda: attn.paged_prefill_attention(q, pools, 0, torch.zeros(width, dtype=torch.int32), pos, scale,
+                                                     config=config),
+                f"prefill {dtype}{tag} chunk {PREFILL_CHUNK}", needs_fp8=dtype == "fp8")
     return out
 
 
@@ -225,6 +229,17 @@ def ptxas_resources(log: str) -> dict[str, int]:
             "static_smem": grab(r"(\d+) bytes smem")}
 
 
+def ptx_counts(ptx: str) -> dict[str, int]:
+    """Static counts of shared-memory traffic instructions in a kernel's PTX (not how often they run):
+    stores to shared memory (st.shared: a tile staged by the threads themselves), asynchronous copies
+    from global memory (cp.async: what software pipelining stages), and the reads back (ld.shared,
+    ldmatrix)."""
+    return {"st_shared": len(re.findall(r"\bst\.shared\.", ptx)),
+            "cp_async": len(re.findall(r"\bcp\.async\.c[ag]\.shared", ptx)),
+            "ld_shared": len(re.findall(r"\bld\.shared\.", ptx)),
+            "ldmatrix": len(re.findall(r"\bldmatrix\.", ptx))}
+
+
 def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[str, Any]) -> dict[str, Any]:
     """Compile one specialised launch for `target` and measure it against the architecture's limits."""
     arch = target.arch
@@ -258,7 +273,7 @@ def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[s
     if scratch:
         problems.append(f"needs {scratch} B of global scratch (triton.set_allocator)")
     row.update(res, problems=problems, smem=smem, num_warps=meta.num_warps, num_stages=meta.num_stages,
-               global_scratch=scratch, hash=kernel.hash)
+               global_scratch=scratch, hash=kernel.hash, ptx=ptx_counts(kernel.asm["ptx"]))
     return row
 
 
@@ -288,17 +303,18 @@ def run(archs: list[int], match: str | None = None) -> list[dict[str, Any]]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'arch':<6}{'kernel':<33}{'regs':>5}{'spill st/ld':>12}{'smem':>8}{'warps':>6}{'stg':>4}  "
-            f"{'status':<12}variant")
+    head = (f"{'arch':<6}{'kernel':<33}{'regs':>5}{'spill st/ld':>12}{'smem':>8}{'st.sh/cp.as':>12}{'warps':>6}"
+            f"{'stg':>4}  {'status':<12}variant")
     print(head)
     print("-" * len(head))
     for r in rows:
         more = f" (+{len(r['variants']) - 1} more)" if len(r["variants"]) > 1 else ""
         if "regs" in r:
             spill = f"{r['spill_stores']}/{r['spill_loads']}"
-            res = f"{r['regs']:>5}{spill:>12}{r['smem']:>8}"
+            shared = f"{r['ptx']['st_shared']}/{r['ptx']['cp_async']}"
+            res = f"{r['regs']:>5}{spill:>12}{r['smem']:>8}{shared:>12}"
         else:
-            res = f"{'-':>5}{'-':>12}{'-':>8}"
+            res = f"{'-':>5}{'-':>12}{'-':>8}{'-':>12}"
         print(f"sm_{r['arch']:<3}{r['kernel']:<33}{res}{r['num_warps']:>6}{r['num_stages']:>4}  "
               f"{r['status']:<12}{r['variants'][0]}{more}")
         # An error's last line is its cause; the lines above locate it in the kernel source.

@@ -220,3 +220,20 @@ def test_rejects_bad_inputs() -> None:
         paged_decode_attention(q, pools, 0, tables, lens, SCALE, config={"variant": "v3"})
     with pytest.raises(ValueError, match="does not fit"):
         paged_decode_attention(q[:, :5], pools, 0, tables, lens, SCALE)
+
+
+def test_engine_switch_picks_the_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BIE_TRT_ATTENTION reaches the kernel the model calls through ops: v2 there is bit for bit the
+    v2 kernel (which sums in another order than v1, so the two differ in the last bits)."""
+    from bie_trt.kernels import ops
+
+    pools, tables, lens, q = decode_batch("int4_asym", 32, seed=17)
+    direct = {v: paged_decode_attention(q, pools, 0, tables, lens, SCALE, config={"variant": v}) for v in VARIANTS}
+    assert not torch.equal(direct["v1"], direct["v2"])
+    monkeypatch.setenv("BIE_TRT_KERNELS", "triton")
+    for variant in VARIANTS:
+        monkeypatch.setenv("BIE_TRT_ATTENTION", variant)
+        assert torch.equal(ops.paged_decode_attention(q, pools, 0, tables, lens, SCALE), direct[variant])
+    monkeypatch.setenv("BIE_TRT_ATTENTION", "v3")
+    with pytest.raises(ValueError, match="variant 'v3'"):
+        ops.paged_decode_attention(q, pools, 0, tables, lens, SCALE)

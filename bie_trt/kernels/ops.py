@@ -3,6 +3,7 @@
 CUDA tensors take the Triton kernels; CPU tensors take the plain-torch reference twins, which
 are also the kernels' test oracles. `BIE_TRT_KERNELS=triton` forces the Triton kernels (tests run
 them on the CPU under TRITON_INTERPRET=1); `=reference` forces the twins everywhere.
+`BIE_TRT_ATTENTION=v2` runs the paged attention's v2 tile loop instead of v1 (the default).
 """
 from __future__ import annotations
 
@@ -119,13 +120,18 @@ def quantize_block(pools: KVPools, fp_block: int, q_block: int) -> None:
     return quant.quantize_block(pools, None, fp_block, q_block)
 
 
+def attention_config() -> dict:
+    """The paged attention's engine-wide settings: the tile loop `BIE_TRT_ATTENTION` names (v1 unset)."""
+    return {"variant": os.environ.get("BIE_TRT_ATTENTION", "v1")}
+
+
 def paged_decode_attention(q: torch.Tensor, pools: KVPools, layer: int, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per sequence, q [S, H_q, D]; block_tables int32 [S, max_blocks]."""
     if use_triton(q):
         from .triton_attention import paged_decode_attention as kernel
 
-        return kernel(q, pools, layer, block_tables, context_lens, scale)
+        return kernel(q, pools, layer, block_tables, context_lens, scale, config=attention_config())
     return paged_decode_attention_ref(q, pools, layer, block_tables, context_lens, scale, CPU_BLOCKS_PER_TILE)
 
 
@@ -135,5 +141,5 @@ def paged_prefill_attention(q: torch.Tensor, pools: KVPools, layer: int, block_t
     if use_triton(q):
         from .triton_attention import paged_prefill_attention as kernel
 
-        return kernel(q, pools, layer, block_table, positions, scale)
+        return kernel(q, pools, layer, block_table, positions, scale, config=attention_config())
     return paged_attention_ref(q, pools, layer, block_table, positions, scale, blocks_per_tile=CPU_BLOCKS_PER_TILE)
