@@ -1,7 +1,8 @@
 """Time the Triton paged decode attention against the memory roofline and against torch SDPA.
 
 Llama-3-8B attention shapes (32 query heads, 8 kv heads, head_dim 128), batch 1 by default,
-one layer. For each KV format and context length the cache is random data laid out as the
+one layer, each attention tile loop (`--variants`: v1 and v2; over an FP16 cache v2 runs v1's, so
+only v1 is timed there). For each KV format and context length the cache is random data laid out as the
 engine lays it out: with a quantised format, the sink block and the recent window are FP16 and
 everything between lives in the quantised pool; blocks are scattered over the pools.
 
@@ -11,7 +12,7 @@ partial-softmax workspace is left out (it is written and read once, ~1 MB at 64k
 roofline fraction follow from the median time of `triton.testing.do_bench` (L2 flushed between
 runs). torch SDPA over a contiguous fp16 cache of the same length is timed alongside.
 
-    python scripts/bench_attention.py [--tune] [--out benchmarks/results/attention.json]
+    python scripts/bench_attention.py [--tune] [--variants v1,v2] [--out benchmarks/results/attention.json]
 
 Needs a CUDA GPU: without one it prints why and exits with status 2.
 """
@@ -104,14 +105,14 @@ def bench_sdpa(args: argparse.Namespace, context: int, gen: torch.Generator) -> 
     return time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args)
 
 
-def check(args: argparse.Namespace, kv_dtype: str, gen: torch.Generator) -> float:
+def check(args: argparse.Namespace, kv_dtype: str, variant: str, gen: torch.Generator) -> float:
     """max |Δ| of the kernel against the reference twin on a short context of the same layout."""
     from bie_trt.kernels.triton_attention import paged_decode_attention, paged_decode_attention_ref
 
     pools, table, lens, _ = build_cache(args, kv_dtype, args.check_context, gen)
     q = torch.randn(args.batch, args.heads, args.head_dim, device="cuda", dtype=torch.float16, generator=gen)
     scale = args.head_dim**-0.5
-    out = paged_decode_attention(q, pools, 0, table, lens, scale)
+    out = paged_decode_attention(q, pools, 0, table, lens, scale, config={"variant": variant})
     ref = paged_decode_attention_ref(q, pools, 0, table, lens, scale)
     return (out.float() - ref.float()).abs().max().item()
 
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="4096,32768,65536", help="comma-separated context lengths")
     ap.add_argument("--kv", default="fp16,int4_asym", help="comma-separated KV formats (fp16, int4_asym, fp8)")
+    ap.add_argument("--variants", default="v1,v2", help="comma-separated attention tile loops (v1, v2)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -162,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                    "group_size": args.group_size, "sink": args.sink, "window": args.window, "block": BLOCK},
         "check_max_abs_diff": {}, "results": [],
     }
+    runs = [(kv, variant) for kv in kv_dtypes for variant in args.variants.split(",") if kv != "fp16" or variant == "v1"]
     if args.check_context:
-        for kv_dtype in kv_dtypes:
-            report["check_max_abs_diff"][kv_dtype] = check(args, kv_dtype, gen)
-            print(f"check {kv_dtype:>9} ctx {args.check_context}: max |Δ| vs reference "
-                  f"{report['check_max_abs_diff'][kv_dtype]:.2e}")
+        for kv_dtype, variant in runs:
+            diff = report["check_max_abs_diff"][f"{kv_dtype} {variant}"] = check(args, kv_dtype, variant, gen)
+            print(f"check {kv_dtype:>9} {variant} ctx {args.check_context}: max |Δ| vs reference {diff:.2e}")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,22 +177,22 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(report, indent=2) + "\n")
 
     save()
-    header = (f"{'kv':>9} {'ctx':>6} {'config':>34} {'µs':>8} {'MB':>8} {'GB/s':>7} {'roof':>5} "
+    header = (f"{'kv':>12} {'ctx':>6} {'config':>34} {'µs':>8} {'MB':>8} {'GB/s':>7} {'roof':>5} "
               f"{'sdpa µs':>8} {'sdpa roof':>9}")
     print(header)
     sdpa_cache: dict[int, float] = {}
-    for kv_dtype, context in itertools.product(kv_dtypes, contexts):
+    for (kv_dtype, variant), context in itertools.product(runs, contexts):
         pools, table, lens, quant_blocks = build_cache(args, kv_dtype, context, gen)
         q = torch.randn(args.batch, args.heads, args.head_dim, device="cuda", dtype=torch.float16, generator=gen)
         nbytes = bytes_read(args, kv_dtype, context, quant_blocks)
-        tiles = default_config(True, triton.next_power_of_2(args.heads // args.kv_heads))
+        tiles = default_config(True, triton.next_power_of_2(args.heads // args.kv_heads), variant=variant)
         default = {"num_partitions": default_num_partitions(args.batch * args.kv_heads,
                                                             triton.cdiv(table.shape[1], tiles["tile_blocks"]), sms),
                    "tile_blocks": tiles["tile_blocks"], "num_warps": tiles["num_warps"]}
         configs = tune_grid(default["num_partitions"]) if args.tune else [default]
         timed = []
         for cfg in configs:
-            run_cfg = {k: v for k, v in cfg.items() if k != "num_partitions"}
+            run_cfg = {"variant": variant, **{k: v for k, v in cfg.items() if k != "num_partitions"}}
             fn = lambda: paged_decode_attention(q, pools, 0, table, lens, scale,  # noqa: E731
                                                 num_partitions=cfg["num_partitions"], config=run_cfg)
             try:
@@ -198,14 +200,14 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # a config the compiler rejects (e.g. out of shared memory) is skipped
                 print(f"  skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         if not timed:
-            raise RuntimeError(f"no config of {kv_dtype} at context {context} ran (see the skips above)")
+            raise RuntimeError(f"no config of {kv_dtype} {variant} at context {context} ran (see the skips above)")
         ms, best = min(timed, key=lambda t: t[0])
         if context not in sdpa_cache:
             sdpa_cache[context] = bench_sdpa(args, context, gen)
         sdpa_ms = sdpa_cache[context]
         sdpa_bytes = args.batch * (2 * args.kv_heads * context * args.head_dim * 2 + 2 * args.heads * args.head_dim * 2)
         row = {
-            "kv": kv_dtype, "context": context, "batch": args.batch, "config": best, "us": ms * 1e3,
+            "kv": kv_dtype, "variant": variant, "context": context, "batch": args.batch, "config": best, "us": ms * 1e3,
             "bytes": nbytes, "gb_per_s": nbytes / ms / 1e6, "roofline": nbytes / (ms * 1e-3) / args.bandwidth,
             "sdpa_us": sdpa_ms * 1e3, "sdpa_roofline": sdpa_bytes / (sdpa_ms * 1e-3) / args.bandwidth,
             "speedup_vs_sdpa": sdpa_ms / ms,
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         report["results"].append(row)
         save()
         cfg_txt = f"P={best['num_partitions']} tile={best['tile_blocks']} warps={best['num_warps']}"
-        print(f"{kv_dtype:>9} {context:>6} {cfg_txt:>34} {row['us']:>8.1f} {nbytes / 1e6:>8.1f} "
+        print(f"{kv_dtype + ' ' + variant:>12} {context:>6} {cfg_txt:>34} {row['us']:>8.1f} {nbytes / 1e6:>8.1f} "
               f"{row['gb_per_s']:>7.0f} {row['roofline']:>5.0%} {row['sdpa_us']:>8.1f} {row['sdpa_roofline']:>9.0%}")
         del pools
 

@@ -111,7 +111,7 @@ def attention_launches() -> list[Launch]:
         width = CONTEXT // kv.block_size
         for variant in attn.VARIANTS if dtype != "fp16" else ("v1",):
             tag = f" {variant}" if dtype != "fp16" else ""
-            decode = {**attn.default_config(True, group_pad), "variant": variant}
+            decode = attn.default_config(True, group_pad, variant=variant)
             for batch in (1, 8):
                 q = torch.empty(batch, model.num_heads, model.head_dim, dtype=torch.float16)
                 table = torch.zeros(batch, width, dtype=torch.int32)
@@ -124,7 +124,7 @@ def attention_launches() -> list[Launch]:
                     f"decode {dtype}{tag} batch {batch}", needs_fp8=dtype == "fp8")
             q = torch.empty(PREFILL_CHUNK, model.num_heads, model.head_dim, dtype=torch.float16)
             pos = torch.arange(CONTEXT - PREFILL_CHUNK, CONTEXT, dtype=torch.int32)
-            config = {**attn.default_config(True, group_pad, quantised_prefill=dtype != "fp16"), "variant": variant}
+            config = attn.default_config(True, group_pad, quantised_prefill=dtype != "fp16", variant=variant)
             config["num_partitions"] = attn.default_num_partitions(
                 PREFILL_CHUNK // config["block_m"] * model.num_kv_heads, width // config["tile_blocks"], H200_SMS)
             out += record_launches(
@@ -229,15 +229,18 @@ def ptxas_resources(log: str) -> dict[str, int]:
             "static_smem": grab(r"(\d+) bytes smem")}
 
 
-def ptx_counts(ptx: str) -> dict[str, int]:
-    """Static counts of shared-memory traffic instructions in a kernel's PTX (not how often they run):
-    stores to shared memory (st.shared: a tile staged by the threads themselves), asynchronous copies
-    from global memory (cp.async: what software pipelining stages), and the reads back (ld.shared,
-    ldmatrix)."""
+def shared_traffic(asm: dict[str, str]) -> dict[str, Any]:
+    """Static counts of shared-memory traffic in a kernel's PTX (instructions, not how often they run):
+    stores by the threads themselves (st.shared), asynchronous copies from global memory (cp.async:
+    what software pipelining stages), and the reads back (ld.shared, ldmatrix). `staged` lists the
+    tensors the TTGIR moves from registers into shared memory (a `local_alloc` of a value: tl.dot
+    operands made in registers, such as a dequantised K/V tile), by shape, wherever they sit."""
+    ptx = asm["ptx"]
     return {"st_shared": len(re.findall(r"\bst\.shared\.", ptx)),
             "cp_async": len(re.findall(r"\bcp\.async\.c[ag]\.shared", ptx)),
             "ld_shared": len(re.findall(r"\bld\.shared\.", ptx)),
-            "ldmatrix": len(re.findall(r"\bldmatrix\.", ptx))}
+            "ldmatrix": len(re.findall(r"\bldmatrix\.", ptx)),
+            "staged": re.findall(r"ttg\.local_alloc %\S+ : \(tensor<([0-9x]+x\w+),", asm.get("ttgir", ""))}
 
 
 def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[str, Any]) -> dict[str, Any]:
@@ -273,7 +276,7 @@ def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[s
     if scratch:
         problems.append(f"needs {scratch} B of global scratch (triton.set_allocator)")
     row.update(res, problems=problems, smem=smem, num_warps=meta.num_warps, num_stages=meta.num_stages,
-               global_scratch=scratch, hash=kernel.hash, ptx=ptx_counts(kernel.asm["ptx"]))
+               global_scratch=scratch, hash=kernel.hash, ptx=shared_traffic(kernel.asm))
     return row
 
 

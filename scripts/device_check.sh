@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared GPU run (see the device tool's README): at most 420 s of steps (their timeouts),
 # so a 15-minute lease leaves room for a rerun. Headline first, so a run cut short still answers it:
-#   1. INT4 decode attention at 64k (and the same without the inline-PTX nibbles);
+#   1. INT4 and FP8 decode attention at 64k, tile loops v1 and v2 (and INT4 without the inline-PTX nibbles);
 #   2. the 64k INT4 decode step under an 8 GiB cap: tokens/s, roofline fraction, peak memory against
 #      the plan, and one torch.profiler trace of a graph replay summarised per kernel (the real step's
 #      launch count beside scripts/count_step.py's);
@@ -21,11 +21,11 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
-# 1. headline: INT4 attention at 64k                                                   (45 s)
-timeout 30 python3 scripts/bench_attention.py --kv int4_asym --contexts 65536 --warmup 10 --rep 40 \
-    --out "$OUT/attention_int4_64k.json" 2>&1 | tee "$OUT/headline.log" | tail -4
-BIE_TRT_INT4_PTX=0 timeout 15 python3 scripts/bench_attention.py --kv int4_asym --contexts 65536 --warmup 5 --rep 20 \
-    --out "$OUT/attention_int4_64k_noptx.json" 2>&1 | tee -a "$OUT/headline.log" | tail -2
+# 1. headline: INT4 and FP8 attention at 64k, v1 and v2                                (55 s)
+timeout 40 python3 scripts/bench_attention.py --kv int4_asym,fp8 --variants v1,v2 --contexts 65536 --warmup 10 \
+    --rep 30 --out "$OUT/attention_64k.json" 2>&1 | tee "$OUT/headline.log" | tail -10
+BIE_TRT_INT4_PTX=0 timeout 15 python3 scripts/bench_attention.py --kv int4_asym --variants v1,v2 --contexts 65536 \
+    --warmup 5 --rep 15 --check-context 0 --out "$OUT/attention_int4_64k_noptx.json" 2>&1 | tee -a "$OUT/headline.log" | tail -3
 
 # 2. headline: the 64k INT4 decode step under 8 GiB, traced                             (75 s)
 timeout 75 python3 scripts/bench_decode.py --contexts 65536 --kv int4_asym --steps 30 --trace --no-prefill \
@@ -46,7 +46,7 @@ timeout 90 python3 scripts/bench_kernels.py --no-attention --no-tune --rep 30 --
 # 5. speculative decoding's verify cost at 8B shapes                                     (40 s)
 timeout 40 python3 scripts/bench_spec.py --gpu --out "$OUT/spec_gpu.json" 2>&1 | tee "$OUT/spec.log" | tail -6
 
-# 6. the rest, if the lease allows                                                     (40 s)
-timeout 40 python3 scripts/bench_decode.py --contexts 4096,32768 --kv int4_asym,fp16 --steps 20 --prefill-len 65536 \
+# 6. the rest, if the lease allows                                                     (30 s)
+timeout 30 python3 scripts/bench_decode.py --contexts 4096,32768 --kv int4_asym,fp16 --steps 20 --prefill-len 65536 \
     --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -8
 ls -la "$OUT"

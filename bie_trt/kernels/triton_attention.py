@@ -340,8 +340,10 @@ def _group_channels(HEAD_DIM: tl.constexpr, NG: tl.constexpr, INTERLEAVED: tl.co
     HG: tl.constexpr = HEAD_DIM // (2 * NG)
     h = tl.arange(0, NG)[:, None] * HG + tl.arange(0, HG)[None, :]
     if INTERLEAVED:  # byte h holds channels 2h (low nibble) and 2h + 1
-        return 2 * h, 2 * h + 1
-    return h, h + HEAD_DIM // 2
+        first, second = 2 * h, 2 * h + 1
+    else:
+        first, second = h, h + HEAD_DIM // 2
+    return first, second
 
 
 @_jit()
@@ -352,11 +354,11 @@ def _codes_v2(qd_ptr, qd_off, quant, NG: tl.constexpr, HG: tl.constexpr, KV_MODE
     byte = tl.arange(0, NG)[:, None, None] * HG + tl.arange(0, HG)[None, None, :]
     mask = quant[None, :, None]
     if KV_MODE == 1:
-        lo, hi = _nibbles_f16(tl.load(qd_ptr + qd_off[None, :, None] + byte, mask=mask, other=0))
-        return lo.to(DTYPE), hi.to(DTYPE)
-    a = tl.load(qd_ptr + qd_off[None, :, None] + byte, mask=mask, other=0.0).to(DTYPE)
-    b = tl.load(qd_ptr + qd_off[None, :, None] + NG * HG + byte, mask=mask, other=0.0).to(DTYPE)
-    return a, b
+        a, b = _nibbles_f16(tl.load(qd_ptr + qd_off[None, :, None] + byte, mask=mask, other=0))
+    else:
+        a = tl.load(qd_ptr + qd_off[None, :, None] + byte, mask=mask, other=0.0)
+        b = tl.load(qd_ptr + qd_off[None, :, None] + NG * HG + byte, mask=mask, other=0.0)
+    return a.to(DTYPE), b.to(DTYPE)
 
 
 @_jit()
@@ -364,12 +366,16 @@ def _record_v2(sc_ptr, sc_off, quant, TILE: tl.constexpr, NG: tl.constexpr, KV_M
     """Scale and zero [NG, TILE] fp32 of a tile's quantised rows, 0 for other rows (a masked load: a
     stale NaN record of a slot outside the context never reaches the products). INT4 reads each
     row's (scale, zero) pairs as one [TILE, 2 NG] tile; FP8 has a scale only (returned twice)."""
+    # One return: Triton checks every return statement's type, even in a branch a constexpr rules out.
     if KV_MODE == 1:
         pairs = tl.load(sc_ptr + sc_off[:, None] + tl.arange(0, 2 * NG)[None, :], mask=quant[:, None], other=0.0)
         scale, zero = tl.split(tl.reshape(pairs, (TILE, NG, 2)))
-        return tl.trans(scale).to(tl.float32), tl.trans(zero).to(tl.float32)
-    scale = tl.load(sc_ptr + sc_off, mask=quant, other=0.0).to(tl.float32)[None, :]
-    return scale, scale
+        scale = tl.trans(scale).to(tl.float32)
+        zero = tl.trans(zero).to(tl.float32)
+    else:
+        scale = tl.load(sc_ptr + sc_off, mask=quant, other=0.0).to(tl.float32)[None, :]
+        zero = scale
+    return scale, zero
 
 
 @_jit()
@@ -566,17 +572,19 @@ def default_num_partitions(programs_per_partition: int, max_tiles: int, sms: int
     return max(1, min(wanted, max_tiles))
 
 
-def default_config(on_gpu: bool, group_pad: int, quantised_prefill: bool = False) -> dict:
+def default_config(on_gpu: bool, group_pad: int, quantised_prefill: bool = False, variant: str = "v1") -> dict:
     """Tile sizes when the caller gives none. On the GPU a step reads 4 blocks of KV, and a prefill
     program holds about 64 score rows (a few queries times the heads of a group). A prefill over a
     quantised cache reads 2 blocks a step: with 4, its dequantised K/V on top of the 64-row tile
     spilled registers (`scripts/compile_check.py`, INT4: 240 B a thread on sm_90 and 972 B on sm_86
     under Triton 3.9, 516 B on sm_86 under 3.6); with 2 it spills at most 84 B (sm_86, 3.9) and
-    nothing on sm_90 under 3.6. The interpreter gets small tiles."""
+    nothing on sm_90 under 3.6. v2's prefill holds a product per group: with 4 warps its INT4 loop
+    spilled 232 B a thread on sm_86 and 352 B on sm_90 (Triton 3.9), with 8 nothing. The interpreter
+    gets small tiles."""
     if not on_gpu:
-        return {"variant": "v1", "tile_blocks": 2, "block_m": max(1, 16 // group_pad), "num_warps": 4}
-    return {"variant": "v1", "tile_blocks": 2 if quantised_prefill else 4, "block_m": max(1, 64 // group_pad),
-            "num_warps": 4}
+        return {"variant": variant, "tile_blocks": 2, "block_m": max(1, 16 // group_pad), "num_warps": 4}
+    return {"variant": variant, "tile_blocks": 2 if quantised_prefill else 4, "block_m": max(1, 64 // group_pad),
+            "num_warps": 8 if quantised_prefill and variant == "v2" else 4}
 
 
 def _resolve_config(config: dict | None, device: torch.device, group_pad: int, quantised_prefill: bool = False) -> dict:
@@ -584,9 +592,10 @@ def _resolve_config(config: dict | None, device: torch.device, group_pad: int, q
     unknown = set(cfg) - _CONFIG_KEYS
     if unknown:
         raise ValueError(f"unknown paged-attention config keys {sorted(unknown)}; known: {sorted(_CONFIG_KEYS)}.")
-    if cfg.get("variant", "v1") not in VARIANTS:
-        raise ValueError(f"unknown paged-attention variant {cfg['variant']!r}; use one of {', '.join(VARIANTS)}.")
-    return {**default_config(device.type == "cuda", group_pad, quantised_prefill), **cfg}
+    variant = cfg.get("variant", "v1")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown paged-attention variant {variant!r}; use one of {', '.join(VARIANTS)}.")
+    return {**default_config(device.type == "cuda", group_pad, quantised_prefill, variant), **cfg}
 
 
 def _check_inputs(q: torch.Tensor, pools: KVPools, table: torch.Tensor) -> None:
