@@ -328,70 +328,69 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
     return m_i, l_i, acc_a, acc_b
 
 
-# v2 keeps every head vector as [group, channel pair in group] (INT4) or, with one "group", as the
-# two halves v1 uses (FP8): operands are [NG, rows, HG] and tl.dot runs batched over the groups, so
-# a group's scale multiplies its own product and the codes reach tl.dot as they are.
+# v2 keeps v1's channel halves [rows, HEAD_DIM // 2] and runs one product per group of channels
+# over operands whose other groups' columns are 0 (the groups of INT4 byte h are h // (G / 2)), so
+# a group's scale multiplies its own product. (Batched [group, rows, channel] products compiled to
+# MMA layouts that spread the warps over the groups under Triton 3.6, which spilled 80-13,000 B a
+# thread; the masked 2-D products cost NG times the MMA work of one, and MMA is not what a decode
+# step waits for.)
 
 
 @_jit()
-def _group_channels(HEAD_DIM: tl.constexpr, NG: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Channel indices [NG, HEAD_DIM // (2 NG)] of the two halves, group by group. Flattened they are
-    `_channel_halves`'s, so a v2 accumulator reshaped to [ROWS, HEAD_DIM // 2] is v1's."""
-    HG: tl.constexpr = HEAD_DIM // (2 * NG)
-    h = tl.arange(0, NG)[:, None] * HG + tl.arange(0, HG)[None, :]
-    if INTERLEAVED:  # byte h holds channels 2h (low nibble) and 2h + 1
-        first, second = 2 * h, 2 * h + 1
-    else:
-        first, second = h, h + HEAD_DIM // 2
-    return first, second
-
-
-@_jit()
-def _codes_v2(qd_ptr, qd_off, quant, NG: tl.constexpr, HG: tl.constexpr, KV_MODE: tl.constexpr,
+def _codes_v2(qd_ptr, qd_off, quant, ch_a, ch_b, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr,
               DTYPE: tl.constexpr):
-    """Both halves' codes [NG, TILE, HG] of a tile's quantised rows as exact DTYPE numbers (INT4:
+    """Both halves' codes [TILE, HEAD_DIM // 2] of a tile's quantised rows as exact DTYPE numbers (INT4:
     the integers 0..15; FP8: e4m3 values, which fp16 holds exactly); other rows are 0."""
-    byte = tl.arange(0, NG)[:, None, None] * HG + tl.arange(0, HG)[None, None, :]
-    mask = quant[None, :, None]
+    mask = quant[:, None]
     if KV_MODE == 1:
-        a, b = _nibbles_f16(tl.load(qd_ptr + qd_off[None, :, None] + byte, mask=mask, other=0))
+        packed = tl.load(qd_ptr + qd_off[:, None] + tl.arange(0, HEAD_DIM // 2)[None, :], mask=mask, other=0)
+        a, b = _nibbles_f16(packed)
     else:
-        a = tl.load(qd_ptr + qd_off[None, :, None] + byte, mask=mask, other=0.0)
-        b = tl.load(qd_ptr + qd_off[None, :, None] + NG * HG + byte, mask=mask, other=0.0)
+        a = tl.load(qd_ptr + qd_off[:, None] + ch_a[None, :], mask=mask, other=0.0)
+        b = tl.load(qd_ptr + qd_off[:, None] + ch_b[None, :], mask=mask, other=0.0)
     return a.to(DTYPE), b.to(DTYPE)
 
 
 @_jit()
 def _record_v2(sc_ptr, sc_off, quant, TILE: tl.constexpr, NG: tl.constexpr, KV_MODE: tl.constexpr):
-    """Scale and zero [NG, TILE] fp32 of a tile's quantised rows, 0 for other rows (a masked load: a
-    stale NaN record of a slot outside the context never reaches the products). INT4 reads each
-    row's (scale, zero) pairs as one [TILE, 2 NG] tile; FP8 has a scale only (returned twice)."""
+    """Scale and zero [TILE, NG] fp32 of a tile's quantised rows, 0 for other rows (a masked load: a
+    stale NaN record of a slot outside the context never reaches the products). INT4 reads each row's
+    (scale, zero) pairs, interleaved in the pack (`kv/pool.py`), as one [TILE, 2 NG] tile; FP8 has a
+    scale only (returned twice)."""
     # One return: Triton checks every return statement's type, even in a branch a constexpr rules out.
     if KV_MODE == 1:
         pairs = tl.load(sc_ptr + sc_off[:, None] + tl.arange(0, 2 * NG)[None, :], mask=quant[:, None], other=0.0)
-        scale, zero = tl.split(tl.reshape(pairs, (TILE, NG, 2)))
-        scale = tl.trans(scale).to(tl.float32)
-        zero = tl.trans(zero).to(tl.float32)
+        scale, zero = tl.split(tl.reshape(pairs.to(tl.float32), (TILE, NG, 2)))
     else:
-        scale = tl.load(sc_ptr + sc_off, mask=quant, other=0.0).to(tl.float32)[None, :]
+        scale = tl.load(sc_ptr + sc_off, mask=quant, other=0.0).to(tl.float32)[:, None]
         zero = scale
     return scale, zero
 
 
 @_jit()
-def _plain_v2(fp_ptr, fp_off, plain, ch_lo, ch_hi, DTYPE: tl.constexpr):
-    """A K or V tile's FP16-pool rows as both halves [NG, TILE, HG]; other rows are 0."""
-    mask = plain[None, :, None]
-    a = tl.load(fp_ptr + fp_off[None, :, None] + ch_lo[:, None, :], mask=mask, other=0.0).to(DTYPE)
-    b = tl.load(fp_ptr + fp_off[None, :, None] + ch_hi[:, None, :], mask=mask, other=0.0).to(DTYPE)
-    return a, b
+def _group_column(x, g, NG: tl.constexpr):
+    """Column g of x [rows, NG] as [rows]."""
+    if NG == 1:
+        col = tl.reshape(x, (x.shape[0],))
+    else:
+        col = tl.sum(tl.where(tl.arange(0, NG)[None, :] == g, x, 0.0), 1)
+    return col
 
 
 @_jit()
-def _scores_v2(q_lo, q_hi, k_lo, k_hi):
-    """Σ over halves of the batched products q [NG, ROWS, HG] · k [NG, TILE, HG]ᵀ -> [NG, ROWS, TILE]."""
-    s = tl.dot(q_lo, tl.permute(k_lo, (0, 2, 1)), input_precision="ieee")
-    return s + tl.dot(q_hi, tl.permute(k_hi, (0, 2, 1)), input_precision="ieee")
+def _only_group(x, grp, g, NG: tl.constexpr):
+    """x [rows, HEAD_DIM // 2] with the columns outside group g set to 0 (all of x with one group)."""
+    if NG == 1:
+        y = x
+    else:
+        y = tl.where((grp == g)[None, :], x, 0.0)
+    return y
+
+
+@_jit()
+def _spread_groups(x, ROWS: tl.constexpr, NG: tl.constexpr, HG: tl.constexpr):
+    """[ROWS, NG] -> [ROWS, NG · HG]: each group's value on each of its columns."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (ROWS, NG, HG)), (ROWS, NG * HG))
 
 
 @_jit()
@@ -409,50 +408,58 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
     The V loads come first in the iteration, ahead of the K math. Returns v1's (m, l, acc_a, acc_b)."""
     NG: tl.constexpr = HEAD_DIM // QUANT_GROUP if KV_MODE == 1 else 1
     HG: tl.constexpr = HEAD_DIM // (2 * NG)
-    ch_lo, ch_hi = _group_channels(HEAD_DIM, NG, KV_MODE == 1)
-    q_lo = tl.load(q_ptr + q_off[None, :, None] + ch_lo[:, None, :], mask=row_ok[None, :, None], other=0.0)
-    q_hi = tl.load(q_ptr + q_off[None, :, None] + ch_hi[:, None, :], mask=row_ok[None, :, None], other=0.0)
-    q_sum = tl.sum(q_lo.to(tl.float32) + q_hi.to(tl.float32), 2)   # [NG, ROWS]: what each zero multiplies
+    ch_a, ch_b = _channel_halves(HEAD_DIM, KV_MODE == 1)
+    grp = tl.arange(0, HEAD_DIM // 2) // HG
+    q_a = tl.load(q_ptr + q_off[:, None] + ch_a[None, :], mask=row_ok[:, None], other=0.0)
+    q_b = tl.load(q_ptr + q_off[:, None] + ch_b[None, :], mask=row_ok[:, None], other=0.0)
+    # [ROWS, NG]: the sum of q over each group, what the group's zero multiplies
+    q_sum = tl.sum(tl.reshape(q_a.to(tl.float32) + q_b.to(tl.float32), (ROWS, NG, HG)), 2)
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
-    acc_lo = tl.zeros((NG, ROWS, HG), tl.float32)
-    acc_hi = tl.zeros((NG, ROWS, HG), tl.float32)
+    acc_a = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
+    acc_b = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
     for t in range(tile_begin, tile_end):
         kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
             table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE)
-        v_lo, v_hi = _codes_v2(vq_ptr, qd_off, quant, NG, HG, KV_MODE, DTYPE)
+        v_a, v_b = _codes_v2(vq_ptr, qd_off, quant, ch_a, ch_b, HEAD_DIM, KV_MODE, DTYPE)
         v_scale, v_zero = _record_v2(vs_ptr, sc_off, quant, TILE, NG, KV_MODE)
-        k_lo, k_hi = _codes_v2(kq_ptr, qd_off, quant, NG, HG, KV_MODE, DTYPE)
+        k_a, k_b = _codes_v2(kq_ptr, qd_off, quant, ch_a, ch_b, HEAD_DIM, KV_MODE, DTYPE)
         k_scale, k_zero = _record_v2(ks_ptr, sc_off, quant, TILE, NG, KV_MODE)
 
-        s3 = _scores_v2(q_lo, q_hi, k_lo, k_hi) * k_scale[:, None, :]
+        s = tl.zeros((ROWS, TILE), tl.float32)
+        for g in tl.static_range(NG):
+            s_g = tl.dot(_only_group(q_a, grp, g, NG), tl.trans(k_a), input_precision="ieee")
+            s_g += tl.dot(_only_group(q_b, grp, g, NG), tl.trans(k_b), input_precision="ieee")
+            s += s_g * _group_column(k_scale, g, NG)[None, :]
         if KV_MODE == 1:
-            s3 += q_sum[:, :, None] * k_zero[:, None, :]
-        s = tl.sum(s3, 0)
+            s += tl.sum(q_sum[:, None, :] * k_zero[None, :, :], 2)
         if has_plain:
             p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
                                         stride_fp_tok, BLOCK_SIZE)
-            f_lo, f_hi = _plain_v2(k_ptr, p_off, p_rows, ch_lo, ch_hi, DTYPE)
-            s += tl.sum(_scores_v2(q_lo, q_hi, f_lo, f_hi), 0)
+            f_a, f_b = _load_plain_tile(k_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
+            s += tl.dot(q_a, tl.trans(f_a), input_precision="ieee")
+            s += tl.dot(q_b, tl.trans(f_b), input_precision="ieee")
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, qk_scale)
 
-        p_scaled = (p[None, :, :] * v_scale[:, None, :]).to(DTYPE)   # [NG, ROWS, TILE]
-        acc_lo = acc_lo * alpha[None, :, None] + tl.dot(p_scaled, v_lo, input_precision="ieee")
-        acc_hi = acc_hi * alpha[None, :, None] + tl.dot(p_scaled, v_hi, input_precision="ieee")
+        acc_a = acc_a * alpha[:, None]
+        acc_b = acc_b * alpha[:, None]
+        for g in tl.static_range(NG):
+            p_g = (p * _group_column(v_scale, g, NG)[None, :]).to(DTYPE)
+            # the group's columns of a full product: masking the codes instead made a tile to stage
+            acc_a += _only_group(tl.dot(p_g, v_a, input_precision="ieee"), grp, g, NG)
+            acc_b += _only_group(tl.dot(p_g, v_b, input_precision="ieee"), grp, g, NG)
         if KV_MODE == 1:
-            p_zero = tl.sum(p[None, :, :] * v_zero[:, None, :], 2)[:, :, None]   # [NG, ROWS, 1]
-            acc_lo += p_zero
-            acc_hi += p_zero
+            p_zero = _spread_groups(tl.sum(p[:, :, None] * v_zero[None, :, :], 1), ROWS, NG, HG)
+            acc_a += p_zero
+            acc_b += p_zero
         if has_plain:
             p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
                                         stride_fp_tok, BLOCK_SIZE)
-            f_lo, f_hi = _plain_v2(v_ptr, p_off, p_rows, ch_lo, ch_hi, DTYPE)
-            p_fp = tl.broadcast_to(p.to(DTYPE)[None, :, :], (NG, ROWS, TILE))
-            acc_lo += tl.dot(p_fp, f_lo, input_precision="ieee")
-            acc_hi += tl.dot(p_fp, f_hi, input_precision="ieee")
-    acc_a = tl.reshape(tl.permute(acc_lo, (1, 0, 2)), (ROWS, HEAD_DIM // 2))
-    acc_b = tl.reshape(tl.permute(acc_hi, (1, 0, 2)), (ROWS, HEAD_DIM // 2))
+            f_a, f_b = _load_plain_tile(v_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
+            p_fp = p.to(DTYPE)
+            acc_a += tl.dot(p_fp, f_a, input_precision="ieee")
+            acc_b += tl.dot(p_fp, f_b, input_precision="ieee")
     return m_i, l_i, acc_a, acc_b
 
 
@@ -578,13 +585,16 @@ def default_config(on_gpu: bool, group_pad: int, quantised_prefill: bool = False
     quantised cache reads 2 blocks a step: with 4, its dequantised K/V on top of the 64-row tile
     spilled registers (`scripts/compile_check.py`, INT4: 240 B a thread on sm_90 and 972 B on sm_86
     under Triton 3.9, 516 B on sm_86 under 3.6); with 2 it spills at most 84 B (sm_86, 3.9) and
-    nothing on sm_90 under 3.6. v2's prefill holds a product per group: with 4 warps its INT4 loop
-    spilled 232 B a thread on sm_86 and 352 B on sm_90 (Triton 3.9), with 8 nothing. The interpreter
-    gets small tiles."""
+    nothing on sm_90 under 3.6. v2's quantised prefill holds one product per group: it reads 1 block
+    a step for about 32 rows with 8 warps, where INT4 spills nothing on sm_86 and sm_89 under Triton
+    3.6 and 3.9 nor on sm_90 under 3.6, and 48 B a thread on sm_90 under 3.9 (2 blocks and 64 rows
+    with 8 warps: 204 B on sm_86, 184 B on sm_90, 3.9). The interpreter gets small tiles."""
     if not on_gpu:
         return {"variant": variant, "tile_blocks": 2, "block_m": max(1, 16 // group_pad), "num_warps": 4}
+    if quantised_prefill and variant == "v2":
+        return {"variant": variant, "tile_blocks": 1, "block_m": max(1, 32 // group_pad), "num_warps": 8}
     return {"variant": variant, "tile_blocks": 2 if quantised_prefill else 4, "block_m": max(1, 64 // group_pad),
-            "num_warps": 8 if quantised_prefill and variant == "v2" else 4}
+            "num_warps": 4}
 
 
 def _resolve_config(config: dict | None, device: torch.device, group_pad: int, quantised_prefill: bool = False) -> dict:
