@@ -13,8 +13,10 @@ writes the output itself. Splitting the context is what fills the GPU at batch 1
 
 Every block-table entry carries its block's precision (`kv/pool.py`): e >= 0 is FP16
 block e, e < 0 is quantised block -e-1, and the quantised pool's format (INT4 asym
-or FP8) is fixed per engine, so it is a compile-time constant here. Quantised rows
-are dequantised in registers as they are loaded; no dequantised copy is written.
+or FP8) is fixed per engine, so it is a compile-time constant here. Two tile loops read the
+quantised rows (config `variant`): v1 dequantises them in registers as they are loaded (no
+dequantised copy is written to memory); v2 feeds the codes to tl.dot as they are and applies each
+group's scale to its product and its zero through the sum of q over the group (`_partition_v2`).
 
 INT4 packs channel 2j in the low nibble and 2j+1 in the high nibble of byte j. The
 kernel never re-interleaves: it keeps every head vector as two halves, even and odd
@@ -208,6 +210,28 @@ def _plain_rows(table, kv, live, slot, kv_head, stride_blk, stride_head, stride_
 
 
 @_jit()
+def _plain_scores(s, q_a, q_b, k_ptr, table, kv, live, slot, kv_head, stride_blk, stride_head, stride_tok,
+                  ch_a, ch_b, BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr):
+    """s [ROWS, TILE] plus the scores of a tile's FP16-pool rows (0 for its other rows), a second
+    product beside the quantised one (accumulated in place: a separate sum spilled). FP16 rows are rare with a quantised pool: their offsets are built only here,
+    from the block table read again (a cache hit), not for every tile in the FP16 load's layout
+    (Triton 3.9 hoists the pipelined table read's conversions to the loop top)."""
+    off, rows = _plain_rows(table, kv, live, slot, kv_head, stride_blk, stride_head, stride_tok, BLOCK_SIZE)
+    f_a, f_b = _load_plain_tile(k_ptr, off, rows, ch_a, ch_b, DTYPE)
+    s = tl.dot(q_a, tl.trans(f_a), acc=s, input_precision="ieee")
+    return tl.dot(q_b, tl.trans(f_b), acc=s, input_precision="ieee")
+
+
+@_jit()
+def _plain_values(acc_a, acc_b, p, v_ptr, table, kv, live, slot, kv_head, stride_blk, stride_head, stride_tok,
+                  ch_a, ch_b, BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr):
+    """acc_a, acc_b [ROWS, HEAD_DIM // 2] plus P (in DTYPE) times a tile's FP16-pool V rows."""
+    off, rows = _plain_rows(table, kv, live, slot, kv_head, stride_blk, stride_head, stride_tok, BLOCK_SIZE)
+    f_a, f_b = _load_plain_tile(v_ptr, off, rows, ch_a, ch_b, DTYPE)
+    return tl.dot(p, f_a, acc=acc_a, input_precision="ieee"), tl.dot(p, f_b, acc=acc_b, input_precision="ieee")
+
+
+@_jit()
 def _merge_partitions(m_ws_ptr, l_ws_ptr, acc_ws_ptr, ws_row, row_ok, num_partitions,
                       ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """[ROWS, HEAD_DIM] = Σ_p 2^(m_p - M) acc_p / Σ_p 2^(m_p - M) l_p; empty partitions weigh 0.
@@ -265,6 +289,19 @@ def _softmax_step(s, m_i, l_i, kv, pos, qk_scale):
 
 
 @_jit()
+def _partition_start(q_ptr, q_off, row_ok, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr):
+    """A tile loop's channel halves, the rows' q halves and the empty softmax state (m, l, acc_a, acc_b)."""
+    ch_a, ch_b = _channel_halves(HEAD_DIM, KV_MODE == 1)
+    q_a = tl.load(q_ptr + q_off[:, None] + ch_a[None, :], mask=row_ok[:, None], other=0.0)
+    q_b = tl.load(q_ptr + q_off[:, None] + ch_b[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    acc_a = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
+    acc_b = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
+    return ch_a, ch_b, q_a, q_b, m_i, l_i, acc_a, acc_b
+
+
+@_jit()
 def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, kv_head, qk_scale,
                   k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
                   stride_fp_blk, stride_fp_head, stride_fp_tok,
@@ -274,13 +311,7 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
                   KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
     """v1: each tile's quantised K and V are dequantised into [TILE, HEAD_DIM // 2] halves that tl.dot
     takes as they are. Returns the partition's (m, l, acc_a, acc_b) over channel halves a and b."""
-    ch_a, ch_b = _channel_halves(HEAD_DIM, KV_MODE == 1)
-    q_a = tl.load(q_ptr + q_off[:, None] + ch_a[None, :], mask=row_ok[:, None], other=0.0)
-    q_b = tl.load(q_ptr + q_off[:, None] + ch_b[None, :], mask=row_ok[:, None], other=0.0)
-    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
-    l_i = tl.zeros((ROWS,), tl.float32)
-    acc_a = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
-    acc_b = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
+    ch_a, ch_b, q_a, q_b, m_i, l_i, acc_a, acc_b = _partition_start(q_ptr, q_off, row_ok, ROWS, HEAD_DIM, KV_MODE)
     for t in range(tile_begin, tile_end):
         kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
             table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
@@ -300,14 +331,8 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
         s += tl.dot(q_b, tl.trans(k_b), input_precision="ieee")
         if KV_MODE != 0:
             if has_plain:
-                # FP16 rows are rare with a quantised pool: their offsets are built only here, from
-                # the block table read again (a cache hit), not for every tile in the FP16 load's
-                # layout (Triton 3.9 hoists the pipelined table read's conversions to the loop top).
-                p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
-                                            stride_fp_tok, BLOCK_SIZE)
-                f_a, f_b = _load_plain_tile(k_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
-                s += tl.dot(q_a, tl.trans(f_a), input_precision="ieee")
-                s += tl.dot(q_b, tl.trans(f_b), input_precision="ieee")
+                s = _plain_scores(s, q_a, q_b, k_ptr, table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
+                                  stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, qk_scale)
 
         if KV_MODE == 0:
@@ -320,11 +345,8 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
         acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision="ieee")
         if KV_MODE != 0:
             if has_plain:
-                p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
-                                            stride_fp_tok, BLOCK_SIZE)
-                f_a, f_b = _load_plain_tile(v_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
-                acc_a += tl.dot(p, f_a, input_precision="ieee")
-                acc_b += tl.dot(p, f_b, input_precision="ieee")
+                acc_a, acc_b = _plain_values(acc_a, acc_b, p, v_ptr, table, kv, live, slot, kv_head, stride_fp_blk,
+                                             stride_fp_head, stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
     return m_i, l_i, acc_a, acc_b
 
 
@@ -408,16 +430,10 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
     The V loads come first in the iteration, ahead of the K math. Returns v1's (m, l, acc_a, acc_b)."""
     NG: tl.constexpr = HEAD_DIM // QUANT_GROUP if KV_MODE == 1 else 1
     HG: tl.constexpr = HEAD_DIM // (2 * NG)
-    ch_a, ch_b = _channel_halves(HEAD_DIM, KV_MODE == 1)
+    ch_a, ch_b, q_a, q_b, m_i, l_i, acc_a, acc_b = _partition_start(q_ptr, q_off, row_ok, ROWS, HEAD_DIM, KV_MODE)
     grp = tl.arange(0, HEAD_DIM // 2) // HG
-    q_a = tl.load(q_ptr + q_off[:, None] + ch_a[None, :], mask=row_ok[:, None], other=0.0)
-    q_b = tl.load(q_ptr + q_off[:, None] + ch_b[None, :], mask=row_ok[:, None], other=0.0)
     # [ROWS, NG]: the sum of q over each group, what the group's zero multiplies
     q_sum = tl.sum(tl.reshape(q_a.to(tl.float32) + q_b.to(tl.float32), (ROWS, NG, HG)), 2)
-    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
-    l_i = tl.zeros((ROWS,), tl.float32)
-    acc_a = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
-    acc_b = tl.zeros((ROWS, HEAD_DIM // 2), tl.float32)
     for t in range(tile_begin, tile_end):
         kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
             table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
@@ -435,11 +451,8 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
         if KV_MODE == 1:
             s += tl.sum(q_sum[:, None, :] * k_zero[None, :, :], 2)
         if has_plain:
-            p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
-                                        stride_fp_tok, BLOCK_SIZE)
-            f_a, f_b = _load_plain_tile(k_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
-            s += tl.dot(q_a, tl.trans(f_a), input_precision="ieee")
-            s += tl.dot(q_b, tl.trans(f_b), input_precision="ieee")
+            s = _plain_scores(s, q_a, q_b, k_ptr, table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
+                              stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, qk_scale)
 
         acc_a = acc_a * alpha[:, None]
@@ -454,12 +467,8 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
             acc_a += p_zero
             acc_b += p_zero
         if has_plain:
-            p_off, p_rows = _plain_rows(table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
-                                        stride_fp_tok, BLOCK_SIZE)
-            f_a, f_b = _load_plain_tile(v_ptr, p_off, p_rows, ch_a, ch_b, DTYPE)
-            p_fp = p.to(DTYPE)
-            acc_a += tl.dot(p_fp, f_a, input_precision="ieee")
-            acc_b += tl.dot(p_fp, f_b, input_precision="ieee")
+            acc_a, acc_b = _plain_values(acc_a, acc_b, p.to(DTYPE), v_ptr, table, kv, live, slot, kv_head,
+                                         stride_fp_blk, stride_fp_head, stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
     return m_i, l_i, acc_a, acc_b
 
 
