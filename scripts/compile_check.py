@@ -160,14 +160,18 @@ def w4_launches() -> list[Launch]:
 
 
 def lm_head_launches() -> list[Launch]:
-    """The int8 lm_head of the 8 GB plans: decode at batch 1 (FMA) and 5 (tl.dot)."""
+    """The int8 lm_head of the 8 GB plans: decode at batch 1 (FMA) and 5 (tl.dot), alone and with the
+    model's final norm in front (what the decode step launches)."""
     model = llama3_8b()
     head = Int8Rows(torch.empty(model.vocab_size, model.hidden_size, dtype=torch.int8),
                     torch.empty(model.vocab_size, dtype=torch.float16))
+    norm_w = torch.empty(model.hidden_size, dtype=torch.float16)
     out: list[Launch] = []
     for m in (1, 5):
         x = torch.empty(m, model.hidden_size, dtype=torch.float16)
         out += record_launches(lambda: int8.int8_rows_linear_triton(x, head), f"lm_head int8 M={m}")
+        out += record_launches(lambda: int8.int8_rows_linear_triton(x, head, norm_weight=norm_w, eps=1e-5),
+                               f"lm_head int8 M={m} + norm")
     return out
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not triton_ops.available(), reason="triton not i
 # What one decode step launches today. Lower these as launches are fused away; a change that adds
 # a launch fails here.
 LAUNCHES_PER_LAYER = 6
-LAUNCHES_OUTSIDE = 4
+LAUNCHES_OUTSIDE = 3
 MAX_BYTES_OVER_ROOFLINE = 1.10
 KV = KVCacheConfig(dtype="int4_asym")
 
