@@ -303,7 +303,7 @@ class GemvTile:
 
 
 # BLOCK_N and num_warps such that both per-step vectors stay below the thread count and every
-# thread holds whole 16-byte vectors. Registers: Triton 3.9 (Triton 3.6 needs at most as many).
+# thread holds whole 16-byte vectors. Registers: the most Triton 3.9 needs (compile_check fails beyond them).
 GEMV_TILES = (GemvTile(128, 128, 8, 128), GemvTile(64, 128, 8, 80), GemvTile(256, 128, 16, 128),
               GemvTile(64, 64, 4, 72), GemvTile(128, 64, 8, 80), GemvTile(64, 32, 2, 72))
 
