@@ -144,6 +144,8 @@ CONTEXT = ("This model's maximum context length is 256 tokens. However, you requ
     ({"prompt": [1, 10 ** 6]}, "prompt token id 1000000 is outside the vocabulary [0, ", "prompt"),
     ({"logprobs": 21}, "logprobs: input should be less than or equal to 20", "logprobs"),
     ({"n": 0}, "n: input should be greater than or equal to 1", "n"),
+    ({"repetition_penalty": 1e-30}, "repetition_penalty: input should be greater than or equal to 0.01",
+     "repetition_penalty"),
     ({"n": 17}, "n: input should be less than or equal to 16", "n"),
     ({"stop": [1]}, "stop must be a string or a list of strings", "stop"),
     ({"seed": 2 ** 70}, "seed: input should be less than or equal to", "seed"),
