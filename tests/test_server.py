@@ -140,6 +140,8 @@ CONTEXT = ("This model's maximum context length is 256 tokens. However, you requ
     ({"top_p": 1.5}, "top_p: input should be less than or equal to 1", "top_p"),
     ({"prompt": ""}, "the prompt is empty", "prompt"),
     ({"prompt": []}, "prompt must not be empty", "prompt"),
+    ({"prompt": ["Hi", ""]}, "prompt[1] is empty; send at least one token.", "prompt"),
+    ({"prompt": [[1, 2], [1, 10 ** 6]]}, "prompt[1]: prompt token id 1000000 is outside the vocabulary", "prompt"),
     ({"prompt": ["Hello", 3]}, "prompt must be a string, a list of strings", "prompt"),
     ({"prompt": [1, 10 ** 6]}, "prompt token id 1000000 is outside the vocabulary [0, ", "prompt"),
     ({"logprobs": 21}, "logprobs: input should be less than or equal to 20", "logprobs"),

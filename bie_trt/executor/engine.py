@@ -170,6 +170,26 @@ def _top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
     return top
 
 
+def check_prompt(prompt: object, name: str = "the prompt") -> None:
+    """One line naming `name` (`prompts[1]`) for a prompt `encode` cannot take: empty, or no string, list of
+    token ids or list of chat messages."""
+    if isinstance(prompt, (str, list)) and not prompt:
+        raise RequestError(f"{name} is empty; send at least one token.")
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list):
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt) or all(isinstance(m, dict)
+                                                                                       for m in prompt):
+            return
+        kinds = sorted({type(p).__name__ for p in prompt})
+        got = f"a list of {' and '.join(kinds)}"
+        several = "; to run several prompts, pass generate() a list of them" if kinds == ["str"] else ""
+    else:
+        got, several = type(prompt).__name__, ""
+    raise RequestError(f"{name} must be a string, a list of token ids or a list of chat messages; got {got}"
+                       f"{several}.")
+
+
 class BieEngine:
     def __init__(self, config: EngineConfig | str):
         self.config = config if isinstance(config, EngineConfig) else EngineConfig(engine_dir=str(config))
@@ -224,7 +244,8 @@ class BieEngine:
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Text as `tokenizer(prompt)` tokenises it; a message list or `chat=True` through the chat template."""
-        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        check_prompt(prompt)
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
             return list(prompt)
         if chat or isinstance(prompt, list):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -460,7 +481,13 @@ class BieEngine:
                  chat: bool = False) -> RequestOutput | list[RequestOutput]:
         """One prompt -> one RequestOutput; a list of prompts (batched together, one SamplingParams or
         one per prompt) -> a list, in order."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
+                                              and not isinstance(prompts[0], (str, list)))
+        if not single:
+            if not isinstance(prompts, (list, tuple)):
+                check_prompt(prompts)      # neither one prompt nor a list of them: says what is taken
+            if not prompts:
+                raise RequestError("prompts is empty; send a prompt, or a list of them.")
         batch = [prompts] if single else list(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(batch):
@@ -468,7 +495,14 @@ class BieEngine:
             per_prompt = list(params)
         else:
             per_prompt = [params or SamplingParams()] * len(batch)
-        seqs = [self._new_sequence(self.encode(p, chat), sp) for p, sp in zip(batch, per_prompt)]
+        seqs = []
+        for i, (prompt, sp) in enumerate(zip(batch, per_prompt)):
+            name = "the prompt" if single else f"prompts[{i}]"
+            check_prompt(prompt, name)
+            try:
+                seqs.append(self._new_sequence(self.encode(prompt, chat), sp))
+            except RequestError as e:
+                raise e if single else RequestError(f"{name}: {e}") from None
         streams = self._submit(seqs)
         outputs = []
         try:
