@@ -23,7 +23,7 @@ from ..config import EngineConfig, SamplingParams
 from ..device_sampling import device_generator, sample_on_device
 from ..errors import EngineError, RequestError
 from ..model.llama import SeqInput
-from ..plan import bounded_fp_blocks_per_seq
+from ..plan import bounded_fp_blocks_per_seq, planned_step_tokens, step_tokens
 from ..sampling import make_generator, sample_next
 from ..spec.proposer import Proposal
 from ..spec.rejection import verify
@@ -202,7 +202,7 @@ class BieEngine:
         engine_dir = Path(self.config.engine_dir)
         self.speculative = resolve_speculative(self.config.speculative, self.runner.manifest, engine_dir)
         gamma = self.speculative.num_speculative_tokens if self.speculative.enabled else 0
-        budget = self.config.max_num_batched_tokens or chunk + max_num_seqs * (1 + gamma)
+        budget = self._step_budget(chunk, max_num_seqs, gamma)
         self._check_limits(pools.num_fp_blocks, budget, max_num_seqs, gamma)
         self.proposer = make_proposer(self.speculative, engine_dir, self.runner)
         self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching)
@@ -221,6 +221,20 @@ class BieEngine:
         self._prompt_tokens = self._generation_tokens = 0
         self._spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self._accepted_by_position = [0] * gamma
+
+    def _step_budget(self, chunk: int, max_num_seqs: int, gamma: int) -> int:
+        """Tokens a step may run: never more than the memory plan holds activations for. By default a chunk
+        beside every decode and its proposals, cut to the plan's when speculation it was not planned for
+        asks more (proposals then take only what a prefill chunk leaves)."""
+        planned = planned_step_tokens(self.runner.manifest["plan"]["inputs"])
+        wanted = self.config.max_num_batched_tokens
+        if wanted is None:
+            return min(step_tokens(chunk, max_num_seqs, gamma), planned)
+        if wanted > planned:
+            raise EngineError(f"max_num_batched_tokens {wanted} is above the {planned} tokens a step of this engine "
+                              f"holds activations for in its memory plan; lower it (or leave it unset), or rebuild "
+                              f"with a larger --chunked-prefill-size.")
+        return wanted
 
     def _check_limits(self, num_fp_blocks: int, budget: int, max_num_seqs: int, gamma: int) -> None:
         """The scheduler relies on one sequence always fitting the pool alone, and on a step's budget
