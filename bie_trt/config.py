@@ -16,6 +16,9 @@ SUPPORTED_ARCHITECTURES = {
 }
 KV_DTYPES = ("fp16", "fp8", "int4_asym")
 KV_ROTATIONS = ("hadamard", "hadamard_kv", "none")   # keys only, keys and values, neither
+# Dividing (or multiplying) logits by a penalty further out overflows them to inf, and the softmax to NaN;
+# the HTTP API checks the same range.
+REPETITION_PENALTY_RANGE = (0.01, 10.0)
 
 
 @dataclass(frozen=True)
@@ -296,8 +299,9 @@ class SamplingParams:
             raise bad(f"min_p must be in [0, 1]; got {self.min_p!r}.")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}.")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):   # NaN would reach the sampler
-            raise bad(f"repetition_penalty must be a finite number > 0 (1 is off); got {self.repetition_penalty!r}.")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:   # NaN fails the comparison too
+            raise bad(f"repetition_penalty must be in [{low:g}, {high:g}] (1 is off); got {self.repetition_penalty!r}.")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(f"{name} must be in [-2, 2]; got {getattr(self, name)!r}.")

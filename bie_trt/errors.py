@@ -17,5 +17,6 @@ class PlanError(BieError):
     """A configuration does not fit the memory plan or is inconsistent."""
 
 
-class RequestError(BieError):
-    """A generation request is invalid (prompt too long, bad sampling parameters)."""
+class RequestError(BieError, ValueError):
+    """A generation request is invalid (prompt too long, bad sampling parameters); a ValueError, as
+    other inference libraries raise for bad input."""

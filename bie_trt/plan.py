@@ -258,6 +258,18 @@ def draft_vocab_rows(draft: ModelConfig, draft_vocab_size: int | None) -> int:
 
 # --- activations -----------------------------------------------------------------------------
 
+def step_tokens(chunk_tokens: int, max_num_seqs: int, num_speculative_tokens: int) -> int:
+    """Tokens one engine step runs at most (its default `max_num_batched_tokens`): a prefill chunk beside
+    a decode of every running sequence, each with its speculative proposals."""
+    return chunk_tokens + max_num_seqs * (1 + num_speculative_tokens)
+
+
+def planned_step_tokens(inputs: dict[str, Any]) -> int:
+    """`step_tokens` of a plan, from its `inputs` (an engine manifest's `plan.inputs`)."""
+    return step_tokens(int(inputs["chunk_tokens"]), int(inputs["max_num_seqs"]),
+                       int(inputs.get("num_speculative_tokens") or 0))
+
+
 def activation_workspace_bytes(
     model: ModelConfig, chunk_tokens: int, dtype_bytes: int = FP16, block_size: int = 16
 ) -> int:
@@ -379,15 +391,18 @@ def solve_plan(
     weights.append(PlanItem("kv_key_mean", model.num_layers * model.kv_size * FP16,
                             "fp16 mean key per layer and KV head, subtracted before quantising"))
     draft_items: list[PlanItem] = []
-    workspace = activation_workspace_bytes(model, chunk_tokens, block_size=kv.block_size)
+    # A step runs a prefill chunk and every sequence's decode (and proposals) in one forward.
+    step = step_tokens(chunk_tokens, max_num_seqs, gamma)
+    workspace = activation_workspace_bytes(model, step, block_size=kv.block_size)
     if draft is not None:
         draft_items = _draft_items(draft, kv, draft_window_tokens, draft_vocab_rows(draft, draft_vocab_size),
                                    max_num_seqs, gamma, draft_group, lm_head_dtype, embedding)
         # Draft and target run one after the other and share the workspace.
-        workspace = max(workspace, activation_workspace_bytes(draft, chunk_tokens, block_size=kv.block_size))
+        workspace = max(workspace, activation_workspace_bytes(draft, step, block_size=kv.block_size))
     captured = [s for s in graph_sizes if s <= max_num_seqs]  # a bigger batch never runs
     runtime = [
-        PlanItem("activations", workspace, f"one {chunk_tokens}-token prefill chunk, peak of one layer"),
+        PlanItem("activations", workspace, f"one {step}-token step ({chunk_tokens}-token prefill chunk + "
+                                           f"{max_num_seqs} x {1 + gamma} decode), peak of one layer"),
         PlanItem("logits", max_num_seqs * (1 + gamma) * model.vocab_size * FP32,
                  f"fp32, {max_num_seqs} seq(s) x {1 + gamma} position(s)"),
         *draft_items,

@@ -69,7 +69,7 @@ def int4pack_baseline(m: int, k: int, n: int, time_ms: Callable[[Callable], floa
 
 
 def bench_w4(m: int, k: int, n: int, args: argparse.Namespace, time_ms: Callable[[Callable], float]) -> dict:
-    from bie_trt.kernels.triton_w4 import default_config, random_w4, w4_linear_triton
+    from bie_trt.kernels.triton_w4 import default_config, device_limits, gemv_grid_for, random_w4, w4_linear_triton
 
     w = random_w4(n, k, GROUP, device=DEVICE)
     x = torch.randn(m, k, dtype=torch.float16, device=DEVICE)
@@ -80,6 +80,9 @@ def bench_w4(m: int, k: int, n: int, args: argparse.Namespace, time_ms: Callable
     cfg = default_config(m, n, k, GROUP, DEVICE)
     row = {"M": m, "K": k, "N": n, "config": cfg, "max_rel_err": err,
            **roof(w4_bytes(m, k, n), time_ms(lambda: w4_linear_triton(x, w)), args.bandwidth)}
+    if m == 1:   # the default grid's waves on this GPU (`gemv_grid`)
+        grid = gemv_grid_for(n, k, GROUP, device_limits(torch.device(DEVICE)))
+        row.update(programs=grid.programs, resident_per_sm=grid.resident, waves=grid.waves)
     if m > 16:
         row["tflops"] = 2 * m * n * k / (row["us"] * 1e-6) / 1e12
     if args.baseline:
@@ -190,6 +193,7 @@ def bench_lm_head(args: argparse.Namespace, time_ms: Callable[[Callable], float]
     """The int8 lm_head (128256 × 4096) at decode batch 1 and 5: the kernel against torch's chunked
     dequantise-then-matmul, which it replaced; bytes = codes + row scales + x + logits."""
     from bie_trt.kernels.int8_rows import Int8Rows, quantize_rows_int8
+    from bie_trt.kernels.reference import rms_norm_ref
     from bie_trt.kernels.triton_int8 import int8_rows_linear_triton
 
     model = llama3_8b()
@@ -204,6 +208,13 @@ def bench_lm_head(args: argparse.Namespace, time_ms: Callable[[Callable], float]
             "max_abs_err_vs_torch": (out.float() - want.float()).abs().max().item(),
             "torch_us": time_ms(lambda: head.linear(x)) * 1e3,
             **roof(nbytes, time_ms(lambda: int8_rows_linear_triton(x, head)), args.bandwidth)}
+        # What the decode step launches: the final norm in front (its weight read once more).
+        nw = torch.rand(k, device=DEVICE, dtype=torch.float16) + 0.5
+        fused = int8_rows_linear_triton(x, head, norm_weight=nw, eps=1e-5)
+        results[f"norm_lm_head_int8_{m}x{k}x{v}"] = {
+            "max_abs_err": assert_close(fused, head.linear(rms_norm_ref(x, nw, 1e-5)[0]), 2e-2),
+            **roof(nbytes + 2 * k, time_ms(lambda: int8_rows_linear_triton(x, head, norm_weight=nw, eps=1e-5)),
+                   args.bandwidth)}
     return results
 
 
@@ -304,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in report["fused_layer"].items():
         print(f"{name:>32} {row['us']:>7.1f} µs {row['gb_per_s']:>6.0f} GB/s "
               f"({row['bytes'] / row['us'] / 1e-6 / report['measured_read_bytes_per_s']:.0%} of measured)")
-    print(f"{'shape':>10} {'M×K×N':>16} {'µs':>8} {'MB':>7} {'GB/s':>6} {'roof':>5} {'rel err':>8} {'int4pack µs':>12}")
+    print(f"{'shape':>10} {'M×K×N':>16} {'µs':>8} {'MB':>7} {'GB/s':>6} {'roof':>5} {'rel err':>8} {'int4pack µs':>12} "
+          f"{'waves':>6}")
     for name, m, k, n in [(name, 1, k, n) for name, k, n in DECODE] + BATCHED:
         row = {"name": name, **bench_w4(m, k, n, args, time_ms)}
         report["w4"].append(row)
@@ -312,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         base = row.get("int4pack_mm", {})
         base_txt = f"{base['us']:.1f}" if "us" in base else "n/a"
         print(f"{name:>10} {f'{m}×{k}×{n}':>16} {row['us']:>8.1f} {row['bytes'] / 1e6:>7.1f} {row['gb_per_s']:>6.0f} "
-              f"{row['roofline']:>5.0%} {row['max_rel_err']:>8.1e} {base_txt:>12}")
+              f"{row['roofline']:>5.0%} {row['max_rel_err']:>8.1e} {base_txt:>12} {row.get('waves', float('nan')):>6.2f}")
     if args.tune:
         print("sweep (candidate_configs):")
         for name, m, k, n in [(name, 1, k, n) for name, k, n in DECODE] + [b for b in BATCHED if b[1] <= 16]:

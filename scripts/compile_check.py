@@ -4,7 +4,8 @@ What it proves: each kernel, specialised exactly as its Python wrapper launches 
 shapes, goes through Triton's full code generation (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the
 ptxas bundled in the triton wheel) for each target architecture, and its resources fit that
 architecture: shared memory per block (opt-in maximum), at most 255 registers per thread and
-registers x threads <= 65536 per block. A kernel that passes cannot fail to launch for lack of
+registers x threads <= 65536 per block; a W4 GEMV, at most the registers its tile is assumed to
+need by the grid choice's occupancy model (`triton_w4.GEMV_TILES`). A kernel that passes cannot fail to launch for lack of
 registers or shared memory (the usual "out of resources" errors); it says nothing about speed or
 numerical correctness, which the GPU tests cover.
 
@@ -164,14 +165,18 @@ def w4_launches() -> list[Launch]:
 
 
 def lm_head_launches() -> list[Launch]:
-    """The int8 lm_head of the 8 GB plans: decode at batch 1 (FMA) and 5 (tl.dot)."""
+    """The int8 lm_head of the 8 GB plans: decode at batch 1 (FMA) and 5 (tl.dot), alone and with the
+    model's final norm in front (what the decode step launches)."""
     model = llama3_8b()
     head = Int8Rows(torch.empty(model.vocab_size, model.hidden_size, dtype=torch.int8),
                     torch.empty(model.vocab_size, dtype=torch.float16))
+    norm_w = torch.empty(model.hidden_size, dtype=torch.float16)
     out: list[Launch] = []
     for m in (1, 5):
         x = torch.empty(m, model.hidden_size, dtype=torch.float16)
         out += record_launches(lambda: int8.int8_rows_linear_triton(x, head), f"lm_head int8 M={m}")
+        out += record_launches(lambda: int8.int8_rows_linear_triton(x, head, norm_weight=norm_w, eps=1e-5),
+                               f"lm_head int8 M={m} + norm")
     return out
 
 
@@ -243,6 +248,15 @@ def shared_traffic(asm: dict[str, str]) -> dict[str, Any]:
             "staged": re.findall(r"ttg\.local_alloc %\S+ : \(tensor<([0-9x]+x\w+),", asm.get("ttgir", ""))}
 
 
+def gemv_register_budget(launch: Launch) -> int | None:
+    """The registers `triton_w4.gemv_grid` assumes a W4 GEMV launch's tile needs (None: not a GEMV)."""
+    if launch.fn is not w4._w4_gemv_kernel:
+        return None
+    kw = launch.kwargs
+    return next((t.regs for t in w4.GEMV_TILES
+                 if (t.block_n, t.block_k, t.num_warps) == (kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"])), 0)
+
+
 def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[str, Any]) -> dict[str, Any]:
     """Compile one specialised launch for `target` and measure it against the architecture's limits."""
     arch = target.arch
@@ -271,6 +285,10 @@ def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[s
         problems.append(f"{res['regs']} registers x {threads} threads > {MAX_REGS_PER_BLOCK}")
     if not res["regs"]:
         problems.append("no register count in the ptxas log")
+    budget = gemv_register_budget(launch)
+    if budget is not None and res["regs"] > budget:
+        problems.append(f"{res['regs']} registers/thread > the {budget} the GEMV grid's occupancy assumes "
+                        f"(triton_w4.GEMV_TILES)")
     # Global scratch is allocated at launch through triton.set_allocator, which bie_trt never sets.
     scratch = getattr(meta, "global_scratch_size", 0)
     if scratch:

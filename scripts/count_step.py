@@ -38,8 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
 from bie_trt.executor.cuda_graphs import _StaticStep  # noqa: E402
+from bie_trt.kernels.triton_w4 import gemv_grid_for, sm_limits  # noqa: E402
 from bie_trt.kv.pool import allocate_pools  # noqa: E402
-from bie_trt.model.llama import LlamaModel, SeqInput  # noqa: E402
+from bie_trt.model.llama import LlamaModel, SeqInput, fused_linear_shapes  # noqa: E402
 from bie_trt.model.synthetic import llama3_8b, random_weights, tiny_llama  # noqa: E402
 from bie_trt.plan import kv_bytes_per_token, lm_head_bytes, linear_weight_bytes  # noqa: E402
 
@@ -50,6 +51,12 @@ _NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_
 _WRITTEN = re.compile(r"(^out|_out|part|_ws|sum|^kc_|^vc_)")
 # Triton arguments that are whole KV pools: only what the step touches counts.
 _POOL_ARGS = {"k_ptr", "v_ptr", "kq_ptr", "vq_ptr", "ks_ptr", "vs_ptr", "kz_ptr", "vz_ptr", "kc_ptr", "vc_ptr"}
+
+
+# (SMs, compute capability) of the GPUs the build profiles name, and siblings of theirs.
+GPUS = {"rtx3060": (28, 86), "rtx3060ti": (38, 86), "rtx3070": (46, 86), "rtx4060": (24, 89),
+        "rtx4060ti": (34, 89), "rtx4070-laptop": (36, 89), "rtx4070": (46, 89), "rtx4090": (128, 89),
+        "h200": (132, 90)}
 
 
 @dataclasses.dataclass
@@ -220,6 +227,18 @@ def count(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device:
     }
 
 
+def gemv_grids(cfg: ModelConfig, group_size: int = 128) -> dict:
+    """The default M = 1 W4 grid of each fused linear on each GPU, with its waves (`triton_w4.gemv_grid`)."""
+    out = {}
+    for gpu, (sms, arch) in GPUS.items():
+        out[gpu] = {"sms": sms, "arch": arch}
+        for name, (n, k) in fused_linear_shapes(cfg).items():
+            g = gemv_grid_for(n, k, group_size, sm_limits(sms, arch))
+            out[gpu][name] = {**g.config(), "programs": g.programs, "resident_per_sm": g.resident,
+                              "waves": round(g.waves, 3)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -230,7 +249,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     kv = KVCacheConfig(dtype=args.kv)
-    result = {"llama3_8b": count(llama3_8b(), kv, args.batch, args.context, "meta")}
+    result = {"llama3_8b": count(llama3_8b(), kv, args.batch, args.context, "meta"),
+              "llama3_8b_w4_gemv_grids": gemv_grids(llama3_8b())}
     if args.tiny:
         tiny_kv = dataclasses.replace(kv, group_size=32, sink_tokens=4, window=16) if args.kv != "fp16" else kv
         result["tiny"] = count(tiny_llama(), tiny_kv, args.batch, 64, "cpu")

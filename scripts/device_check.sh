@@ -39,7 +39,8 @@ timeout 130 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow"
     tests/test_decode_graphs.py tests/test_device_sampling.py tests/test_kernel_cache.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 
-# 4. kernels: calibration, fused layer launches, W4 shapes, small ops, lm_head (no sweep)   (90 s)
+# 4. kernels: calibration, fused layer launches, W4 shapes at their default grids (waves printed),
+#    small ops, lm_head alone and with the final norm in front (no sweep)                  (90 s)
 timeout 90 python3 scripts/bench_kernels.py --no-attention --no-tune --rep 30 --out "$OUT/kernels.json" 2>&1 \
     | tee "$OUT/kernels.log" | tail -40
 

@@ -125,11 +125,22 @@ def test_request_errors_name_the_problem_and_the_fix_and_leave_nothing_behind(en
         (lambda: engine.generate(["Hi", "Hello"], [SamplingParams()]),
          "1 SamplingParams for 2 prompts; send one, or one each."),
         (lambda: engine.generate("Hi", edited), "top_p must be in (0, 1]; got 2.0."),
-        (lambda: engine.generate(["Hi", ""]), "the prompt is empty; send at least one token."),
+        (lambda: engine.generate(["Hi", ""]), "prompts[1] is empty; send at least one token."),
+        (lambda: engine.generate(["Hi", [0, vocab]]), f"prompts[1]: prompt token id {vocab} is outside the "
+                                                      f"vocabulary [0, {vocab}); send ids from this model's tokenizer."),
+        (lambda: engine.generate(["Hi", 3]),
+         "prompts[1] must be a string, a list of token ids or a list of chat messages; got int."),
+        (lambda: engine.generate([]), "prompts is empty; send a prompt, or a list of them."),
+        (lambda: engine.generate([5, "Hi"]), "the prompt must be a string, a list of token ids or a list of chat "
+                                             "messages; got a list of int and str."),
+        (lambda: engine.stream(["Hi", ""]), "the prompt must be a string, a list of token ids or a list of chat "
+                                            "messages; got a list of str; to run several prompts, pass generate() a "
+                                            "list of them."),
+        (lambda: engine.stream([]), "the prompt is empty; send at least one token."),
     ]
     for call, message in cases:
-        with pytest.raises(RequestError) as e:
+        with pytest.raises(ValueError) as e:    # RequestError is a ValueError, as other SDKs raise
             call()
-        assert str(e.value) == message
+        assert isinstance(e.value, RequestError) and str(e.value) == message
     stats = engine.stats()
     assert stats.running == stats.waiting == 0 and engine.blocks.num_free_fp == free

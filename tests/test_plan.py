@@ -410,3 +410,14 @@ def test_activation_workspace_is_the_attention_phase_when_the_mlp_is_narrow():
     attention = (t * 256 + t * (256 + 2 * 128) + t * 256 + t * 256) * 2 + t * 4 * 16 * 4
     mlp = (t * 256 + 2 * t * 64 + t * 64 + t * 256) * 2
     assert mlp < attention and activation_workspace_bytes(model, t) == residual + attention == 28672
+
+
+def test_the_activations_cover_a_whole_step_with_the_drafts_proposals(llama, ti):
+    """A step runs a prefill chunk beside every sequence's decode and its γ proposals: 256 + 1 x (1 + 4)
+    tokens on an 8 GB profile with a 1B draft, and the pair still fits 64k with 64 MiB to spare."""
+    d = ti.defaults
+    plan = plan64k(llama, ti, draft=ModelConfig.from_hf(LLAMA_32_1B), chunk_tokens=d.chunked_prefill_size)
+    step = d.chunked_prefill_size + d.max_num_seqs * (1 + d.num_draft_tokens)
+    assert step == 261
+    assert plan.bytes_of("activations") == activation_workspace_bytes(llama, step, block_size=d.block_size)
+    assert plan.budget_bytes - plan.total_bytes >= 64 * MIB

@@ -61,3 +61,22 @@ def test_activation_formula_matches_a_measured_chunk(smollm2_engine, monkeypatch
         runner.forward([SeqInput(ids, 0, table)])
     formula = activation_workspace_bytes(runner.model_config, chunk, dtype_bytes=4)
     assert 0.9 * formula <= meter.peak <= 1.1 * formula, (meter.peak, formula)
+
+
+def test_a_step_never_runs_more_tokens_than_the_plan_holds_activations_for(smollm2_engine):
+    """The plan's workspace covers a 512-token chunk beside 4 decodes (the CPU profile, no draft): n-gram
+    proposals it did not plan for get only what is left, and an explicit larger step is refused."""
+    from bie_trt import BieEngine, EngineError, SpeculativeConfig
+    from bie_trt.plan import planned_step_tokens
+
+    runner = ModelRunner(EngineConfig(engine_dir=str(smollm2_engine), device="cpu"))
+    plan = runner.manifest["plan"]
+    planned = planned_step_tokens(plan["inputs"])
+    assert planned == 512 + 4 * 1
+    reserved = next(item["bytes"] for item in plan["items"] if item["name"] == "activations")
+    assert reserved == activation_workspace_bytes(runner.model_config, planned, block_size=runner.kv_config.block_size)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
+    engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", speculative=ngram))
+    assert engine.scheduler.max_num_batched_tokens == planned     # not 512 + 4 x 6
+    with pytest.raises(EngineError, match=f"max_num_batched_tokens {planned + 1} is above the {planned} tokens"):
+        BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_num_batched_tokens=planned + 1))

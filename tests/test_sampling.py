@@ -117,6 +117,24 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
         [1.0, -2.0, -0.75, 3.0, -4.75]
 
 
+def test_a_repetition_penalty_in_range_keeps_the_largest_fp16_logits_finite():
+    """The bounds are where dividing an fp16 logit (|x| <= 65504) by the penalty and the smallest temperature
+    still gives finite probabilities; 1e-30, which the range refuses, makes them NaN."""
+    from bie_trt.config import REPETITION_PENALTY_RANGE
+    from bie_trt.sampling import MIN_TEMPERATURE, probabilities
+
+    logits = torch.tensor([65504.0, -65504.0, 60000.0, 0.0])
+
+    def probs(penalty: float) -> torch.Tensor:
+        params = SamplingParams(temperature=MIN_TEMPERATURE)
+        params.repetition_penalty = penalty      # past validation, as a caller editing an instance would
+        return probabilities(apply_penalties(logits.clone(), params, [0, 1, 2], []), params)
+
+    for penalty in REPETITION_PENALTY_RANGE:
+        assert torch.isfinite(probs(penalty)).all()
+    assert probs(1e-30).isnan().any()
+
+
 def test_penalties_change_the_greedy_choice_and_leave_the_callers_logits_alone():
     logits = torch.tensor([3.0, 2.9, 0.0])
     before = logits.clone()
@@ -139,8 +157,10 @@ def test_penalties_change_the_greedy_choice_and_leave_the_callers_logits_alone()
     ({"top_k": 2.5}, "top_k must be an integer >= 0 (0 or -1 disables it); got 2.5."),
     ({"min_p": 1.01}, "min_p must be in [0, 1]; got 1.01."),
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1; got 0."),
-    ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0 (1 is off); got 0.0."),
-    ({"repetition_penalty": float("nan")}, "repetition_penalty must be a finite number > 0 (1 is off); got nan."),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in [0.01, 10] (1 is off); got 0.0."),
+    ({"repetition_penalty": 1e-30}, "repetition_penalty must be in [0.01, 10] (1 is off); got 1e-30."),
+    ({"repetition_penalty": 10.5}, "repetition_penalty must be in [0.01, 10] (1 is off); got 10.5."),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty must be in [0.01, 10] (1 is off); got nan."),
     ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]; got 2.5."),
     ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]; got -3."),
     ({"frequency_penalty": float("nan")}, "frequency_penalty must be in [-2, 2]; got nan."),
@@ -162,6 +182,7 @@ def test_bad_sampling_params_are_one_line_naming_the_parameter_and_its_range(kwa
 def test_boundary_values_are_accepted():
     for kwargs in ({"temperature": 0}, {"top_p": 1.0}, {"top_k": -1}, {"min_p": 0.0}, {"min_p": 1.0},
                    {"presence_penalty": -2.0}, {"frequency_penalty": 2.0}, {"logprobs": 0}, {"logprobs": 20},
-                   {"seed": 0}, {"seed": -1}, {"seed": 2**64 - 1}, {"max_tokens": 1}):
+                   {"seed": 0}, {"seed": -1}, {"seed": 2**64 - 1}, {"max_tokens": 1},
+                   {"repetition_penalty": 0.01}, {"repetition_penalty": 10}):
         SamplingParams(**kwargs)
         make_generator(SamplingParams(**kwargs), 0)

@@ -45,3 +45,24 @@ def test_every_option_has_help(command):
     missing = [p.name for p in cmd.params if getattr(p, "help", "") == "" or
                (p.param_type_name == "option" and not p.help)]
     assert not missing
+
+
+def test_the_manifest_is_read_once_before_the_engine_loads(smollm2_engine, monkeypatch):
+    """The option checks and the default max_num_seqs come from one read of manifest.json."""
+    import bie_trt.engine_format as ef
+
+    reads, loaded = [], []
+    real_read = ef.read_manifest
+
+    def counted(engine_dir):
+        reads.append(engine_dir)
+        return real_read(engine_dir)
+
+    def stop_at_load(config):
+        loaded.append((len(reads), config.max_num_seqs))
+        raise KeyboardInterrupt   # ends the command before any server starts
+
+    monkeypatch.setattr(ef, "read_manifest", counted)
+    monkeypatch.setattr("bie_trt.BieEngine", stop_at_load)
+    CliRunner().invoke(main, ["serve", str(smollm2_engine), "--max-model-len", "64"])
+    assert loaded == [(1, real_read(smollm2_engine)["max_num_seqs"])]

@@ -97,9 +97,7 @@ def test_the_schema_lists_both_generation_routes(fuzz_server):
     assert [path for path, _ in _routes(fuzz_server[2])] == ["/v1/completions", "/v1/chat/completions"]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_no_body_makes_a_5xx(fuzz_server, data):
+def post_a_drawn_body(fuzz_server, data) -> None:
     engine, base, schema = fuzz_server
     path, request_schema = data.draw(st.sampled_from(_routes(schema)))
     body = data.draw(body_strategy(request_schema, schema["components"]["schemas"]) | JSON)
@@ -107,6 +105,21 @@ def test_no_body_makes_a_5xx(fuzz_server, data):
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# Each valid body generates up to n x max_tokens tokens: 12 draws by default (the field-by-field sweep
+# below covers the edges systematically), 200 under `-m slow`.
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_no_body_makes_a_5xx(fuzz_server, data):
+    post_a_drawn_body(fuzz_server, data)
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_no_body_makes_a_5xx_thorough(fuzz_server, data):
+    post_a_drawn_body(fuzz_server, data)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))

@@ -8,12 +8,10 @@ import click
 from . import main
 from .options import device_option, speculative_config
 
-def _check_against_engine(engine_dir: str, max_num_seqs: int | None, max_model_len: int | None,
+
+def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_len: int | None,
                           gpu_memory_utilization: float | None, device: str) -> None:
     """Refuse what the engine cannot honour before loading it (which takes a while)."""
-    from ..engine_format import read_manifest
-
-    manifest = read_manifest(engine_dir)
     built_seqs, built_len = int(manifest["max_num_seqs"]), int(manifest["max_model_len"])
     if max_num_seqs is not None and max_num_seqs > built_seqs:
         raise click.BadParameter(f"{max_num_seqs} is above this engine's {built_seqs} (its KV pool is sized for "
@@ -82,14 +80,16 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
     if (engine is None) == (engine_opt is None):
         raise click.UsageError("give the engine directory once: as the first argument or as --engine.")
     engine_dir = engine or engine_opt
-    _check_against_engine(engine_dir, max_num_seqs, max_model_len, gpu_memory_utilization, device)
+    from ..engine_format import read_manifest
+
+    manifest = read_manifest(engine_dir)
+    _check_against_engine(manifest, max_num_seqs, max_model_len, gpu_memory_utilization, device)
 
     from .. import BieEngine, EngineConfig
-    from ..engine_format import read_manifest
     from ..server.app import ServerOptions, create_app
     from ..server.serve import serve as run_server
 
-    seqs = max_num_seqs or int(read_manifest(engine_dir)["max_num_seqs"])
+    seqs = max_num_seqs or int(manifest["max_num_seqs"])
     bie = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
                                  max_num_seqs=seqs, speculative=speculative))
     app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,

@@ -23,7 +23,7 @@ from ..config import EngineConfig, SamplingParams
 from ..device_sampling import device_generator, sample_on_device
 from ..errors import EngineError, RequestError
 from ..model.llama import SeqInput
-from ..plan import bounded_fp_blocks_per_seq
+from ..plan import bounded_fp_blocks_per_seq, planned_step_tokens, step_tokens
 from ..sampling import make_generator, sample_next
 from ..spec.proposer import Proposal
 from ..spec.rejection import verify
@@ -170,6 +170,26 @@ def _top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
     return top
 
 
+def check_prompt(prompt: object, name: str = "the prompt") -> None:
+    """One line naming `name` (`prompts[1]`) for a prompt `encode` cannot take: empty, or no string, list of
+    token ids or list of chat messages."""
+    if isinstance(prompt, (str, list)) and not prompt:
+        raise RequestError(f"{name} is empty; send at least one token.")
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list):
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt) or all(isinstance(m, dict)
+                                                                                       for m in prompt):
+            return
+        kinds = sorted({type(p).__name__ for p in prompt})
+        got = f"a list of {' and '.join(kinds)}"
+        several = "; to run several prompts, pass generate() a list of them" if kinds == ["str"] else ""
+    else:
+        got, several = type(prompt).__name__, ""
+    raise RequestError(f"{name} must be a string, a list of token ids or a list of chat messages; got {got}"
+                       f"{several}.")
+
+
 class BieEngine:
     def __init__(self, config: EngineConfig | str):
         self.config = config if isinstance(config, EngineConfig) else EngineConfig(engine_dir=str(config))
@@ -182,7 +202,7 @@ class BieEngine:
         engine_dir = Path(self.config.engine_dir)
         self.speculative = resolve_speculative(self.config.speculative, self.runner.manifest, engine_dir)
         gamma = self.speculative.num_speculative_tokens if self.speculative.enabled else 0
-        budget = self.config.max_num_batched_tokens or chunk + max_num_seqs * (1 + gamma)
+        budget = self._step_budget(chunk, max_num_seqs, gamma)
         self._check_limits(pools.num_fp_blocks, budget, max_num_seqs, gamma)
         self.proposer = make_proposer(self.speculative, engine_dir, self.runner)
         self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching)
@@ -201,6 +221,20 @@ class BieEngine:
         self._prompt_tokens = self._generation_tokens = 0
         self._spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self._accepted_by_position = [0] * gamma
+
+    def _step_budget(self, chunk: int, max_num_seqs: int, gamma: int) -> int:
+        """Tokens a step may run: never more than the memory plan holds activations for. By default a chunk
+        beside every decode and its proposals, cut to the plan's when speculation it was not planned for
+        asks more (proposals then take only what a prefill chunk leaves)."""
+        planned = planned_step_tokens(self.runner.manifest["plan"]["inputs"])
+        wanted = self.config.max_num_batched_tokens
+        if wanted is None:
+            return min(step_tokens(chunk, max_num_seqs, gamma), planned)
+        if wanted > planned:
+            raise EngineError(f"max_num_batched_tokens {wanted} is above the {planned} tokens a step of this engine "
+                              f"holds activations for in its memory plan; lower it (or leave it unset), or rebuild "
+                              f"with a larger --chunked-prefill-size.")
+        return wanted
 
     def _check_limits(self, num_fp_blocks: int, budget: int, max_num_seqs: int, gamma: int) -> None:
         """The scheduler relies on one sequence always fitting the pool alone, and on a step's budget
@@ -224,7 +258,8 @@ class BieEngine:
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Text as `tokenizer(prompt)` tokenises it; a message list or `chat=True` through the chat template."""
-        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        check_prompt(prompt)
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
             return list(prompt)
         if chat or isinstance(prompt, list):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -460,7 +495,13 @@ class BieEngine:
                  chat: bool = False) -> RequestOutput | list[RequestOutput]:
         """One prompt -> one RequestOutput; a list of prompts (batched together, one SamplingParams or
         one per prompt) -> a list, in order."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
+                                              and not isinstance(prompts[0], (str, list)))
+        if not single:
+            if not isinstance(prompts, (list, tuple)):
+                check_prompt(prompts)      # neither one prompt nor a list of them: says what is taken
+            if not prompts:
+                raise RequestError("prompts is empty; send a prompt, or a list of them.")
         batch = [prompts] if single else list(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(batch):
@@ -468,7 +509,14 @@ class BieEngine:
             per_prompt = list(params)
         else:
             per_prompt = [params or SamplingParams()] * len(batch)
-        seqs = [self._new_sequence(self.encode(p, chat), sp) for p, sp in zip(batch, per_prompt)]
+        seqs = []
+        for i, (prompt, sp) in enumerate(zip(batch, per_prompt)):
+            name = "the prompt" if single else f"prompts[{i}]"
+            check_prompt(prompt, name)
+            try:
+                seqs.append(self._new_sequence(self.encode(prompt, chat), sp))
+            except RequestError as e:
+                raise e if single else RequestError(f"{name}: {e}") from None
         streams = self._submit(seqs)
         outputs = []
         try:

@@ -80,14 +80,14 @@ def linear_residual(x: torch.Tensor, w: W4Weight, residual: torch.Tensor) -> tor
     return ref.w4_linear_ref(x, w) + residual
 
 
-def int8_rows_linear(x: torch.Tensor, head: Int8Rows) -> torch.Tensor:
-    """Logits from the int8 lm_head: the Triton kernel for up to 16 rows (decode), torch beyond."""
+def norm_int8_rows_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, head: Int8Rows) -> torch.Tensor:
+    """Logits from the int8 lm_head of rms_norm(x): one Triton launch for up to 16 rows (decode), torch beyond."""
     if use_triton(x):
         from .triton_int8 import MAX_ROWS, int8_rows_linear_triton
 
         if x.shape[0] <= MAX_ROWS:
-            return int8_rows_linear_triton(x, head)
-    return head.linear(x)
+            return int8_rows_linear_triton(x, head, norm_weight=norm_weight, eps=eps)
+    return head.linear(rms_norm(x, norm_weight, eps)[0])
 
 
 def write_kv(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,

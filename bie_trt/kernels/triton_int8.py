@@ -12,6 +12,10 @@ chain of FMAs reduced across the tile; 2..16 rows (batched decode) go through `t
 |q| <= 127 is exact in fp16). Larger M
 (every position's logits, for evaluation) is compute-bound and stays with torch. The twin is
 `Int8Rows.linear`.
+
+The model's final RMSNorm rides in front (`norm_weight`), as in the W4 GEMV and with its helpers:
+each program computes the rows' 1/rms and normalises x step by step, so the step's last norm is
+no launch of its own. Twin: `rms_norm_ref`, then `Int8Rows.linear`.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .int8_rows import Int8Rows
+from .triton_w4 import _normed, _row_rstd
 
 MAX_ROWS = 16   # the one tl.dot tile's rows; more rows take the torch path
 
@@ -33,8 +38,8 @@ def _codes_f16(w):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int8_rows_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, V, K, stride_x, stride_q, stride_o,
-                      BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+def _int8_rows_kernel(x_ptr, q_ptr, s_ptr, out_ptr, nw_ptr, M, V, K, stride_x, stride_q, stride_o, eps,
+                      NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < V
@@ -46,15 +51,24 @@ def _int8_rows_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, V, K, stride_x, stride_q,
         acc = tl.zeros([BLOCK_V], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+    if NORM:
+        # Every program computes the rows' 1/rms itself: a few KB from L2 against its tile of codes.
+        rstd = _row_rstd(x_ptr, ms, ms < M, stride_x, K, eps, 1024 if BLOCK_M == 1 else 256)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + ks < K
         w = tl.load(w_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)
+        # Past K, x is 0 and the norm weight is read at column 0: nothing is read out of bounds.
+        k_in = tl.where(k_ok, k0 + ks, 0)
         if BLOCK_M == 1:
-            x = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0).to(tl.float32)
-            acc += tl.sum(_codes_f16(w).to(tl.float32) * x[None, :], axis=1)
+            x = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0)
+            if NORM:
+                x = tl.reshape(_normed(x[None, :], rstd, nw_ptr, k_in, x_ptr.dtype.element_ty), (BLOCK_K,))
+            acc += tl.sum(_codes_f16(w).to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         else:
             x = tl.load(x_ptr + ms[:, None] * stride_x + (k0 + ks)[None, :],
                         mask=(ms[:, None] < M) & k_ok[None, :], other=0)
+            if NORM:
+                x = _normed(x, rstd, nw_ptr, k_in, x_ptr.dtype.element_ty)
             acc += tl.dot(x, tl.trans(_codes_f16(w).to(x.dtype)), input_precision=DOT_PRECISION)
     scale = tl.load(s_ptr + rows, mask=row_ok, other=0).to(tl.float32)
     if BLOCK_M == 1:
@@ -65,18 +79,25 @@ def _int8_rows_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, V, K, stride_x, stride_q,
 
 
 def int8_rows_linear_triton(x: torch.Tensor, head: Int8Rows, block_v: int = 64, block_k: int = 128,
-                            num_warps: int = 4) -> torch.Tensor:
-    """x [M, K] (fp16 or fp32, M <= 16) -> x · Wᵀ [M, V] in x's dtype; twin of `Int8Rows.linear`."""
+                            num_warps: int = 4, *, norm_weight: torch.Tensor | None = None,
+                            eps: float = 0.0) -> torch.Tensor:
+    """x [M, K] (fp16 or fp32, M <= 16) -> x · Wᵀ [M, V] in x's dtype; twin of `Int8Rows.linear`.
+
+    With `norm_weight`, x is RMS-normalised first (the model's final norm, one launch for both):
+    twin `Int8Rows.linear(rms_norm_ref(x, norm_weight, eps)[0])`."""
     M, K = x.shape
     V = head.q.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"the int8 kernel takes at most {MAX_ROWS} rows; got {M} (use Int8Rows.linear).")
     if head.q.shape[1] != K or head.q.stride(1) != 1:
         raise ValueError(f"x has {K} features; the int8 head is {tuple(head.q.shape)} (needs a unit stride along K).")
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)}; the int8 head needs ({K},).")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty((M, V), dtype=x.dtype, device=x.device)
+    nw = norm_weight if norm_weight is not None else head.scale   # never read without NORM
     _int8_rows_kernel[(triton.cdiv(V, block_v),)](
-        x, head.q, head.scale, out, M, V, K, x.stride(0), head.q.stride(0), out.stride(0),
-        BLOCK_M=1 if M == 1 else MAX_ROWS, BLOCK_V=block_v, BLOCK_K=block_k,
+        x, head.q, head.scale, out, nw, M, V, K, x.stride(0), head.q.stride(0), out.stride(0), eps,
+        NORM=norm_weight is not None, BLOCK_M=1 if M == 1 else MAX_ROWS, BLOCK_V=block_v, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps)
     return out

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -289,11 +290,122 @@ def _w4_mma_kernel(
 
 # --- Configs ------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class GemvTile:
+    """A GEMV program's shape. `regs`: registers per thread the occupancy model assumes, the most
+    any fused variant and split needs on sm_86/89/90 (`scripts/compile_check.py` fails if a
+    compiled GEMV needs more)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    regs: int
+
+
+# BLOCK_N and num_warps such that both per-step vectors stay below the thread count and every
+# thread holds whole 16-byte vectors. Registers: the most Triton 3.9 needs (compile_check fails beyond them).
+GEMV_TILES = (GemvTile(128, 128, 8, 128), GemvTile(64, 128, 8, 80), GemvTile(256, 128, 16, 128),
+              GemvTile(64, 64, 4, 72), GemvTile(128, 64, 8, 80), GemvTile(64, 32, 2, 72))
+
+
+@dataclass(frozen=True)
+class SmLimits:
+    """What one SM holds at once: the launch-independent limits of an architecture."""
+
+    num_sms: int
+    max_warps: int          # resident warps per SM
+    max_ctas: int           # resident blocks per SM
+    regs: int = 65536       # register file per SM
+
+
+# (max warps, max blocks) per SM by compute capability (CUDA programming guide, occupancy table).
+_ARCH_LIMITS = {86: (48, 16), 89: (48, 24), 90: (64, 32)}
+
+
+def sm_limits(num_sms: int, arch: int) -> SmLimits:
+    """The limits of `num_sms` SMs of compute capability `arch` (86, 89, 90; others count as 86)."""
+    return SmLimits(num_sms, *_ARCH_LIMITS.get(arch, _ARCH_LIMITS[86]))
+
+
+def resident_ctas(tile: GemvTile, sm: SmLimits) -> int:
+    """How many of `tile`'s programs one SM runs at once (registers go out a warp at a time, in
+    units of 256; shared memory is a few hundred bytes and never the limit)."""
+    warp_regs = -(-tile.regs * 32 // 256) * 256
+    return min(sm.max_warps // tile.num_warps, sm.regs // warp_regs // tile.num_warps, sm.max_ctas)
+
+
+@dataclass(frozen=True)
+class GemvGrid:
+    """A GEMV launch: its tile, K split in `split_k` equal slices, and the waves its programs make."""
+
+    tile: GemvTile
+    split_k: int
+    programs: int
+    resident: int       # programs per SM
+    waves: float        # programs / (SMs x resident)
+
+    def config(self) -> dict[str, int]:
+        return {"BLOCK_N": self.tile.block_n, "BLOCK_K": self.tile.block_k, "SPLIT_K": self.split_k,
+                "num_warps": self.tile.num_warps}
+
+
+# Waves within this much of a whole number (≥ 2) leave at most a sliver of the GPU idle at the end.
+WAVE_TAIL = 0.15
+# Each slice keeps ≥ 2 K-steps so the next step's weights are in flight while one computes.
+MIN_STEPS_PER_SLICE = 2
+# ≥ 2 programs per SM, so one's start (the norm's 1/rms, the first loads) and end (partials, the
+# epilogue) overlap another's streaming.
+MIN_RESIDENT = 2
+
+
+def gemv_grid(n: int, k: int, group_size: int, num_sms: int, resident: dict[GemvTile, int]) -> GemvGrid:
+    """The M = 1 launch for an [n, k] weight: pure in its arguments. `resident` maps each tile
+    considered to its programs per SM (`resident_ctas`).
+
+    A grid qualifies when its waves are within WAVE_TAIL of a whole number ≥ 2 and an SM holds
+    ≥ MIN_RESIDENT of its programs: the SMs stay busy to the end (no 1.4-wave launch whose second
+    wave runs 40% of them), and a second wave hides the first one's ramp. Of those, the fewest programs win (each writes split-K partials and
+    recomputes the norm in front), then the smallest tail, then the most resident warps. Slices
+    are equal (split_k divides the K-steps), so every program of a wave does the same work.
+    Shapes too small for two waves (small models) take the grid with the most waves up to 2.
+    """
+    options = []
+    for tile, per_sm in resident.items():
+        if group_size % tile.block_k or k % tile.block_k or per_sm < 1:
+            continue
+        steps = k // tile.block_k
+        tiles = -(-n // tile.block_n)
+        for split in range(1, steps // MIN_STEPS_PER_SLICE + 1):
+            if steps % split:
+                continue
+            waves = tiles * split / (num_sms * per_sm)
+            options.append(GemvGrid(tile, split, tiles * split, per_sm, waves))
+    if not options:
+        raise ValueError(f"no GEMV tile fits K={k} with group size {group_size}; "
+                         f"K and the group size must be multiples of {min(t.block_k for t in GEMV_TILES)}.")
+
+    def tail(g: GemvGrid) -> float:
+        return abs(g.waves - round(g.waves))
+
+    good = [g for g in options if round(g.waves) >= 2 and tail(g) <= WAVE_TAIL and g.resident >= MIN_RESIDENT]
+    if good:
+        return min(good, key=lambda g: (g.programs, tail(g), -g.resident * g.tile.num_warps))
+    return min(options, key=lambda g: (-min(g.waves, 2.0), g.programs))
+
+
+def gemv_grid_for(n: int, k: int, group_size: int, sm: SmLimits) -> GemvGrid:
+    """`gemv_grid` over every tile of GEMV_TILES, at the residency `sm` allows."""
+    return gemv_grid(n, k, group_size, sm.num_sms, {t: resident_ctas(t, sm) for t in GEMV_TILES})
+
+
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def device_limits(device: torch.device) -> SmLimits:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H100/H200; off the GPU it only shapes the interpreter's grid
+        p = torch.cuda.get_device_properties(device)
+        warps, ctas = _ARCH_LIMITS.get(p.major * 10 + p.minor, _ARCH_LIMITS[86])
+        return SmLimits(p.multi_processor_count, p.max_threads_per_multi_processor // 32, ctas,
+                        getattr(p, "regs_per_multiprocessor", 65536))
+    return sm_limits(132, 90)  # an H100/H200; off the GPU it only shapes the interpreter's grid
 
 
 def _split_for(tiles: int, k_steps: int, num_sms: int) -> int:
@@ -303,25 +415,17 @@ def _split_for(tiles: int, k_steps: int, num_sms: int) -> int:
     return triton.cdiv(k_steps, per)
 
 
-# GEMV tiles per BLOCK_K: BLOCK_N and num_warps such that both per-step vectors stay below the
-# thread count and every thread holds whole 16-byte vectors (two rows each at BLOCK_K = 128).
-_GEMV_TILES = {128: (128, 8), 64: (64, 4), 32: (64, 2)}
-
-
 def default_config(M: int, N: int, K: int, group_size: int = 128,
                    device: torch.device | str = "cpu") -> dict[str, int]:
     """A sensible untuned config for this shape (the keys depend on the kernel M selects)."""
-    sms = _num_sms(torch.device(device))
+    limits = device_limits(torch.device(device))
     if M == 1:
-        block_k = min(group_size, 128)
-        block_n, warps = _GEMV_TILES[block_k]
-        split = _split_for(triton.cdiv(N, block_n), K // block_k, sms)
-        return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps}
+        return gemv_grid_for(N, K, group_size, limits).config()
     block_m = min(64, max(16, triton.next_power_of_2(M)))
     block_n = 64 if M <= 16 else 128
     block_k = min(group_size, 128 if M <= 16 else 64)
     # Prefill-sized M has tiles enough, and its partial sums would cost more traffic than they save.
-    split = _split_for(triton.cdiv(N, block_n), K // block_k, sms) if M <= 16 else 1
+    split = _split_for(triton.cdiv(N, block_n), K // block_k, limits.num_sms) if M <= 16 else 1
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
             "num_warps": 8 if block_m * block_n >= 8192 else 4, "num_stages": 3}
 
@@ -332,10 +436,10 @@ def candidate_configs(M: int, N: int, K: int, group_size: int = 128,
     out = [default_config(M, N, K, group_size, device)]
     splits = (1, 2, 4, 8, 16)
     if M == 1:
-        for (block_n, block_k, warps), split in itertools.product(
-                [(128, 128, 8), (64, 128, 8), (256, 128, 16), (64, 64, 4), (128, 64, 8), (64, 32, 2)], splits):
-            if block_k <= group_size and split <= K // block_k:
-                out.append({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps})
+        for tile, split in itertools.product(GEMV_TILES, splits):
+            if tile.block_k <= group_size and split <= K // tile.block_k:
+                out.append({"BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "SPLIT_K": split,
+                            "num_warps": tile.num_warps})
     else:
         # Decode-sized M: one 16-row tile and split K; prefill-sized M: bigger tiles, whole K.
         block_ms = [16] if M <= 16 else [b for b in (32, 64, 128) if b <= max(32, triton.next_power_of_2(M))]

@@ -116,7 +116,6 @@ class LlamaModel:
             h = ops.linear_residual(act, layer.linears["down"], h)
         if meta.logit_rows.numel() != h.shape[0]:   # build() lists rows in order: as many means all of them
             h = h[meta.logit_rows]
-        h, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps)
         return self._logits(h).float()
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -125,9 +124,11 @@ class LlamaModel:
         return F.embedding(ids.to(self.device), self.embed)
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm, then the head: one launch when the head is int8 (the norm rides in front)."""
+        eps = self.cfg.rms_norm_eps
         if isinstance(self.lm_head, Int8Rows):
-            return ops.int8_rows_linear(rows, self.lm_head)
-        return F.linear(rows, self.lm_head)
+            return ops.norm_int8_rows_linear(rows, self.norm, eps, self.lm_head)
+        return F.linear(ops.rms_norm(rows, self.norm, eps)[0], self.lm_head)
 
     def _attention(self, li: int, layer: Layer, h: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
         """h + o_proj(attention(norm(h))): the residual stream after the attention sub-block."""

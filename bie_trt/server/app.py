@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from ..config import SamplingParams
 from ..errors import BieError
-from ..executor.engine import BieEngine, RequestOutput, RequestStream, StreamEvent
+from ..executor.engine import BieEngine, RequestOutput, RequestStream, StreamEvent, check_prompt
 from .auth import ApiKeyMiddleware
 from .errors import error_body, install_error_handlers, openai_error
 from .metrics import CONTENT_TYPE, Metrics
@@ -198,15 +198,15 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
                                      f"{capacity}); retry after {RETRY_AFTER_S} s.",
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
         streams: list[RequestStream] = []
-        try:
-            for ids, params in zip(prompts, per_prompt):
+        for i, (ids, params) in enumerate(zip(prompts, per_prompt)):
+            try:
                 for j in range(req.n):
                     seed = None if params.seed is None else params.seed + j
                     streams.append(engine.stream(ids, dataclasses.replace(params, seed=seed)))
-        except BieError as e:
-            for events in streams:
-                events.close()
-            return openai_error(400, str(e), param)
+            except BieError as e:
+                for events in streams:
+                    events.close()
+                return openai_error(400, f"{param}[{i}]: {e}" if len(prompts) > 1 else str(e), param)
         state["in_flight"] += count
         live.update(streams)
         return streams
@@ -307,6 +307,11 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
         if len(prompts) * req.n > MAX_REQUESTS:
             return openai_error(400, f"{len(prompts)} prompts x n {req.n} is more than {MAX_REQUESTS} requests; "
                                      f"send fewer prompts per request.", "prompt")
+        for i, p in enumerate(prompts):
+            try:
+                check_prompt(p, "the prompt" if len(prompts) == 1 else f"prompt[{i}]")
+            except BieError as e:
+                return openai_error(400, str(e), "prompt")
         ids = [await tokenize(p, False) for p in prompts]
         streams = await submit(ids, req, req.max_tokens, req.logprobs, chat=False)
         if isinstance(streams, JSONResponse):

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from ..config import REPETITION_PENALTY_RANGE
+
 MAX_CHOICES = 16                      # n per request: each choice is a request on the loop
 SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1 - MAX_CHOICES)   # choice i uses seed + i; torch takes 64-bit seeds
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -40,7 +42,7 @@ class SamplingRequest(_Strict):
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, ge=0.01, le=10)   # beyond, the logits overflow to inf (NaN)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
