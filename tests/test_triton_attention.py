@@ -79,12 +79,12 @@ class Cache:
         self.fp_free = torch.randperm(FP_BLOCKS - 1, generator=self.gen).tolist()
         self.q_free = torch.randperm(Q_BLOCKS, generator=self.gen).tolist()
 
-    def sequence(self, length: int, quantised: set[int]) -> list[int]:
+    def sequence(self, length: int, quantised: set[int], v_std: float = 1.0) -> list[int]:
         """A random sequence of `length` tokens; the blocks in `quantised` go to the quantised pool."""
         pools = self.pools
         k = torch.randn(LAYERS, HKV, length, D, generator=self.gen)
         k[..., 7] *= 20.0  # an outlier channel, as real keys have, so INT4 error is not negligible
-        v = torch.randn(LAYERS, HKV, length, D, generator=self.gen)
+        v = torch.randn(LAYERS, HKV, length, D, generator=self.gen) * v_std
         k, v = k.to(pools.k.device, pools.k.dtype), v.to(pools.v.device, pools.v.dtype)
         table = []
         for i in range(-(-length // B)):
@@ -150,6 +150,23 @@ def test_decode_fp16_activations(variant: str, kind: tuple[str, int]) -> None:
     out = paged_decode_attention(q, pools, 1, tables, lens, SCALE, num_partitions=2, config={"variant": variant})
     assert out.dtype == torch.float16
     assert_close(out, paged_decode_attention_ref(q, pools, 1, tables, lens, SCALE))
+
+
+@pytest.mark.parametrize("kind", [("int4_asym", 32), ("fp8", 64)], ids=["int4-g32", "fp8"])
+def test_v2_small_values_keep_fp16_precision(kind: tuple[str, int]) -> None:
+    """Values of std 1e-3 (scales ~1e-4) over a 181-token context whose probabilities span decades:
+    v2 multiplies P by the scales before its fp16 product, and unless it rescales, p · scale falls into
+    fp16's subnormals and rounds to 0. v2 must stay within twice v1's error (v1 rounds only P to fp16), or half an fp16 ulp of the output."""
+    pools = poisoned_pools(*kind, torch.float16)
+    table = Cache(pools, seed=11).sequence(181, set(range(1, 11)), v_std=1e-3)
+    tables = torch.tensor([table], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([181], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(12)).to(DEVICE, torch.float16)
+    ref = paged_decode_attention_ref(q, pools, 0, tables, lens, SCALE).float()
+    err = {variant: (paged_decode_attention(q, pools, 0, tables, lens, SCALE, num_partitions=1,
+                                            config={"variant": variant}).float() - ref).abs().max().item()
+           for variant in VARIANTS}
+    assert err["v2"] <= max(2 * err["v1"], 2.0**-11 * ref.abs().max().item()), err
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -425,7 +425,7 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
                   KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
     """v2 over a quantised pool: no dequantised K/V tile. Per group g of a quantised row,
         score = scale_g · (q_g · codes_g) + zero_g · Σ_{c∈g} q_c          (INT4; FP8: scale · (q · codes))
-        acc_g += (P ⊙ scale_g) · codes_g + (P · zero_g) ⊗ 1
+        acc_g += max(scale_g) · ((P ⊙ scale_g / max(scale_g)) · codes_g) + (P · zero_g) ⊗ 1
     with codes as exact fp16 integers straight into tl.dot; FP16 rows add v1's second product.
     The V loads come first in the iteration, ahead of the K math. Returns v1's (m, l, acc_a, acc_b)."""
     NG: tl.constexpr = HEAD_DIM // QUANT_GROUP if KV_MODE == 1 else 1
@@ -458,10 +458,16 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
         acc_a = acc_a * alpha[:, None]
         acc_b = acc_b * alpha[:, None]
         for g in tl.static_range(NG):
-            p_g = (p * _group_column(v_scale, g, NG)[None, :]).to(DTYPE)
+            # P ⊙ scale is cast to fp16 for the product: scaled by the tile's largest scale first, so
+            # it keeps P's own range; p · scale itself (scales ~1e-2) fell into fp16's subnormals and
+            # rounded to 0 for the many small p of a long context, a bias, not noise.
+            v_scale_g = _group_column(v_scale, g, NG)
+            top = tl.max(v_scale_g, 0)
+            top = tl.where(top > 0, top, 1.0)
+            p_g = (p * (v_scale_g / top)[None, :]).to(DTYPE)
             # the group's columns of a full product: masking the codes instead made a tile to stage
-            acc_a += _only_group(tl.dot(p_g, v_a, input_precision="ieee"), grp, g, NG)
-            acc_b += _only_group(tl.dot(p_g, v_b, input_precision="ieee"), grp, g, NG)
+            acc_a += _only_group(tl.dot(p_g, v_a, input_precision="ieee") * top, grp, g, NG)
+            acc_b += _only_group(tl.dot(p_g, v_b, input_precision="ieee") * top, grp, g, NG)
         if KV_MODE == 1:
             p_zero = _spread_groups(tl.sum(p[:, :, None] * v_zero[None, :, :], 1), ROWS, NG, HG)
             acc_a += p_zero
