@@ -602,7 +602,7 @@ def default_config(on_gpu: bool, group_pad: int, quantised_prefill: bool = False
     under Triton 3.9, 516 B on sm_86 under 3.6); with 2 it spills at most 84 B (sm_86, 3.9) and
     nothing on sm_90 under 3.6. v2's quantised prefill holds one product per group: it reads 1 block
     a step for about 32 rows with 8 warps, where INT4 spills nothing on sm_86 and sm_89 under Triton
-    3.6 and 3.9 nor on sm_90 under 3.6, and 48 B a thread on sm_90 under 3.9 (2 blocks and 64 rows
+    3.6 and 3.9 nor on sm_90 under 3.6, and 52 B a thread on sm_90 under 3.9 (2 blocks and 64 rows
     with 8 warps: 204 B on sm_86, 184 B on sm_90, 3.9). The interpreter gets small tiles."""
     if not on_gpu:
         return {"variant": variant, "tile_blocks": 2, "block_m": max(1, 16 // group_pad), "num_warps": 4}
