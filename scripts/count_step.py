@@ -17,6 +17,7 @@ eagerly with the Triton kernels forced (`BIE_TRT_KERNELS=triton`):
 
     python scripts/count_step.py --out benchmarks/results/count_step.json          # 8B shapes, 64k, batch 1
     python scripts/count_step.py --batch 8 --context 8192 --tiny                     # also run the tiny model
+    python scripts/count_step.py --verify-rows 6 --out benchmarks/results/count_verify_b1.json   # and a γ=5 verify
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
 from bie_trt.executor.cuda_graphs import _StaticStep  # noqa: E402
 from bie_trt.kernels.triton_w4 import gemv_grid_for, sm_limits  # noqa: E402
 from bie_trt.kv.pool import allocate_pools  # noqa: E402
-from bie_trt.model.llama import LlamaModel, SeqInput, fused_linear_shapes  # noqa: E402
+from bie_trt.model.llama import LlamaModel, SeqInput, StepMetadata, fused_linear_shapes  # noqa: E402
 from bie_trt.model.synthetic import llama3_8b, random_weights, tiny_llama  # noqa: E402
 from bie_trt.plan import kv_bytes_per_token, lm_head_bytes, linear_weight_bytes  # noqa: E402
 
@@ -75,6 +76,7 @@ class StepShape:
     kv: KVCacheConfig
     batch: int
     context: int
+    attention_seqs: int    # sequences one attention launch reads: the whole batch in a decode, one in a verify
 
 
 def _is_view(op: Any) -> bool:
@@ -121,7 +123,7 @@ def _triton_bytes(name: str, arg_names: list[str], args: tuple, shape: StepShape
             read += _nbytes(a)
     m, kv = shape.model, shape.kv
     if "attention" in name:
-        read += shape.batch * shape.context * kv_bytes_per_token(m, kv) // m.num_layers
+        read += shape.attention_seqs * shape.context * kv_bytes_per_token(m, kv) // m.num_layers
     if "write_kv" in name:
         written += shape.batch * 2 * m.num_kv_heads * m.head_dim * 2
     return read, written
@@ -147,8 +149,11 @@ def _triton_hook(sink: list[Launch], mode: _TorchOps, shape: StepShape, execute:
     return run
 
 
-def launches_of_step(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str) -> list[Launch]:
-    """Every launch of one decode step of `batch` sequences at `context` tokens each (shapes only on meta)."""
+def launches_of_step(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str,
+                     rows: int = 1) -> list[Launch]:
+    """Every launch of one step of `batch` sequences at `context` tokens each (shapes only on meta): the
+    graph-captured decode step (`rows` = 1), or a speculative verify of `rows` = γ+1 tokens a sequence,
+    which runs eagerly through the prefill path (its metadata built on the host before the count)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     dtype = torch.float16 if device == "meta" else torch.float32
@@ -157,20 +162,26 @@ def launches_of_step(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: i
     blocks_per_seq = -(-context // kv.block_size)
     num_blocks = batch * blocks_per_seq   # every block FP16: which pool a block sits in changes no launch
     pools = allocate_pools(cfg, kv, num_blocks, num_blocks, dtype, torch.device(device), scratch_block=True)
-    step = _StaticStep(model, pools, batch, blocks_per_seq, pools.scratch_block, capture=False)
-    seqs = [SeqInput(torch.tensor([1 + i]), context - 1,
-                     list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(batch)]
+    seqs = [SeqInput(torch.arange(rows) + 1 + i, context - rows, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                     all_logits=rows > 1) for i in range(batch)]
+    if rows == 1:
+        step = _StaticStep(model, pools, batch, blocks_per_seq, pools.scratch_block, capture=False)
+        prepare, run = (lambda: step.run(seqs)), step._step
+    else:
+        meta = StepMetadata.build(seqs, kv.block_size, torch.device(device))
+        h = model.embed_ids(torch.cat([s.token_ids for s in seqs]))
+        prepare = run = lambda: model.forward_hidden(h, meta, pools)
     sink: list[Launch] = []
     mode = _TorchOps(sink)
     real_run, kernels = InterpretedFunction.run, os.environ.get("BIE_TRT_KERNELS")
-    InterpretedFunction.run = _triton_hook(sink, mode, StepShape(cfg, kv, batch, context), execute=device != "meta")
+    InterpretedFunction.run = _triton_hook(sink, mode, StepShape(cfg, kv, batch, context, batch if rows == 1 else 1), execute=device != "meta")
     # The Triton kernels on CPU tensors, for this step only: an importer's other work keeps its kernels.
     os.environ["BIE_TRT_KERNELS"] = "triton"
     try:
-        step.run(seqs)   # fills the static buffers
+        prepare()   # fills the static buffers; compiles nothing on meta
         sink.clear()
         with mode:
-            step._step()
+            run()
     finally:
         InterpretedFunction.run = real_run
         if kernels is None:
@@ -194,10 +205,10 @@ def roofline_bytes(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int
             + batch * context * kv_bytes_per_token(cfg, kv))
 
 
-def split_layers(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str) -> dict:
+def split_layers(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str, rows: int = 1) -> dict:
     """Launches of one layer (2-layer step minus 1-layer step) and outside the layers."""
-    one = launches_of_step(dataclasses.replace(cfg, num_layers=1), kv, batch, context, device)
-    two = launches_of_step(dataclasses.replace(cfg, num_layers=2), kv, batch, context, device)
+    one = launches_of_step(dataclasses.replace(cfg, num_layers=1), kv, batch, context, device, rows)
+    two = launches_of_step(dataclasses.replace(cfg, num_layers=2), kv, batch, context, device, rows)
     layer = _tally(two) - _tally(one)
     outside = _tally(one) - layer
     layer_bytes = [b - a for a, b in zip(_bytes(one), _bytes(two))]
@@ -209,15 +220,17 @@ def _listing(counts: collections.Counter) -> list[dict]:
     return [{"kind": kind, "name": name, "count": n} for (kind, name), n in sorted(counts.items())]
 
 
-def count(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str = "meta") -> dict:
-    parts = split_layers(cfg, kv, batch, context, device)
+def count(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str = "meta", rows: int = 1) -> dict:
+    """The launch and byte accounting of one step (`launches_of_step`); bytes are judged against a decode's
+    roofline, which a verify step of the same batch shares (the weights and K/V are read once)."""
+    parts = split_layers(cfg, kv, batch, context, device, rows)
     L = cfg.num_layers
     read = L * parts["layer_bytes"][0] + parts["outside_bytes"][0]
     written = L * parts["layer_bytes"][1] + parts["outside_bytes"][1]
     roof = roofline_bytes(cfg, kv, batch, context)
     per_layer, outside = sum(parts["layer"].values()), sum(parts["outside"].values())
     return {
-        "device": device, "batch": batch, "context": context, "kv": dataclasses.asdict(kv),
+        "device": device, "batch": batch, "rows": rows, "context": context, "kv": dataclasses.asdict(kv),
         "model": dataclasses.asdict(cfg),
         "launches_per_layer": per_layer, "launches_outside": outside, "launches_total": L * per_layer + outside,
         "triton_per_layer": sum(n for (k, _), n in parts["layer"].items() if k == "triton"),
@@ -244,6 +257,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=65536)
     ap.add_argument("--kv", default="int4_asym", choices=["int4_asym", "fp16", "fp8"])
+    ap.add_argument("--verify-rows", type=int, default=0,
+                    help="also count a speculative verify step of this many rows a sequence (γ+1)")
     ap.add_argument("--tiny", action="store_true",
                     help="also run the tiny model of the same structure through the interpreted kernels")
     ap.add_argument("--out", type=Path)
@@ -251,6 +266,8 @@ def main() -> None:
     kv = KVCacheConfig(dtype=args.kv)
     result = {"llama3_8b": count(llama3_8b(), kv, args.batch, args.context, "meta"),
               "llama3_8b_w4_gemv_grids": gemv_grids(llama3_8b())}
+    if args.verify_rows > 1:
+        result["llama3_8b_verify"] = count(llama3_8b(), kv, args.batch, args.context, "meta", args.verify_rows)
     if args.tiny:
         tiny_kv = dataclasses.replace(kv, group_size=32, sink_tokens=4, window=16) if args.kv != "fp16" else kv
         result["tiny"] = count(tiny_llama(), tiny_kv, args.batch, 64, "cpu")

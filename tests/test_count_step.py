@@ -23,6 +23,16 @@ pytestmark = pytest.mark.skipif(not triton_ops.available(), reason="triton not i
 LAUNCHES_PER_LAYER = 6
 LAUNCHES_OUTSIDE = 3
 MAX_BYTES_OVER_ROOFLINE = 1.10
+# A speculative verify step (γ+1 = 6 rows a sequence) runs eagerly through the prefill path: per layer
+# the four W4 matmuls and the qkv epilogue, then per sequence its attention, the int32 cast of its
+# positions and the copy of its rows into the layer's output. Outside: the fp32 cast of the logits and
+# the norm + int8 head, one launch per 16 rows (then a concatenation).
+VERIFY_ROWS = 6
+VERIFY_LAUNCHES_OUTSIDE = {1: 2, 4: 4}   # batch 4: 24 rows, two head launches and the cat
+
+
+def verify_launches_per_layer(batch: int) -> int:
+    return 5 + 3 * batch
 KV = KVCacheConfig(dtype="int4_asym")
 
 
@@ -56,17 +66,28 @@ def test_bytes_against_the_roofline(llama_step):
     assert r["bytes_over_roofline"] <= MAX_BYTES_OVER_ROOFLINE
 
 
-def test_shape_only_accounting_equals_an_executed_step():
+@pytest.mark.parametrize("batch", [1, 4])
+def test_launch_counts_of_a_verify_step(batch):
+    r = count_step.count(llama3_8b(), KV, batch, 65536, rows=VERIFY_ROWS)
+    assert r["launches_per_layer"] == verify_launches_per_layer(batch)
+    assert sum(x["count"] for x in r["per_layer"] if x["name"] == "_paged_attention_kernel") == batch
+    assert r["launches_outside"] == VERIFY_LAUNCHES_OUTSIDE[batch]
+    # the rows of every sequence share one read of the weights; each sequence's K/V is read once
+    assert r["bytes_over_roofline"] <= MAX_BYTES_OVER_ROOFLINE
+
+
+@pytest.mark.parametrize("rows", [1, pytest.param(VERIFY_ROWS, marks=pytest.mark.slow)])
+def test_shape_only_accounting_equals_an_executed_step(rows):
     """The tiny model of the same structure with its kernels really run (interpreter) launches what
     the shape-only (meta) accounting of the same model counts."""
     tiny_kv = dataclasses.replace(KV, group_size=32, sink_tokens=4, window=16)
-    run = count_step.split_layers(tiny_llama(), tiny_kv, 2, 48, "cpu")
-    meta = count_step.split_layers(tiny_llama(), tiny_kv, 2, 48, "meta")
+    run = count_step.split_layers(tiny_llama(), tiny_kv, 2, 48, "cpu", rows)
+    meta = count_step.split_layers(tiny_llama(), tiny_kv, 2, 48, "meta", rows)
     # fp32 on the CPU has no dtype casts around the fp32 Hadamard product; everything else matches
     for part in ("layer", "outside"):
         assert {k: n for k, n in run[part].items() if k[1] != "_to_copy"} == \
                {k: n for k, n in meta[part].items() if k[1] != "_to_copy"}
-    assert run["layer"][("triton", "_paged_attention_kernel")] == 1
+    assert run["layer"][("triton", "_paged_attention_kernel")] == (1 if rows == 1 else 2)
 
 
 def test_the_report_lists_whole_wave_gemv_grids():

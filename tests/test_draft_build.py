@@ -99,3 +99,11 @@ def test_frequency_order_bpe_unigram_and_added_tokens(tmp_path):
     assert reduced_vocabulary(tmp_path, 7, 7) == list(range(7))
     unigram = {"model": {"type": "Unigram", "vocab": [["x", -3.0], ["y", -1.0], ["z", -2.0]]}}
     assert frequency_order(unigram) == [1, 2, 0]
+
+
+def test_a_token_two_merges_make_ranks_by_the_first():
+    """BPE may list several merges producing one token; the tokenizer applies the earliest, so that one
+    is the token's frequency rank."""
+    bpe = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4, "abc": 5, "cc": 6},
+                     "merges": ["b c", "a b", "ab c", "c c", "a bc"]}}
+    assert frequency_order(bpe) == [0, 1, 2, 4, 3, 5, 6]    # abc (merge 2) before cc (merge 3)

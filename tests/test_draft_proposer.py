@@ -50,11 +50,7 @@ def test_long_prompt_reads_sinks_and_last_window_at_their_positions(tiny, tiny_d
     assert proposer.tokens_forwarded - before == 16 + 64          # O(window), not O(prompt)
     kept = list(range(16)) + list(range(300 - 64, 300))
     assert proposer.cached_positions(seq) == kept
-    with torch.no_grad():
-        logits = hf_model(Checkpoint(tiny_draft))(torch.tensor([[ids[p] for p in kept]]),
-                                                  position_ids=torch.tensor([kept])).logits[0, -1]
-    vocab = torch.tensor(json.loads((tiny_draft_engine / "draft" / "vocab.json").read_text())["ids"])
-    want = torch.log_softmax(logits[vocab], -1)
+    want, vocab = draft_log_probs(tiny_draft, tiny_draft_engine, ids, kept)
     assert (q > 0).sum() == len(vocab)
     # log q to 1e-4 (fp32 ~1e-6 here); position ids of the slots instead of the originals: ~5e-2
     assert torch.allclose(q[vocab].log(), want, atol=1e-4), (q[vocab].log() - want).abs().max()
@@ -126,11 +122,39 @@ def test_draft_kv_is_the_same_for_6k_and_1k_prompts(build, tiny_draft, text_ids)
     assert per_seq_fp16 == planned // manifest["max_num_seqs"]
 
 
-def test_a_long_run_keeps_a_sliding_window_in_its_fixed_blocks(tiny, text_ids):
-    """Proposing step after step past the window: the blocks never change in number, and the cache
-    always holds the sinks and a contiguous run of at least `window` tokens ending at the newest."""
-    _, proposer = tiny
-    seq = seq_of(text_ids[:20])
+def draft_log_probs(tiny_draft, tiny_draft_engine, ids: list[int], positions: list[int]) -> torch.Tensor:
+    """transformers' log-distribution of the draft over its vocabulary after the tokens at `positions`,
+    fed with those original position ids."""
+    with torch.no_grad():
+        logits = hf_model(Checkpoint(tiny_draft))(torch.tensor([[ids[p] for p in positions]]),
+                                                  position_ids=torch.tensor([positions])).logits[0, -1]
+    vocab = torch.tensor(json.loads((tiny_draft_engine / "draft" / "vocab.json").read_text())["ids"])
+    return torch.log_softmax(logits[vocab], -1), vocab
+
+
+@pytest.fixture(scope="module")
+def one_layer(build, smollm2_checkpoint, tmp_path_factory):
+    """A one-layer random model as its own draft (head over 4,096 ids, window 64). With one layer a
+    cached token's K/V depend only on that token and its position, not on what it saw, so after the
+    window wraps the draft's distribution must be transformers' over exactly the tokens it holds."""
+    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from tiny_model import write_tiny_hf
+
+    root = tmp_path_factory.mktemp("one-layer")
+    hf = write_tiny_hf(root / "hf", smollm2_checkpoint, num_hidden_layers=1, max_position_embeddings=8192)
+    awq = quantize_checkpoint(hf, root / "awq", group_size=32)
+    engine = build(checkpoint=str(awq), draft_checkpoint=str(awq), draft_vocab_size=4096, draft_window_tokens=64,
+                   max_model_len=512)
+    runner = ModelRunner(EngineConfig(engine_dir=str(engine), device="cpu", max_num_seqs=2))
+    return awq, engine, DraftModelProposer(engine, runner, GAMMA)
+
+
+def test_a_long_run_keeps_a_sliding_window_in_its_fixed_blocks(one_layer, text_ids):
+    """Proposing step after step past the window: the blocks never change in number, the cache always
+    holds the sinks and a contiguous run of at least `window` tokens ending at the newest, and after the
+    window has wrapped the draft's distribution is transformers' over exactly those tokens."""
+    checkpoint, engine, proposer = one_layer
+    seq = seq_of(text_ids[:20], temperature=1.0)
     for step in range(40):
         guesses = proposer.propose([seq], [4])[0].token_ids
         seq.output_ids += guesses[:step % 3] + [text_ids[20 + step]]   # some accepted, then the target's own
@@ -139,6 +163,9 @@ def test_a_long_run_keeps_a_sliding_window_in_its_fixed_blocks(tiny, text_ids):
         assert pos[:16] == list(range(16)) and proposer.blocks_held(seq) == proposer.blocks_per_seq
         assert window == list(range(window[0], window[0] + len(window)))
         assert len(window) >= min(64, seq.num_tokens - 16) and len(pos) <= proposer.blocks_per_seq * 16
+    q = proposer.propose([seq], [1])[0].probs[0]
+    want, vocab = draft_log_probs(checkpoint, engine, seq.token_ids, proposer.cached_positions(seq))
+    assert torch.allclose(q[vocab].log(), want, atol=1e-4), (q[vocab].log() - want).abs().max()
     proposer.free(seq)
 
 

@@ -6,6 +6,7 @@ from bie_trt.config import KVCacheConfig
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.scheduler import Scheduler
 from bie_trt.executor.sequence import Status
+from bie_trt.plan import step_tokens
 from test_block_manager import new_seq
 
 B = 16
@@ -176,3 +177,35 @@ def test_a_decode_runs_before_a_prompt_chunk_admitted_earlier():
     assert step(s) == [(40, 16), (5, 4)]          # the short prompt gets what the budget leaves
     assert step(s) == [(5, 1), (40, 16)]          # its last prompt token goes first: one token, like a decode
     assert step(s) == [(5, 1), (40, 8)]           # and then its decodes
+
+
+def speculating(budget: int, gamma: int) -> tuple[Scheduler, list]:
+    """Three sequences decoding (their prompts cached, one token sampled) with room for γ proposals each,
+    and a 100-token prompt waiting."""
+    s = Scheduler(BlockManager(KVCacheConfig(block_size=B), 64, 0), 4, budget, 32, gamma)
+    decoding = [new_seq([i] * 5) for i in range(3)]
+    for seq in decoding:
+        s.add(seq)
+    step(s)
+    s.add(new_seq([9] * 100))
+    return s, decoding
+
+
+def test_proposals_are_charged_to_the_step_budget():
+    """A step budget that holds no proposals (speculation the plan did not expect): the prompt chunk gets
+    only what the decodes and their proposals leave."""
+    s, decoding = speculating(step_tokens(32, 4, 0), gamma=2)
+    batch = s.schedule()
+    assert batch.lookahead == {seq: 2 for seq in decoding}
+    scheduled = sum(n for _, n in batch.chunks) + sum(batch.lookahead.values())
+    assert scheduled == s.max_num_batched_tokens == 36   # 3 decodes + 6 proposals + a 27-token chunk
+
+
+def test_the_planned_step_holds_a_chunk_beside_every_decode_with_all_its_proposals():
+    """The memory plan's step (its activation workspace) is sized so that no proposal is ever cut for
+    want of budget while a full prompt chunk runs."""
+    s, decoding = speculating(step_tokens(32, 4, 3), gamma=3)
+    batch = s.schedule()
+    assert batch.lookahead == {seq: 3 for seq in decoding}
+    assert dict(batch.chunks)[s.running[-1]] == 32
+    assert sum(n for _, n in batch.chunks) + sum(batch.lookahead.values()) <= s.max_num_batched_tokens

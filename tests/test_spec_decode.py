@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,28 @@ def test_an_abort_mid_run_frees_every_block(spec):
     next(stream), next(stream)
     stream.close()
     assert idle(spec)
+
+
+def test_after_each_verify_a_table_holds_only_the_blocks_its_cached_tokens_fill(spec):
+    """Blocks taken for proposals that were rejected go back at once: between two steps every running
+    sequence holds exactly the blocks its cached tokens fill, as without speculation."""
+    def tables() -> list[tuple[int, int]]:
+        looked = threading.Event()
+        seen = []
+
+        def look() -> None:   # on the loop thread, between two steps
+            size = spec.blocks.block_size
+            seen.extend((len(s.block_table), -(-s.num_cached // size)) for s in spec.scheduler.running)
+            looked.set()
+
+        spec._on_loop(look)
+        looked.wait()
+        return seen
+
+    stream = spec.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    seen = [pair for _ in stream for pair in tables()]
+    assert len(seen) > 5 and all(held == filled for held, filled in seen), seen
+    assert spec.stats().spec_decode["num_draft_tokens"] > spec.stats().spec_decode["num_accepted_tokens"]
 
 
 def test_preemption_in_a_tiny_pool_keeps_the_tokens(smollm2_engine, expected):

@@ -127,3 +127,27 @@ def test_verify_is_reproducible_per_seed():
     runs = [verify(logits, Proposal([3, 4, 5]), params, torch.Generator().manual_seed(7), [1, 2], [])
             for _ in range(2)]
     assert runs[0] == runs[1] and 1 <= len(runs[0]) <= 4
+
+
+def test_the_drafts_generator_is_independent_of_the_targets():
+    """Each request samples its proposals from the draft's generator and verifies them with its own, both
+    derived from one seed. Drawn from equal streams, the uniforms that accept a proposal would be the
+    ones that drew it, and the emitted tokens past position 0 would stop following p."""
+    from bie_trt.sampling import make_generator
+    from bie_trt.spec.draft import draft_generator
+
+    p, q = random_pair(5)
+    n, k = 6_000, 2
+    tokens, accepted = [], []
+    for seed in range(n):
+        target = make_generator(SamplingParams(seed=seed), 0)
+        draft = draft_generator(target.initial_seed())
+        x = torch.stack([torch.multinomial(q[i], 1, generator=draft)[0] for i in range(k)])
+        t, a = rejection_sample(p[None, :k + 1], x[None], q[None, :k], target)
+        tokens.append(t[0])
+        accepted.append(a[0])
+    tokens, accepted = torch.stack(tokens), torch.stack(accepted)
+    for i in range(k + 1):
+        reached = accepted >= i
+        counts = torch.bincount(tokens[reached, i], minlength=V).double()
+        assert chi_square_p_value(counts, p[i]) > ALPHA, (i, chi_square_p_value(counts, p[i]))

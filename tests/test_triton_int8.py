@@ -61,14 +61,22 @@ def test_norm_in_front_equals_independent_math(m, dtype):
     torch.testing.assert_close(out.cpu().double(), expected(normed(x, w, 1e-2), h), atol=tol, rtol=tol)
 
 
-def test_dispatch_takes_the_kernel_up_to_16_rows_and_torch_beyond(monkeypatch):
+def test_dispatch_takes_one_launch_per_16_rows_up_to_64_and_torch_beyond(monkeypatch):
+    from bie_trt.kernels import triton_int8
+
     monkeypatch.setenv("BIE_TRT_KERNELS", "triton")
+    launches = []
+    kernel = triton_int8.int8_rows_linear_triton
+    monkeypatch.setattr(triton_int8, "int8_rows_linear_triton", lambda x, *a, **kw: launches.append(len(x))
+                        or kernel(x, *a, **kw))
     h = head(100, 64)
     w = (torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5).to(DEVICE)
-    for m in (1, 16, 17):
+    for m, slices in ((1, [1]), (16, [16]), (17, [16, 1]), (40, [16, 16, 8]), (65, [])):
+        launches.clear()
         x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).to(DEVICE)
         torch.testing.assert_close(ops.norm_int8_rows_linear(x, w, 1e-5, h).cpu().double(),
                                    expected(normed(x, w, 1e-5), h), atol=1e-4, rtol=1e-4)
+        assert launches == slices, m
     with pytest.raises(ValueError, match="at most 16 rows"):
         from bie_trt.kernels.triton_int8 import int8_rows_linear_triton
 

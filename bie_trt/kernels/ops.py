@@ -80,13 +80,21 @@ def linear_residual(x: torch.Tensor, w: W4Weight, residual: torch.Tensor) -> tor
     return ref.w4_linear_ref(x, w) + residual
 
 
+# The torch path dequantises the head into the activation dtype and multiplies that: about five bytes
+# moved per int8 weight. Each 16-row kernel launch reads the head once (one byte), so up to four
+# launches (64 rows: a speculative verify of several sequences) still move less.
+INT8_HEAD_LAUNCHES_BEFORE_DEQUANT = 4
+
+
 def norm_int8_rows_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, head: Int8Rows) -> torch.Tensor:
-    """Logits from the int8 lm_head of rms_norm(x): one Triton launch for up to 16 rows (decode), torch beyond."""
+    """Logits from the int8 lm_head of rms_norm(x): one Triton launch per 16 rows up to 64 rows (decode,
+    verify), the dequantising torch path beyond (an evaluation's whole chunk)."""
     if use_triton(x):
         from .triton_int8 import MAX_ROWS, int8_rows_linear_triton
 
-        if x.shape[0] <= MAX_ROWS:
-            return int8_rows_linear_triton(x, head, norm_weight=norm_weight, eps=eps)
+        if x.shape[0] <= MAX_ROWS * INT8_HEAD_LAUNCHES_BEFORE_DEQUANT:
+            out = [int8_rows_linear_triton(rows, head, norm_weight=norm_weight, eps=eps) for rows in x.split(MAX_ROWS)]
+            return out[0] if len(out) == 1 else torch.cat(out)
     return head.linear(rms_norm(x, norm_weight, eps)[0])
 
 

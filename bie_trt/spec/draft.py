@@ -36,9 +36,16 @@ from ..plan import draft_kv_blocks_per_seq
 from ..sampling import apply_penalties, probabilities
 from .proposer import Proposal
 
-# The draft draws from its own generator, derived from the request's seed, so the target's stream
-# of random numbers is the same whether or not it speculates with a draft.
 DRAFT_SEED_SALT = 0x5DEECE66D
+
+
+def draft_generator(target_seed: int) -> torch.Generator:
+    """The draft's own generator for a request whose target generator was seeded `target_seed`. Salted:
+    with the target's seed its numbers would repeat the ones verification draws to accept or reject
+    them, and the emitted tokens would no longer follow the target's distribution."""
+    g = torch.Generator()
+    g.manual_seed((target_seed ^ DRAFT_SEED_SALT) % 2**63)
+    return g
 
 
 @dataclass
@@ -136,9 +143,7 @@ class DraftModelProposer:
                 raise EngineError("the draft's cache is full: more sequences speculate than the engine's "
                                   "max_num_seqs; free finished sequences with `free(seq)`.")
             blocks, self.free_blocks = self.free_blocks[:self.blocks_per_seq], self.free_blocks[self.blocks_per_seq:]
-            g = torch.Generator()
-            g.manual_seed((seq.generator.initial_seed() ^ DRAFT_SEED_SALT) % 2**63)
-            self.seqs[seq] = _DraftSeq(blocks, g, [], [])
+            self.seqs[seq] = _DraftSeq(blocks, draft_generator(seq.generator.initial_seed()), [], [])
         return self.seqs[seq]
 
     def _sync(self, seq: Sequence) -> list[tuple[int, int]]:
