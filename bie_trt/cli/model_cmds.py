@@ -167,7 +167,7 @@ _SAMPLING = SamplingParams.__dataclass_fields__   # one set of defaults: the SDK
               "tokens whose probability reaches this.")
 @click.option("--top-k", default=_SAMPLING["top_k"].default, show_default=True, type=NON_NEGATIVE,
               help="Keep only the k most likely tokens; 0 disables.")
-@click.option("--seed", type=int, help="Same seed, same tokens.")
+@click.option("--seed", type=int, help="Same seed, same tokens. [default: fresh entropy on every run]")
 @device_option
 @click.option("--skip-verify", is_flag=True,
               help="Do not check each file's sha256 against the manifest before loading (it is remembered "
