@@ -179,8 +179,8 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
              as_json: bool, speculative) -> None:
     """Generate from an engine, streaming text to the terminal as it decodes.
 
-    Sampling defaults are the SDK's and the server's (OpenAI's): temperature 1, top-p 1, no top-k,
-    16 tokens; pass --temperature 0 for greedy decoding.
+    Sampling defaults are the SDK's and the server's /v1/completions' (OpenAI's): temperature 1, top-p 1,
+    no top-k, 16 tokens, a fresh seed each run; pass --temperature 0 for greedy decoding.
     """
     from .. import BieEngine, EngineConfig
 

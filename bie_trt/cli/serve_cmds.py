@@ -72,7 +72,9 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
 
     \b
     Routes: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
-    POST /v1/chat/completions (add "stream": true for server-sent events). Try:
+    POST /v1/chat/completions (add "stream": true for server-sent events). Without max_tokens, a
+    chat reply runs to the end of the context or the end-of-sequence token, a completion to 16 tokens
+    (OpenAI's legacy default). Try:
       bie-trt serve engines/smollm2 --port 8080
       curl http://127.0.0.1:8080/v1/completions -H 'content-type: application/json' \\
            -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'

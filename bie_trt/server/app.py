@@ -148,6 +148,7 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
     model_id = options.served_model_name or engine.model_name
+    started = int(time.time())   # /v1/models' "created": when this server made the model available
     metrics = Metrics(engine.stats)
     # requests admitted and not yet finished; beyond the running batch plus --max-waiting, new ones get 503
     capacity = math.inf if options.max_waiting is None else engine.scheduler.max_num_seqs + options.max_waiting
@@ -177,7 +178,7 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": started,
                                             "owned_by": "bie-trt", "max_model_len": engine.max_model_len}]}
 
     async def submit(prompts: list[list[int]], req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
