@@ -57,6 +57,14 @@ def test_chat_template_file_replaces_the_checkpoints(smollm2_engine, tokenizer, 
     assert json.loads(r.stdout)["error"].startswith(f"chat template {template}: jinja2 syntax error")
 
 
+def test_chat_template_without_chat_is_an_error(smollm2_engine, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    r = invoke("generate", "--engine", smollm2_engine, "--prompt", "hi", "--chat-template", template)
+    assert r.exit_code == 2
+    assert "--chat-template applies only with --chat" in r.output and "add --chat" in r.output
+
+
 def test_eval_without_a_kv_flag_compares_int4_against_fp16(smollm2_engine, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The cat sat on the mat and looked at the dog across the room. " * 20)

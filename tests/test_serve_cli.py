@@ -66,3 +66,18 @@ def test_the_manifest_is_read_once_before_the_engine_loads(smollm2_engine, monke
     monkeypatch.setattr("bie_trt.BieEngine", stop_at_load)
     CliRunner().invoke(main, ["serve", str(smollm2_engine), "--max-model-len", "64"])
     assert loaded == [(1, real_read(smollm2_engine)["max_num_seqs"])]
+
+
+def test_chat_template_and_skip_verify_reach_the_engine(smollm2_engine, monkeypatch, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    loaded = []
+
+    def stop_at_load(config):
+        loaded.append(config)
+        raise KeyboardInterrupt   # ends the command before any server starts
+
+    monkeypatch.setattr("bie_trt.BieEngine", stop_at_load)
+    CliRunner().invoke(main, ["serve", str(smollm2_engine), "--chat-template", str(template), "--skip-verify"])
+    CliRunner().invoke(main, ["serve", str(smollm2_engine)])
+    assert [(c.chat_template, c.skip_verify) for c in loaded] == [(str(template), True), (None, False)]

@@ -186,6 +186,9 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
 
     if not prompt.strip():
         raise RequestError("--prompt is empty or only whitespace; give the text to continue or answer.")
+    if chat_template is not None and not chat:
+        raise click.UsageError("--chat-template applies only with --chat (the prompt is otherwise tokenised as "
+                               "plain text); add --chat or drop --chat-template.")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
     engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, skip_verify=skip_verify,
                                     chat_template=chat_template, speculative=speculative))

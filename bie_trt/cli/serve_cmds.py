@@ -60,14 +60,19 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
               help="Seconds a request may run before it is aborted with 408 (default: no limit).")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="On SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False),
+              help="A jinja2 chat template file for /v1/chat/completions instead of the checkpoint's own.")
+@click.option("--skip-verify", is_flag=True,
+              help="Do not check each file's sha256 against the manifest before loading (it is remembered "
+                   "per file once checked, so only the first load after a change pays for it).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="Server log verbosity.")
 @speculative_config
 def serve(engine: str | None, engine_opt: str | None, host: str, port: int, device: str,
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int | None,
           gpu_memory_utilization: float | None, api_key: str | None, max_waiting: int | None,
-          request_timeout: float | None, shutdown_timeout: float, log_level: str,
-          speculative) -> None:
+          request_timeout: float | None, shutdown_timeout: float, chat_template: str | None, skip_verify: bool,
+          log_level: str, speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
     \b
@@ -93,7 +98,8 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
 
     seqs = max_num_seqs or int(manifest["max_num_seqs"])
     bie = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
-                                 max_num_seqs=seqs, speculative=speculative))
+                                 max_num_seqs=seqs, speculative=speculative, chat_template=chat_template,
+                                 skip_verify=skip_verify))
     app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
                                         max_waiting=max_waiting, request_timeout=request_timeout))
     name = served_model_name or bie.model_name
