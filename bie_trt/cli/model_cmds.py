@@ -10,6 +10,7 @@ import click
 from . import main
 from .options import NON_NEGATIVE, POSITIVE, device_option, kv_options, speculative_config
 from ..config import SamplingParams
+from ..plan import AWQ_GROUP_SIZES
 from ..errors import EngineError, RequestError
 
 
@@ -17,9 +18,11 @@ from ..errors import EngineError, RequestError
 @click.option("--model", "src", required=True,
               help="HF checkpoint directory (fp16/bf16/fp32 safetensors) or a .gguf file.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory for the AWQ checkpoint.")
-@click.option("--group-size", default=128, show_default=True, type=POSITIVE,
-              help="Channels per quantisation group; must divide hidden and intermediate sizes.")
-def quantize(src: str, out: str, group_size: int) -> None:
+@click.option("--group-size", type=POSITIVE,
+              help="Channels per quantisation group; must divide the hidden, intermediate and attention sizes. "
+                   f"[default: the largest of {', '.join(map(str, AWQ_GROUP_SIZES))} that does]")
+@click.option("--force", is_flag=True, help="Replace an existing, non-empty --out directory.")
+def quantize(src: str, out: str, group_size: int | None, force: bool) -> None:
     """Round-to-nearest asymmetric 4-bit quantisation into AutoAWQ "gemm" format.
 
     For users without AutoAWQ: the result is a checkpoint `bie-trt build` accepts.
@@ -27,7 +30,8 @@ def quantize(src: str, out: str, group_size: int) -> None:
     """
     from ..checkpoint.quantize import quantize_checkpoint
 
-    click.echo(f"wrote {quantize_checkpoint(src, out, group_size)}")
+    written = quantize_checkpoint(src, out, group_size, force=force)
+    click.echo(f"wrote {written}")
 
 
 @main.command()
