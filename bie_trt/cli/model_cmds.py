@@ -197,14 +197,16 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
     engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, skip_verify=skip_verify,
                                     chat_template=chat_template, speculative=speculative))
     prompt_ids = engine.encode(prompt, chat=chat)
-    if len(prompt_ids) + max_tokens > engine.max_model_len:
+    # a prompt that leaves no room at all gets the SDK's advice (shorten it, or rebuild) from stream() below
+    if len(prompt_ids) < engine.max_model_len and len(prompt_ids) + max_tokens > engine.max_model_len:
         raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens {max_tokens} exceeds this "
                            f"engine's context of {engine.max_model_len} tokens; lower --max-tokens to at most "
-                           f"{max(engine.max_model_len - len(prompt_ids), 0)}.")
+                           f"{engine.max_model_len - len(prompt_ids)}.")
     start, out = time.perf_counter(), None
+    events = engine.stream(prompt_ids, params)
     if echo and not as_json:
         click.echo(prompt, nl=False)
-    for event in engine.stream(prompt_ids, params):
+    for event in events:
         if not as_json:
             click.echo(event.delta, nl=False)
         out = event.output or out
