@@ -94,18 +94,22 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
 
     from .. import BieEngine, EngineConfig
     from ..server.app import ServerOptions, create_app
-    from ..server.serve import serve as run_server
+    from ..server.serve import bind, serve as run_server
 
-    seqs = max_num_seqs or int(manifest["max_num_seqs"])
-    bie = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
-                                 max_num_seqs=seqs, speculative=speculative, chat_template=chat_template,
-                                 skip_verify=skip_verify))
-    app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
-                                        max_waiting=max_waiting, request_timeout=request_timeout))
-    name = served_model_name or bie.model_name
-    click.echo(f"serving {name} (max_model_len {bie.max_model_len}, max_num_seqs {bie.runner.max_num_seqs}) on "
-               f"http://{host}:{port}", err=True)
-    run_server(app, host, port, log_level, shutdown_timeout)
+    listener = bind(host, port)   # before the engine loads: a port in use fails now, not minutes later
+    try:
+        seqs = max_num_seqs or int(manifest["max_num_seqs"])
+        bie = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
+                                     max_num_seqs=seqs, speculative=speculative, chat_template=chat_template,
+                                     skip_verify=skip_verify))
+        app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
+                                            max_waiting=max_waiting, request_timeout=request_timeout))
+        name = served_model_name or bie.model_name
+        click.echo(f"serving {name} (max_model_len {bie.max_model_len}, max_num_seqs {bie.runner.max_num_seqs}) "
+                   f"on http://{host}:{port}", err=True)
+        run_server(app, host, port, log_level, shutdown_timeout, sock=listener)
+    finally:
+        listener.close()
 
 
 main.add_command(serve)
