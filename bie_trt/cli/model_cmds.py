@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import click
 
@@ -11,7 +12,11 @@ from . import main
 from .options import NON_NEGATIVE, POSITIVE, device_option, kv_options, speculative_config
 from ..config import SamplingParams
 from ..plan import AWQ_GROUP_SIZES
+from ..profiles import profiles_epilog
 from ..errors import EngineError, RequestError
+
+if TYPE_CHECKING:
+    from ..executor.engine import RequestOutput
 
 
 @main.command()
@@ -34,12 +39,12 @@ def quantize(src: str, out: str, group_size: int | None, force: bool) -> None:
     click.echo(f"wrote {written}")
 
 
-@main.command()
+@main.command(epilog=profiles_epilog())
 @click.option("--checkpoint", required=True, metavar="DIR|NAME",
               help="AWQ checkpoint directory, or a built-in name: smollm2-135m (converted once, cached).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--profile", default="auto", show_default=True,
-              help="Build profile (GPU) name; `auto` picks by this machine's GPU. See `bie-trt plan --help`.")
+              help="Build profile (GPU) name; `auto` picks by this machine's GPU. The profiles are listed below.")
 @click.option("--max-model-len", type=POSITIVE, help="Context length to plan for, in tokens. [default: the profile's]")
 @kv_options("the profile's", build_defaults=True)
 @click.option("--max-num-seqs", type=POSITIVE,
@@ -222,5 +227,17 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
         }))
     else:
         click.echo()
-        click.echo(f"[{out.usage.completion_tokens} tokens, {out.decode_tokens_per_s:.1f} tok/s, "
-                   f"finish: {out.finish_reason}]", err=True)
+        click.echo(stats_line(out), err=True)
+
+
+def stats_line(out: RequestOutput) -> str:
+    """What `generate` prints after the text: tokens, decode rate, speculation's acceptance, why it ended."""
+    n = out.usage.completion_tokens
+    parts = [f"{n} token{'' if n == 1 else 's'}"]
+    if n > 1:   # a rate needs two tokens: the first one's time is the prompt's
+        parts.append(f"{out.decode_tokens_per_s:.1f} tok/s")
+    spec = out.spec_decode or {}
+    if spec.get("num_draft_tokens"):
+        parts.append(f"{spec['num_accepted_tokens']} of {spec['num_draft_tokens']} speculated tokens accepted")
+    parts.append(f"finish: {out.finish_reason}")
+    return f"[{', '.join(parts)}]"
