@@ -28,6 +28,7 @@ from ..errors import BieError
 from ..executor.engine import BieEngine, RequestOutput, RequestStream, StreamEvent, check_prompt
 from .auth import ApiKeyMiddleware
 from .errors import error_body, install_error_handlers, openai_error
+from .file_check import BackgroundFileCheck, DamagedEngineMiddleware
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatRequest, CompletionRequest, SamplingRequest
 
@@ -135,8 +136,12 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
     options = options or ServerOptions()
     live: set[RequestStream] = set()   # the engine requests of every HTTP request in flight
 
+    file_check = None if engine.config.skip_verify else BackgroundFileCheck(engine.config.engine_dir)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if file_check is not None:
+            file_check.start()
         yield
         # Shutting down: the grace period is over and uvicorn has cancelled the responses still running,
         # but a response parked between two chunks never notices; end what is left on the engine's loop.
@@ -147,6 +152,8 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
     install_error_handlers(app)
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    if file_check is not None:
+        app.add_middleware(DamagedEngineMiddleware, check=file_check)
     model_id = options.served_model_name or engine.model_name
     started = int(time.time())   # /v1/models' "created": when this server made the model available
     metrics = Metrics(engine.stats)
