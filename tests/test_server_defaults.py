@@ -59,3 +59,45 @@ def test_models_lists_when_the_server_started(small):
     before = int(time.time())
     created = httpx.get(small[1] + "/v1/models").json()["data"][0]["created"]
     assert before - 3600 < created <= before
+
+
+def test_a_body_above_the_limit_is_refused_with_413_before_it_is_read(small):
+    limit = 2**20 + 64 * CONTEXT                      # the default for this context
+    body = b'{"prompt": "' + b"word " * (limit // 5) + b'", "max_tokens": 1}'
+    r = httpx.post(small[1] + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413, r.text
+    assert f"above this server's --max-request-bytes {limit:,}" in r.json()["error"]["message"]
+
+    def chunked():                                   # no Content-Length: counted as it arrives
+        for i in range(0, len(body), 65536):
+            yield body[i:i + 65536]
+
+    r = httpx.post(small[1] + "/v1/completions", content=chunked(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413, r.text
+    just_under = b'{"prompt": "Hi", "max_tokens": 1, "user": "' + b"x" * (limit - 100) + b'"}'
+    assert len(just_under) <= limit
+    assert httpx.post(small[1] + "/v1/completions", content=just_under,
+                      headers={"content-type": "application/json"}, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_prompt_too_long_for_any_tokenisation_is_refused_before_tokenising(small, monkeypatch, route):
+    engine, base, _ = small
+    seen = []
+    real = engine.encode
+
+    def spy(prompt, chat=False):
+        seen.append(len(str(prompt)))
+        return real(prompt, chat)
+
+    monkeypatch.setattr(engine, "encode", spy)
+    text = "abc " * 50_000                            # 200,000 characters: far more than 64 tokens however cut
+    body = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
+    r = httpx.post(f"{base}/v1/{'completions' if route == 'completions' else 'chat/completions'}", json=body,
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "(200,000 characters) holds at least" in error["message"]
+    assert seen == []

@@ -58,6 +58,9 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
                    "(default: unbounded).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
               help="Seconds a request may run before it is aborted with 408 (default: no limit).")
+@click.option("--max-request-bytes", type=click.IntRange(min=1),
+              help="Request bodies above this many bytes get 413 before they are read "
+                   "(default: 1 MiB plus 64 bytes a token of --max-model-len).")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="On SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted.")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False),
@@ -71,7 +74,8 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
 def serve(engine: str | None, engine_opt: str | None, host: str, port: int, device: str,
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int | None,
           gpu_memory_utilization: float | None, api_key: str | None, max_waiting: int | None,
-          request_timeout: float | None, shutdown_timeout: float, chat_template: str | None, skip_verify: bool,
+          request_timeout: float | None, max_request_bytes: int | None, shutdown_timeout: float,
+          chat_template: str | None, skip_verify: bool,
           log_level: str, speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
@@ -103,7 +107,8 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
                                      max_num_seqs=seqs, speculative=speculative, chat_template=chat_template,
                                      skip_verify=skip_verify))
         app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
-                                            max_waiting=max_waiting, request_timeout=request_timeout))
+                                            max_waiting=max_waiting, request_timeout=request_timeout,
+                                            max_request_bytes=max_request_bytes))
         name = served_model_name or bie.model_name
         click.echo(f"serving {name} (max_model_len {bie.max_model_len}, max_num_seqs {bie.runner.max_num_seqs}) "
                    f"on http://{host}:{port}", err=True)
