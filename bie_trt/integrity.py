@@ -71,3 +71,18 @@ def check_engine_files(engine_dir: str | Path, manifest: dict[str, Any]) -> None
     if problems:
         raise EngineError(f"{engine_dir} is damaged ({'; '.join(problems)}); rebuild it with `bie-trt build`, "
                           f"or pass --skip-verify to serve it anyway.")
+
+
+def recheck_engine_files(engine_dir: str | Path, manifest: dict[str, Any]) -> list[str]:
+    """Hash every listed file again, trusting no remembered digest: bit rot changes bytes but keeps a
+    file's size and mtime, which the remembered stamps cannot see. On a problem the engine's files are
+    forgotten, so that the next load hashes them and refuses."""
+    engine_dir = Path(engine_dir).resolve()
+    problems = ef.file_problems(engine_dir, manifest["files"])
+    if problems:
+        ledger_path = _ledger_path()
+        ledger = _load_ledger(ledger_path)
+        for name in manifest["files"]:
+            ledger.pop(str(engine_dir / name), None)
+        _save_ledger(ledger_path, ledger)
+    return problems

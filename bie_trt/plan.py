@@ -139,9 +139,12 @@ def linear_weight_bytes(model: ModelConfig, group_size: int) -> int:
     return model.num_layers * per_layer
 
 
+AWQ_GROUP_SIZES = (128, 64, 32)   # the group sizes the W4 kernels take, the largest first
+
+
 def default_weight_group_size(model: ModelConfig) -> int:
     """The largest AWQ group size that divides every linear's in_features (128 for 8B models)."""
-    for g in (128, 64, 32):
+    for g in AWQ_GROUP_SIZES:
         if all(i % g == 0 for _, i, _ in linear_shapes(model)):
             return g
     raise PlanError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,25 @@ def load_profile(name: str) -> BuildProfile:
             f"unknown build profile {name!r}; known profiles: {', '.join(list_profiles())} "
             f"(or 'auto' to pick one for this machine's GPU)."
         )
-    return _parse_profile(path)
+    profile = _parse_profile(path)
+    host = host_memory_bytes() if profile.is_cpu else None
+    if host:   # the CPU's "VRAM" is this machine's memory, not the file's nominal desktop
+        profile = dataclasses.replace(profile, vram_bytes=host)
+    return profile
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the OS does not say (the cpu profile keeps its file's)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def profiles_epilog() -> str:
+    """The shipped profiles, one line each, for the `--help` pages of the commands that take --profile."""
+    lines = [f"  {p.name:<20}{p.description}" for p in map(load_profile, list_profiles())]
+    return "\b\nBuild profiles (--profile; auto picks this machine's GPU, cpu without one):\n" + "\n".join(lines)
 
 
 @functools.lru_cache(maxsize=None)

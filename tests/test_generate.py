@@ -110,6 +110,20 @@ def test_seed_zero_is_reproducible_and_not_the_unseeded_draw(engine):
     assert a == b and a != unseeded
 
 
+def test_unseeded_requests_draw_fresh_entropy_in_each_new_engine_and_seeded_ones_repeat(smollm2_engine):
+    # A new user runs `generate` twice, or starts the SDK twice: each is a fresh engine, whose first
+    # unseeded request must not repeat the last run's text (OpenAI and vLLM draw fresh entropy too).
+    p = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        fresh = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=64))
+        runs.append([fresh.generate("Once upon a time", SamplingParams(**p)).token_ids,
+                     fresh.generate("Once upon a time", SamplingParams(seed=11, **p)).token_ids])
+    (unseeded_a, seeded_a), (unseeded_b, seeded_b) = runs
+    assert unseeded_a != unseeded_b
+    assert seeded_a == seeded_b
+
+
 def test_request_errors_name_the_problem_and_the_fix_and_leave_nothing_behind(engine):
     vocab = engine.runner.model_config.vocab_size
     free = engine.blocks.num_free_fp

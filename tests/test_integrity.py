@@ -6,6 +6,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,61 @@ def test_set_umask_permissions_follows_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert _modes(root) == {".": 0o750, "sub": 0o750, "sub/f": 0o640, "f": 0o640}
+
+
+def rot(path: Path) -> None:
+    """Bit rot: one byte changes, the size and the mtime (to the nanosecond) stay."""
+    st = path.stat()
+    flip_byte(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_sub_second_change_of_mtime_is_a_change(engine_copy):
+    manifest = ef.read_manifest(engine_copy)
+    readme = engine_copy / "README.md"
+    second = readme.stat().st_mtime_ns // 10**9 * 10**9
+    os.utime(readme, ns=(second, second + 100))
+    check_engine_files(engine_copy, manifest)       # remembered with this mtime
+    flip_byte(readme)
+    os.utime(readme, ns=(second, second + 200))     # the same whole second
+    with pytest.raises(EngineError, match="README.md: sha256 mismatch"):
+        check_engine_files(engine_copy, manifest)
+
+
+def test_bit_rot_after_a_verified_load_stops_the_server(engine_copy, caplog):
+    import httpx
+
+    from bie_trt import BieEngine
+    from test_server import serving
+
+    check_engine_files(engine_copy, ef.read_manifest(engine_copy))   # a first good load is remembered
+    rot(engine_copy / "weights.safetensors")                        # inside tensor data: it still loads
+    engine = BieEngine(EngineConfig(engine_dir=str(engine_copy), device="cpu", max_model_len=64))
+    with serving(engine) as base:
+        deadline = time.time() + 120
+        while (health := httpx.get(base + "/health")).status_code == 200:
+            assert time.time() < deadline, "the background check did not notice the changed weights"
+            time.sleep(0.2)
+        assert health.status_code == 503
+        assert "weights.safetensors: sha256 mismatch" in health.json()["error"]["message"]
+        r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 503 and "stopped serving" in r.json()["error"]["message"]
+    assert any("failed its background sha256 check" in rec.getMessage() for rec in caplog.records)
+    with pytest.raises(EngineError, match="weights.safetensors: sha256 mismatch"):   # nothing is trusted now
+        ModelRunner(EngineConfig(engine_dir=str(engine_copy), device="cpu"))
+
+
+def test_a_server_over_intact_files_stays_healthy_after_its_check(engine_copy, caplog):
+    import httpx
+
+    from bie_trt import BieEngine
+    from test_server import serving
+
+    caplog.set_level("INFO", logger="bie_trt.server")
+    engine = BieEngine(EngineConfig(engine_dir=str(engine_copy), device="cpu", max_model_len=64))
+    with serving(engine) as base:
+        deadline = time.time() + 120
+        while not any("every file matches its sha256 again" in rec.getMessage() for rec in caplog.records):
+            assert time.time() < deadline, "the background check did not finish"
+            time.sleep(0.2)
+        assert httpx.get(base + "/health").status_code == 200

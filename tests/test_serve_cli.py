@@ -2,11 +2,19 @@
 line naming the option, and every option has help."""
 from __future__ import annotations
 
+import socket
+
 import pytest
 from click.testing import CliRunner
 
 from bie_trt.cli import main
 from bie_trt.engine_format import read_manifest
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -64,5 +72,35 @@ def test_the_manifest_is_read_once_before_the_engine_loads(smollm2_engine, monke
 
     monkeypatch.setattr(ef, "read_manifest", counted)
     monkeypatch.setattr("bie_trt.BieEngine", stop_at_load)
-    CliRunner().invoke(main, ["serve", str(smollm2_engine), "--max-model-len", "64"])
+    CliRunner().invoke(main, ["serve", str(smollm2_engine), "--max-model-len", "64", "--port", free_port()])
     assert loaded == [(1, real_read(smollm2_engine)["max_num_seqs"])]
+
+
+def test_chat_template_and_skip_verify_reach_the_engine(smollm2_engine, monkeypatch, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    loaded = []
+
+    def stop_at_load(config):
+        loaded.append(config)
+        raise KeyboardInterrupt   # ends the command before any server starts
+
+    monkeypatch.setattr("bie_trt.BieEngine", stop_at_load)
+    CliRunner().invoke(main, ["serve", str(smollm2_engine), "--chat-template", str(template), "--skip-verify",
+                              "--port", free_port()])
+    CliRunner().invoke(main, ["serve", str(smollm2_engine), "--port", free_port()])
+    assert [(c.chat_template, c.skip_verify) for c in loaded] == [(str(template), True), (None, False)]
+
+
+def test_a_port_in_use_is_refused_before_the_engine_loads(smollm2_engine, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the engine was loaded before the port was taken")
+
+    monkeypatch.setattr("bie_trt.BieEngine", no_load)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = str(other.getsockname()[1])
+        r = CliRunner().invoke(main, ["serve", str(smollm2_engine), "--port", port])
+    assert r.exit_code == 2, r.output
+    assert f"port {port} on 127.0.0.1 is already in use; stop what listens there or pick another --port." in r.output

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -16,8 +17,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..plan import AWQ_GROUP_SIZES
 from ..errors import CheckpointError
 from .awq import quantize_rtn
+from .gguf_header import gguf_linear_sizes
 from .loader import TOKENIZER_FILES
 
 _QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -49,33 +52,77 @@ def _load_gguf(path: Path, out: Path) -> tuple[dict, list[tuple[str, torch.Tenso
     return hf, sorted(model.state_dict().items())
 
 
-def quantize_checkpoint(src: str | Path, out: str | Path, group_size: int = 128) -> Path:
-    """Quantise `src` into the AutoAWQ gemm checkpoint directory `out`; returns `out`."""
-    src, out = Path(src), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+def choose_group_size(sizes: dict[str, int], group_size: int | None) -> int:
+    """`group_size` if it divides every size, or by default the largest of AWQ_GROUP_SIZES that does."""
+    fits = [g for g in AWQ_GROUP_SIZES if all(k % g == 0 for k in sizes.values())]
+    if group_size is None:
+        if not fits:
+            raise CheckpointError(f"no group size of {', '.join(map(str, AWQ_GROUP_SIZES))} divides this model's "
+                                  f"sizes {sizes}; it cannot be 4-bit AWQ-packed.")
+        return fits[0]
+    for name, k in sizes.items():
+        if k % group_size:
+            advice = f"use --group-size {' or '.join(map(str, fits))}" if fits else "no group size the kernels take fits"
+            raise CheckpointError(f"group size {group_size} does not divide {name} = {k}; {advice}.")
+    return group_size
+
+
+def _linear_sizes(model: ModelConfig) -> dict[str, int]:
+    return {"hidden_size": model.hidden_size, "intermediate_size": model.intermediate_size,
+            "attention output (heads*head_dim)": model.q_size}
+
+
+def _check_source(src: Path) -> dict[str, int]:
+    """Refuse a bad source before any weight is read; returns the sizes a group must divide."""
     if src.suffix == ".gguf":
         if not src.is_file():
             raise CheckpointError(f"{src}: no such GGUF file.")
+        return gguf_linear_sizes(src)
+    cfg = src / "config.json"
+    if not cfg.exists():
+        raise CheckpointError(f"{cfg}: missing; `--model` needs an HF checkpoint directory or a .gguf file.")
+    hf = json.loads(cfg.read_text())
+    if "quantization_config" in hf:
+        raise CheckpointError(f"{src} is already quantised ({hf['quantization_config'].get('quant_method')}); quantise an fp16/bf16/fp32 checkpoint.")
+    if not any((src / f).exists() for f in TOKENIZER_FILES):
+        raise CheckpointError(f"{src}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}).")
+    return _linear_sizes(ModelConfig.from_hf(hf, str(src)))
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, group_size: int | None = None, force: bool = False) -> Path:
+    """Quantise `src` into the AutoAWQ gemm checkpoint directory `out`; returns `out`. Everything is
+    checked before the weights are read; the result is written beside `out` and renamed into place at the
+    end, so a failure leaves no partial checkpoint. A non-empty `out` is replaced only with `force`."""
+    src, out = Path(src), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise CheckpointError(f"{out} exists and is not empty; pass --force to replace it, or choose another --out.")
+    group_size = choose_group_size(_check_source(src), group_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        _quantize_into(src, work, group_size)
+        if out.is_dir():
+            shutil.rmtree(out)
+        elif out.exists():
+            out.unlink()
+        work.rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _quantize_into(src: Path, out: Path, group_size: int) -> None:
+    if src.suffix == ".gguf":
         hf, tensors = _load_gguf(src, out)
         total = len(tensors)
     else:
-        cfg = src / "config.json"
-        if not cfg.exists():
-            raise CheckpointError(f"{cfg}: missing; `--model` needs an HF checkpoint directory or a .gguf file.")
-        hf = json.loads(cfg.read_text())
-        if "quantization_config" in hf:
-            raise CheckpointError(f"{src} is already quantised ({hf['quantization_config'].get('quant_method')}); quantise an fp16/bf16/fp32 checkpoint.")
-        if not any((src / f).exists() for f in TOKENIZER_FILES):
-            raise CheckpointError(f"{src}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}).")
+        hf = json.loads((src / "config.json").read_text())
         for f in TOKENIZER_FILES + _TOKENIZER_EXTRA:
             if (src / f).exists():
                 shutil.copyfile(src / f, out / f)
         tensors, total = _hf_tensors(src), None
     model = ModelConfig.from_hf(hf, str(src))
-    for name, k in (("hidden_size", model.hidden_size), ("intermediate_size", model.intermediate_size),
-                    ("attention output (heads*head_dim)", model.q_size)):
-        if k % group_size:
-            raise CheckpointError(f"group size {group_size} does not divide {name} = {k}; pick one that does (e.g. 64 or 32).")
+    choose_group_size(_linear_sizes(model), group_size)   # the loaded config must agree with the header
 
     result: dict[str, torch.Tensor] = {}
     for name, t in tqdm(tensors, total=total, desc="quantize", unit="tensor", leave=False):
@@ -93,4 +140,3 @@ def quantize_checkpoint(src: str | Path, out: str | Path, group_size: int = 128)
     hf.setdefault("architectures", [model.architecture])
     hf["torch_dtype"] = "float16"
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
-    return out

@@ -3,20 +3,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import click
 
 from . import main
 from .options import NON_NEGATIVE, POSITIVE, kv_options
 from ..errors import BieError
+from ..eval_texts import BUILTIN_PREFIX, BUILTIN_TEXTS, load_eval_text
 
 
 @main.command("eval")
 @click.option("--engine", "engine_dir", required=True, type=click.Path(exists=True, file_okay=False),
               help="Engine directory made by `bie-trt build`; its model and tokenizer score the text.")
-@click.option("--text", "text_file", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="UTF-8 text file to score (e.g. ../shared/data/lee_background.txt, see the README).")
+@click.option("--text", "text_file", default=BUILTIN_PREFIX + "python-docs", show_default=True,
+              metavar="FILE|builtin:NAME",
+              help="UTF-8 text file to score, or a text an installed package ships: "
+                   + "; ".join(f"{BUILTIN_PREFIX}{name}: {what}" for name, what in BUILTIN_TEXTS.items()) + ".")
 @click.option("--context", default=2048, show_default=True, type=POSITIVE, help="Tokens per window.")
 @click.option("--stride", type=POSITIVE, help="Window step, at most --context. [default: --context, non-overlapping]")
 @kv_options("the engine's", build_defaults=False)
@@ -38,8 +40,9 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
     with an FP16 cache is scored as INT4 (int4_asym), so the comparison always says something.
 
     \b
-    Example (the quality table in docs/kv-cache-quality.md):
-      bie-trt eval --engine engines/smollm2 --text ../shared/data/lee_background.txt \\
+    Examples (the second scores the text of the quality table in docs/kv-cache-quality.md):
+      bie-trt eval --engine engines/smollm2 --max-windows 1
+      bie-trt eval --engine engines/smollm2 --text builtin:lee-background \\
                    --context 2048 --ablations --json
     """
     from ..config import EngineConfig, KVCacheConfig, ModelConfig
@@ -47,11 +50,7 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
     from ..evaluate import ablation_variants, evaluate
     from transformers import AutoTokenizer
 
-    try:
-        text = Path(text_file).read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BieError(f"{text_file}: not UTF-8 text (byte {e.start}); convert it, e.g. "
-                       f"`iconv -t UTF-8 {text_file} > text.txt`.") from None
+    text = load_eval_text(text_file)
     manifest = read_manifest(engine_dir)
     base = KVCacheConfig(**manifest["kv"])
     if base.dtype == "fp16" and kv_cache_dtype is None:

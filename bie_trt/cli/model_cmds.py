@@ -4,22 +4,30 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import click
 
 from . import main
 from .options import NON_NEGATIVE, POSITIVE, device_option, kv_options, speculative_config
 from ..config import SamplingParams
+from ..plan import AWQ_GROUP_SIZES
+from ..profiles import profiles_epilog
 from ..errors import EngineError, RequestError
+
+if TYPE_CHECKING:
+    from ..executor.engine import RequestOutput
 
 
 @main.command()
 @click.option("--model", "src", required=True,
               help="HF checkpoint directory (fp16/bf16/fp32 safetensors) or a .gguf file.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory for the AWQ checkpoint.")
-@click.option("--group-size", default=128, show_default=True, type=POSITIVE,
-              help="Channels per quantisation group; must divide hidden and intermediate sizes.")
-def quantize(src: str, out: str, group_size: int) -> None:
+@click.option("--group-size", type=POSITIVE,
+              help="Channels per quantisation group; must divide the hidden, intermediate and attention sizes. "
+                   f"[default: the largest of {', '.join(map(str, AWQ_GROUP_SIZES))} that does]")
+@click.option("--force", is_flag=True, help="Replace an existing, non-empty --out directory.")
+def quantize(src: str, out: str, group_size: int | None, force: bool) -> None:
     """Round-to-nearest asymmetric 4-bit quantisation into AutoAWQ "gemm" format.
 
     For users without AutoAWQ: the result is a checkpoint `bie-trt build` accepts.
@@ -27,15 +35,16 @@ def quantize(src: str, out: str, group_size: int) -> None:
     """
     from ..checkpoint.quantize import quantize_checkpoint
 
-    click.echo(f"wrote {quantize_checkpoint(src, out, group_size)}")
+    written = quantize_checkpoint(src, out, group_size, force=force)
+    click.echo(f"wrote {written}")
 
 
-@main.command()
+@main.command(epilog=profiles_epilog())
 @click.option("--checkpoint", required=True, metavar="DIR|NAME",
               help="AWQ checkpoint directory, or a built-in name: smollm2-135m (converted once, cached).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--profile", default="auto", show_default=True,
-              help="Build profile (GPU) name; `auto` picks by this machine's GPU. See `bie-trt plan --help`.")
+              help="Build profile (GPU) name; `auto` picks by this machine's GPU. The profiles are listed below.")
 @click.option("--max-model-len", type=POSITIVE, help="Context length to plan for, in tokens. [default: the profile's]")
 @kv_options("the profile's", build_defaults=True)
 @click.option("--max-num-seqs", type=POSITIVE,
@@ -167,7 +176,7 @@ _SAMPLING = SamplingParams.__dataclass_fields__   # one set of defaults: the SDK
               "tokens whose probability reaches this.")
 @click.option("--top-k", default=_SAMPLING["top_k"].default, show_default=True, type=NON_NEGATIVE,
               help="Keep only the k most likely tokens; 0 disables.")
-@click.option("--seed", type=int, help="Same seed, same tokens.")
+@click.option("--seed", type=int, help="Same seed, same tokens. [default: fresh entropy on every run]")
 @device_option
 @click.option("--skip-verify", is_flag=True,
               help="Do not check each file's sha256 against the manifest before loading (it is remembered "
@@ -179,25 +188,30 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
              as_json: bool, speculative) -> None:
     """Generate from an engine, streaming text to the terminal as it decodes.
 
-    Sampling defaults are the SDK's and the server's (OpenAI's): temperature 1, top-p 1, no top-k,
-    16 tokens; pass --temperature 0 for greedy decoding.
+    Sampling defaults are the SDK's and the server's /v1/completions' (OpenAI's): temperature 1, top-p 1,
+    no top-k, 16 tokens, a fresh seed each run; pass --temperature 0 for greedy decoding.
     """
     from .. import BieEngine, EngineConfig
 
     if not prompt.strip():
         raise RequestError("--prompt is empty or only whitespace; give the text to continue or answer.")
+    if chat_template is not None and not chat:
+        raise click.UsageError("--chat-template applies only with --chat (the prompt is otherwise tokenised as "
+                               "plain text); add --chat or drop --chat-template.")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
     engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, skip_verify=skip_verify,
                                     chat_template=chat_template, speculative=speculative))
     prompt_ids = engine.encode(prompt, chat=chat)
-    if len(prompt_ids) + max_tokens > engine.max_model_len:
+    # a prompt that leaves no room at all gets the SDK's advice (shorten it, or rebuild) from stream() below
+    if len(prompt_ids) < engine.max_model_len and len(prompt_ids) + max_tokens > engine.max_model_len:
         raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens {max_tokens} exceeds this "
                            f"engine's context of {engine.max_model_len} tokens; lower --max-tokens to at most "
-                           f"{max(engine.max_model_len - len(prompt_ids), 0)}.")
+                           f"{engine.max_model_len - len(prompt_ids)}.")
     start, out = time.perf_counter(), None
+    events = engine.stream(prompt_ids, params)
     if echo and not as_json:
         click.echo(prompt, nl=False)
-    for event in engine.stream(prompt_ids, params):
+    for event in events:
         if not as_json:
             click.echo(event.delta, nl=False)
         out = event.output or out
@@ -213,5 +227,17 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
         }))
     else:
         click.echo()
-        click.echo(f"[{out.usage.completion_tokens} tokens, {out.decode_tokens_per_s:.1f} tok/s, "
-                   f"finish: {out.finish_reason}]", err=True)
+        click.echo(stats_line(out), err=True)
+
+
+def stats_line(out: RequestOutput) -> str:
+    """What `generate` prints after the text: tokens, decode rate, speculation's acceptance, why it ended."""
+    n = out.usage.completion_tokens
+    parts = [f"{n} token{'' if n == 1 else 's'}"]
+    if n > 1:   # a rate needs two tokens: the first one's time is the prompt's
+        parts.append(f"{out.decode_tokens_per_s:.1f} tok/s")
+    spec = out.spec_decode or {}
+    if spec.get("num_draft_tokens"):
+        parts.append(f"{spec['num_accepted_tokens']} of {spec['num_draft_tokens']} speculated tokens accepted")
+    parts.append(f"finish: {out.finish_reason}")
+    return f"[{', '.join(parts)}]"

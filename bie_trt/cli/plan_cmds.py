@@ -21,7 +21,8 @@ from ..plan import (
     default_weight_group_size,
     solve_plan,
 )
-from ..profiles import EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile, load_profile, resolve_profile
+from ..profiles import (EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile, load_profile, profiles_epilog,
+                        resolve_profile)
 
 EXIT_DOES_NOT_FIT = 3
 
@@ -60,7 +61,7 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
     return "To fit, use " + ", or ".join(fixes) + "."
 
 
-@main.command("plan")
+@main.command("plan", epilog=profiles_epilog())
 @click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
               help="The model's Hugging Face config.json. Nothing else is read: no weights are loaded.")
 @click.option("--checkpoint", metavar="DIR|NAME",

@@ -58,21 +58,32 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
                    "(default: unbounded).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
               help="Seconds a request may run before it is aborted with 408 (default: no limit).")
+@click.option("--max-request-bytes", type=click.IntRange(min=1),
+              help="Request bodies above this many bytes get 413 before they are read "
+                   "(default: 1 MiB plus 64 bytes a token of --max-model-len).")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="On SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False),
+              help="A jinja2 chat template file for /v1/chat/completions instead of the checkpoint's own.")
+@click.option("--skip-verify", is_flag=True,
+              help="Do not check each file's sha256 against the manifest before loading (it is remembered "
+                   "per file once checked, so only the first load after a change pays for it).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="Server log verbosity.")
 @speculative_config
 def serve(engine: str | None, engine_opt: str | None, host: str, port: int, device: str,
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int | None,
           gpu_memory_utilization: float | None, api_key: str | None, max_waiting: int | None,
-          request_timeout: float | None, shutdown_timeout: float, log_level: str,
-          speculative) -> None:
+          request_timeout: float | None, max_request_bytes: int | None, shutdown_timeout: float,
+          chat_template: str | None, skip_verify: bool,
+          log_level: str, speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
     \b
     Routes: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
-    POST /v1/chat/completions (add "stream": true for server-sent events). Try:
+    POST /v1/chat/completions (add "stream": true for server-sent events). Without max_tokens, a
+    chat reply runs to the end of the context or the end-of-sequence token, a completion to 16 tokens
+    (OpenAI's legacy default). Try:
       bie-trt serve engines/smollm2 --port 8080
       curl http://127.0.0.1:8080/v1/completions -H 'content-type: application/json' \\
            -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
@@ -87,17 +98,23 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
 
     from .. import BieEngine, EngineConfig
     from ..server.app import ServerOptions, create_app
-    from ..server.serve import serve as run_server
+    from ..server.serve import bind, serve as run_server
 
-    seqs = max_num_seqs or int(manifest["max_num_seqs"])
-    bie = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
-                                 max_num_seqs=seqs, speculative=speculative))
-    app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
-                                        max_waiting=max_waiting, request_timeout=request_timeout))
-    name = served_model_name or bie.model_name
-    click.echo(f"serving {name} (max_model_len {bie.max_model_len}, max_num_seqs {bie.runner.max_num_seqs}) on "
-               f"http://{host}:{port}", err=True)
-    run_server(app, host, port, log_level, shutdown_timeout)
+    listener = bind(host, port)   # before the engine loads: a port in use fails now, not minutes later
+    try:
+        seqs = max_num_seqs or int(manifest["max_num_seqs"])
+        bie = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
+                                     max_num_seqs=seqs, speculative=speculative, chat_template=chat_template,
+                                     skip_verify=skip_verify))
+        app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
+                                            max_waiting=max_waiting, request_timeout=request_timeout,
+                                            max_request_bytes=max_request_bytes))
+        name = served_model_name or bie.model_name
+        click.echo(f"serving {name} (max_model_len {bie.max_model_len}, max_num_seqs {bie.runner.max_num_seqs}) "
+                   f"on http://{host}:{port}", err=True)
+        run_server(app, host, port, log_level, shutdown_timeout, sock=listener)
+    finally:
+        listener.close()
 
 
 main.add_command(serve)

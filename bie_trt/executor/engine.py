@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import itertools
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -212,7 +213,8 @@ class BieEngine:
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self._seeds = itertools.count(self.config.seed + 1)   # atomic: requests arrive from many threads
+        # atomic: requests arrive from many threads; None: fresh entropy per request (see _request_seed)
+        self._seeds = None if self.config.seed is None else itertools.count(self.config.seed + 1)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._requests: dict[Sequence, _Request] = {}
         self._loop_lock = threading.Lock()                    # guards starting and ending the loop thread
@@ -282,7 +284,12 @@ class BieEngine:
         if (bad := next((t for t in prompt_ids if not 0 <= t < vocab), None)) is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab}); send ids from this "
                                f"model's tokenizer.")
-        return Sequence(prompt_ids, params, make_generator(params, next(self._seeds)))
+        return Sequence(prompt_ids, params, make_generator(params, self._request_seed()))
+
+    def _request_seed(self) -> int:
+        """The seed of a request that names none: fresh entropy each time (as OpenAI and vLLM draw), unless
+        the engine was given a seed, which makes its sequence of unseeded requests repeat."""
+        return secrets.randbits(63) if self._seeds is None else next(self._seeds)
 
     # -- talking to the loop ---------------------------------------------------------------------
     def _on_loop(self, fn: Callable[[], None]) -> None:

@@ -28,6 +28,8 @@ from ..errors import BieError
 from ..executor.engine import BieEngine, RequestOutput, RequestStream, StreamEvent, check_prompt
 from .auth import ApiKeyMiddleware
 from .errors import error_body, install_error_handlers, openai_error
+from .file_check import BackgroundFileCheck, DamagedEngineMiddleware
+from .limits import BodySizeLimit, default_max_request_bytes, longest_token_chars, min_tokens
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatRequest, CompletionRequest, SamplingRequest
 
@@ -43,6 +45,7 @@ class ServerOptions:
     api_key: str | None = None             # None: no authentication
     max_waiting: int | None = None         # requests queued beyond the running batch; None: unbounded
     request_timeout: float | None = None   # seconds a request may take before it is aborted; None: no limit
+    max_request_bytes: int | None = None   # larger bodies get 413 unread; None: from the context length
 
 
 def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -135,8 +138,12 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
     options = options or ServerOptions()
     live: set[RequestStream] = set()   # the engine requests of every HTTP request in flight
 
+    file_check = None if engine.config.skip_verify else BackgroundFileCheck(engine.config.engine_dir)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if file_check is not None:
+            file_check.start()
         yield
         # Shutting down: the grace period is over and uvicorn has cancelled the responses still running,
         # but a response parked between two chunks never notices; end what is left on the engine's loop.
@@ -147,7 +154,13 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
     install_error_handlers(app)
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    if file_check is not None:
+        app.add_middleware(DamagedEngineMiddleware, check=file_check)
+    body_limit = options.max_request_bytes or default_max_request_bytes(engine.max_model_len)
+    app.add_middleware(BodySizeLimit, limit=body_limit)
     model_id = options.served_model_name or engine.model_name
+    started = int(time.time())   # /v1/models' "created": when this server made the model available
+    longest_token = longest_token_chars(engine.tokenizer.get_vocab())
     metrics = Metrics(engine.stats)
     # requests admitted and not yet finished; beyond the running batch plus --max-waiting, new ones get 503
     capacity = math.inf if options.max_waiting is None else engine.scheduler.max_num_seqs + options.max_waiting
@@ -167,6 +180,16 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
                                 param="model", code="model_not_found")
         return None
 
+    def cannot_fit(texts: list[str], chat: bool) -> JSONResponse | None:
+        """A prompt whose length alone rules out the context, refused before it is tokenised."""
+        chars = sum(map(len, texts))
+        if (least := min_tokens(chars, longest_token)) < engine.max_model_len:
+            return None
+        what = "messages" if chat else "prompt"
+        return openai_error(400, f"This model's maximum context length is {engine.max_model_len} tokens. However, "
+                                 f"the {what} ({chars:,} characters) holds at least {least:,} tokens. Please reduce "
+                                 f"the length of the {what}.", what, code="context_length_exceeded")
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
@@ -177,7 +200,7 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": started,
                                             "owned_by": "bie-trt", "max_model_len": engine.max_model_len}]}
 
     async def submit(prompts: list[list[int]], req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
@@ -312,6 +335,9 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
                 check_prompt(p, "the prompt" if len(prompts) == 1 else f"prompt[{i}]")
             except BieError as e:
                 return openai_error(400, str(e), "prompt")
+        for p in prompts:
+            if isinstance(p, str) and (err := cannot_fit([p], chat=False)) is not None:
+                return err
         ids = [await tokenize(p, False) for p in prompts]
         streams = await submit(ids, req, req.max_tokens, req.logprobs, chat=False)
         if isinstance(streams, JSONResponse):
@@ -348,6 +374,8 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
             return openai_error(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if (err := cannot_fit([m["content"] for m in messages], chat=True)) is not None:
+            return err
         try:
             ids = await tokenize(messages, True)
         except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles

@@ -31,7 +31,7 @@ class StreamOptions(_Strict):
 
 class SamplingRequest(_Strict):
     model: str | None = None
-    max_tokens: int | None = Field(16, ge=1)   # None: up to the end of the context
+    max_tokens: int | None = Field(16, ge=1)   # None: up to the end of the context; 16 is legacy completions'
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
@@ -78,6 +78,7 @@ class ChatMessage(_Strict):
 
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)   # chat has no 16-token default: up to the context's end (vLLM)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

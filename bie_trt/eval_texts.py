@@ -1,0 +1,56 @@
+"""Texts `bie-trt eval` scores: a UTF-8 file, or `builtin:NAME`, a text an installed package ships, so the
+command runs on a fresh clone without downloading anything."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from .errors import BieError
+
+BUILTIN_PREFIX = "builtin:"
+# name -> what it is (for --help and errors)
+BUILTIN_TEXTS = {
+    "python-docs": "the Python language reference's topics as Python itself ships them (pydoc_data.topics, "
+                   "PSF licence): about 465 KB of English prose and examples, in every Python install",
+    "lee-background": "the Lee background corpus, 300 ABC news articles, LGPL-2.1, from gensim's test data "
+                      "(`pip install gensim==4.4.0`): the text of the README's quality tables",
+}
+LEE_RECIPE = ("`pip install gensim==4.4.0` and use --text builtin:lee-background, or follow the README's "
+              "'The evaluation text' to recreate lee_background.txt")
+
+
+def _python_docs() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def _lee_background() -> str:
+    spec = importlib.util.find_spec("gensim")
+    path = Path(spec.origin).parent / "test" / "test_data" / "lee_background.cor" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise BieError(f"builtin:lee-background needs gensim's test data, which is not installed; {LEE_RECIPE}.")
+    return path.read_text(encoding="utf-8")
+
+
+_LOADERS = {"python-docs": _python_docs, "lee-background": _lee_background}
+
+
+def load_eval_text(source: str) -> str:
+    """The text `source` names: `builtin:NAME` or a UTF-8 file path."""
+    if source.startswith(BUILTIN_PREFIX):
+        name = source[len(BUILTIN_PREFIX):]
+        if name not in _LOADERS:
+            raise BieError(f"--text {source}: no such built-in text; choose "
+                           f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_TEXTS)}, or give a file.")
+        return _LOADERS[name]()
+    path = Path(source)
+    if not path.is_file():
+        hint = LEE_RECIPE if path.name == "lee_background.txt" else \
+            f"give a UTF-8 text file or a built-in text ({', '.join(BUILTIN_PREFIX + n for n in BUILTIN_TEXTS)})"
+        raise BieError(f"--text {source}: no such file; {hint}.")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BieError(f"{source}: not UTF-8 text (byte {e.start}); convert it, e.g. "
+                       f"`iconv -t UTF-8 {source} > text.txt`.") from None

@@ -1,0 +1,103 @@
+"""Server defaults on a small context: chat's max_tokens default, requests that end exactly at the
+context's end, the /v1/models timestamp."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from bie_trt import BieEngine, EngineConfig
+from test_server import serving
+
+CONTEXT = 64   # small, so that a reply running to the end of the context takes seconds
+
+
+@pytest.fixture(scope="module")
+def small(smollm2_engine):
+    engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=CONTEXT))
+    with serving(engine) as base:
+        yield engine, base, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(small):
+    engine, _, client = small
+    messages = [{"role": "user", "content": "Count from one to fifty."}]
+    prompt_tokens = len(engine.encode(messages, chat=True))
+    assert CONTEXT - prompt_tokens > 16   # otherwise the old 16-token default would pass too
+    r = client.chat.completions.create(model=engine.model_name, messages=messages, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == prompt_tokens
+    assert r.usage.completion_tokens == CONTEXT - prompt_tokens and r.choices[0].finish_reason == "length"
+
+
+def test_completions_keep_16_tokens_and_accept_a_request_ending_exactly_at_the_context(small):
+    engine, _, client = small
+    prompt = "The capital of France is"
+    prompt_tokens = len(engine.encode(prompt))
+    r = client.completions.create(model=engine.model_name, prompt=prompt, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16
+    exact = client.completions.create(model=engine.model_name, prompt=prompt, temperature=0,
+                                      max_tokens=CONTEXT - prompt_tokens, extra_body={"ignore_eos": True})
+    assert exact.usage.completion_tokens == CONTEXT - prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 64 tokens"):
+        client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=CONTEXT - prompt_tokens + 1)
+
+
+def test_completions_with_max_tokens_null_fill_the_context(small):
+    engine, base, _ = small
+    prompt = "Once upon a time"
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": None, "temperature": 0,
+                                                   "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["total_tokens"] == CONTEXT
+
+
+def test_models_lists_when_the_server_started(small):
+    before = int(time.time())
+    created = httpx.get(small[1] + "/v1/models").json()["data"][0]["created"]
+    assert before - 3600 < created <= before
+
+
+def test_a_body_above_the_limit_is_refused_with_413_before_it_is_read(small):
+    limit = 2**20 + 64 * CONTEXT                      # the default for this context
+    body = b'{"prompt": "' + b"word " * (limit // 5) + b'", "max_tokens": 1}'
+    r = httpx.post(small[1] + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413, r.text
+    assert f"above this server's --max-request-bytes {limit:,}" in r.json()["error"]["message"]
+
+    def chunked():                                   # no Content-Length: counted as it arrives
+        for i in range(0, len(body), 65536):
+            yield body[i:i + 65536]
+
+    r = httpx.post(small[1] + "/v1/completions", content=chunked(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413, r.text
+    just_under = b'{"prompt": "Hi", "max_tokens": 1, "user": "' + b"x" * (limit - 100) + b'"}'
+    assert len(just_under) <= limit
+    assert httpx.post(small[1] + "/v1/completions", content=just_under,
+                      headers={"content-type": "application/json"}, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_prompt_too_long_for_any_tokenisation_is_refused_before_tokenising(small, monkeypatch, route):
+    engine, base, _ = small
+    seen = []
+    real = engine.encode
+
+    def spy(prompt, chat=False):
+        seen.append(len(str(prompt)))
+        return real(prompt, chat)
+
+    monkeypatch.setattr(engine, "encode", spy)
+    text = "abc " * 50_000                            # 200,000 characters: far more than 64 tokens however cut
+    body = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
+    r = httpx.post(f"{base}/v1/{'completions' if route == 'completions' else 'chat/completions'}", json=body,
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "(200,000 characters) holds at least" in error["message"]
+    assert seen == []
