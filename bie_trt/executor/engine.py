@@ -28,6 +28,7 @@ from ..sampling import make_generator, sample_next
 from ..spec.proposer import Proposal
 from ..spec.rejection import verify
 from ..spec.select import make_proposer, resolve_speculative
+from ..structured import GrammarCompiler, LogitsConstraint
 from .block_manager import BlockManager, copy_blocks
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -221,6 +222,8 @@ class BieEngine:
         self._prompt_tokens = self._generation_tokens = 0
         self._spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self._accepted_by_position = [0] * gamma
+        self._grammar_compiler: GrammarCompiler | None = None   # made at the first structured request
+        self._grammar_lock = threading.Lock()
 
     def _step_budget(self, chunk: int, max_num_seqs: int, gamma: int) -> int:
         """Tokens a step may run: never more than the memory plan holds activations for. By default a chunk
@@ -282,7 +285,22 @@ class BieEngine:
         if (bad := next((t for t in prompt_ids if not 0 <= t < vocab), None)) is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab}); send ids from this "
                                f"model's tokenizer.")
-        return Sequence(prompt_ids, params, make_generator(params, next(self._seeds)))
+        if params.logit_bias and (bad := next((t for t in params.logit_bias if t >= vocab), None)) is not None:
+            raise RequestError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab}); send ids from "
+                               f"this model's tokenizer.")
+        seq = Sequence(prompt_ids, params, make_generator(params, next(self._seeds)))
+        # compiled here, in the caller's thread: a bad grammar fails this call and never stalls the loop
+        compiler = self.grammar_compiler() if params.structured_outputs is not None else None
+        seq.constraint = LogitsConstraint.build(params, self.eos_ids, compiler)
+        return seq
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler (its cache of compiled grammars), made on first use."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.model_config.vocab_size,
+                                                         self.eos_ids)
+            return self._grammar_compiler
 
     # -- talking to the loop ---------------------------------------------------------------------
     def _on_loop(self, fn: Callable[[], None]) -> None:
@@ -392,10 +410,11 @@ class BieEngine:
         """The next token from logits [V]. On a GPU it is drawn there and only its id crosses to the host;
         a seed then repeats on that kind of device (a CUDA generator's numbers are not the CPU's)."""
         if not logits.is_cuda:
-            return sample_next(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+            return sample_next(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids, seq.constraint)
         if seq.device_generator is None:
             seq.device_generator = device_generator(seq.params, seq.generator.initial_seed(), logits.device)
-        return sample_on_device(logits, seq.params, seq.device_generator, seq.prompt_ids, seq.output_ids)[0]
+        return sample_on_device(logits, seq.params, seq.device_generator, seq.prompt_ids, seq.output_ids,
+                                constraint=seq.constraint)[0]
 
     def _propose(self, lookahead: dict[Sequence, int]) -> dict[Sequence, Proposal]:
         """Proposals for the decodes the scheduler kept room for; empty ones are left out."""
@@ -413,7 +432,7 @@ class BieEngine:
         """rows [k+1, V]: the target's logits at the pending token and each of k proposals. Emit what
         rejection sampling keeps; the cache keeps the K/V of the accepted tokens only."""
         seq = request.seq
-        tokens = verify(rows, proposal, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+        tokens = verify(rows, proposal, seq.params, seq.generator, seq.prompt_ids, seq.output_ids, seq.constraint)
         accepted = len(tokens) - 1
         self._count_spec(seq, len(proposal.token_ids), accepted)
         appended = self._append(request, rows, tokens)
@@ -443,6 +462,8 @@ class BieEngine:
         for row, token in zip(rows, tokens):
             seq.output_ids.append(token)
             new.append(token)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
             if seq.params.logprobs is not None:
                 tops.append(_top_logprobs(row, token, seq.params.logprobs))
                 seq.logprobs.append(tops[-1])
@@ -468,6 +489,8 @@ class BieEngine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            return "stop"
+        if seq.constraint is not None and seq.constraint.finished:   # the grammar took a stop token
             return "stop"
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
