@@ -1,10 +1,10 @@
-"""Structured outputs: grammars compiled by xgrammar, and the per-request constraint on the logits.
+"""Structured outputs: grammars by llguidance, and the per-request constraint on the logits.
 
 A request's `StructuredOutputs` is compiled once per distinct spec (cached by its canonical text) in
 the caller's thread, so a bad grammar fails the request before it reaches the engine loop and a slow
 compile never holds up other requests' steps. Each sequence then carries a `LogitsConstraint`:
-logit_bias, min_tokens and the grammar matcher, applied to the logits in `apply` -- the one place the
-host sampler, the device sampler and speculative verification all go through.
+logit_bias, min_tokens and its own copy of the compiled grammar's matcher, applied to the logits in
+`apply` -- the one place the host sampler, the device sampler and speculative verification go through.
 """
 from __future__ import annotations
 
@@ -18,31 +18,10 @@ import torch
 from .config import SamplingParams, StructuredOutputs, check_json_schema
 from .errors import RequestError
 
-# Keywords xgrammar accepts without enforcing them: a grammar would let through outputs that break the
-# schema, so such a schema is refused rather than silently weakened.
-UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "allOf")
-# A run of whitespace between JSON tokens is at most this long: room for indented output, but a small
-# model cannot spend its whole budget on blank lines.
-MAX_WHITESPACE = 16
-
-
-def unenforced_keywords(schema: object) -> list[str]:
-    """The keywords of UNENFORCED_KEYWORDS used anywhere in a schema (inside `properties` names are data)."""
-    found: set[str] = set()
-
-    def walk(node: object, names_only: bool = False) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if not names_only and key in UNENFORCED_KEYWORDS and not (key == "allOf" and len(value) <= 1):
-                    found.add(key)
-                walk(value, names_only=not names_only and key in ("properties", "$defs", "definitions",
-                                                                   "patternProperties", "dependentSchemas"))
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-
-    walk(schema)
-    return sorted(found)
+# Between JSON tokens: nothing, one space, or one line break and up to 20 spaces or tabs of indentation
+# (llama.cpp's JSON grammars allow the same): compact and indented JSON both pass, but a small model
+# cannot spend its whole budget on blank lines.
+JSON_OPTIONS = {"whitespace_pattern": r"[ ]|\n[ \t]{0,20}"}
 
 
 def json_schema_outputs(schema: dict | str) -> StructuredOutputs:
@@ -50,95 +29,119 @@ def json_schema_outputs(schema: dict | str) -> StructuredOutputs:
     return StructuredOutputs(json=schema)
 
 
-def _ebnf_literal(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The llguidance grammar for a spec; RequestError for a spec it cannot express."""
+    from llguidance import LLMatcher, gbnf_to_lark
+
+    try:
+        if spec.kind == "json":
+            return LLMatcher.grammar_from_json_schema(check_json_schema(spec.json), defaults=JSON_OPTIONS)
+        if spec.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if spec.kind == "regex":
+            return LLMatcher.grammar_from_regex(spec.regex)
+        if spec.kind == "choice":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+        return LLMatcher.grammar_from_lark(gbnf_to_lark.any_to_lark(spec.grammar))
+    except RequestError:
+        raise
+    except Exception as e:   # llguidance reports unsupported schemas and bad grammar text as ValueError
+        raise RequestError(f"the {_WHAT[spec.kind]} cannot be compiled: {_first_line(e)}") from None
+
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
+         "grammar": "grammar"}
+
+
+def _first_line(error: object) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class GrammarCompiler:
     """Compiles StructuredOutputs for one tokenizer; thread-safe, with an LRU cache of compiled grammars."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], cache_size: int = 64):
-        import xgrammar as xgr
+        import llguidance.hf
 
-        self._xgr = xgr
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=self.stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.stop_token_ids)
         self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputs):
-        """-> an xgrammar CompiledGrammar; RequestError naming the problem when the spec cannot be compiled."""
+        """-> a pristine llguidance LLMatcher for the spec (copy it per request); RequestError naming the
+        problem when the spec cannot be compiled."""
+        from llguidance import LLMatcher
+
         spec.validate()
         key = spec.key()
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        compiled = self._compile(spec)   # outside the lock: two threads may compile one spec, never block others
+        # outside the lock (llguidance drops the GIL while it builds): others' compiles are not held up
+        matcher = LLMatcher(self.tokenizer, grammar_text(spec), log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"the {_WHAT[spec.kind]} cannot be compiled: {_first_line(matcher.get_error())}")
         with self._lock:
-            self._cache[key] = compiled
+            self._cache[key] = matcher
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return compiled
-
-    def _compile(self, spec: StructuredOutputs):
-        what = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
-                "choice": "choice", "grammar": "grammar"}[spec.kind]
-        try:
-            if spec.kind == "json":
-                schema = check_json_schema(spec.json)
-                if bad := unenforced_keywords(schema):
-                    raise RequestError(f"the JSON schema uses {bad}, which structured outputs cannot enforce; "
-                                       f"rewrite it without them (anyOf, enum, const and required are supported).")
-                return self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=True,
-                                                          max_whitespace_cnt=MAX_WHITESPACE)
-            if spec.kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=True,
-                                                          max_whitespace_cnt=MAX_WHITESPACE)
-            if spec.kind == "regex":
-                return self._compiler.compile_regex(spec.regex)
-            if spec.kind == "choice":
-                return self._compiler.compile_grammar("root ::= " + " | ".join(map(_ebnf_literal, spec.choice)))
-            return self._compiler.compile_grammar(spec.grammar)
-        except RequestError:
-            raise
-        except Exception as e:   # xgrammar reports bad input as RuntimeError/ValueError with a C++ location
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            reason = reason.split(": ", 1)[1] if reason.startswith("[") and ": " in reason else reason
-            raise RequestError(f"the {what} cannot be compiled: {reason}") from None
+        return matcher
 
     def matcher(self, spec: StructuredOutputs) -> "GrammarState":
-        return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+        return GrammarState(self.compile(spec).deep_copy(), self.vocab_size, self.stop_token_ids)
 
 
 class GrammarState:
     """One sequence's position in its grammar, with the bitmask of the tokens allowed next."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, stop_token_ids: Iterable[int]):
         self.matcher = matcher
         self.bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.num_accepted = 0
+        self.stopped_at: int | None = None   # num_accepted once a stop token was taken: the grammar is over
 
     def allowed(self) -> torch.Tensor | None:
         """The bitmask [ceil(V/32)] int32 of the tokens allowed next, or None after the grammar ended."""
-        if self.matcher.is_terminated():
+        if self.terminated:
             return None
-        self.matcher.fill_next_token_bitmask(self.bitmask)
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, self.bitmask, 0)
         return self.bitmask[0]
 
     def accept(self, token: int) -> bool:
-        return bool(self.matcher.accept_token(token))
+        """Advance with token if the grammar allows it; False (and no change) if not."""
+        if self.terminated:
+            return False
+        # a stop token ends a complete grammar; it is kept here, not in the matcher (whose history has no stops)
+        if token in self.stop_token_ids:
+            if not self.matcher.is_accepting():
+                return False
+        elif self.matcher.try_consume_tokens([token]) != 1:
+            return False
+        self.num_accepted += 1
+        if token in self.stop_token_ids:
+            self.stopped_at = self.num_accepted
+        return True
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.matcher.rollback(num_tokens)
+        in_matcher = num_tokens
+        if self.stopped_at is not None and self.stopped_at > self.num_accepted - num_tokens:
+            self.stopped_at, in_matcher = None, num_tokens - 1
+        if in_matcher and not self.matcher.rollback(in_matcher):
+            raise RuntimeError(f"llguidance could not roll back {in_matcher} tokens: {self.matcher.get_error()}")
+        self.num_accepted -= num_tokens
 
     @property
     def terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
+        """A stop token was accepted (the grammar was complete)."""
+        return self.stopped_at is not None
 
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
@@ -176,7 +179,7 @@ class LogitsConstraint:
         grammar = None
         if params.structured_outputs is not None:
             if compiler is None:
-                raise RequestError("structured outputs need the xgrammar package; pip install xgrammar.")
+                raise RequestError("structured outputs need the llguidance package; pip install llguidance.")
             grammar = compiler.matcher(params.structured_outputs)
         if grammar is None and not params.logit_bias and params.min_tokens == 0:
             return None
