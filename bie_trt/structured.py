@@ -110,10 +110,11 @@ class GrammarState:
         """The bitmask [ceil(V/32)] int32 of the tokens allowed next, or None after the grammar ended."""
         if self.terminated:
             return None
-        from llguidance.torch import fill_next_token_bitmask
-
-        fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        return self.bitmask[0]
+        # what llguidance.torch.fill_next_token_bitmask does, without importing that module (it sets up
+        # torch.compile at import, seconds of start-up)
+        row = self.bitmask[0]
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        return row
 
     def accept(self, token: int) -> bool:
         """Advance with token if the grammar allows it; False (and no change) if not."""
