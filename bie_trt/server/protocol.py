@@ -33,6 +33,7 @@ REFUSED = {
     "prediction": "predicted outputs are not implemented",
     "web_search_options": "this server has no web search",
     "reasoning_effort": "this model does not reason in a separate channel",
+    "verbosity": "answer-length levels are not implemented; use max_tokens",
     "use_beam_search": "beam search is not implemented",
     "prompt_logprobs": "prompt log-probabilities are not computed",
 }
