@@ -86,6 +86,9 @@ class GrammarCompiler:
         matcher = LLMatcher(self.tokenizer, grammar_text(spec), log_level=0)
         if matcher.is_error():
             raise RequestError(f"the {_WHAT[spec.kind]} cannot be compiled: {_first_line(matcher.get_error())}")
+        # The first mask builds the lexer's states (milliseconds); copies share them. Build them here, not
+        # in the engine loop's first step of the request.
+        GrammarState(matcher, self.vocab_size, ()).allowed()
         with self._lock:
             self._cache[key] = matcher
             while len(self._cache) > self._cache_size:
