@@ -361,8 +361,8 @@ def check_json_schema(schema: object) -> dict:
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path) or "the top level"
-        raise RequestError(f"the JSON schema is not valid JSON Schema at {where}: {e.message}.") from None
+        where = "/" + "/".join(str(p) for p in e.absolute_path)
+        raise RequestError(f"the JSON schema is not valid JSON Schema (at {where}: {e.message}); fix the schema.") from None
     return schema
 
 

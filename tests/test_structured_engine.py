@@ -203,3 +203,35 @@ def test_smollm2_logit_bias_changes_and_forces_the_greedy_token(smollm2):
     forced = smollm2.generate(prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=1,
                                                      logit_bias={str(target): 100}))
     assert forced.token_ids == [target]
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+def cli(*args: str):
+    """`bie-trt generate ...` in this process (the engine loads in a second, the interpreter would take more)."""
+    from click.testing import CliRunner
+
+    from bie_trt.cli import main
+
+    return CliRunner().invoke(main, ["generate", *args])
+
+
+def test_generate_json_schema_file(tiny_draft_engine, tmp_path):
+    schema = SCHEMAS["enum"][0]
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    res = cli("--engine", str(tiny_draft_engine), "--prompt", "Colour:", "--json-schema", str(path),
+              "--temperature", "0", "--max-tokens", "24", "--device", "cpu", "--json",
+              "--speculative-config", '{"method": "none"}')
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_generate_refuses_a_bad_schema_file_before_loading(tiny_draft_engine, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"type": "objct"}')
+    res = cli("--engine", str(tiny_draft_engine), "--prompt", "x", "--json-schema", str(path))
+    assert res.exit_code != 0
+    assert "bad.json: the JSON schema is not valid JSON Schema (at /type" in str(res.exception) + res.output
