@@ -235,3 +235,37 @@ def test_generate_refuses_a_bad_schema_file_before_loading(tiny_draft_engine, tm
     res = cli("--engine", str(tiny_draft_engine), "--prompt", "x", "--json-schema", str(path))
     assert res.exit_code != 0
     assert "bad.json: the JSON schema is not valid JSON Schema (at /type" in str(res.exception) + res.output
+
+
+# -- chat with tools -------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": SCHEMAS["tool_call"][0]["properties"]["arguments"]}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_chat_enforced_tool_calls_always_parse_and_validate(tiny, no_blank, choice):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for seed in SEEDS:
+        reply = tiny.chat(ASK, SamplingParams(temperature=1.0, seed=seed, max_tokens=48, logit_bias=no_blank),
+                          tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False)
+        assert reply.finish_reason == "tool_calls" and reply.content is None, reply.output.text
+        assert len(reply.tool_calls) == 1   # parallel calls off: one
+        for call in reply.tool_calls:
+            assert call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        if isinstance(choice, dict):
+            assert [c.name for c in reply.tool_calls] == ["get_time"]
+
+
+def test_chat_auto_leaves_prose_as_content_and_bad_tool_choices_are_refused(tiny):
+    reply = tiny.chat(ASK, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), tools=[WEATHER])
+    assert reply.tool_calls == [] and reply.content == reply.output.text and reply.finish_reason == "length"
+    with pytest.raises(RequestError, match="not in tools"):
+        tiny.chat(ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(RequestError, match="needs tools"):
+        tiny.chat(ASK, tool_choice="required")

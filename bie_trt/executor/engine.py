@@ -9,6 +9,7 @@ time `close()` returns.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import queue
 import threading
@@ -19,7 +20,7 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
+from ..config import EngineConfig, SamplingParams, StructuredOutputs
 from ..device_sampling import device_generator, sample_on_device
 from ..errors import EngineError, RequestError
 from ..model.llama import SeqInput
@@ -29,6 +30,8 @@ from ..spec.proposer import Proposal
 from ..spec.rejection import verify
 from ..spec.select import make_proposer, resolve_speculative
 from ..structured import GrammarCompiler, LogitsConstraint
+from ..tool_calls import (ReplyParser, ToolCall, parameters_of, required_schema, template_messages,
+                          template_renders_tools)
 from .block_manager import BlockManager, copy_blocks
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -58,6 +61,17 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None   # per token: top-N and the sampled one, when asked
     # with speculative decoding: {"num_drafts", "num_draft_tokens", "num_accepted_tokens"} of this request
     spec_decode: dict[str, int] | None = None
+
+
+@dataclass
+class ChatOutput:
+    """`BieEngine.chat`'s reply: prose, parsed tool calls, and OpenAI's finish reason ("tool_calls" when
+    the reply ended with calls)."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str | None
+    output: RequestOutput
 
 
 @dataclass
@@ -171,6 +185,32 @@ def _top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
     return top
 
 
+def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool = True
+               ) -> tuple[str, str | None, StructuredOutputs | None]:
+    """OpenAI's tools and tool_choice -> (reply mode: none, auto, required or named; the named function;
+    the constraint that enforces it)."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise RequestError(f"tool_choice {tool_choice!r} needs tools; send the functions in tools.")
+        return "none", None, None
+    if not all(isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+               for t in tools):
+        raise RequestError('each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}.')
+    if tool_choice in (None, "auto", "none"):
+        return tool_choice or "auto", None, None
+    if tool_choice == "required":
+        return "required", None, StructuredOutputs(json=required_schema(tools, parallel))
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if name is None:
+        raise RequestError(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
+                           f'{{"name": ...}}}}; got {tool_choice!r}.')
+    tool = next((t for t in tools if t["function"]["name"] == name), None)
+    if tool is None:
+        raise RequestError(f"tool_choice names function {name!r}, which is not in tools "
+                           f"({sorted(t['function']['name'] for t in tools)}).")
+    return "named", name, StructuredOutputs(json=parameters_of(tool))
+
+
 def check_prompt(prompt: object, name: str = "the prompt") -> None:
     """One line naming `name` (`prompts[1]`) for a prompt `encode` cannot take: empty, or no string, list of
     token ids or list of chat messages."""
@@ -224,6 +264,7 @@ class BieEngine:
         self._accepted_by_position = [0] * gamma
         self._grammar_compiler: GrammarCompiler | None = None   # made at the first structured request
         self._grammar_lock = threading.Lock()
+        self._template_renders_tools: bool | None = None        # checked at the first chat with tools
 
     def _step_budget(self, chunk: int, max_num_seqs: int, gamma: int) -> int:
         """Tokens a step may run: never more than the memory plan holds activations for. By default a chunk
@@ -271,6 +312,23 @@ class BieEngine:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return list(self.tokenizer(prompt)["input_ids"])
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages and OpenAI tools through the chat template. A template that does not render tools
+        gets them as a system prompt, and assistant tool calls and tool results as text it can render."""
+        uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if not uses_tools:
+            return self.encode(messages, chat=True)
+        check_prompt(messages, "messages")
+        if not self.tokenizer.chat_template:
+            raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
+        if self._template_renders_tools is None:
+            self._template_renders_tools = template_renders_tools(self.tokenizer)
+        native = self._template_renders_tools
+        ids = self.tokenizer.apply_chat_template(template_messages(messages, tools, native),
+                                                 tools=tools if native else None, add_generation_prompt=True,
+                                                 tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         params.validate()
@@ -551,6 +609,24 @@ class BieEngine:
             for stream in streams:
                 stream.close()
         return outputs[0] if single else outputs
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True) -> ChatOutput:
+        """One chat turn with OpenAI-style tools. tool_choice "auto" (the default with tools) parses the
+        model's own call format out of its reply; "required" and {"type": "function", "function": {"name":
+        ...}} are enforced by a grammar, so the calls always parse and their arguments match the schema;
+        "none" leaves the reply prose."""
+        params = params or SamplingParams()
+        mode, function, constraint = plan_tools(tools, tool_choice, parallel_tool_calls)
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise RequestError(f"tool_choice {tool_choice!r} and the params' structured_outputs both constrain "
+                                   f"the reply; send one of them.")
+            params = dataclasses.replace(params, structured_outputs=constraint)
+        out = self.generate(self.encode_chat(messages, tools), params)
+        parser = ReplyParser(mode, {t["function"]["name"] for t in tools or []}, function)
+        content, calls = parser.message(out.text)
+        return ChatOutput(content, calls, ReplyParser.finish_reason(out.finish_reason, bool(calls)), out)
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached blocks no request holds (benchmarks use it to measure cold prefills)."""
