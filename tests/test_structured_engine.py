@@ -194,6 +194,20 @@ def test_smollm2_outputs_validate(smollm2):
         check_valid(out, SCHEMAS[names[i // 2]][0])
 
 
+@pytest.mark.slow   # two SmolLM2 engines on the CPU: ~30 s; the tiny model's runs above cover it in the suite
+def test_smollm2_greedy_under_a_schema_is_the_same_with_ngram_speculation(smollm2_engine):
+    """An FP16 KV cache: speculation over a quantised body is not exact yet, with or without a grammar."""
+    plain = make(smollm2_engine, {"method": "none"}, max_model_len=512, kv_cache_dtype="fp16")
+    spec = make(smollm2_engine, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+                max_model_len=512, kv_cache_dtype="fp16")
+    prompt = [{"role": "user", "content": 'Repeat this JSON exactly: {"user": {"id": 7, "admin": false}}'}]
+    params = schema_params(SCHEMAS["nested_object"][0], temperature=0, max_tokens=24)
+    want, got = plain.generate(prompt, params), spec.generate(prompt, params)
+    assert got.token_ids == want.token_ids
+    check_valid(got, SCHEMAS["nested_object"][0])
+    assert got.spec_decode["num_accepted_tokens"] > 0
+
+
 def test_smollm2_logit_bias_changes_and_forces_the_greedy_token(smollm2):
     prompt = "The capital of France is"
     greedy = smollm2.generate(prompt, SamplingParams(temperature=0, max_tokens=1)).token_ids[0]
