@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -356,14 +357,26 @@ def check_json_schema(schema: object) -> dict:
                                f"send a JSON object.") from None
     if not isinstance(schema, (dict, bool)):
         raise RequestError(f"the JSON schema must be an object; got {type(schema).__name__}.")
+    try:
+        text = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"the JSON schema cannot be written as JSON ({e}); send plain JSON values.") from None
+    _check_schema_text(text)
+    return schema
+
+
+@functools.lru_cache(maxsize=256)
+def _check_schema_text(text: str) -> None:
+    """Against the JSON Schema meta-schema (milliseconds each): a request's schema is checked several times
+    on its way in, and the same schemas come back request after request."""
     import jsonschema
 
+    schema = json.loads(text)
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/" + "/".join(str(p) for p in e.absolute_path)
         raise RequestError(f"the JSON schema is not valid JSON Schema (at {where}: {e.message}); fix the schema.") from None
-    return schema
 
 
 @dataclass
