@@ -31,7 +31,7 @@ from .auth import ApiKeyMiddleware
 from .errors import error_body, install_error_handlers, openai_error
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, SamplingRequest, TokenizeRequest
-from .structured import ChatEncoder, ParamError, ToolPlan, error_param, output_constraint, tool_plan
+from .structured import ParamError, ToolPlan, error_param, output_constraint, tool_plan
 
 DISCONNECT_POLL_S = 0.1   # how often a non-streamed request checks that its client is still there
 MAX_REQUESTS = 64         # prompts x n in one HTTP request: each is a request on the loop
@@ -327,36 +327,8 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
-    encode_chat = ChatEncoder(engine)
-
     async def tokenize(prompt: str | list[int] | list[dict], chat: bool) -> list[int]:
         return await anyio.to_thread.run_sync(engine.encode, prompt, chat)
-
-    @app.post("/tokenize")
-    async def tokenize_route(req: TokenizeRequest):
-        """vLLM's: a prompt (or chat messages, through the template) -> its token ids."""
-        if (err := check_model(req)) is not None:
-            return err
-        try:
-            if req.messages is not None:
-                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-                ids = await anyio.to_thread.run_sync(encode_chat, [m.to_template() for m in req.messages], tools)
-            else:
-                ids = await anyio.to_thread.run_sync(
-                    lambda: list(engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))
-        except (jinja2.TemplateError, BieError) as e:
-            return openai_error(400, f"the chat template refused these messages: {e}", "messages")
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-
-    @app.post("/detokenize")
-    async def detokenize_route(req: DetokenizeRequest):
-        """vLLM's: token ids -> their text."""
-        if (err := check_model(req)) is not None:
-            return err
-        vocab = engine.runner.model_config.vocab_size
-        if (bad := next((t for t in req.tokens if not 0 <= t < vocab), None)) is not None:
-            return openai_error(400, f"token id {bad} is outside the vocabulary [0, {vocab}).", "tokens")
-        return {"prompt": await anyio.to_thread.run_sync(engine.tokenizer.decode, req.tokens)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request):
@@ -411,9 +383,12 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
             return openai_error(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         messages = [m.to_template() for m in req.messages]
-        tools = tool_plan(req)
         try:
-            ids = await anyio.to_thread.run_sync(encode_chat, messages, tools.tools)
+            tools = tool_plan(req)
+        except ParamError as e:
+            return openai_error(400, str(e), e.param)
+        try:
+            ids = await anyio.to_thread.run_sync(engine.encode_chat, messages, tools.tools)
         except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
             return openai_error(400, f"the chat template refused these messages: {e}", "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -457,5 +432,31 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
             return dict(base, object="chat.completion", choices=choices, usage=_usage(outputs, req.n))
 
         return await respond(http, streams, req, base, make_chunk, make_body)
+
+    @app.post("/tokenize")
+    async def tokenize_route(req: TokenizeRequest):
+        """vLLM's: a prompt (or chat messages, through the template) -> its token ids."""
+        if (err := check_model(req)) is not None:
+            return err
+        try:
+            if req.messages is not None:
+                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+                ids = await anyio.to_thread.run_sync(engine.encode_chat, [m.to_template() for m in req.messages], tools)
+            else:
+                ids = await anyio.to_thread.run_sync(
+                    lambda: list(engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))
+        except (jinja2.TemplateError, BieError) as e:
+            return openai_error(400, f"the chat template refused these messages: {e}", "messages")
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest):
+        """vLLM's: token ids -> their text."""
+        if (err := check_model(req)) is not None:
+            return err
+        vocab = engine.runner.model_config.vocab_size
+        if (bad := next((t for t in req.tokens if not 0 <= t < vocab), None)) is not None:
+            return openai_error(400, f"token id {bad} is outside the vocabulary [0, {vocab}).", "tokens")
+        return {"prompt": await anyio.to_thread.run_sync(engine.tokenizer.decode, req.tokens)}
 
     return app

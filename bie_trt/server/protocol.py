@@ -296,14 +296,6 @@ class ChatRequest(SamplingRequest):
                 raise ValueError(f"names function {choice.function.name!r}, which is not in tools {names}")
         return choice
 
-    def tool_mode(self) -> str:
-        """none, auto, required or named: how the reply is read (and, for the last two, constrained)."""
-        if not self.tools or self.tool_choice == "none":
-            return "none"
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return "named"
-        return self.tool_choice or "auto"
-
 
 class TokenizeRequest(_Strict):
     """vLLM's /tokenize: a prompt, or chat messages (and tools) through the chat template."""

@@ -1,6 +1,6 @@
 """From a request body to what the engine enforces and how the reply is read: the one output
 constraint a body may ask for (response_format, structured_outputs, vLLM's guided_* fields, or
-tool_choice "required" / a named function), and chat prompts that carry tools."""
+tool_choice "required" / a named function)."""
 from __future__ import annotations
 
 import re
@@ -9,7 +9,8 @@ from typing import Any
 
 from ..config import StructuredOutputs
 from ..errors import RequestError
-from ..tool_calls import ReplyParser, parameters_of, required_schema, template_messages, template_renders_tools
+from ..executor.engine import plan_tools
+from ..tool_calls import ReplyParser
 from .protocol import ChatRequest, SamplingRequest
 
 
@@ -28,7 +29,7 @@ class ToolPlan:
 
     mode: str
     tools: list[dict] | None
-    constraint: dict | None
+    constraint: StructuredOutputs | None
     function: str | None = None
 
     def parser(self) -> ReplyParser:
@@ -37,15 +38,14 @@ class ToolPlan:
 
 
 def tool_plan(req: ChatRequest) -> ToolPlan:
+    """The body's tools as the engine plans them (the body's checks already refused what it would)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    mode = req.tool_mode()
-    if mode == "required":
-        return ToolPlan(mode, tools, {"json": required_schema(tools, req.parallel_tool_calls is not False)})
-    if mode == "named":
-        name = req.tool_choice.function.name
-        tool = next(t for t in tools if t["function"]["name"] == name)
-        return ToolPlan(mode, tools, {"json": parameters_of(tool)}, name)
-    return ToolPlan(mode, tools, None)
+    choice = req.tool_choice if isinstance(req.tool_choice, (str, type(None))) else req.tool_choice.model_dump()
+    try:
+        mode, function, constraint = plan_tools(tools, choice, req.parallel_tool_calls is not False)
+    except RequestError as e:
+        raise ParamError(str(e), "tool_choice") from None
+    return ToolPlan(mode, tools, constraint, function)
 
 
 def output_constraint(req: SamplingRequest, tools: ToolPlan | None = None) -> tuple[StructuredOutputs | None, str | None]:
@@ -64,7 +64,7 @@ def output_constraint(req: SamplingRequest, tools: ToolPlan | None = None) -> tu
                          found[1][0])
     param, fields = found[0]
     try:
-        constraint = StructuredOutputs(**fields)
+        constraint = fields if isinstance(fields, StructuredOutputs) else StructuredOutputs(**fields)
         constraint.validate()
     except RequestError as e:
         raise ParamError(f"{param}: {e}", param) from None
@@ -78,26 +78,3 @@ def error_param(message: str, fields: set[str], default: str | None) -> str | No
     """The request field an engine error names first (`min_tokens 9 is above ...`), else `default`."""
     match = _LEADING_FIELD.match(message)
     return match.group(1) if match and match.group(1) in fields else default
-
-
-class ChatEncoder:
-    """Chat messages (and tools) -> prompt token ids through the checkpoint's template; tools it does not
-    render go into a system prompt instead (checked once, on first use)."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-        self._native: bool | None = None
-
-    def __call__(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        uses_tools = tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
-        if not uses_tools:
-            return self.engine.encode(messages, True)
-        tokenizer = self.engine.tokenizer
-        if not tokenizer.chat_template:
-            raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
-        if self._native is None:
-            self._native = template_renders_tools(tokenizer)
-        shaped = template_messages(messages, tools, self._native)
-        ids = tokenizer.apply_chat_template(shaped, tools=tools if self._native else None,
-                                            add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
