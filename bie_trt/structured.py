@@ -24,6 +24,11 @@ from .errors import RequestError
 JSON_OPTIONS = {"whitespace_pattern": r"[ ]|\n[ \t]{0,20}"}
 
 
+class GrammarError(RuntimeError):
+    """A request's grammar failed while it generated (the library's error state or limits): that request
+    ends with the error; the others in its batch go on."""
+
+
 def json_schema_outputs(schema: dict | str) -> StructuredOutputs:
     """The constraint for "output this JSON Schema" (a tool's parameters, a response format)."""
     return StructuredOutputs(json=schema)
@@ -88,7 +93,10 @@ class GrammarCompiler:
             raise RequestError(f"the {_WHAT[spec.kind]} cannot be compiled: {_first_line(matcher.get_error())}")
         # The first mask builds the lexer's states (milliseconds); copies share them. Build them here, not
         # in the engine loop's first step of the request.
-        GrammarState(matcher, self.vocab_size, ()).allowed()
+        try:
+            GrammarState(matcher, self.vocab_size, ()).allowed()
+        except GrammarError as e:
+            raise RequestError(f"the {_WHAT[spec.kind]} cannot be compiled: {e}") from None
         with self._lock:
             self._cache[key] = matcher
             while len(self._cache) > self._cache_size:
@@ -117,6 +125,8 @@ class GrammarState:
         # torch.compile at import, seconds of start-up)
         row = self.bitmask[0]
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if self.matcher.is_error() or not bool(row.any()):
+            raise GrammarError(f"the grammar allows no next token: {self.matcher.get_error() or 'empty mask'}")
         return row
 
     def accept(self, token: int) -> bool:
@@ -139,7 +149,7 @@ class GrammarState:
         if self.stopped_at is not None and self.stopped_at > self.num_accepted - num_tokens:
             self.stopped_at, in_matcher = None, num_tokens - 1
         if in_matcher and not self.matcher.rollback(in_matcher):
-            raise RuntimeError(f"llguidance could not roll back {in_matcher} tokens: {self.matcher.get_error()}")
+            raise GrammarError(f"llguidance could not roll back {in_matcher} tokens: {self.matcher.get_error()}")
         self.num_accepted -= num_tokens
 
     @property
@@ -207,7 +217,7 @@ class LogitsConstraint:
     def accept(self, token: int) -> None:
         """Advance the grammar with an emitted token (sampled from a row `apply` masked)."""
         if not self.try_accept(token):
-            raise RuntimeError(f"the grammar rejected token {token}, which its mask allowed (a grammar bug)")
+            raise GrammarError(f"the grammar rejected token {token}, which its mask allowed")
 
     def try_accept(self, token: int) -> bool:
         """Advance the grammar with a proposed token if it allows it; False (and no change) if not."""

@@ -283,3 +283,29 @@ def test_chat_auto_leaves_prose_as_content_and_bad_tool_choices_are_refused(tiny
         tiny.chat(ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(RequestError, match="needs tools"):
         tiny.chat(ASK, tool_choice="required")
+
+
+def test_a_grammar_failing_mid_run_ends_only_its_request(tiny, monkeypatch):
+    """The grammar library failing inside a step (its error state, a limit) cannot be provoked on demand, so
+    one request's grammar is made to fail at its third token; its batch-mates must not notice."""
+    from bie_trt.structured import GrammarError, LogitsConstraint
+
+    accept = LogitsConstraint.accept
+
+    def failing(self, token):
+        if self.min_tokens == 7 and self.grammar.num_accepted >= 2:   # the marked request only
+            raise GrammarError("injected")
+        return accept(self, token)
+
+    requests = [("Tell me:", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)),
+                ("Code:", SamplingParams(temperature=0, max_tokens=10, min_tokens=7,
+                                         structured_outputs=StructuredOutputs(regex=r"[a-z]{8,9}"))),
+                ("Pick:", SamplingParams(temperature=0, max_tokens=8,
+                                         structured_outputs=StructuredOutputs(choice=["alpha", "beta"])))]
+    alone = [tiny.generate(p, sp).token_ids for p, sp in (requests[0], requests[2])]
+    monkeypatch.setattr(LogitsConstraint, "accept", failing)
+    streams = [tiny.stream(p, sp) for p, sp in requests]
+    with pytest.raises(GrammarError, match="injected"):
+        list(streams[1])
+    assert [list(s)[-1].output.token_ids for s in (streams[0], streams[2])] == alone
+    assert all(pool["used"] == 0 for pool in tiny.stats().kv_blocks.values())

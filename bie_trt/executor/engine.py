@@ -29,7 +29,7 @@ from ..sampling import make_generator, sample_next
 from ..spec.proposer import Proposal
 from ..spec.rejection import verify
 from ..spec.select import make_proposer, resolve_speculative
-from ..structured import GrammarCompiler, LogitsConstraint
+from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
 from ..tool_calls import (ReplyParser, ToolCall, parameters_of, required_schema, template_messages,
                           template_renders_tools)
 from .block_manager import BlockManager, copy_blocks
@@ -453,15 +453,18 @@ class BieEngine:
         logits = self.runner.forward(inputs)
         for (seq, n), rows in zip(batch.chunks, logits):
             request = self._requests[seq]
-            if seq in proposals:
-                self._verify(request, rows, proposals[seq])
-                continue
-            self.blocks.commit(seq, n)
-            if seq in batch.lookahead:   # room was kept for proposals that did not come
-                self.blocks.truncate(seq)
-            self.blocks.compact(seq, pools)
-            if seq.num_pending == 0:   # the whole prompt (or the last sampled token) is cached: sample
-                self._publish(request, *self._append(request, rows[None], [self._sample(seq, rows)]))
+            try:
+                if seq in proposals:
+                    self._verify(request, rows, proposals[seq])
+                    continue
+                self.blocks.commit(seq, n)
+                if seq in batch.lookahead:   # room was kept for proposals that did not come
+                    self.blocks.truncate(seq)
+                self.blocks.compact(seq, pools)
+                if seq.num_pending == 0:   # the whole prompt (or the last sampled token) is cached: sample
+                    self._publish(request, *self._append(request, rows[None], [self._sample(seq, rows)]))
+            except GrammarError as e:   # one request's grammar failed: that request ends, the batch goes on
+                self._fail([request], e)
 
     @staticmethod
     def _sample(seq: Sequence, logits: torch.Tensor) -> int:
