@@ -335,7 +335,8 @@ class StructuredOutputs:
             raise RequestError(f"response_format must be an object with a 'type'; got {response_format!r}.")
         kind = response_format.get("type")
         if kind not in RESPONSE_FORMAT_TYPES:
-            raise RequestError(f"response_format.type {kind!r} is unknown; choose one of {list(RESPONSE_FORMAT_TYPES)}.")
+            raise RequestError(f"response_format.type {kind!r} is unknown; choose one of "
+                               f"{list(RESPONSE_FORMAT_TYPES)}.")
         if kind == "text":
             return None
         if kind == "json_object":
@@ -376,7 +377,8 @@ def _check_schema_text(text: str) -> None:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/" + "/".join(str(p) for p in e.absolute_path)
-        raise RequestError(f"the JSON schema is not valid JSON Schema (at {where}: {e.message}); fix the schema.") from None
+        raise RequestError(f"the JSON schema is not valid JSON Schema (at {where}: {e.message}); "
+                           f"fix the schema.") from None
 
 
 @dataclass

@@ -29,11 +29,6 @@ class GrammarError(RuntimeError):
     ends with the error; the others in its batch go on."""
 
 
-def json_schema_outputs(schema: dict | str) -> StructuredOutputs:
-    """The constraint for "output this JSON Schema" (a tool's parameters, a response format)."""
-    return StructuredOutputs(json=schema)
-
-
 def grammar_text(spec: StructuredOutputs) -> str:
     """The llguidance grammar for a spec; RequestError for a spec it cannot express."""
     from llguidance import LLMatcher, gbnf_to_lark

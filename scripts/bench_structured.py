@@ -175,7 +175,8 @@ def measure_masks(backend, hf, vocab: int, repeats: int) -> dict:
                       "mask_us_p50": percentile(cached, 0.5), "mask_us_p99": percentile(cached, 0.99),
                       "apply_us_p50": percentile(apply_us, 0.5), "apply_us_p99": percentile(apply_us, 0.99)}
         r = rows[name]
-        print(f"  {name:22s} compile {r['compile_ms_p50']:7.2f} ms  first request: mask max {r['first_mask_us_max']:8.1f}"
+        print(f"  {name:22s} compile {r['compile_ms_p50']:7.2f} ms  first request: mask max "
+              f"{r['first_mask_us_max']:8.1f}"
               f" us  cached: mask p50 {r['mask_us_p50']:7.1f} p99 {r['mask_us_p99']:7.1f} us  apply p50"
               f" {r['apply_us_p50']:6.1f} p99 {r['apply_us_p99']:6.1f} us")
     return rows

@@ -193,8 +193,8 @@ def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, paralle
         if tool_choice not in (None, "none", "auto"):
             raise RequestError(f"tool_choice {tool_choice!r} needs tools; send the functions in tools.")
         return "none", None, None
-    if not all(isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-               for t in tools):
+    if not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+               and isinstance(t["function"].get("name"), str) for t in tools):
         raise RequestError('each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}.')
     if tool_choice in (None, "auto", "none"):
         return tool_choice or "auto", None, None
