@@ -1,9 +1,9 @@
 """bie-trt: AWQ 4-bit Llama-family engines with a fixed memory plan (64k context in 8 GB)."""
-from .config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from .config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams, SpeculativeConfig, StructuredOutputs
 from .errors import BieError, CheckpointError, EngineError, PlanError, RequestError
-from .executor.engine import BieEngine, RequestOutput, StreamEvent
+from .executor.engine import BieEngine, ChatOutput, RequestOutput, StreamEvent
 
 __all__ = [
-    "BieEngine", "EngineConfig", "SamplingParams", "KVCacheConfig", "ModelConfig", "RequestOutput",
-    "SpeculativeConfig", "StreamEvent", "BieError", "CheckpointError", "EngineError", "PlanError", "RequestError",
+    "BieEngine", "ChatOutput", "EngineConfig", "SamplingParams", "KVCacheConfig", "ModelConfig", "RequestOutput",
+    "SpeculativeConfig", "StreamEvent", "StructuredOutputs", "BieError", "CheckpointError", "EngineError", "PlanError", "RequestError",
 ]

@@ -2,7 +2,7 @@
 for) cross to the host, in one copy, instead of the whole fp32 row (0.5 MB at a 128k vocabulary)
 and a sync before any work on it.
 
-The semantics are `sampling.py`'s, by construction: the same `apply_penalties` and `probabilities`
+The semantics are `sampling.py`'s, by construction: the same `process_logits` and `probabilities`
 run on the device tensors, then `torch.multinomial` with a per-request generator on that device
 (`device_generator`), so a seed gives the same tokens on every run on the same kind of device.
 Greedy requests take the argmax. Logprobs are those of the model's distribution before the
@@ -10,10 +10,15 @@ sampling filters, as `engine._top_logprobs` reports them.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .config import SamplingParams
-from .sampling import apply_penalties, probabilities
+from .sampling import probabilities, process_logits
+
+if TYPE_CHECKING:
+    from .structured import LogitsConstraint
 
 
 def device_generator(params: SamplingParams, fallback_seed: int, device: torch.device) -> torch.Generator:
@@ -25,13 +30,14 @@ def device_generator(params: SamplingParams, fallback_seed: int, device: torch.d
 
 def sample_on_device(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
                      prompt_ids: list[int], output_ids: list[int],
-                     top_logprobs: int | None = None) -> tuple[int, dict[int, float] | None]:
+                     top_logprobs: int | None = None, constraint: "LogitsConstraint | None" = None
+                     ) -> tuple[int, dict[int, float] | None]:
     """logits [V] on any device -> (token id, {id: logprob} of the top n and the token, or None)."""
     if generator.device != logits.device:
         raise ValueError(f"the generator is on {generator.device} but the logits on {logits.device}: "
                          "make it with device_generator(params, seed, logits.device).")
     raw = logits.float()
-    penalised = apply_penalties(raw.clone(), params, prompt_ids, output_ids)
+    penalised = process_logits(raw.clone(), params, prompt_ids, output_ids, constraint)
     if params.temperature == 0:
         token = torch.argmax(penalised).view(1)
     else:

@@ -1,9 +1,15 @@
-"""Turning one sequence's logits into the next token: penalties, temperature, top-k/p, min-p, seed."""
+"""Turning one sequence's logits into the next token: constraints (logit_bias, min_tokens, grammar),
+penalties, temperature, top-k/p, min-p, seed."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import SamplingParams
+
+if TYPE_CHECKING:
+    from .structured import LogitsConstraint
 
 # Probabilities from float32 softmax carry rounding of about 1e-7, so a threshold met exactly in
 # intent (top_p 0.75 over [0.5, 0.25, 0.25]; a token at exactly min_p x the top one) can miss by an
@@ -29,6 +35,16 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         ids, counts = torch.tensor(output_ids, dtype=torch.long, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
     return logits
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                   constraint: "LogitsConstraint | None" = None) -> torch.Tensor:
+    """The one place a row of logits [V] is shaped before temperature and the filters, in place, on its
+    device: first what the request forbids or favours (logit_bias, min_tokens, the grammar's mask at its
+    current state), then the penalties. The host sampler, the device sampler and verification share it."""
+    if constraint is not None:
+        constraint.apply(logits, len(output_ids))
+    return apply_penalties(logits, params, prompt_ids, output_ids)
 
 
 MIN_TEMPERATURE = 1e-5
@@ -57,9 +73,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-                prompt_ids: list[int], output_ids: list[int]) -> int:
+                prompt_ids: list[int], output_ids: list[int], constraint: "LogitsConstraint | None" = None) -> int:
     """logits [V] float32 -> one token id."""
-    logits = apply_penalties(logits.float().cpu().clone(), params, prompt_ids, output_ids)
+    logits = process_logits(logits.float().cpu().clone(), params, prompt_ids, output_ids, constraint)
     if params.temperature == 0:
         return int(torch.argmax(logits))
     return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))

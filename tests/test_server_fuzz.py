@@ -93,8 +93,9 @@ def _routes(schema: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def test_the_schema_lists_both_generation_routes(fuzz_server):
-    assert [path for path, _ in _routes(fuzz_server[2])] == ["/v1/completions", "/v1/chat/completions"]
+def test_the_schema_lists_every_body_route(fuzz_server):
+    assert [path for path, _ in _routes(fuzz_server[2])] == ["/v1/completions", "/v1/chat/completions",
+                                                             "/tokenize", "/detokenize"]
 
 
 def post_a_drawn_body(fuzz_server, data) -> None:

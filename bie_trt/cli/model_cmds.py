@@ -4,13 +4,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from . import main
 from .options import NON_NEGATIVE, POSITIVE, device_option, kv_options, speculative_config
-from ..config import SamplingParams
+from ..config import SamplingParams, StructuredOutputs, check_json_schema
 from ..plan import AWQ_GROUP_SIZES
 from ..profiles import profiles_epilog
 from ..errors import EngineError, RequestError
@@ -156,6 +157,27 @@ def verify(engine_dir: str, sm: int | None) -> None:
     sys.exit(0 if report.ok else 1)
 
 
+def _structured_option(json_schema: str | None, regex: str | None) -> StructuredOutputs | None:
+    """--json-schema FILE / --regex -> the constraint (checked before the engine loads)."""
+    if json_schema and regex:
+        raise RequestError("--json-schema and --regex both constrain the output; pass one of them.")
+    if regex is not None:
+        return StructuredOutputs(regex=regex)
+    if json_schema is None:
+        return None
+    try:
+        schema = json.loads(Path(json_schema).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise RequestError(f"--json-schema {json_schema}: cannot be read ({e}); pass a JSON Schema file.") from None
+    except json.JSONDecodeError as e:
+        raise RequestError(f"--json-schema {json_schema}: not JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                           f"pass a JSON Schema file.") from None
+    try:
+        return StructuredOutputs(json=check_json_schema(schema))
+    except RequestError as e:
+        raise RequestError(f"--json-schema {json_schema}: {e}") from None
+
+
 _SAMPLING = SamplingParams.__dataclass_fields__   # one set of defaults: the SDK's (and the server's)
 
 
@@ -177,6 +199,11 @@ _SAMPLING = SamplingParams.__dataclass_fields__   # one set of defaults: the SDK
 @click.option("--top-k", default=_SAMPLING["top_k"].default, show_default=True, type=NON_NEGATIVE,
               help="Keep only the k most likely tokens; 0 disables.")
 @click.option("--seed", type=int, help="Same seed, same tokens. [default: fresh entropy on every run]")
+@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False),
+              help="A JSON Schema file: the output is a JSON value that validates against it.")
+@click.option("--regex", help="A regular expression the whole output matches.")
+@click.option("--min-tokens", default=0, show_default=True, type=NON_NEGATIVE,
+              help="End-of-sequence is held back until this many tokens were generated.")
 @device_option
 @click.option("--skip-verify", is_flag=True,
               help="Do not check each file's sha256 against the manifest before loading (it is remembered "
@@ -184,8 +211,9 @@ _SAMPLING = SamplingParams.__dataclass_fields__   # one set of defaults: the SDK
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @speculative_config
 def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None, echo: bool, max_tokens: int,
-             temperature: float, top_p: float, top_k: int, seed: int | None, device: str, skip_verify: bool,
-             as_json: bool, speculative) -> None:
+             temperature: float, top_p: float, top_k: int, seed: int | None, json_schema: str | None,
+             regex: str | None, min_tokens: int, device: str, skip_verify: bool, as_json: bool,
+             speculative) -> None:
     """Generate from an engine, streaming text to the terminal as it decodes.
 
     Sampling defaults are the SDK's and the server's /v1/completions' (OpenAI's): temperature 1, top-p 1,
@@ -198,7 +226,8 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
     if chat_template is not None and not chat:
         raise click.UsageError("--chat-template applies only with --chat (the prompt is otherwise tokenised as "
                                "plain text); add --chat or drop --chat-template.")
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
+                            min_tokens=min_tokens, structured_outputs=_structured_option(json_schema, regex))
     engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, skip_verify=skip_verify,
                                     chat_template=chat_template, speculative=speculative))
     prompt_ids = engine.encode(prompt, chat=chat)

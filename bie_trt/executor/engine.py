@@ -9,6 +9,7 @@ time `close()` returns.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import queue
 import secrets
@@ -20,7 +21,7 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
+from ..config import EngineConfig, SamplingParams, StructuredOutputs
 from ..device_sampling import device_generator, sample_on_device
 from ..errors import EngineError, RequestError
 from ..model.llama import SeqInput
@@ -29,6 +30,9 @@ from ..sampling import make_generator, sample_next
 from ..spec.proposer import Proposal
 from ..spec.rejection import verify
 from ..spec.select import make_proposer, resolve_speculative
+from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
+from ..tool_calls import (ReplyParser, ToolCall, parameters_of, required_schema, template_messages,
+                          template_renders_tools)
 from .block_manager import BlockManager, copy_blocks
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -58,6 +62,17 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None   # per token: top-N and the sampled one, when asked
     # with speculative decoding: {"num_drafts", "num_draft_tokens", "num_accepted_tokens"} of this request
     spec_decode: dict[str, int] | None = None
+
+
+@dataclass
+class ChatOutput:
+    """`BieEngine.chat`'s reply: prose, parsed tool calls, and OpenAI's finish reason ("tool_calls" when
+    the reply ended with calls)."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str | None
+    output: RequestOutput
 
 
 @dataclass
@@ -171,6 +186,32 @@ def _top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
     return top
 
 
+def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool = True
+               ) -> tuple[str, str | None, StructuredOutputs | None]:
+    """OpenAI's tools and tool_choice -> (reply mode: none, auto, required or named; the named function;
+    the constraint that enforces it)."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise RequestError(f"tool_choice {tool_choice!r} needs tools; send the functions in tools.")
+        return "none", None, None
+    if not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+               and isinstance(t["function"].get("name"), str) for t in tools):
+        raise RequestError('each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}.')
+    if tool_choice in (None, "auto", "none"):
+        return tool_choice or "auto", None, None
+    if tool_choice == "required":
+        return "required", None, StructuredOutputs(json=required_schema(tools, parallel))
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if name is None:
+        raise RequestError(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
+                           f'{{"name": ...}}}}; got {tool_choice!r}.')
+    tool = next((t for t in tools if t["function"]["name"] == name), None)
+    if tool is None:
+        raise RequestError(f"tool_choice names function {name!r}, which is not in tools "
+                           f"({sorted(t['function']['name'] for t in tools)}).")
+    return "named", name, StructuredOutputs(json=parameters_of(tool))
+
+
 def check_prompt(prompt: object, name: str = "the prompt") -> None:
     """One line naming `name` (`prompts[1]`) for a prompt `encode` cannot take: empty, or no string, list of
     token ids or list of chat messages."""
@@ -223,6 +264,9 @@ class BieEngine:
         self._prompt_tokens = self._generation_tokens = 0
         self._spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self._accepted_by_position = [0] * gamma
+        self._grammar_compiler: GrammarCompiler | None = None   # made at the first structured request
+        self._grammar_lock = threading.Lock()
+        self._template_renders_tools: bool | None = None        # checked at the first chat with tools
 
     def _step_budget(self, chunk: int, max_num_seqs: int, gamma: int) -> int:
         """Tokens a step may run: never more than the memory plan holds activations for. By default a chunk
@@ -271,6 +315,23 @@ class BieEngine:
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return list(self.tokenizer(prompt)["input_ids"])
 
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages and OpenAI tools through the chat template. A template that does not render tools
+        gets them as a system prompt, and assistant tool calls and tool results as text it can render."""
+        uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if not uses_tools:
+            return self.encode(messages, chat=True)
+        check_prompt(messages, "messages")
+        if not self.tokenizer.chat_template:
+            raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
+        if self._template_renders_tools is None:
+            self._template_renders_tools = template_renders_tools(self.tokenizer)
+        native = self._template_renders_tools
+        ids = self.tokenizer.apply_chat_template(template_messages(messages, tools, native),
+                                                 tools=tools if native else None, add_generation_prompt=True,
+                                                 tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         params.validate()
         if not prompt_ids:
@@ -284,7 +345,22 @@ class BieEngine:
         if (bad := next((t for t in prompt_ids if not 0 <= t < vocab), None)) is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab}); send ids from this "
                                f"model's tokenizer.")
-        return Sequence(prompt_ids, params, make_generator(params, self._request_seed()))
+        if params.logit_bias and (bad := next((t for t in params.logit_bias if t >= vocab), None)) is not None:
+            raise RequestError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab}); send ids from "
+                               f"this model's tokenizer.")
+        seq = Sequence(prompt_ids, params, make_generator(params, self._request_seed()))
+        # compiled here, in the caller's thread: a bad grammar fails this call and never stalls the loop
+        compiler = self.grammar_compiler() if params.structured_outputs is not None else None
+        seq.constraint = LogitsConstraint.build(params, self.eos_ids, compiler)
+        return seq
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler (its cache of compiled grammars), made on first use."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.model_config.vocab_size,
+                                                         self.eos_ids)
+            return self._grammar_compiler
 
     def _request_seed(self) -> int:
         """The seed of a request that names none: fresh entropy each time (as OpenAI and vLLM draw), unless
@@ -384,25 +460,29 @@ class BieEngine:
         logits = self.runner.forward(inputs)
         for (seq, n), rows in zip(batch.chunks, logits):
             request = self._requests[seq]
-            if seq in proposals:
-                self._verify(request, rows, proposals[seq])
-                continue
-            self.blocks.commit(seq, n)
-            if seq in batch.lookahead:   # room was kept for proposals that did not come
-                self.blocks.truncate(seq)
-            self.blocks.compact(seq, pools)
-            if seq.num_pending == 0:   # the whole prompt (or the last sampled token) is cached: sample
-                self._publish(request, *self._append(request, rows[None], [self._sample(seq, rows)]))
+            try:
+                if seq in proposals:
+                    self._verify(request, rows, proposals[seq])
+                    continue
+                self.blocks.commit(seq, n)
+                if seq in batch.lookahead:   # room was kept for proposals that did not come
+                    self.blocks.truncate(seq)
+                self.blocks.compact(seq, pools)
+                if seq.num_pending == 0:   # the whole prompt (or the last sampled token) is cached: sample
+                    self._publish(request, *self._append(request, rows[None], [self._sample(seq, rows)]))
+            except GrammarError as e:   # one request's grammar failed: that request ends, the batch goes on
+                self._fail([request], e)
 
     @staticmethod
     def _sample(seq: Sequence, logits: torch.Tensor) -> int:
         """The next token from logits [V]. On a GPU it is drawn there and only its id crosses to the host;
         a seed then repeats on that kind of device (a CUDA generator's numbers are not the CPU's)."""
         if not logits.is_cuda:
-            return sample_next(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+            return sample_next(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids, seq.constraint)
         if seq.device_generator is None:
             seq.device_generator = device_generator(seq.params, seq.generator.initial_seed(), logits.device)
-        return sample_on_device(logits, seq.params, seq.device_generator, seq.prompt_ids, seq.output_ids)[0]
+        return sample_on_device(logits, seq.params, seq.device_generator, seq.prompt_ids, seq.output_ids,
+                                constraint=seq.constraint)[0]
 
     def _propose(self, lookahead: dict[Sequence, int]) -> dict[Sequence, Proposal]:
         """Proposals for the decodes the scheduler kept room for; empty ones are left out."""
@@ -420,7 +500,7 @@ class BieEngine:
         """rows [k+1, V]: the target's logits at the pending token and each of k proposals. Emit what
         rejection sampling keeps; the cache keeps the K/V of the accepted tokens only."""
         seq = request.seq
-        tokens = verify(rows, proposal, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+        tokens = verify(rows, proposal, seq.params, seq.generator, seq.prompt_ids, seq.output_ids, seq.constraint)
         accepted = len(tokens) - 1
         self._count_spec(seq, len(proposal.token_ids), accepted)
         appended = self._append(request, rows, tokens)
@@ -450,6 +530,8 @@ class BieEngine:
         for row, token in zip(rows, tokens):
             seq.output_ids.append(token)
             new.append(token)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
             if seq.params.logprobs is not None:
                 tops.append(_top_logprobs(row, token, seq.params.logprobs))
                 seq.logprobs.append(tops[-1])
@@ -475,6 +557,8 @@ class BieEngine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            return "stop"
+        if seq.constraint is not None and seq.constraint.finished:   # the grammar took a stop token
             return "stop"
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -535,6 +619,24 @@ class BieEngine:
             for stream in streams:
                 stream.close()
         return outputs[0] if single else outputs
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True) -> ChatOutput:
+        """One chat turn with OpenAI-style tools. tool_choice "auto" (the default with tools) parses the
+        model's own call format out of its reply; "required" and {"type": "function", "function": {"name":
+        ...}} are enforced by a grammar, so the calls always parse and their arguments match the schema;
+        "none" leaves the reply prose."""
+        params = params or SamplingParams()
+        mode, function, constraint = plan_tools(tools, tool_choice, parallel_tool_calls)
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise RequestError(f"tool_choice {tool_choice!r} and the params' structured_outputs both constrain "
+                                   f"the reply; send one of them.")
+            params = dataclasses.replace(params, structured_outputs=constraint)
+        out = self.generate(self.encode_chat(messages, tools), params)
+        parser = ReplyParser(mode, {t["function"]["name"] for t in tools or []}, function)
+        content, calls = parser.message(out.text)
+        return ChatOutput(content, calls, ReplyParser.finish_reason(out.finish_reason, bool(calls)), out)
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached blocks no request holds (benchmarks use it to measure cold prefills)."""

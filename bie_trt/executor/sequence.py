@@ -5,10 +5,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import SamplingParams
+
+if TYPE_CHECKING:
+    from ..structured import LogitsConstraint
 
 _ids = itertools.count()
 
@@ -26,6 +30,8 @@ class Sequence:
     generator: torch.Generator
     # the same seed's generator on the GPU, made at the first token sampled there (device_sampling.py)
     device_generator: torch.Generator | None = None
+    # logit_bias, min_tokens and the grammar (structured.py); None when the request sets none of them
+    constraint: "LogitsConstraint | None" = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)

@@ -2,7 +2,8 @@
 
 Routes: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions (each streamed as server-sent events ending in `data: [DONE]` when
-`stream` is true; `logprobs` in the shape of each API; `n` choices; a list of prompts). Every error
+`stream` is true; `logprobs` in the shape of each API; `n` choices; a list of prompts; output
+constraints and tool calls), POST /tokenize and /detokenize (vLLM's). Every error
 has OpenAI's shape (errors.py) and a client's mistake is never a 5xx. Every request runs on the
 engine's one loop, batched with the others in flight; a client that leaves aborts its requests.
 """
@@ -24,14 +25,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..config import SamplingParams
-from ..errors import BieError
+from ..errors import BieError, RequestError
 from ..executor.engine import BieEngine, RequestOutput, RequestStream, StreamEvent, check_prompt
 from .auth import ApiKeyMiddleware
 from .errors import error_body, install_error_handlers, openai_error
 from .file_check import BackgroundFileCheck, DamagedEngineMiddleware
 from .limits import BodySizeLimit, default_max_request_bytes, longest_token_chars, min_tokens
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import ChatRequest, CompletionRequest, SamplingRequest
+from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, SamplingRequest, TokenizeRequest
+from .structured import ParamError, ToolPlan, error_param, output_constraint, tool_plan
 
 DISCONNECT_POLL_S = 0.1   # how often a non-streamed request checks that its client is still there
 MAX_REQUESTS = 64         # prompts x n in one HTTP request: each is a request on the loop
@@ -48,13 +50,15 @@ class ServerOptions:
     max_request_bytes: int | None = None   # larger bodies get 413 unread; None: from the context length
 
 
-def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, constraint) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
     return SamplingParams(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids,
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs)
+        repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs,
+        structured_outputs=constraint, logit_bias=bias, min_tokens=req.min_tokens)
 
 
 def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> str:
@@ -204,35 +208,64 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
                                             "owned_by": "bie-trt", "max_model_len": engine.max_model_len}]}
 
     async def submit(prompts: list[list[int]], req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                     chat: bool) -> list[RequestStream] | JSONResponse:
+                     chat: bool, tools: ToolPlan | None = None) -> list[RequestStream] | JSONResponse:
         """Check every prompt against the context and the queue against its bound, then start n requests
-        per prompt (choice j seeded seed + j: reproducible and distinct). Nothing starts unless all can."""
+        per prompt (choice j seeded seed + j: reproducible and distinct). Nothing starts unless all can.
+        The engine compiles a grammar as a request starts, so requests start in a worker thread."""
         param = "messages" if chat else "prompt"
+        try:
+            constraint, constraint_param = output_constraint(req, tools)
+        except ParamError as e:
+            return openai_error(400, str(e), e.param)
+        vocab = engine.runner.model_config.vocab_size
+        if bad := [k for k in req.logit_bias or {} if int(k) >= vocab]:
+            return openai_error(400, f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab}).",
+                                "logit_bias")
         per_prompt = []
         for ids in prompts:
             wanted = max_tokens if max_tokens is not None else max(1, engine.max_model_len - len(ids))
             if len(ids) + wanted > engine.max_model_len:
                 return openai_error(400, context_error(engine.max_model_len, len(ids), wanted, chat), param,
                                     code="context_length_exceeded")
-            per_prompt.append(_params(req, wanted, logprobs))
+            try:
+                per_prompt.append(_params(req, wanted, logprobs, constraint))
+            except RequestError as e:
+                return openai_error(400, str(e), error_param(str(e), set(type(req).model_fields),
+                                                             constraint_param))
         count = len(prompts) * req.n
         if state["in_flight"] + count > capacity:
             return openai_error(503, f"the server is full ({state['in_flight']} requests in flight, at most "
                                      f"{capacity}); retry after {RETRY_AFTER_S} s.",
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
-        streams: list[RequestStream] = []
-        for i, (ids, params) in enumerate(zip(prompts, per_prompt)):
-            try:
-                for j in range(req.n):
-                    seed = None if params.seed is None else params.seed + j
-                    streams.append(engine.stream(ids, dataclasses.replace(params, seed=seed)))
-            except BieError as e:
-                for events in streams:
-                    events.close()
-                return openai_error(400, f"{param}[{i}]: {e}" if len(prompts) > 1 else str(e), param)
-        state["in_flight"] += count
-        live.update(streams)
-        return streams
+        state["in_flight"] += count   # held while the requests start, so that concurrent ones see them
+
+        def start() -> list[RequestStream] | tuple[int, BieError]:
+            streams: list[RequestStream] = []
+            for i, (ids, params) in enumerate(zip(prompts, per_prompt)):
+                try:
+                    for j in range(req.n):
+                        seed = None if params.seed is None else params.seed + j
+                        streams.append(engine.stream(ids, dataclasses.replace(params, seed=seed)))
+                except BaseException as e:
+                    for events in streams:
+                        events.close()
+                    if isinstance(e, BieError):
+                        return i, e
+                    raise
+            return streams
+
+        try:
+            started = await anyio.to_thread.run_sync(start)
+        except BaseException:
+            state["in_flight"] -= count
+            raise
+        if isinstance(started, tuple):
+            state["in_flight"] -= count
+            i, e = started
+            where = error_param(str(e), set(type(req).model_fields), constraint_param or param)
+            return openai_error(400, f"{param}[{i}]: {e}" if len(prompts) > 1 and where == param else str(e), where)
+        live.update(started)
+        return started
 
     async def respond(http: Request, streams: list[RequestStream], req: SamplingRequest, base: dict, make_chunk,
                       make_body):
@@ -342,6 +375,8 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
         streams = await submit(ids, req, req.max_tokens, req.logprobs, chat=False)
         if isinstance(streams, JSONResponse):
             return streams
+        # echo: each choice's text starts with its prompt (token-id prompts decoded)
+        echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if req.echo else "" for p in prompts]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_id}
         offsets = [0] * len(streams)   # characters of each choice's token text so far: where its next tokens start
@@ -354,12 +389,12 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
             return shaped
 
         def make_chunk(event: StreamEvent, i: int, first: bool) -> list[dict]:
-            return [dict(base, choices=[{"index": i, "text": event.delta,
+            return [dict(base, choices=[{"index": i, "text": echoed[i // req.n] + event.delta if first else event.delta,
                                          "logprobs": logprobs(i, event.token_ids, event.logprobs),
                                          "finish_reason": event.finish_reason}])]
 
         def make_body(outputs: list[RequestOutput]) -> dict:
-            return dict(base, choices=[{"index": i, "text": out.text,
+            return dict(base, choices=[{"index": i, "text": echoed[i // req.n] + out.text,
                                         "logprobs": logprobs(i, out.token_ids, out.logprobs),
                                         "finish_reason": out.finish_reason} for i, out in enumerate(outputs)],
                         usage=_usage(outputs, req.n))
@@ -373,42 +408,83 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
         if req.top_logprobs is not None and not req.logprobs:
             return openai_error(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.to_template() for m in req.messages]
         if (err := cannot_fit([m["content"] for m in messages], chat=True)) is not None:
             return err
         try:
-            ids = await tokenize(messages, True)
+            tools = tool_plan(req)
+        except ParamError as e:
+            return openai_error(400, str(e), e.param)
+        try:
+            ids = await anyio.to_thread.run_sync(engine.encode_chat, messages, tools.tools)
         except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
             return openai_error(400, f"the chat template refused these messages: {e}", "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        streams = await submit([ids], req, max_tokens, top_n, chat=True)
+        streams = await submit([ids], req, max_tokens, top_n, chat=True, tools=tools)
         if isinstance(streams, JSONResponse):
             return streams
+        parsers = [tools.parser() for _ in streams]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_id}
 
         def make_chunk(event: StreamEvent, i: int, first: bool) -> list[dict]:
-            chunks = []
+            """The choice's deltas: prose as it comes, tool calls as they complete (a named function's
+            arguments as they come); the event's logprobs and finish reason ride on the last."""
+            parser = parsers[i]
+            deltas = parser.feed(event.delta)
+            if event.finish_reason is not None:
+                deltas += parser.finish()
+            chunks = [dict(base, choices=[{"index": i, "delta": d, "finish_reason": None}]) for d in deltas or [{}]]
             if first:
-                chunks.append(dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                   "finish_reason": None}]))
-            delta = {"content": event.delta} if event.delta else {}
-            choice = {"index": i, "delta": delta, "finish_reason": event.finish_reason}
+                opening = "" if tools.mode in ("none", "auto") else None
+                chunks.insert(0, dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": opening},
+                                                      "finish_reason": None}]))
+            last = chunks[-1]["choices"][0]
+            last["finish_reason"] = parser.finish_reason(event.finish_reason, parser.calls > 0)
             if top_n is not None:
-                choice["logprobs"] = chat_logprobs(event.token_ids, event.logprobs, top_n, decode)
-            chunks.append(dict(base, choices=[choice]))
+                last["logprobs"] = chat_logprobs(event.token_ids, event.logprobs, top_n, decode)
             return chunks
 
         def make_body(outputs: list[RequestOutput]) -> dict:
             choices = []
             for i, out in enumerate(outputs):
-                choice = {"index": i, "message": {"role": "assistant", "content": out.text},
-                          "finish_reason": out.finish_reason}
+                content, calls = parsers[i].message(out.text)
+                message = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+                choice = {"index": i, "message": message,
+                          "finish_reason": parsers[i].finish_reason(out.finish_reason, bool(calls))}
                 if top_n is not None:
                     choice["logprobs"] = chat_logprobs(out.token_ids, out.logprobs, top_n, decode)
                 choices.append(choice)
             return dict(base, object="chat.completion", choices=choices, usage=_usage(outputs, req.n))
 
         return await respond(http, streams, req, base, make_chunk, make_body)
+
+    @app.post("/tokenize")
+    async def tokenize_route(req: TokenizeRequest):
+        """vLLM's: a prompt (or chat messages, through the template) -> its token ids."""
+        if (err := check_model(req)) is not None:
+            return err
+        try:
+            if req.messages is not None:
+                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+                ids = await anyio.to_thread.run_sync(engine.encode_chat, [m.to_template() for m in req.messages], tools)
+            else:
+                ids = await anyio.to_thread.run_sync(
+                    lambda: list(engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))
+        except (jinja2.TemplateError, BieError) as e:
+            return openai_error(400, f"the chat template refused these messages: {e}", "messages")
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest):
+        """vLLM's: token ids -> their text."""
+        if (err := check_model(req)) is not None:
+            return err
+        vocab = engine.runner.model_config.vocab_size
+        if (bad := next((t for t in req.tokens if not 0 <= t < vocab), None)) is not None:
+            return openai_error(400, f"token id {bad} is outside the vocabulary [0, {vocab}).", "tokens")
+        return {"prompt": await anyio.to_thread.run_sync(engine.tokenizer.decode, req.tokens)}
 
     return app

@@ -1,4 +1,4 @@
-"""Bearer API keys: with a key set, every /v1 route needs `Authorization: Bearer <key>` (as vLLM does;
+"""Bearer API keys: with a key set, every /v1 route (and /tokenize, /detokenize) needs `Authorization: Bearer <key>` (as vLLM does;
 /health and /metrics stay open for probes and scrapers). Compared in constant time, so response times
 say nothing about how much of a guess was right."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import openai_error
 
-PROTECTED_PREFIX = "/v1"
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 
 def bearer_token(scope: Scope) -> str:
@@ -27,7 +27,7 @@ class ApiKeyMiddleware:
         self.app, self._key = app, api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
             if not hmac.compare_digest(bearer_token(scope).encode(), self._key):
                 response = openai_error(401, "missing or incorrect API key; send the header "
                                              "'Authorization: Bearer <key>' with the server's --api-key.",

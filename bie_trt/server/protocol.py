@@ -1,11 +1,14 @@
 """The request bodies of the OpenAI API, checked strictly: a number sent as a string (`"4"`) or a bool
-(`true`) is refused, not coerced; ranges are OpenAI's (temperature 0-2, penalties -2..2). Fields this
-server does not use (user, logit_bias, ...) are accepted and ignored, as OpenAI clients send them."""
+(`true`) is refused, not coerced; ranges are OpenAI's (temperature 0-2, penalties -2..2). A field this
+server does not know is refused with its name, since it might have changed the output; the few that
+never do (user, metadata, store, service_tier, ...) are accepted and ignored, as clients send them."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from ..config import LOGIT_BIAS_RANGE
 
 from ..config import REPETITION_PENALTY_RANGE
 
@@ -18,11 +21,103 @@ SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+    "tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
 }
+
+# Fields OpenAI or vLLM define that this server refuses, with what to send instead.
+REFUSED = {
+    "functions": "send tools instead (the same functions, each as {\"type\": \"function\", \"function\": {...}})",
+    "function_call": "send tool_choice instead",
+    "audio": "this server generates text only",
+    "modalities": "this server generates text only",
+    "prediction": "predicted outputs are not implemented",
+    "web_search_options": "this server has no web search",
+    "reasoning_effort": "this model does not reason in a separate channel",
+    "verbosity": "answer-length levels are not implemented; use max_tokens",
+    "use_beam_search": "beam search is not implemented",
+    "prompt_logprobs": "prompt log-probabilities are not computed",
+}
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule for function names
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")   # OpenAI: absent means any JSON object
+    strict: bool | None = None                                       # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_for_json_schema(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.data.get("type") != "json_schema" and value is not None:
+            raise ValueError(f"is only read with type json_schema (type is {info.data.get('type')!r})")
+        return value
+
+    def structured(self) -> dict | None:
+        """As vLLM's structured_outputs: {"json": schema} or {"json_object": true}; None for text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema: {\"name\": ..., \"schema\": {...}}")
+        if self.type == "json_object" or self.json_schema.schema_ is None:
+            return {"json_object": True}
+        return {"json": self.json_schema.schema_}
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's structured_outputs: exactly one of these."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def structured(self) -> dict:
+        out = self.model_dump(by_alias=True, exclude_none=True)
+        if out.get("json_object") is False:
+            del out["json_object"]
+        return out
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None    # the schema is always enforced under tool_choice required or named
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str     # JSON text, as OpenAI sends it back
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
 
 
 class StreamOptions(_Strict):
@@ -46,11 +141,76 @@ class SamplingRequest(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None   # token id (as a string: JSON keys are) -> bias
+    min_tokens: int = Field(0, ge=0)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None    # vLLM's older spelling of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # accepted and ignored: they do not change what is generated
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        low, high = LOGIT_BIAS_RANGE
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers); got {key!r}")
+            if not low <= value <= high:
+                raise ValueError(f"values must be in [{low:g}, {high:g}]; got {value!r} for token {key}")
+        return bias
+
+    def constraints(self) -> list[tuple[str, dict]]:
+        """Every constraint the body asks for, as (the field that asked, vLLM's structured_outputs)."""
+        found = []
+        if self.response_format is not None and (so := self.response_format.structured()) is not None:
+            found.append(("response_format", so))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.structured()))
+        for kind in ("json", "regex", "choice", "grammar"):
+            if (value := getattr(self, f"guided_{kind}")) is not None:
+                found.append((f"guided_{kind}", {kind: value}))
+        return found
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)   # top-N alternatives per token (0: the sampled token's only)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise ValueError(f"only best_of equal to n ({n}) is supported: choices are not ranked; "
+                             f"send n={best_of} and pick among them")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("is not supported: this server does not fill in the middle")
+        return suffix
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
+        if echo and info.data.get("logprobs") is not None:
+            raise ValueError("with logprobs is not supported: the prompt's log-probabilities are not computed; "
+                             "send one or the other")
+        return echo
 
 
 class TextPart(_Strict):
@@ -61,6 +221,10 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal[ROLES]
     content: str | list[TextPart] | None   # required; null only for an assistant turn
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None             # sent back by clients that replay a reply; not shown to the model
 
     @field_validator("content")
     @classmethod
@@ -69,6 +233,30 @@ class ChatMessage(_Strict):
         if content is None and role != "assistant":
             raise ValueError(f"must not be null in a {role} message")
         return content
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_from_assistant(cls, calls: Any, info: ValidationInfo) -> Any:
+        if calls is not None and info.data.get("role") != "assistant":
+            raise ValueError(f"are only allowed in an assistant message, not a {info.data.get('role')} one")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _id_for_tool(cls, call_id: Any, info: ValidationInfo) -> Any:
+        if call_id is not None and info.data.get("role") != "tool":
+            raise ValueError(f"is only allowed in a tool message, not a {info.data.get('role')} one")
+        return call_id
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -82,6 +270,53 @@ class ChatRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_messages_have_ids(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        for i, m in enumerate(messages):
+            if m.role == "tool" and m.tool_call_id is None:
+                raise ValueError(f"messages[{i}] is a tool message without tool_call_id; send the id of the call "
+                                 f"it answers")
+        return messages
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools")
+        if choice is None or choice == "none":
+            return choice
+        if not tools:
+            raise ValueError("needs tools: send the functions the model may call")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in tools]
+            if choice.function.name not in names:
+                raise ValueError(f"names function {choice.function.name!r}, which is not in tools {names}")
+        return choice
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages (and tools) through the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, validate_default=True)
+    tools: list[Tool] | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _one_of(cls, messages: Any, info: ValidationInfo) -> Any:
+        if (messages is None) == (info.data.get("prompt") is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return messages
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def describe_error(error: dict[str, Any]) -> tuple[str, str | None]:
@@ -109,7 +344,8 @@ def describe_error(error: dict[str, Any]) -> tuple[str, str | None]:
     if kind == "missing":
         return f"{path} is required.", path
     if kind == "extra_forbidden":
-        return f"{path} is not a known field.", path
+        why = REFUSED.get(str(loc[-1]), "it is not a field this server implements, and it might change the output")
+        return f"{path} is not supported: {why}.", path
     message = str(error.get("msg", "is invalid")).removeprefix("Value error, ")
     got = error.get("input")
     shown = f" (got {got!r})" if isinstance(got, (int, float, str, bool)) or got is None else ""

@@ -10,11 +10,16 @@ else the token is drawn from p with x removed.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..config import SamplingParams
-from ..sampling import apply_penalties, probabilities
+from ..sampling import probabilities, process_logits
 from .proposer import Proposal
+
+if TYPE_CHECKING:
+    from ..structured import LogitsConstraint
 
 
 def rejection_sample(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -52,6 +57,23 @@ def rejection_sample(target: torch.Tensor, draft_tokens: torch.Tensor, draft_pro
     return tokens, num_accepted
 
 
+def _processed_rows(logits: torch.Tensor, drafts: list[int], params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int], constraint: "LogitsConstraint | None") -> list[torch.Tensor]:
+    rows, walked = [], 0
+    try:
+        for i in range(len(drafts) + 1):
+            rows.append(process_logits(logits[i].float().cpu().clone(), params, prompt_ids, output_ids + drafts[:i],
+                                       constraint))
+            # Row i+1 needs the grammar after drafts[i]. A draft the grammar forbids has p = 0 in row i, so it
+            # is rejected there and the rows after it are never used: they keep the state before it.
+            if constraint is not None and i < len(drafts) and walked == i and constraint.try_accept(drafts[i]):
+                walked += 1
+    finally:
+        if constraint is not None:
+            constraint.rollback(walked)
+    return rows
+
+
 def greedy_accept(target_argmax: list[int], draft_tokens: list[int]) -> list[int]:
     """Greedy fast path: the longest prefix of the drafts equal to the target's argmaxes, then the
     target's own next token (identical to decoding one token at a time)."""
@@ -64,13 +86,14 @@ def greedy_accept(target_argmax: list[int], draft_tokens: list[int]) -> list[int
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator: torch.Generator,
-           prompt_ids: list[int], output_ids: list[int]) -> list[int]:
+           prompt_ids: list[int], output_ids: list[int], constraint: "LogitsConstraint | None" = None) -> list[int]:
     """The target's logits [k+1, V] at the last token and each of k proposed tokens -> the tokens to
-    emit (accepted proposals, then one more). Position i's penalties see the output through proposal i,
-    which is what they see without speculation whenever position i is reached (all before it accepted)."""
+    emit (accepted proposals, then one more). Position i's penalties and constraint (its grammar state)
+    see the output through proposal i, which is what they see without speculation whenever position i
+    is reached (all before it accepted). The grammar is left where it was: the caller advances it with
+    what is emitted."""
     drafts = proposal.token_ids
-    rows = [apply_penalties(logits[i].float().cpu().clone(), params, prompt_ids, output_ids + drafts[:i])
-            for i in range(len(drafts) + 1)]
+    rows = _processed_rows(logits, drafts, params, prompt_ids, output_ids, constraint)
     if params.temperature == 0:
         return greedy_accept([int(torch.argmax(r)) for r in rows], drafts)
     target = torch.stack([probabilities(r, params) for r in rows])

@@ -1,0 +1,80 @@
+"""From a request body to what the engine enforces and how the reply is read: the one output
+constraint a body may ask for (response_format, structured_outputs, vLLM's guided_* fields, or
+tool_choice "required" / a named function)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import StructuredOutputs
+from ..errors import RequestError
+from ..executor.engine import plan_tools
+from ..tool_calls import ReplyParser
+from .protocol import ChatRequest, SamplingRequest
+
+
+class ParamError(Exception):
+    """A 400 naming the request field at fault."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request's tools shape its reply: `mode` (none, auto, required, named), the tools as the
+    template gets them, and the constraint tool_choice implies."""
+
+    mode: str
+    tools: list[dict] | None
+    constraint: StructuredOutputs | None
+    function: str | None = None
+
+    def parser(self) -> ReplyParser:
+        names = {t["function"]["name"] for t in self.tools or []}
+        return ReplyParser(self.mode, names, self.function)
+
+
+def tool_plan(req: ChatRequest) -> ToolPlan:
+    """The body's tools as the engine plans them (the body's checks already refused what it would)."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice if isinstance(req.tool_choice, (str, type(None))) else req.tool_choice.model_dump()
+    try:
+        mode, function, constraint = plan_tools(tools, choice, req.parallel_tool_calls is not False)
+    except RequestError as e:
+        raise ParamError(str(e), "tool_choice") from None
+    return ToolPlan(mode, tools, constraint, function)
+
+
+def output_constraint(req: SamplingRequest, tools: ToolPlan | None = None) -> tuple[StructuredOutputs | None, str | None]:
+    """The body's one constraint, checked, and the field it came from; ParamError when a field is bad
+    or two fields both constrain the output."""
+    try:
+        found = req.constraints()
+    except ValueError as e:
+        raise ParamError(f"response_format: {e}.", "response_format") from None
+    if tools is not None and tools.constraint is not None:
+        found.append(("tool_choice", tools.constraint))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise ParamError(f"{found[0][0]} and {found[1][0]} both constrain the output; send only one of them.",
+                         found[1][0])
+    param, fields = found[0]
+    try:
+        constraint = fields if isinstance(fields, StructuredOutputs) else StructuredOutputs(**fields)
+        constraint.validate()
+    except RequestError as e:
+        raise ParamError(f"{param}: {e}", param) from None
+    return constraint, param
+
+
+_LEADING_FIELD = re.compile(r"^([a-z_]+)")
+
+
+def error_param(message: str, fields: set[str], default: str | None) -> str | None:
+    """The request field an engine error names first (`min_tokens 9 is above ...`), else `default`."""
+    match = _LEADING_FIELD.match(message)
+    return match.group(1) if match and match.group(1) in fields else default

@@ -1,0 +1,229 @@
+"""Structured outputs: grammars by llguidance, and the per-request constraint on the logits.
+
+A request's `StructuredOutputs` is compiled once per distinct spec (cached by its canonical text) in
+the caller's thread, so a bad grammar fails the request before it reaches the engine loop and a slow
+compile never holds up other requests' steps. Each sequence then carries a `LogitsConstraint`:
+logit_bias, min_tokens and its own copy of the compiled grammar's matcher, applied to the logits in
+`apply` -- the one place the host sampler, the device sampler and speculative verification go through.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from typing import Iterable
+
+import torch
+
+from .config import SamplingParams, StructuredOutputs, check_json_schema
+from .errors import RequestError
+
+# Between JSON tokens: nothing, one space, or one line break and up to 20 spaces or tabs of indentation
+# (llama.cpp's JSON grammars allow the same): compact and indented JSON both pass, but a small model
+# cannot spend its whole budget on blank lines.
+JSON_OPTIONS = {"whitespace_pattern": r"[ ]|\n[ \t]{0,20}"}
+
+
+class GrammarError(RuntimeError):
+    """A request's grammar failed while it generated (the library's error state or limits): that request
+    ends with the error; the others in its batch go on."""
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The llguidance grammar for a spec; RequestError for a spec it cannot express."""
+    from llguidance import LLMatcher, gbnf_to_lark
+
+    try:
+        if spec.kind == "json":
+            return LLMatcher.grammar_from_json_schema(check_json_schema(spec.json), defaults=JSON_OPTIONS)
+        if spec.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if spec.kind == "regex":
+            return LLMatcher.grammar_from_regex(spec.regex)
+        if spec.kind == "choice":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+        return LLMatcher.grammar_from_lark(gbnf_to_lark.any_to_lark(spec.grammar))
+    except RequestError:
+        raise
+    except Exception as e:   # llguidance reports unsupported schemas and bad grammar text as ValueError
+        raise RequestError(f"the {_WHAT[spec.kind]} cannot be compiled: {_first_line(e)}") from None
+
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
+         "grammar": "grammar"}
+
+
+def _first_line(error: object) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputs for one tokenizer; thread-safe, with an LRU cache of compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], cache_size: int = 64):
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.stop_token_ids)
+        self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputs):
+        """-> a pristine llguidance LLMatcher for the spec (copy it per request); RequestError naming the
+        problem when the spec cannot be compiled."""
+        from llguidance import LLMatcher
+
+        spec.validate()
+        key = spec.key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        # outside the lock (llguidance drops the GIL while it builds): others' compiles are not held up
+        matcher = LLMatcher(self.tokenizer, grammar_text(spec), log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"the {_WHAT[spec.kind]} cannot be compiled: {_first_line(matcher.get_error())}")
+        # The first mask builds the lexer's states (milliseconds); copies share them. Build them here, not
+        # in the engine loop's first step of the request.
+        try:
+            GrammarState(matcher, self.vocab_size, ()).allowed()
+        except GrammarError as e:
+            raise RequestError(f"the {_WHAT[spec.kind]} cannot be compiled: {e}") from None
+        with self._lock:
+            self._cache[key] = matcher
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def matcher(self, spec: StructuredOutputs) -> "GrammarState":
+        return GrammarState(self.compile(spec).deep_copy(), self.vocab_size, self.stop_token_ids)
+
+
+class GrammarState:
+    """One sequence's position in its grammar, with the bitmask of the tokens allowed next."""
+
+    def __init__(self, matcher, vocab_size: int, stop_token_ids: Iterable[int]):
+        self.matcher = matcher
+        self.bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.num_accepted = 0
+        self.stopped_at: int | None = None   # num_accepted once a stop token was taken: the grammar is over
+
+    def allowed(self) -> torch.Tensor | None:
+        """The bitmask [ceil(V/32)] int32 of the tokens allowed next, or None after the grammar ended."""
+        if self.terminated:
+            return None
+        # what llguidance.torch.fill_next_token_bitmask does, without importing that module (it sets up
+        # torch.compile at import, seconds of start-up)
+        row = self.bitmask[0]
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if self.matcher.is_error() or not bool(row.any()):
+            raise GrammarError(f"the grammar allows no next token: {self.matcher.get_error() or 'empty mask'}")
+        return row
+
+    def accept(self, token: int) -> bool:
+        """Advance with token if the grammar allows it; False (and no change) if not."""
+        if self.terminated:
+            return False
+        # a stop token ends a complete grammar; it is kept here, not in the matcher (whose history has no stops)
+        if token in self.stop_token_ids:
+            if not self.matcher.is_accepting():
+                return False
+        elif self.matcher.try_consume_tokens([token]) != 1:
+            return False
+        self.num_accepted += 1
+        if token in self.stop_token_ids:
+            self.stopped_at = self.num_accepted
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        in_matcher = num_tokens
+        if self.stopped_at is not None and self.stopped_at > self.num_accepted - num_tokens:
+            self.stopped_at, in_matcher = None, num_tokens - 1
+        if in_matcher and not self.matcher.rollback(in_matcher):
+            raise GrammarError(f"llguidance could not roll back {in_matcher} tokens: {self.matcher.get_error()}")
+        self.num_accepted -= num_tokens
+
+    @property
+    def terminated(self) -> bool:
+        """A stop token was accepted (the grammar was complete)."""
+        return self.stopped_at is not None
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [V] in place: -inf where bit (i % 32) of bitmask[i // 32] is 0. Runs on the logits' device."""
+    shifts = _SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(logits.device, non_blocking=True)[:, None] >> shifts) & 1
+    allowed = bits.view(-1)[:logits.shape[-1]].bool()
+    return logits.masked_fill_(~allowed, float("-inf"))
+
+
+class LogitsConstraint:
+    """What a request's parameters forbid or favour on top of the model: logit_bias, min_tokens and a grammar.
+
+    `apply(logits, num_output)` edits a row in place for the state after `num_output` generated tokens
+    (the grammar's current state); `accept(token)` advances the grammar with an emitted token.
+    """
+
+    def __init__(self, params: SamplingParams, eos_ids: Iterable[int], grammar: GrammarState | None):
+        self.grammar = grammar
+        bias = params.logit_bias or {}
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.long)
+        self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self.min_tokens = params.min_tokens
+        self.banned_until_min = torch.tensor(sorted(set(eos_ids) | set(params.stop_token_ids)), dtype=torch.long)
+
+    @classmethod
+    def build(cls, params: SamplingParams, eos_ids: Iterable[int],
+              compiler: GrammarCompiler | None) -> "LogitsConstraint | None":
+        """None when the request constrains nothing (the common case costs nothing per step)."""
+        grammar = None
+        if params.structured_outputs is not None:
+            if compiler is None:
+                raise RequestError("structured outputs need the llguidance package; pip install llguidance.")
+            grammar = compiler.matcher(params.structured_outputs)
+        if grammar is None and not params.logit_bias and params.min_tokens == 0:
+            return None
+        return cls(params, eos_ids, grammar)
+
+    def apply(self, logits: torch.Tensor, num_output: int) -> torch.Tensor:
+        if len(self.bias_ids):
+            logits[self.bias_ids.to(logits.device)] += self.bias_values.to(logits.device)
+        mask = self.grammar.allowed() if self.grammar is not None else None
+        if mask is not None:
+            apply_bitmask(logits, mask)
+        if num_output < self.min_tokens and len(self.banned_until_min):
+            banned = self.banned_until_min.to(logits.device)
+            kept = logits[banned].clone()
+            logits[banned] = float("-inf")
+            # the grammar may allow nothing but EOS (it is complete): the grammar wins over min_tokens
+            if mask is not None and not bool(torch.isfinite(logits).any()):
+                logits[banned] = kept
+        return logits
+
+    def accept(self, token: int) -> None:
+        """Advance the grammar with an emitted token (sampled from a row `apply` masked)."""
+        if not self.try_accept(token):
+            raise GrammarError(f"the grammar rejected token {token}, which its mask allowed")
+
+    def try_accept(self, token: int) -> bool:
+        """Advance the grammar with a proposed token if it allows it; False (and no change) if not."""
+        return self.grammar is None or self.grammar.accept(token)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens."""
+        if self.grammar is not None:
+            self.grammar.rollback(num_tokens)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar accepted a stop token: nothing more may follow."""
+        return self.grammar is not None and self.grammar.terminated

@@ -1,0 +1,283 @@
+"""Function calling in OpenAI's shape over a plain text model: tools into the prompt, the model's
+reply back into tool calls, and the JSON Schemas that make `tool_choice` "required" or a named
+function a grammar the sampler cannot leave.
+
+Two reply formats are parsed, the ones instruction-tuned checkpoints are trained on: Hermes / Qwen
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` tags, and Llama-3.1 bare JSON
+`{"name": ..., "parameters": {...}}` (alone, or several separated by `;`). Anything that does not
+parse as a call to a known function stays prose.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"     # Llama-3.1 may open a JSON call with it
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+_PROBE = "bie_trt_probe_function"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str                 # JSON text, as OpenAI's function.arguments
+    id: str = ""
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def parameters_of(tool: dict) -> dict:
+    """A tool's parameter schema; a function without one takes no arguments (OpenAI's reading)."""
+    return tool["function"].get("parameters") or EMPTY_PARAMETERS
+
+
+# -- enforcing tool_choice -------------------------------------------------------------------------
+
+def required_schema(tools: list[dict], parallel: bool = True) -> dict:
+    """The reply under tool_choice="required": a JSON array of calls, each one of the tools by name with
+    arguments that match its schema; exactly one call when parallel calls are off."""
+    calls = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                             "parameters": parameters_of(t)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+                              "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def parse_required(text: str) -> list[ToolCall] | None:
+    """The array `required_schema` constrains the reply to -> its calls; None when it does not parse
+    (a reply cut short by max_tokens)."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(items, list):
+        return None
+    calls = [_call(item.get("name"), item.get("parameters")) for item in items if isinstance(item, dict)]
+    return None if not calls or None in calls else calls
+
+
+# -- parsing a free reply (tool_choice="auto") -----------------------------------------------------
+
+def _call(name: object, arguments: object, names: set[str] | None = None) -> ToolCall | None:
+    if not isinstance(name, str) or (names is not None and name not in names):
+        return None
+    if arguments is None:
+        arguments = {}
+    if isinstance(arguments, str):            # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())
+
+
+def _json_call(obj: object, names: set[str] | None) -> ToolCall | None:
+    if not isinstance(obj, dict) or set(obj) - {"name", "arguments", "parameters", "type"}:
+        return None
+    return _call(obj.get("name"), obj.get("arguments", obj.get("parameters")), names)
+
+
+def _bare_json_calls(text: str, names: set[str] | None) -> list[ToolCall] | None:
+    """Llama-3.1's format: the whole reply is one JSON call, a list of them, or calls joined by ';'."""
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if not body.startswith(("{", "[")):
+        return None
+    try:
+        parsed = json.loads(body)
+        objs = parsed if isinstance(parsed, list) else [parsed]
+    except json.JSONDecodeError:
+        try:
+            objs = [json.loads(part) for part in body.split(";") if part.strip()]
+        except json.JSONDecodeError:
+            return None
+    calls = [_json_call(o, names) for o in objs]
+    return calls if calls and None not in calls else None
+
+
+def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
+    """A model's free reply -> (prose, tool calls). Hermes tags may sit among prose; a tag whose body is
+    not a call to one of `names` (or not JSON, or never closed) stays in the prose as written. Prose
+    that is only whitespace is None, as OpenAI sends `content: null` beside tool calls."""
+    bare = _bare_json_calls(text, names)
+    if bare is not None:
+        return None, bare
+    prose, calls, pos = [], [], 0
+    while (start := text.find(TOOL_CALL_OPEN, pos)) != -1:
+        end = text.find(TOOL_CALL_CLOSE, start)
+        if end == -1:
+            break
+        body = text[start + len(TOOL_CALL_OPEN):end]
+        try:
+            call = _json_call(json.loads(body), names)
+        except json.JSONDecodeError:
+            call = None
+        stop = end + len(TOOL_CALL_CLOSE)
+        if call is None:
+            prose.append(text[pos:stop])
+        else:
+            prose.append(text[pos:start])
+            calls.append(call)
+        pos = stop
+    prose.append(text[pos:])
+    content = "".join(prose)
+    return (content if content.strip() else None), calls
+
+
+def held_back(text: str) -> int:
+    """Where streamed prose must pause: the start of a Hermes tag, or of a partial one at the end
+    (`<tool_c`), or 0 while the reply may still be a bare JSON call or is only whitespace so far."""
+    body = text.lstrip()
+    if not body or body.startswith(("{", "[")) or PYTHON_TAG.startswith(body[:len(PYTHON_TAG)]):
+        return 0
+    start = text.find(TOOL_CALL_OPEN)
+    if start != -1:
+        return start
+    for k in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+# -- tools into the prompt -------------------------------------------------------------------------
+
+def _probe_tool() -> dict:
+    return {"type": "function", "function": {"name": _PROBE, "description": "probe",
+                                             "parameters": {"type": "object", "properties": {}}}}
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the checkpoint's chat template writes `tools` into the prompt (Llama-3.1's and Qwen2.5's
+    do; many small models' ignore them, and then the fallback prompt below is used)."""
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_probe_tool()],
+                                             add_generation_prompt=True, tokenize=False)
+    except Exception:   # a template that fails on tools renders none
+        return False
+    return _PROBE in text
+
+
+def tools_prompt(tools: list[dict]) -> str:
+    """A Hermes-style system prompt describing the tools and the tag format `parse_tool_calls` reads."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("You can call functions to answer the user. Their signatures, as JSON Schema, are inside "
+            f"<tools></tools>:\n<tools>\n{listed}\n</tools>\n"
+            "To call one, reply with a JSON object holding its name and arguments inside "
+            "<tool_call></tool_call> tags, one tag per call:\n"
+            '<tool_call>\n{"name": "<function name>", "arguments": {<arguments>}}\n</tool_call>')
+
+
+def _tagged_call(call: dict) -> str:
+    fn = call["function"]
+    return f'{TOOL_CALL_OPEN}\n{json.dumps({"name": fn["name"], "arguments": fn["arguments"]}, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}'
+
+
+def template_messages(messages: list[dict], tools: list[dict] | None, native: bool) -> list[dict]:
+    """OpenAI messages -> what the chat template gets. Tool-call arguments become objects (templates
+    serialise them with `tojson`). Without `native` tool support, tools become a system prompt,
+    an assistant's calls become Hermes tags in its content and tool results `<tool_response>` user
+    turns, so that any template renders them."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments_object(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        if not native:
+            if m.get("tool_calls"):
+                tags = "\n".join(_tagged_call(c) for c in m.pop("tool_calls"))
+                m["content"] = f"{m['content']}\n{tags}" if m.get("content") else tags
+            elif m["role"] == "tool":
+                m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        out.append(m)
+    if tools and not native:
+        prompt = tools_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:   # left as sent: the template writes what the client wrote
+        return arguments
+
+
+# -- the reply, whole or streamed ------------------------------------------------------------------
+
+class ReplyParser:
+    """One choice's reply -> OpenAI's message (`message`) or its stream of deltas (`feed`, then `finish`).
+
+    mode "none": all prose. "auto": the model's own call format among prose. "required": the JSON array
+    of `required_schema`. "named": the reply is the arguments of `function`, streamed as they come.
+    A stream reassembles to what `message` gives for the same text, call ids aside."""
+
+    def __init__(self, mode: str, names: set[str] | None = None, function: str | None = None):
+        self.mode, self.names, self.function = mode, names, function
+        self.text, self.sent, self.calls = "", 0, 0
+        self._named_id = new_call_id() if mode == "named" else ""
+
+    def message(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.mode == "named":
+            return None, [ToolCall(self.function, text, self._named_id or new_call_id())]
+        if self.mode == "required":
+            calls = parse_required(text)
+            return (text, []) if calls is None else (None, calls)
+        if self.mode == "auto":
+            return parse_tool_calls(text, self.names)
+        return text, []
+
+    @staticmethod
+    def finish_reason(reason: str | None, called: bool) -> str | None:
+        """OpenAI's "tool_calls" for a reply that ended by itself with calls; a cut-short one stays "length"."""
+        return "tool_calls" if called and reason == "stop" else reason
+
+    def feed(self, delta: str) -> list[dict]:
+        self.text += delta
+        if self.mode == "none":
+            return [{"content": delta}] if delta else []
+        if self.mode == "named":
+            out = [] if self.calls else [self._header(ToolCall(self.function, "", self._named_id))]
+            self.calls = 1
+            return out + ([_arguments_delta(0, delta)] if delta else [])
+        if self.mode == "auto":
+            upto = held_back(self.text)
+            if upto > self.sent:
+                piece, self.sent = self.text[self.sent:upto], upto
+                return [{"content": piece}]
+        return []
+
+    def finish(self) -> list[dict]:
+        """What the held-back tail of the reply adds once it is complete."""
+        if self.mode in ("none", "named"):
+            return []
+        content, calls = self.message(self.text)
+        out = [{"content": content[self.sent:]}] if content and len(content) > self.sent else []
+        for call in calls:
+            out += [self._header(call), _arguments_delta(self.calls - 1, call.arguments)]
+        return out
+
+    def _header(self, call: ToolCall) -> dict:
+        self.calls += 1
+        return {"tool_calls": [{"index": self.calls - 1, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": ""}}]}
+
+
+def _arguments_delta(index: int, fragment: str) -> dict:
+    return {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
