@@ -18,6 +18,7 @@ from bie_trt.spec.draft import DraftModelProposer
 from hf_reference import hf_model
 
 GAMMA = SimpleNamespace(num_speculative_tokens=4)
+K = 4096   # the static ids of tiny_draft_engine's draft: SmolLM2's merge order is its id order, so 0..4095
 
 
 def seq_of(ids: list[int], **params) -> Sequence:
@@ -41,7 +42,8 @@ def text_ids(smollm2_checkpoint, lee_text):
 
 def test_long_prompt_reads_sinks_and_last_window_at_their_positions(tiny, tiny_draft, tiny_draft_engine, text_ids):
     """The draft's distribution after a 300-token prompt equals transformers' on the sinks and the
-    last window only, fed with their original position ids."""
+    last window only, fed with their original position ids, over its static ids and every id of the
+    prompt outside them (those in first-seen order)."""
     _, proposer = tiny
     ids = text_ids[:300]
     seq = seq_of(ids, temperature=1.0)
@@ -50,17 +52,19 @@ def test_long_prompt_reads_sinks_and_last_window_at_their_positions(tiny, tiny_d
     assert proposer.tokens_forwarded - before == 16 + 64          # O(window), not O(prompt)
     kept = list(range(16)) + list(range(300 - 64, 300))
     assert proposer.cached_positions(seq) == kept
-    want, vocab = draft_log_probs(tiny_draft, tiny_draft_engine, ids, kept)
-    assert (q > 0).sum() == len(vocab)
+    own = list(dict.fromkeys(t for t in ids if t >= K))           # the static ids are 0..K-1
+    assert len(own) > 10 and proposer.request_ids(seq) == own
+    want, vocab = draft_log_probs(tiny_draft, tiny_draft_engine, ids, kept, extra=own)
+    assert (q > 0).sum() == len(vocab) == K + len(own)
     # log q to 1e-4 (fp32 ~1e-6 here); position ids of the slots instead of the originals: ~5e-2
     assert torch.allclose(q[vocab].log(), want, atol=1e-4), (q[vocab].log() - want).abs().max()
     proposer.free(seq)
 
 
 def test_reduced_vocabulary_zeroes_q_outside_it(tiny, tiny_draft_engine, tmp_path, text_ids):
-    """q is zero outside the draft's ids, positive inside, and the proposals come from them. SmolLM2's
-    merge order is its id order, so the built vocabulary is ids 0..4095: this copy of the engine
-    names 4,096 scattered ids instead, to tell a scatter from a prefix."""
+    """q is zero outside the draft's ids and the prompt's, positive inside, and the proposals come from
+    them. SmolLM2's merge order is its id order, so the built vocabulary is ids 0..4095: this copy of
+    the engine names 4,096 scattered ids instead, to tell a scatter from a prefix."""
     import random
     import shutil
 
@@ -74,6 +78,7 @@ def test_reduced_vocabulary_zeroes_q_outside_it(tiny, tiny_draft_engine, tmp_pat
     prop = proposer.propose([seq], [4])[0]
     inside = torch.zeros(49152, dtype=torch.bool)
     inside[ids] = True
+    inside[text_ids[:40]] = True
     assert len(prop.token_ids) == 4 and prop.probs.shape == (4, 49152)
     assert (prop.probs[:, ~inside] == 0).all() and (prop.probs[:, inside] > 0).all()
     assert torch.allclose(prop.probs.sum(-1), torch.ones(4), atol=1e-5)
@@ -122,13 +127,15 @@ def test_draft_kv_is_the_same_for_6k_and_1k_prompts(build, tiny_draft, text_ids)
     assert per_seq_fp16 == planned // manifest["max_num_seqs"]
 
 
-def draft_log_probs(tiny_draft, tiny_draft_engine, ids: list[int], positions: list[int]) -> torch.Tensor:
-    """transformers' log-distribution of the draft over its vocabulary after the tokens at `positions`,
-    fed with those original position ids."""
+def draft_log_probs(tiny_draft, tiny_draft_engine, ids: list[int], positions: list[int],
+                    extra: list[int] = ()) -> torch.Tensor:
+    """transformers' log-distribution of the draft over its static vocabulary and the `extra` ids after
+    the tokens at `positions`, fed with those original position ids."""
     with torch.no_grad():
         logits = hf_model(Checkpoint(tiny_draft))(torch.tensor([[ids[p] for p in positions]]),
                                                   position_ids=torch.tensor([positions])).logits[0, -1]
-    vocab = torch.tensor(json.loads((tiny_draft_engine / "draft" / "vocab.json").read_text())["ids"])
+    static = json.loads((tiny_draft_engine / "draft" / "vocab.json").read_text())["ids"]
+    vocab = torch.tensor(static + list(extra))
     return torch.log_softmax(logits[vocab], -1), vocab
 
 
@@ -164,7 +171,8 @@ def test_a_long_run_keeps_a_sliding_window_in_its_fixed_blocks(one_layer, text_i
         assert window == list(range(window[0], window[0] + len(window)))
         assert len(window) >= min(64, seq.num_tokens - 16) and len(pos) <= proposer.blocks_per_seq * 16
     q = proposer.propose([seq], [1])[0].probs[0]
-    want, vocab = draft_log_probs(checkpoint, engine, seq.token_ids, proposer.cached_positions(seq))
+    own = list(dict.fromkeys(t for t in seq.token_ids if t >= K))
+    want, vocab = draft_log_probs(checkpoint, engine, seq.token_ids, proposer.cached_positions(seq), extra=own)
     assert torch.allclose(q[vocab].log(), want, atol=1e-4), (q[vocab].log() - want).abs().max()
     proposer.free(seq)
 
