@@ -87,6 +87,42 @@ def test_reduced_vocabulary_zeroes_q_outside_it(tiny, tiny_draft_engine, tmp_pat
     assert greedy.probs is None and all(inside[t] for t in greedy.token_ids)
 
 
+def test_past_r_ids_the_most_recently_seen_keep_their_rows(tiny, tiny_draft_engine, tmp_path, text_ids):
+    """A copy of the engine whose draft may add R = 8 ids a sequence: its rows buffer holds 8 rows, the
+    8 most recently seen ids of the prompt outside the static ones get q > 0 (with their own rows of the
+    full head), older ones q = 0; new output ids take the oldest rows; a freed sequence's rows are reused."""
+    import shutil
+
+    runner, _ = tiny
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_draft_engine, engine)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    manifest["draft"]["request_vocab"] = 8
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    proposer = DraftModelProposer(engine, runner, GAMMA)
+    assert {t.shape[:2] for t in proposer.request_head.values()} == {(runner.max_num_seqs, 8)}
+
+    def most_recent(ids: list[int]) -> set[int]:
+        return set(list(dict.fromkeys(t for t in reversed(ids) if t >= K))[:8])
+
+    seq = seq_of(text_ids[:200], temperature=1.0)
+    for step in range(2):
+        q = proposer.propose([seq], [1])[0].probs[0]
+        held, older = most_recent(seq.token_ids), set(t for t in seq.token_ids if t >= K) - most_recent(seq.token_ids)
+        assert set(proposer.request_ids(seq)) == held and len(proposer.request_ids(seq)) == 8 and older
+        assert all(q[t] > 0 for t in held) and all(q[t] == 0 for t in older)
+        assert (q > 0).sum() == K + 8
+        slot = proposer.seqs[seq].head_slot
+        for row, t in enumerate(proposer.request_ids(seq)):
+            assert torch.equal(proposer.request_head["lm_head"][slot, row],
+                               proposer.host_head["lm_head"][t].to(runner.dtype))
+        seq.output_ids += [t for t in text_ids[1000:1200] if t >= K][:3]   # three ids, then propose again
+    proposer.free(seq)
+    again = [seq_of(text_ids[:50]), seq_of(text_ids[:60])]
+    proposer.propose(again, [1, 1])
+    assert sorted(proposer.seqs[s].head_slot for s in again) == [0, 1]
+
+
 def test_rollback_equals_a_fresh_draft(tiny, tiny_draft_engine, text_ids):
     """After proposals are rejected (the sequence took other tokens), the draft's next q is the one a
     draft that never saw the rejected guesses gives."""
