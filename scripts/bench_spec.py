@@ -84,6 +84,18 @@ def self_draft_prompts(passage: str) -> dict[str, str]:
     }
 
 
+def first_uses_outside(engine: BieEngine, prompt: str, output: list[int]) -> int:
+    """Output tokens outside the draft's static ids that neither the prompt nor earlier output held:
+    the proposals a draft over the static ids and the request's own can never get right."""
+    static = set(json.loads((Path(engine.config.engine_dir) / "draft" / "vocab.json").read_text())["ids"])
+    seen = set(engine.tokenizer(prompt)["input_ids"]) | static
+    count = 0
+    for t in output:
+        count += t not in seen
+        seen.add(t)
+    return count
+
+
 def run_self_draft_part(args: argparse.Namespace) -> dict:
     text = PASSAGE.read_text()[:args.self_draft_chars] if PASSAGE.exists() else FALLBACK
     spec = {"method": "draft_model", "num_speculative_tokens": args.gamma}
@@ -102,7 +114,7 @@ def run_self_draft_part(args: argparse.Namespace) -> dict:
                          **s, "acceptance_rate": s["num_accepted_tokens"] / max(s["num_draft_tokens"], 1)}
             row.setdefault("tokens", out.token_ids)
             row[f"{name}_identical"] = out.token_ids == row["tokens"]
-        del row["tokens"]
+        row["first_uses_outside_static"] = first_uses_outside(engines["default"], prompt, row.pop("tokens"))
         rows.append(row)
         print(json.dumps(row), flush=True)
     total = {name: sum(r[name]["num_accepted_tokens"] for r in rows) / max(sum(r[name]["num_draft_tokens"]
