@@ -123,6 +123,32 @@ def test_past_r_ids_the_most_recently_seen_keep_their_rows(tiny, tiny_draft_engi
     assert sorted(proposer.seqs[s].head_slot for s in again) == [0, 1]
 
 
+def test_an_int8_head_gives_the_request_rows_in_int8_too(tiny, tiny_draft_engine, tmp_path, text_ids):
+    """The 8 GB profiles keep heads int8: a copy of the engine with both heads int8 proposes over the same
+    union, with q within int8 rounding of the fp16 engine's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from bie_trt.kernels.int8_rows import quantize_rows_int8
+
+    runner, proposer = tiny
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_draft_engine, engine)
+    for name in ("weights.safetensors", "head.safetensors"):
+        w = load_file(str(engine / "draft" / name))
+        w["lm_head.q"], w["lm_head.scale"] = quantize_rows_int8(w.pop("lm_head"))
+        save_file(w, str(engine / "draft" / name))
+    int8 = DraftModelProposer(engine, runner, GAMMA)
+    assert int8.request_head["lm_head.q"].dtype == torch.int8
+    seq, twin = seq_of(text_ids[:120], temperature=1.0), seq_of(text_ids[:120], temperature=1.0)
+    q8, q = int8.propose([seq], [1])[0].probs[0], proposer.propose([twin], [1])[0].probs[0]
+    assert int8.request_ids(seq) == proposer.request_ids(twin) and len(int8.request_ids(seq)) > 5
+    assert torch.equal(q8 > 0, q > 0)
+    assert torch.allclose(q8[q > 0].log(), q[q > 0].log(), atol=0.05), (q8[q > 0].log() - q[q > 0].log()).abs().max()
+    proposer.free(twin)
+
+
 def test_rollback_equals_a_fresh_draft(tiny, tiny_draft_engine, text_ids):
     """After proposals are rejected (the sequence took other tokens), the draft's next q is the one a
     draft that never saw the rejected guesses gives."""
