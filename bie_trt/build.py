@@ -58,6 +58,7 @@ class BuildOptions:
     # Speculative decoding's draft model (a checkpoint sharing the tokenizer), written to draft/.
     draft_checkpoint: str | None = None
     draft_vocab_size: int | None = None     # None: DEFAULT_DRAFT_VOCAB_SIZE
+    draft_request_vocab: int | None = None  # None: DEFAULT_DRAFT_REQUEST_VOCAB
     draft_window_tokens: int = DEFAULT_DRAFT_WINDOW_TOKENS
     speculative: SpeculativeConfig | None = None   # the engine's default speculation (None: off, or its draft)
 
@@ -177,6 +178,7 @@ def plan_for(ckpt: Checkpoint, profile: BuildProfile, kv: KVCacheConfig, max_mod
     extra = {}
     if draft is not None and opts is not None:
         extra = dict(draft=draft.model, draft_vocab_size=opts.draft_vocab_size,
+                     draft_request_vocab=opts.draft_request_vocab,
                      draft_window_tokens=opts.draft_window_tokens, draft_weight_group_size=draft.quant.group_size)
     return solve_plan(ckpt.model, profile, max_model_len=max_model_len, kv=kv, max_num_seqs=max_num_seqs,
                       chunk_tokens=chunk_tokens or profile.defaults.chunked_prefill_size,
@@ -211,14 +213,18 @@ def open_draft(opts: BuildOptions, target: Checkpoint) -> Checkpoint | None:
 
 
 def write_draft(draft: Checkpoint, plan: MemoryPlan, out: Path, source: str) -> dict:
-    """draft/: the draft's repacked weights (head over the reduced vocabulary) and that vocabulary's
-    ids; returns the manifest's "draft" entry."""
+    """draft/: the draft's repacked weights (head over the reduced vocabulary), that vocabulary's
+    ids and, when a request may add ids of its own, the full head (read into host memory);
+    returns the manifest's "draft" entry."""
     inputs = plan.inputs
-    ids = reduced_vocabulary(draft.path, draft.model.vocab_size, inputs["draft_vocab_size"])
+    v = draft.model.vocab_size
+    ids = reduced_vocabulary(draft.path, v, inputs["draft_vocab_size"])
     out.mkdir()
-    weights = _model_weights(draft, inputs["lm_head_dtype"], ids if len(ids) < draft.model.vocab_size else None)
+    weights = _model_weights(draft, inputs["lm_head_dtype"], ids if len(ids) < v else None)
     save_file(weights, str(out / ef.WEIGHTS))
     (out / ef.DRAFT_VOCAB).write_text(json.dumps({"ranking": RANKING, "ids": ids}) + "\n")
+    if inputs["draft_request_vocab"]:   # every row, stored even when tied: the runtime gathers from it
+        save_file(_lm_head(draft, inputs["lm_head_dtype"], list(range(v))), str(out / ef.DRAFT_HEAD))
     return {
         "config": draft.model.to_dict(),
         "name": Path(str(source)).name,
@@ -226,6 +232,7 @@ def write_draft(draft: Checkpoint, plan: MemoryPlan, out: Path, source: str) -> 
                    "weight_group_size": draft.quant.group_size},
         "vocab_size": len(ids),
         "vocab_ranking": RANKING,
+        "request_vocab": inputs["draft_request_vocab"],
         "sink_tokens": inputs["draft_sink_tokens"],
         "window": inputs["draft_window_tokens"],
     }

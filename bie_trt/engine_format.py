@@ -19,8 +19,9 @@ from .jsonio import read_json_object
 SCHEMA_VERSION = 2   # 2: kv.key_mean in the weights
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
-DRAFT_DIR = "draft"            # the speculative draft model: its WEIGHTS and DRAFT_VOCAB
+DRAFT_DIR = "draft"            # the speculative draft model: its WEIGHTS, DRAFT_VOCAB and DRAFT_HEAD
 DRAFT_VOCAB = "vocab.json"     # {"ranking": how the ids were chosen, "ids": the draft head's token ids}
+DRAFT_HEAD = "head.safetensors"   # the draft's full head, read into host memory for each request's own ids
 UNHASHED = ("build-info.json",)
 # What every reader of a manifest relies on; anything else is optional or checked where used.
 REQUIRED_KEYS = ("schema_version", "model", "kv", "plan", "files", "max_model_len", "max_num_seqs")

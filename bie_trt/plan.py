@@ -34,6 +34,9 @@ DEFAULT_DRAFT_WINDOW_TOKENS = 1024
 # The draft's head covers only the K most frequent token ids: on Llama-3 vocabularies (128,256)
 # this cuts a 1B draft's int8 head from 251 MiB to 32 MiB, what an 8B + 1B pair needs to fit 8 GB.
 DEFAULT_DRAFT_VOCAB_SIZE = 16384
+# Besides them, each sequence gets up to this many rows of the draft's full head for the ids of its
+# own prompt and output (a document's names, identifiers and jargon): 8 MiB a sequence for a 1B int8 head.
+DEFAULT_DRAFT_REQUEST_VOCAB = 4096
 
 
 @dataclass
@@ -259,6 +262,13 @@ def draft_vocab_rows(draft: ModelConfig, draft_vocab_size: int | None) -> int:
     return min(k, draft.vocab_size)
 
 
+def draft_request_rows(draft: ModelConfig, vocab_rows: int, request_vocab: int | None) -> int:
+    """Extra head rows per sequence for its own ids outside the static ones: never more than
+    there are such ids (none when the static head covers the whole vocabulary)."""
+    r = DEFAULT_DRAFT_REQUEST_VOCAB if request_vocab is None else request_vocab
+    return min(r, draft.vocab_size - vocab_rows)
+
+
 # --- activations -----------------------------------------------------------------------------
 
 def step_tokens(chunk_tokens: int, max_num_seqs: int, num_speculative_tokens: int) -> int:
@@ -338,11 +348,13 @@ def _check_inputs(
         raise PlanError(f"gpu_memory_utilization must be in (0, 1]; got {utilisation}.")
 
 
-def check_draft_settings(window: int, vocab_size: int | None) -> None:
+def check_draft_settings(window: int, vocab_size: int | None, request_vocab: int | None = None) -> None:
     if window < 1:
         raise PlanError(f"the draft's window must be at least 1 token; got {window}.")
     if vocab_size is not None and vocab_size < 1:
         raise PlanError(f"the draft's vocabulary size must be at least 1 token id; got {vocab_size}.")
+    if request_vocab is not None and request_vocab < 0:
+        raise PlanError(f"the draft's request vocabulary must be 0 (off) or more rows; got {request_vocab}.")
 
 
 # --- the plan --------------------------------------------------------------------------------
@@ -359,6 +371,7 @@ def solve_plan(
     draft: ModelConfig | None = None,
     draft_window_tokens: int = DEFAULT_DRAFT_WINDOW_TOKENS,
     draft_vocab_size: int | None = None,
+    draft_request_vocab: int | None = None,
     draft_weight_group_size: int | None = None,
     num_speculative_tokens: int | None = None,
     lm_head_dtype: str | None = None,
@@ -371,8 +384,10 @@ def solve_plan(
     Settings left as None take the profile's defaults. `num_speculative_tokens` (gamma) defaults
     to the profile's when a draft is given, else 0 (pass it for n-gram speculation).
     `draft_vocab_size` (K): the draft's head covers the K most frequent token ids
-    (DEFAULT_DRAFT_VOCAB_SIZE when None; the whole vocabulary when K >= it). The draft's AWQ group
-    size is the target's unless `draft_weight_group_size` says otherwise.
+    (DEFAULT_DRAFT_VOCAB_SIZE when None; the whole vocabulary when K >= it), and
+    `draft_request_vocab` (R) more rows per sequence for the ids of its own text
+    (DEFAULT_DRAFT_REQUEST_VOCAB when None). The draft's AWQ group size is the target's unless
+    `draft_weight_group_size` says otherwise.
     """
     d = profile.defaults
     lm_head_dtype = lm_head_dtype or d.lm_head_dtype
@@ -384,7 +399,7 @@ def solve_plan(
                   lm_head_dtype, embedding, utilisation)
     draft_group = draft_weight_group_size or weight_group_size
     if draft is not None:
-        check_draft_settings(draft_window_tokens, draft_vocab_size)
+        check_draft_settings(draft_window_tokens, draft_vocab_size, draft_request_vocab)
         _check_inputs(draft, kv, min(max_model_len, draft.max_position_embeddings), max_num_seqs, chunk_tokens,
                       draft_group, None, lm_head_dtype, embedding, utilisation)
     budget = int(profile.vram_bytes * utilisation)
@@ -397,8 +412,10 @@ def solve_plan(
     # A step runs a prefill chunk and every sequence's decode (and proposals) in one forward.
     step = step_tokens(chunk_tokens, max_num_seqs, gamma)
     workspace = activation_workspace_bytes(model, step, block_size=kv.block_size)
+    vocab_rows = draft_vocab_rows(draft, draft_vocab_size) if draft is not None else None
+    request_rows = draft_request_rows(draft, vocab_rows, draft_request_vocab) if draft is not None else None
     if draft is not None:
-        draft_items = _draft_items(draft, kv, draft_window_tokens, draft_vocab_rows(draft, draft_vocab_size),
+        draft_items = _draft_items(draft, kv, draft_window_tokens, vocab_rows, request_rows,
                                    max_num_seqs, gamma, draft_group, lm_head_dtype, embedding)
         # Draft and target run one after the other and share the workspace.
         workspace = max(workspace, activation_workspace_bytes(draft, step, block_size=kv.block_size))
@@ -443,7 +460,8 @@ def solve_plan(
         "draft": draft.to_dict() if draft is not None else None,
         "draft_window_tokens": draft_window_tokens if draft is not None else None,
         "draft_sink_tokens": DEFAULT_DRAFT_SINK_TOKENS if draft is not None else None,
-        "draft_vocab_size": draft_vocab_rows(draft, draft_vocab_size) if draft is not None else None,
+        "draft_vocab_size": vocab_rows,
+        "draft_request_vocab": request_rows,
         "num_speculative_tokens": gamma,
     }
     return MemoryPlan(
@@ -458,13 +476,19 @@ def solve_plan(
 
 
 def _draft_items(
-    draft: ModelConfig, kv: KVCacheConfig, window: int, vocab_rows: int, max_num_seqs: int, gamma: int,
-    group_size: int, lm_head_dtype: str, embedding: str,
+    draft: ModelConfig, kv: KVCacheConfig, window: int, vocab_rows: int, request_rows: int, max_num_seqs: int,
+    gamma: int, group_size: int, lm_head_dtype: str, embedding: str,
 ) -> list[PlanItem]:
-    """The draft's own items, each named draft_*: its weights (head over `vocab_rows` ids), its
-    bounded FP16 KV and the distributions it proposes from."""
+    """The draft's own items, each named draft_*: its weights (head over `vocab_rows` ids, and
+    `request_rows` more per sequence), its bounded FP16 KV and the distributions it proposes from."""
     weights = [dataclasses.replace(it, name="draft_" + it.name)
                for it in _weights(draft, group_size, lm_head_dtype, embedding, head_rows=vocab_rows)]
+    if vocab_rows < draft.vocab_size:
+        weights.append(PlanItem(
+            "draft_request_head", lm_head_bytes(draft, lm_head_dtype, max_num_seqs * request_rows),
+            f"{lm_head_dtype}, {max_num_seqs} seq(s) x {request_rows:,} rows: the ids of each request's text "
+            f"outside the {vocab_rows:,} (the full head stays in host memory, "
+            f"{format_bytes(lm_head_bytes(draft, lm_head_dtype))})"))
     blocks = draft_kv_blocks(kv, window, max_num_seqs)
     sinks = math.ceil(DEFAULT_DRAFT_SINK_TOKENS / kv.block_size) * kv.block_size
     return [

@@ -5,6 +5,12 @@ input-grounded tasks (quote a given passage, edit given code) and on free genera
 acceptance rate (accepted ÷ proposed), mean tokens accepted per proposal, tokens per decode step,
 decode tokens/s with and without, their ratio, and whether the tokens are identical.
 
+Self-draft part (`--self-draft DEFAULT FULL`): two engines built from one checkpoint with itself as
+the draft, one with the default draft settings and one with `--draft-vocab-size` covering the whole
+vocabulary. Greedy, on short and long English prose, source code and technical text: acceptance
+(accepted ÷ proposed) of each, side by side. A self-draft should accept nearly everything; what the
+default loses against the full vocabulary is what its reduced head costs.
+
 GPU part (`--gpu`): the verify cost T(γ+1) / T(1) of one sequence at 4k / 32k / 64k context for
 Llama-3-8B shapes with an INT4 KV cache (random AWQ-shaped weights), and the speedup that implies
 at acceptance 0.6 / 0.7 / 0.8 with a free proposer. `--smoke` runs both parts small (a few
@@ -12,10 +18,13 @@ tokens; tiny shapes for the GPU part, on the CPU when there is no GPU) so the te
 
     python scripts/bench_spec.py --engine engines/smollm2 --out benchmarks/results/spec_cpu.json
     python scripts/bench_spec.py --gpu --out benchmarks/results/spec_gpu.json
+    python scripts/bench_spec.py --self-draft engines/smollm2-self engines/smollm2-self-full \
+        --max-tokens 48 --out benchmarks/results/spec_self_draft.json
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -57,6 +66,62 @@ def tasks(passage: str) -> dict[str, str]:
         "edit_code": f"Rename the variable `users` to `people` everywhere in this code.\n\n{CODE}\nRenamed code:\n",
         "free_generation": "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n",
     }
+
+
+def self_draft_prompts(passage: str) -> dict[str, str]:
+    """Short requests and long documents that are none of ours: an English news text, and the
+    standard library's own code and technical prose (the running Python's, so any host has them)."""
+    import email._header_value_parser as rfc5322
+    import textwrap
+
+    return {
+        "prose_short": "Write a short story about a lighthouse keeper.\n\n",
+        "prose_long": f"{passage}\n\nQuestion: Who is named in the text above, and what happened?\nAnswer:",
+        "code_short": "# Python: read a CSV file of users and print the oldest one.\nimport csv\n\n",
+        "code_long": inspect.getsource(textwrap)[:6000] + "\n\n# Tests for the functions above\nimport unittest\n",
+        "technical_short": "Explain how a B-tree index speeds up lookups in a database.\n\n",
+        "technical_long": f"{rfc5322.__doc__}\n\nIn short, the parser",
+    }
+
+
+def first_uses_outside(engine: BieEngine, prompt: str, output: list[int]) -> int:
+    """Output tokens outside the draft's static ids that neither the prompt nor earlier output held:
+    the proposals a draft over the static ids and the request's own can never get right."""
+    static = set(json.loads((Path(engine.config.engine_dir) / "draft" / "vocab.json").read_text())["ids"])
+    seen = set(engine.tokenizer(prompt)["input_ids"]) | static
+    count = 0
+    for t in output:
+        count += t not in seen
+        seen.add(t)
+    return count
+
+
+def run_self_draft_part(args: argparse.Namespace) -> dict:
+    text = PASSAGE.read_text()[:args.self_draft_chars] if PASSAGE.exists() else FALLBACK
+    spec = {"method": "draft_model", "num_speculative_tokens": args.gamma}
+    engines = {name: BieEngine(EngineConfig(engine_dir=path, device="cpu", speculative=spec))
+               for name, path in zip(("default", "full_vocab"), args.self_draft)}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    rows = []
+    for task, prompt in list(self_draft_prompts(text).items())[:1 if args.smoke else None]:
+        row: dict = {"task": task}
+        for name, engine in engines.items():
+            draft = engine.runner.manifest["draft"]
+            out = engine.generate(prompt, params)
+            s = out.spec_decode
+            row["prompt_tokens"] = out.usage.prompt_tokens
+            row[name] = {"draft_vocab_size": draft["vocab_size"], "request_vocab": draft.get("request_vocab", 0),
+                         **s, "acceptance_rate": s["num_accepted_tokens"] / max(s["num_draft_tokens"], 1)}
+            row.setdefault("tokens", out.token_ids)
+            row[f"{name}_identical"] = out.token_ids == row["tokens"]
+        row["first_uses_outside_static"] = first_uses_outside(engines["default"], prompt, row.pop("tokens"))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    total = {name: sum(r[name]["num_accepted_tokens"] for r in rows) / max(sum(r[name]["num_draft_tokens"]
+                                                                             for r in rows), 1)
+             for name in engines}
+    print(json.dumps({"acceptance_all_tasks": total}), flush=True)
+    return {"gamma": args.gamma, "acceptance_all_tasks": total, "rows": rows}
 
 
 def run_engine_part(args: argparse.Namespace) -> list[dict]:
@@ -148,6 +213,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--passage-chars", type=int, default=700)
+    ap.add_argument("--self-draft", nargs=2, metavar=("DEFAULT", "FULL"),
+                    help="two self-draft engines: default draft settings, and the whole vocabulary")
+    ap.add_argument("--self-draft-chars", type=int, default=4000, help="characters of the long prose prompt")
     ap.add_argument("--gpu", action="store_true", help="also time T(γ+1)/T(1) at 8B shapes (needs a CUDA GPU)")
     ap.add_argument("--contexts", default="4096,32768,65536")
     ap.add_argument("--steps", type=int, default=20)
@@ -160,11 +228,13 @@ def main() -> None:
         print("bench_spec --gpu needs a CUDA GPU (none here; --smoke runs it small on the CPU).", file=sys.stderr)
         sys.exit(2)
     out = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "smoke": args.smoke, "gamma": args.gamma,
-           "max_tokens": args.max_tokens, "engine": None, "tasks": None, "verify": None}
+           "max_tokens": args.max_tokens, "engine": None, "tasks": None, "self_draft": None, "verify": None}
     if args.engine:
         manifest = json.loads((Path(args.engine) / "manifest.json").read_text())
         out["engine"] = {"model": manifest["model"]["name"], "kv": manifest["kv"]["dtype"]}
         out["tasks"] = run_engine_part(args)
+    if args.self_draft:
+        out["self_draft"] = run_self_draft_part(args)
     if args.gpu or args.smoke:
         out["verify"] = run_verify_part(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -29,10 +29,10 @@ def engine(tiny_draft_engine):
 
 def test_draft_dir_is_in_the_manifest_digests(engine, tiny_draft):
     manifest = json.loads((engine / "manifest.json").read_text())
-    for name in ("draft/weights.safetensors", "draft/vocab.json"):
+    for name in ("draft/weights.safetensors", "draft/vocab.json", "draft/head.safetensors"):
         assert manifest["files"][name] == sha256_file(engine / name)
     d = manifest["draft"]
-    assert d["vocab_size"] == K and d["window"] == 64 and d["sink_tokens"] == 8
+    assert d["vocab_size"] == K and d["window"] == 64 and d["sink_tokens"] == 8 and d["request_vocab"] == 4096
     assert ModelConfig.from_dict(d["config"]) == Checkpoint(tiny_draft).model
     assert d["source"]["weight_group_size"] == 32
     assert verify_engine(engine).ok
@@ -54,6 +54,8 @@ def test_draft_head_holds_exactly_the_chosen_rows(engine, tiny_draft, smollm2_ch
     head = Checkpoint(tiny_draft).tensor("lm_head.weight")
     assert torch.equal(w["lm_head"], head[torch.tensor(ids)].half())
     assert w["embed_tokens"].shape == (49152, 64) and "kv.key_mean" not in w
+    # every row of the head, for the ids a request brings (all of them: tied heads too)
+    assert torch.equal(load_file(str(engine / "draft" / "head.safetensors"))["lm_head"], head.half())
 
 
 def _swap_two_tokens(src, dst, a: int, b: int):

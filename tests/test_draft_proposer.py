@@ -18,6 +18,7 @@ from bie_trt.spec.draft import DraftModelProposer
 from hf_reference import hf_model
 
 GAMMA = SimpleNamespace(num_speculative_tokens=4)
+K = 4096   # the static ids of tiny_draft_engine's draft: SmolLM2's merge order is its id order, so 0..4095
 
 
 def seq_of(ids: list[int], **params) -> Sequence:
@@ -41,7 +42,8 @@ def text_ids(smollm2_checkpoint, lee_text):
 
 def test_long_prompt_reads_sinks_and_last_window_at_their_positions(tiny, tiny_draft, tiny_draft_engine, text_ids):
     """The draft's distribution after a 300-token prompt equals transformers' on the sinks and the
-    last window only, fed with their original position ids."""
+    last window only, fed with their original position ids, over its static ids and every id of the
+    prompt outside them (those in first-seen order)."""
     _, proposer = tiny
     ids = text_ids[:300]
     seq = seq_of(ids, temperature=1.0)
@@ -50,17 +52,19 @@ def test_long_prompt_reads_sinks_and_last_window_at_their_positions(tiny, tiny_d
     assert proposer.tokens_forwarded - before == 16 + 64          # O(window), not O(prompt)
     kept = list(range(16)) + list(range(300 - 64, 300))
     assert proposer.cached_positions(seq) == kept
-    want, vocab = draft_log_probs(tiny_draft, tiny_draft_engine, ids, kept)
-    assert (q > 0).sum() == len(vocab)
+    own = list(dict.fromkeys(t for t in ids if t >= K))           # the static ids are 0..K-1
+    assert len(own) > 10 and proposer.request_ids(seq) == own
+    want, vocab = draft_log_probs(tiny_draft, tiny_draft_engine, ids, kept, extra=own)
+    assert (q > 0).sum() == len(vocab) == K + len(own)
     # log q to 1e-4 (fp32 ~1e-6 here); position ids of the slots instead of the originals: ~5e-2
     assert torch.allclose(q[vocab].log(), want, atol=1e-4), (q[vocab].log() - want).abs().max()
     proposer.free(seq)
 
 
 def test_reduced_vocabulary_zeroes_q_outside_it(tiny, tiny_draft_engine, tmp_path, text_ids):
-    """q is zero outside the draft's ids, positive inside, and the proposals come from them. SmolLM2's
-    merge order is its id order, so the built vocabulary is ids 0..4095: this copy of the engine
-    names 4,096 scattered ids instead, to tell a scatter from a prefix."""
+    """q is zero outside the draft's ids and the prompt's, positive inside, and the proposals come from
+    them. SmolLM2's merge order is its id order, so the built vocabulary is ids 0..4095: this copy of
+    the engine names 4,096 scattered ids instead, to tell a scatter from a prefix."""
     import random
     import shutil
 
@@ -74,12 +78,75 @@ def test_reduced_vocabulary_zeroes_q_outside_it(tiny, tiny_draft_engine, tmp_pat
     prop = proposer.propose([seq], [4])[0]
     inside = torch.zeros(49152, dtype=torch.bool)
     inside[ids] = True
+    inside[text_ids[:40]] = True
     assert len(prop.token_ids) == 4 and prop.probs.shape == (4, 49152)
     assert (prop.probs[:, ~inside] == 0).all() and (prop.probs[:, inside] > 0).all()
     assert torch.allclose(prop.probs.sum(-1), torch.ones(4), atol=1e-5)
     assert all(inside[t] for t in prop.token_ids)
     greedy = proposer.propose([seq_of(text_ids[:40])], [2])[0]
     assert greedy.probs is None and all(inside[t] for t in greedy.token_ids)
+
+
+def test_past_r_ids_the_most_recently_seen_keep_their_rows(tiny, tiny_draft_engine, tmp_path, text_ids):
+    """A copy of the engine whose draft may add R = 8 ids a sequence: its rows buffer holds 8 rows, the
+    8 most recently seen ids of the prompt outside the static ones get q > 0 (with their own rows of the
+    full head), older ones q = 0; new output ids take the oldest rows; a freed sequence's rows are reused."""
+    import shutil
+
+    runner, _ = tiny
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_draft_engine, engine)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    manifest["draft"]["request_vocab"] = 8
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    proposer = DraftModelProposer(engine, runner, GAMMA)
+    assert {t.shape[:2] for t in proposer.request_head.values()} == {(runner.max_num_seqs, 8)}
+
+    def most_recent(ids: list[int]) -> set[int]:
+        return set(list(dict.fromkeys(t for t in reversed(ids) if t >= K))[:8])
+
+    seq = seq_of(text_ids[:200], temperature=1.0)
+    for step in range(2):
+        q = proposer.propose([seq], [1])[0].probs[0]
+        held, older = most_recent(seq.token_ids), set(t for t in seq.token_ids if t >= K) - most_recent(seq.token_ids)
+        assert set(proposer.request_ids(seq)) == held and len(proposer.request_ids(seq)) == 8 and older
+        assert all(q[t] > 0 for t in held) and all(q[t] == 0 for t in older)
+        assert (q > 0).sum() == K + 8
+        slot = proposer.seqs[seq].head_slot
+        for row, t in enumerate(proposer.request_ids(seq)):
+            assert torch.equal(proposer.request_head["lm_head"][slot, row],
+                               proposer.host_head["lm_head"][t].to(runner.dtype))
+        seq.output_ids += [t for t in text_ids[1000:1200] if t >= K][:3]   # three ids, then propose again
+    proposer.free(seq)
+    again = [seq_of(text_ids[:50]), seq_of(text_ids[:60])]
+    proposer.propose(again, [1, 1])
+    assert sorted(proposer.seqs[s].head_slot for s in again) == [0, 1]
+
+
+def test_an_int8_head_gives_the_request_rows_in_int8_too(tiny, tiny_draft_engine, tmp_path, text_ids):
+    """The 8 GB profiles keep heads int8: a copy of the engine with both heads int8 proposes over the same
+    union, with q within int8 rounding of the fp16 engine's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from bie_trt.kernels.int8_rows import quantize_rows_int8
+
+    runner, proposer = tiny
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_draft_engine, engine)
+    for name in ("weights.safetensors", "head.safetensors"):
+        w = load_file(str(engine / "draft" / name))
+        w["lm_head.q"], w["lm_head.scale"] = quantize_rows_int8(w.pop("lm_head"))
+        save_file(w, str(engine / "draft" / name))
+    int8 = DraftModelProposer(engine, runner, GAMMA)
+    assert int8.request_head["lm_head.q"].dtype == torch.int8
+    seq, twin = seq_of(text_ids[:120], temperature=1.0), seq_of(text_ids[:120], temperature=1.0)
+    q8, q = int8.propose([seq], [1])[0].probs[0], proposer.propose([twin], [1])[0].probs[0]
+    assert int8.request_ids(seq) == proposer.request_ids(twin) and len(int8.request_ids(seq)) > 5
+    assert torch.equal(q8 > 0, q > 0)
+    assert torch.allclose(q8[q > 0].log(), q[q > 0].log(), atol=0.05), (q8[q > 0].log() - q[q > 0].log()).abs().max()
+    proposer.free(twin)
 
 
 def test_rollback_equals_a_fresh_draft(tiny, tiny_draft_engine, text_ids):
@@ -122,13 +189,15 @@ def test_draft_kv_is_the_same_for_6k_and_1k_prompts(build, tiny_draft, text_ids)
     assert per_seq_fp16 == planned // manifest["max_num_seqs"]
 
 
-def draft_log_probs(tiny_draft, tiny_draft_engine, ids: list[int], positions: list[int]) -> torch.Tensor:
-    """transformers' log-distribution of the draft over its vocabulary after the tokens at `positions`,
-    fed with those original position ids."""
+def draft_log_probs(tiny_draft, tiny_draft_engine, ids: list[int], positions: list[int],
+                    extra: list[int] = ()) -> torch.Tensor:
+    """transformers' log-distribution of the draft over its static vocabulary and the `extra` ids after
+    the tokens at `positions`, fed with those original position ids."""
     with torch.no_grad():
         logits = hf_model(Checkpoint(tiny_draft))(torch.tensor([[ids[p] for p in positions]]),
                                                   position_ids=torch.tensor([positions])).logits[0, -1]
-    vocab = torch.tensor(json.loads((tiny_draft_engine / "draft" / "vocab.json").read_text())["ids"])
+    static = json.loads((tiny_draft_engine / "draft" / "vocab.json").read_text())["ids"]
+    vocab = torch.tensor(static + list(extra))
     return torch.log_softmax(logits[vocab], -1), vocab
 
 
@@ -164,7 +233,8 @@ def test_a_long_run_keeps_a_sliding_window_in_its_fixed_blocks(one_layer, text_i
         assert window == list(range(window[0], window[0] + len(window)))
         assert len(window) >= min(64, seq.num_tokens - 16) and len(pos) <= proposer.blocks_per_seq * 16
     q = proposer.propose([seq], [1])[0].probs[0]
-    want, vocab = draft_log_probs(checkpoint, engine, seq.token_ids, proposer.cached_positions(seq))
+    own = list(dict.fromkeys(t for t in seq.token_ids if t >= K))
+    want, vocab = draft_log_probs(checkpoint, engine, seq.token_ids, proposer.cached_positions(seq), extra=own)
     assert torch.allclose(q[vocab].log(), want, atol=1e-4), (q[vocab].log() - want).abs().max()
     proposer.free(seq)
 

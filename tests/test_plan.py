@@ -206,8 +206,8 @@ def test_draft_adds_weights_and_bounded_kv(llama, ti):
     assert plan.bytes_of("draft_probs") == gamma * 128256 * 4
     assert plan.total_bytes > base.total_bytes
     names = [i.name for i in plan.items if i.name.startswith("draft_")]
-    assert names == ["draft_linear_weights", "draft_lm_head", "draft_embedding", "draft_norms", "draft_kv",
-                     "draft_probs"]
+    assert names == ["draft_linear_weights", "draft_lm_head", "draft_embedding", "draft_norms",
+                     "draft_request_head", "draft_kv", "draft_probs"]
 
 
 def test_draft_vocab_size_sets_the_head_rows(llama, ti):
@@ -222,6 +222,27 @@ def test_draft_vocab_size_sets_the_head_rows(llama, ti):
     for bad in ({"draft_vocab_size": 0}, {"draft_window_tokens": 0}):
         with pytest.raises(PlanError, match="at least 1"):
             plan64k(llama, ti, draft=draft, **bad)
+
+
+def test_each_sequence_gets_its_request_rows_of_the_drafts_head(llama, ti):
+    """R more rows of the draft's head per sequence (int8: H bytes + a 2-byte scale a row), never more
+    rows than there are ids outside the K, none when the K cover the vocabulary; the inputs say how many."""
+    draft = ModelConfig.from_hf(LLAMA_32_1B)
+    plan = plan64k(llama, ti, draft=draft)                        # defaults: K 16,384, R 4,096
+    assert plan.bytes_of("draft_request_head") == 4096 * (2048 + 2) and plan.inputs["draft_request_vocab"] == 4096
+    three = solve_plan(llama, ti, max_model_len=8192, kv=kv_cfg(), max_num_seqs=3, draft=draft,
+                       draft_request_vocab=1000)
+    assert three.bytes_of("draft_request_head") == 3 * 1000 * 2050
+    assert three.total_bytes - solve_plan(llama, ti, max_model_len=8192, kv=kv_cfg(), max_num_seqs=3, draft=draft,
+                                          draft_request_vocab=0).total_bytes == 3 * 1000 * 2050
+    capped = plan64k(llama, ti, draft=draft, draft_vocab_size=128000, draft_request_vocab=4096)
+    assert capped.inputs["draft_request_vocab"] == 256 and capped.bytes_of("draft_request_head") == 256 * 2050
+    full = plan64k(llama, ti, draft=draft, draft_vocab_size=128256)
+    assert full.inputs["draft_request_vocab"] == 0 and "draft_request_head" not in [i.name for i in full.items]
+    fp16 = plan64k(llama, ti, draft=draft, lm_head_dtype="fp16", embedding_placement="gpu")
+    assert fp16.bytes_of("draft_request_head") == 4096 * 2048 * 2
+    with pytest.raises(PlanError, match="request vocabulary must be 0"):
+        plan64k(llama, ti, draft=draft, draft_request_vocab=-1)
 
 
 def test_8b_with_1b_draft_fits_64k_on_8gb_cards(llama):
@@ -394,6 +415,7 @@ def test_cli_plan_with_draft_shows_each_draft_item():
     assert d["budget_bytes"] - d["total_bytes"] >= 64 * MIB
     assert items["draft_lm_head"] == 16384 * 2050 and items["draft_embedding"] == 0
     assert d["inputs"]["draft_window_tokens"] == 1024 and d["inputs"]["draft_vocab_size"] == 16384
+    assert items["draft_request_head"] == 4096 * 2050 and d["inputs"]["draft_request_vocab"] == 4096
 
 
 def test_a_tied_int8_head_on_the_gpu_is_its_own_copy(ti):

@@ -212,6 +212,25 @@ def test_bench_spec_smoke(smollm2_engine, tmp_path):
     assert verify["verify_cost_ratio"] == pytest.approx(verify["ms_verify_6"] / verify["ms_verify_1"])
 
 
+@pytest.mark.slow
+def test_bench_spec_self_draft_smoke(tiny_draft_engine, tmp_path):
+    """The self-draft table's code end to end (the tiny self-draft engine in both columns)."""
+    out = tmp_path / "spec.json"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "scripts/bench_spec.py", "--smoke", "--self-draft", str(tiny_draft_engine),
+                    str(tiny_draft_engine), "--out", str(out)], cwd=root, check=True, timeout=600,
+                   capture_output=True, env={**os.environ, "PYTHONPATH": str(root)})
+    result = json.loads(out.read_text())["self_draft"]
+    (row,) = result["rows"]
+    assert row["task"] == "prose_short" and row["full_vocab_identical"]
+    for name in ("default", "full_vocab"):
+        r = row[name]
+        assert r["draft_vocab_size"] == 4096 and r["request_vocab"] == 4096 and r["num_draft_tokens"] > 0
+        assert r["acceptance_rate"] == pytest.approx(r["num_accepted_tokens"] / r["num_draft_tokens"])
+        assert result["acceptance_all_tasks"][name] == pytest.approx(r["acceptance_rate"])
+    assert 0 <= row["first_uses_outside_static"] <= 6
+
+
 def test_max_model_len_cuts_a_speculative_run_where_plain_decoding_stops(smollm2_engine, plain):
     limit = len(plain.tokenizer(PROMPTS[2])["input_ids"]) + 9
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)

@@ -44,9 +44,12 @@ def tiny_engine(tmp_path_factory) -> Path:
     draft = peaked_model(root / "draft", tokenizer, 14)
     # The engine's default speculation, stored at build: the n-gram run below asks for no other.
     default = SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1)
+    # The draft's head: 16 static ids and the 4 most recently seen of each request's own, so its q is zero
+    # outside a set that moves as the request goes on.
     return build_engine(BuildOptions(checkpoint=str(awq), out=str(root / "engine"), profile="cpu", max_model_len=256,
                                      max_num_seqs=64, speculative=default, draft_checkpoint=str(draft),
-                                     draft_vocab_size=48, draft_window_tokens=64), log=lambda m: None)
+                                     draft_vocab_size=16, draft_request_vocab=4, draft_window_tokens=64),
+                        log=lambda m: None)
 
 
 @pytest.fixture(scope="module")

@@ -99,4 +99,4 @@ def test_model_final_step_is_the_fused_norm_and_head(monkeypatch):
     rows = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     monkeypatch.setenv("BIE_TRT_KERNELS", "triton")
     want = expected(normed(rows, model.norm, cfg.rms_norm_eps), model.lm_head)
-    torch.testing.assert_close(model._logits(rows).cpu().double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.head_logits(rows).cpu().double(), want, atol=1e-4, rtol=1e-4)

@@ -62,6 +62,9 @@ def quantize(src: str, out: str, group_size: int | None, force: bool) -> None:
                    "(the target still verifies over all). [default: 16384]")
 @click.option("--draft-window-tokens", type=POSITIVE, default=1024, show_default=True,
               help="Most recent tokens the draft's bounded cache keeps (besides its sinks).")
+@click.option("--draft-request-vocab", type=click.IntRange(min=0),
+              help="Head rows each sequence's draft gets for the ids of its own prompt and output outside "
+                   "the --draft-vocab-size ones (the most recently seen kept; 0: off). [default: 4096]")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 @speculative_config
 def build(**kw) -> None:
@@ -131,7 +134,8 @@ def _summary(engine_dir: str, m: dict) -> list[str]:
     if "draft" in m:
         d = m["draft"]
         lines.append(f"draft       {d['name']}: {d['config']['num_layers']} layers, head over {d['vocab_size']:,} of "
-                     f"{d['config']['vocab_size']:,} token ids, cache {d['sink_tokens']} sinks + {d['window']:,} window")
+                     f"{d['config']['vocab_size']:,} token ids + {d.get('request_vocab', 0):,} of each request's own, "
+                     f"cache {d['sink_tokens']} sinks + {d['window']:,} window")
     lines.append(f"files       {len(m['files'])} (sha256 in manifest.json)")
     return lines
 

@@ -15,6 +15,7 @@ from ..errors import CheckpointError, PlanError
 from ..jsonio import read_json_object
 from .options import POSITIVE
 from ..plan import (
+    DEFAULT_DRAFT_REQUEST_VOCAB,
     DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_DRAFT_WINDOW_TOKENS,
     MemoryPlan,
@@ -96,6 +97,9 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
                    f"all). [default: {DEFAULT_DRAFT_VOCAB_SIZE:,}]")
 @click.option("--draft-window-tokens", type=int, default=DEFAULT_DRAFT_WINDOW_TOKENS, show_default=True,
               help="Most recent tokens the draft's bounded cache keeps (besides its sinks).")
+@click.option("--draft-request-vocab", type=int,
+              help=f"Head rows per sequence for the ids of its own text outside the K (0: off). "
+                   f"[default: {DEFAULT_DRAFT_REQUEST_VOCAB:,}]")
 @click.option("--num-speculative-tokens", type=int,
               help="Tokens proposed per step (gamma). [default: the profile's with a draft, else 0]")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table.")
@@ -105,7 +109,8 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
              kv_sink_tokens: int | None, kv_window: int | None, max_num_seqs: int | None,
              chunked_prefill_size: int | None, lm_head_dtype: str | None, embedding_placement: str | None,
              gpu_memory_utilization: float | None, speculative_draft_config: Path | None,
-             draft_vocab_size: int | None, draft_window_tokens: int, num_speculative_tokens: int | None,
+             draft_vocab_size: int | None, draft_window_tokens: int, draft_request_vocab: int | None,
+             num_speculative_tokens: int | None,
              as_json: bool) -> None:
     """Print the fixed memory plan of an engine: every GPU allocation, item by item, and whether it
     fits the profile's budget.
@@ -150,6 +155,7 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
         draft=draft,
         draft_vocab_size=draft_vocab_size,
         draft_window_tokens=draft_window_tokens,
+        draft_request_vocab=draft_request_vocab,
         num_speculative_tokens=num_speculative_tokens,
         lm_head_dtype=lm_head_dtype,
         embedding_placement=embedding_placement,

@@ -103,10 +103,21 @@ class LlamaModel:
         logits = self.forward_hidden(self.embed_ids(torch.cat([s.token_ids for s in seqs])), meta, pools)
         return [rows if s.all_logits else rows[0] for rows, s in zip(logits.split(meta.logit_counts), seqs)]
 
+    @torch.inference_mode()
+    def final_hidden(self, seqs: list[SeqInput], pools: KVPools) -> torch.Tensor:
+        """The rows `forward` takes logits of, before the final norm, stacked [rows, H]: for heads
+        other than the model's own (`head_logits(rows, head)`)."""
+        meta = StepMetadata.build(seqs, pools.cfg.block_size, self.device)
+        return self.body(self.embed_ids(torch.cat([s.token_ids for s in seqs])), meta, pools)
+
     def forward_hidden(self, h: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
         """Embedded rows [T, H] -> logits of meta.logit_rows. Device work only (no host syncs in
         decode-only steps), so CUDA graphs can capture it; the embedding gather stays outside
         because its table may live in host memory."""
+        return self.head_logits(self.body(h, meta, pools)).float()
+
+    def body(self, h: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
+        """Embedded rows [T, H] -> the last hidden state of meta.logit_rows (before the final norm)."""
         cfg = self.cfg
         # h is the residual stream: each linear that ends a sub-block adds into it, and the norm
         # in front of a sub-block is folded into the linear that starts it.
@@ -116,19 +127,20 @@ class LlamaModel:
             h = ops.linear_residual(act, layer.linears["down"], h)
         if meta.logit_rows.numel() != h.shape[0]:   # build() lists rows in order: as many means all of them
             h = h[meta.logit_rows]
-        return self._logits(h).float()
+        return h
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_on_host:
             return self.embed[ids.cpu()].to(self.device, self.dtype, non_blocking=True)
         return F.embedding(ids.to(self.device), self.embed)
 
-    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """The final norm, then the head: one launch when the head is int8 (the norm rides in front)."""
-        eps = self.cfg.rms_norm_eps
-        if isinstance(self.lm_head, Int8Rows):
-            return ops.norm_int8_rows_linear(rows, self.norm, eps, self.lm_head)
-        return F.linear(ops.rms_norm(rows, self.norm, eps)[0], self.lm_head)
+    def head_logits(self, rows: torch.Tensor, head: Int8Rows | torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm, then `head` (the model's own by default; any rows of it, in its dtype): one
+        launch when the head is int8 (the norm rides in front)."""
+        eps, head = self.cfg.rms_norm_eps, self.lm_head if head is None else head
+        if isinstance(head, Int8Rows):
+            return ops.norm_int8_rows_linear(rows, self.norm, eps, head)
+        return F.linear(ops.rms_norm(rows, self.norm, eps)[0], head)
 
     def _attention(self, li: int, layer: Layer, h: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
         """h + o_proj(attention(norm(h))): the residual stream after the attention sub-block."""

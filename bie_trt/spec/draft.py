@@ -10,9 +10,11 @@ The proposer remembers which token it cached in each slot. On each call it compa
 the sequence's tokens: rejected guesses are simply no longer there, and the cache is cut back to
 the longest prefix that still matches.
 
-The draft's head covers a reduced vocabulary (draft/vocab.json). Its logits are scattered into
-the whole vocabulary (-inf elsewhere) and processed exactly as the target's are (penalties,
-temperature, top-k/p, min-p), so q(x) = 0 outside the subset and rejection sampling stays exact.
+The draft's head covers a reduced vocabulary (draft/vocab.json) plus, per sequence, up to R rows
+of its full head (draft/head.safetensors, kept in host memory) for the ids of the sequence's own
+text outside it (request_vocab.py). Its logits over that union are scattered into the whole
+vocabulary (-inf elsewhere) and processed exactly as the target's are (penalties, temperature,
+top-k/p, min-p), so q(x) = 0 outside the union and rejection sampling stays exact.
 """
 from __future__ import annotations
 
@@ -30,11 +32,13 @@ from ..config import KVCacheConfig, ModelConfig
 from ..errors import EngineError
 from ..executor.model_runner import ModelRunner
 from ..executor.sequence import Sequence
+from ..kernels.int8_rows import Int8Rows
 from ..kv.pool import allocate_pools
 from ..model.llama import LlamaModel, SeqInput
 from ..plan import draft_kv_blocks_per_seq
 from ..sampling import apply_penalties, probabilities
 from .proposer import Proposal
+from .request_vocab import RequestVocab
 
 DRAFT_SEED_SALT = 0x5DEECE66D
 
@@ -56,6 +60,8 @@ class _DraftSeq:
     generator: torch.Generator
     pos: list[int]
     ids: list[int]
+    vocab: RequestVocab
+    head_slot: int   # its rows in the proposer's extra head (-1: none)
 
 
 class DraftModelProposer:
@@ -79,6 +85,9 @@ class DraftModelProposer:
                                 runner.dtype, embedding_on_host=placement == "host")
         ids = json.loads((engine_dir / ef.DRAFT_DIR / ef.DRAFT_VOCAB).read_text())["ids"]
         self.vocab_ids = torch.tensor(ids, dtype=torch.long)
+        self.static_ids = frozenset(ids)
+        self.request_rows = int(draft.get("request_vocab", 0))
+        self._load_request_head(engine_dir, runner)
         self.blocks_per_seq = draft_kv_blocks_per_seq(int(draft["sink_tokens"]), self.window, self.block_size)
         kv = KVCacheConfig(dtype="fp16", sink_tokens=int(draft["sink_tokens"]), window=self.window,
                            block_size=self.block_size)
@@ -105,10 +114,11 @@ class DraftModelProposer:
                 fed.append(i)
                 budget -= len(piece.token_ids)
             self.tokens_forwarded += sum(len(s.token_ids) for s in inputs)
-            for i, logits in zip(fed, self.model.forward(inputs, self.pools)):
+            hidden = self.model.final_hidden(inputs, self.pools)
+            for i, row in zip(fed, hidden):
                 if feeds[i]:
                     continue   # more of its context first
-                token, q = self._sample(seqs[i], logits, proposals[i].token_ids)
+                token, q = self._sample(seqs[i], self._logits(self.seqs[seqs[i]], row), proposals[i].token_ids)
                 proposals[i].token_ids.append(token)
                 if q is not None:
                     probs[i].append(q)
@@ -125,6 +135,8 @@ class DraftModelProposer:
         state = self.seqs.pop(seq, None)
         if state is not None:
             self.free_blocks += state.blocks
+            if state.head_slot >= 0:
+                self.free_head_slots.append(state.head_slot)
 
     # -- the bounded cache --------------------------------------------------------------------
 
@@ -143,7 +155,9 @@ class DraftModelProposer:
                 raise EngineError("the draft's cache is full: more sequences speculate than the engine's "
                                   "max_num_seqs; free finished sequences with `free(seq)`.")
             blocks, self.free_blocks = self.free_blocks[:self.blocks_per_seq], self.free_blocks[self.blocks_per_seq:]
-            self.seqs[seq] = _DraftSeq(blocks, draft_generator(seq.generator.initial_seed()), [], [])
+            slot = self.free_head_slots.pop(0) if self.request_rows else -1
+            self.seqs[seq] = _DraftSeq(blocks, draft_generator(seq.generator.initial_seed()), [], [],
+                                       RequestVocab(self.request_rows, self.static_ids), slot)
         return self.seqs[seq]
 
     def _sync(self, seq: Sequence) -> list[tuple[int, int]]:
@@ -151,6 +165,7 @@ class DraftModelProposer:
         to run before proposing: the new tokens, or only the sinks and the last window of them."""
         state = self._state(seq)
         n = seq.num_tokens
+        self._fill_request_rows(state, state.vocab.admit(seq.token_slice(state.vocab.seen, n)))
         keep = self._matching_prefix(state, seq)
         if keep and state.pos[keep - 1] == n - 1:
             keep -= 1   # everything is cached: run the last token again for its logits
@@ -203,13 +218,52 @@ class DraftModelProposer:
         return SeqInput(torch.tensor([t for _, t in piece], dtype=torch.long), slot, state.blocks,
                         rope_offset=piece[0][0] - slot)
 
+    # -- the request's own ids ---------------------------------------------------------------
+
+    def _load_request_head(self, engine_dir: Path, runner: ModelRunner) -> None:
+        """The full head in host memory, and on the device R rows of it per sequence (the plan's
+        draft_request_head), filled as the sequence's ids arrive."""
+        self.free_head_slots = list(range(runner.max_num_seqs)) if self.request_rows else []
+        self.host_head: dict[str, torch.Tensor] = {}
+        self.request_head: dict[str, torch.Tensor] = {}
+        if not self.request_rows:
+            return
+        self.host_head = load_file(str(engine_dir / ef.DRAFT_DIR / ef.DRAFT_HEAD))
+        for name, t in self.host_head.items():   # an fp16 head computes in the model's dtype, as its own does
+            dtype = runner.dtype if name == "lm_head" else t.dtype
+            self.request_head[name] = torch.zeros(runner.max_num_seqs, self.request_rows, *t.shape[1:],
+                                                  dtype=dtype, device=self.device)
+
+    def _fill_request_rows(self, state: _DraftSeq, writes: list[tuple[int, int]]) -> None:
+        if not writes:
+            return
+        rows = torch.tensor([r for r, _ in writes])
+        ids = torch.tensor([i for _, i in writes])
+        for name, buf in self.request_head.items():
+            buf[state.head_slot, rows.to(buf.device)] = self.host_head[name][ids].to(buf.device, buf.dtype)
+
+    def request_ids(self, seq: Sequence) -> list[int]:
+        """The ids outside the static head the draft holds rows for, for seq (row order)."""
+        state = self.seqs.get(seq)
+        return list(state.vocab.ids) if state else []
+
+    def _logits(self, state: _DraftSeq, row: torch.Tensor) -> torch.Tensor:
+        """The draft's logits over the whole vocabulary: its static head's and the sequence's own
+        rows', -inf elsewhere."""
+        full = torch.full((self.cfg.vocab_size,), -torch.inf)
+        full[self.vocab_ids] = self.model.head_logits(row[None])[0].float().cpu()
+        n = len(state.vocab.ids)
+        if n:
+            heads = {name: buf[state.head_slot, :n] for name, buf in self.request_head.items()}
+            head = heads["lm_head"] if "lm_head" in heads else Int8Rows(heads["lm_head.q"], heads["lm_head.scale"])
+            full[torch.tensor(state.vocab.ids)] = self.model.head_logits(row[None], head)[0].float().cpu()
+        return full
+
     # -- sampling -----------------------------------------------------------------------------
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor, proposed: list[int]) -> tuple[int, torch.Tensor | None]:
-        """One proposal from the draft's logits over its vocabulary, processed as the target's are;
-        returns q over the whole vocabulary (None when greedy: q is one-hot)."""
-        full = torch.full((self.cfg.vocab_size,), -torch.inf)
-        full[self.vocab_ids] = logits.float().cpu()
+    def _sample(self, seq: Sequence, full: torch.Tensor, proposed: list[int]) -> tuple[int, torch.Tensor | None]:
+        """One proposal from the draft's logits (over the whole vocabulary, -inf outside its own),
+        processed as the target's are; returns q (None when greedy: q is one-hot)."""
         full = apply_penalties(full, seq.params, seq.prompt_ids, seq.output_ids + proposed)
         if seq.params.temperature == 0:
             return int(torch.argmax(full)), None
