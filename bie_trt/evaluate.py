@@ -1,10 +1,12 @@
 """KV-cache quality: perplexity and KL divergence from the FP16-KV run, scored as decode sees them.
 
-Every variant runs over the same windows in lockstep with an FP16-KV baseline, sharing one copy
-of the weights. Tokens go through in chunks of `chunk` tokens (default: one KV block) and the
-cache is compacted (blocks leaving the window quantised) after every chunk. With block-aligned
-chunks and a window that is a multiple of the block size this is exactly what decode does: token
-p attends to the quantised state of every block that decode would have quantised by then.
+Every variant runs over the same windows as an FP16-KV baseline, sharing one copy of the weights.
+A window is cut into chunks of `chunk` tokens (default: one KV block), each with the block table
+decode has when it reaches that chunk: blocks that left the window before it read quantised. With
+block-aligned chunks and a window that is a multiple of the block size this is exactly what decode
+does: token p attends to the quantised state of every block that decode would have quantised by
+then. The chunks go through one forward as sequences of one step, which quantises each layer of
+the leaving blocks between writing their K/V and attention.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from .executor.block_manager import BlockManager
 from .executor.model_runner import ModelRunner
 from .executor.sequence import Sequence
 from .kv.pool import KVPools, allocate_pools
-from .model.llama import SeqInput
+from .model.llama import LlamaModel, SeqInput
 from .plan import kv_bytes_per_token
 from .sampling import make_generator
 
@@ -46,8 +48,6 @@ class _Variant:
     label: str
     kv: KVCacheConfig
     pools: KVPools
-    blocks: BlockManager | None = None
-    seq: Sequence | None = None
     nll: float = 0.0
     kl: float = 0.0
 
@@ -103,33 +103,41 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
         all_variants.append(_Variant(label, kv, allocate_pools(model_cfg, kv, n_blocks, n_blocks, runner.dtype,
                                                               runner.device)))
     scored = 0
-    bar = tqdm(total=len(starts) * context, desc=f"eval ctx {context}", unit="tok", disable=not progress)
+    bar = tqdm(total=len(starts) * len(all_variants), desc=f"eval ctx {context}", unit="pass", disable=not progress)
     for start in starts:
         window = token_ids[start:start + context]
         score_from = 0 if start == 0 else context - stride   # score only tokens no earlier window scored
+        targets = torch.tensor(window[1:])
+        keep = torch.arange(1, context) >= max(score_from, 1)
+        base_logp = []
         for v in all_variants:
-            v.blocks = BlockManager(v.kv, v.pools.num_fp_blocks, v.pools.num_quant_blocks)
-            v.seq = Sequence(list(window), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
-        for pos in range(0, context - 1, chunk):
-            ids = window[pos:min(pos + chunk, context - 1)]
-            targets = torch.tensor(window[pos + 1:pos + 1 + len(ids)])
-            keep = torch.arange(pos, pos + len(ids)) + 1 >= max(score_from, 1)
-            base_logp = None
-            for v in all_variants:
-                v.blocks.grow(v.seq, pos + len(ids))
-                logits = runner.model.forward([SeqInput(torch.tensor(ids), pos, v.seq.block_table, all_logits=True)],
-                                              v.pools)[0]
-                v.seq.num_cached = pos + len(ids)
-                v.blocks.compact(v.seq, v.pools)
-                logp = torch.log_softmax(logits.double(), -1)[keep]
-                v.nll -= logp.gather(-1, targets[keep, None].to(logp.device)).sum().item()
-                if base_logp is None:
-                    base_logp = logp
+            logits = _teacher_forced_logits(runner.model, v, window[:-1], chunk)
+            bar.update(1)
+            for i, pos in enumerate(range(0, context - 1, chunk)):
+                rows = slice(pos, pos + chunk)
+                logp = torch.log_softmax(logits[rows].double(), -1)[keep[rows]]
+                v.nll -= logp.gather(-1, targets[rows][keep[rows], None].to(logp.device)).sum().item()
+                if v is all_variants[0]:
+                    base_logp.append(logp)
                 else:
-                    v.kl += (base_logp.exp() * (base_logp - logp)).sum().item()
-            scored += int(keep.sum())
-            bar.update(len(ids))
-        bar.update(1)
+                    v.kl += (base_logp[i].exp() * (base_logp[i] - logp)).sum().item()
+        scored += int(keep.sum())
     bar.close()
     return [EvalResult(v.label, dataclasses.asdict(v.kv), math.exp(v.nll / scored), v.kl / scored, scored, context,
                        kv_bytes_per_token(model_cfg, v.kv)) for v in all_variants]
+
+
+def _teacher_forced_logits(model: LlamaModel, v: _Variant, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits [len(ids), V] of every position, each chunk of `chunk` tokens a sequence of one forward
+    with the block table decode has when it reaches that chunk. Every chunk writes a block of its own:
+    the pools hold the whole window, and blocks freed by quantising queue behind the unused ones."""
+    blocks = BlockManager(v.kv, v.pools.num_fp_blocks, v.pools.num_quant_blocks)
+    seq = Sequence(list(ids), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
+    inputs, quantise = [], []
+    for pos in range(0, len(ids), chunk):
+        part = ids[pos:pos + chunk]
+        blocks.grow(seq, pos + len(part))
+        inputs.append(SeqInput(torch.tensor(part), pos, list(seq.block_table), all_logits=True))
+        seq.num_cached = pos + len(part)
+        quantise += blocks.compact(seq, None)
+    return torch.cat(model.forward(inputs, v.pools, quantise))

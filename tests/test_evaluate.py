@@ -80,6 +80,19 @@ def test_perplexity_is_the_mean_nll_of_the_targets(smollm2_engine, runner, ids):
     assert math.isclose(results[0].ppl, math.exp(nll / count), rel_tol=1e-6)
 
 
+def test_eval_scores_what_decode_sees_chunk_by_chunk(smollm2_engine, runner, ids):
+    """Eval batches a window's chunks into one forward; its numbers are those of running them one by one."""
+    kv = KVCacheConfig(dtype="int4_asym", window=32, sink_tokens=8)
+    window = ids[:96]
+    fp16, int4 = evaluate(smollm2_engine, ids, len(window), {"int4": kv}, max_windows=1, progress=False)
+    base = torch.log_softmax(logits_by(runner, dataclasses.replace(kv, dtype="fp16"), window[:-1], 16).double(), -1)
+    logp = torch.log_softmax(logits_by(runner, kv, window[:-1], 16).double(), -1)
+    targets = torch.tensor(window[1:])[:, None]
+    assert fp16.ppl == pytest.approx(math.exp(-base.gather(-1, targets).mean().item()), rel=1e-6)
+    assert int4.ppl == pytest.approx(math.exp(-logp.gather(-1, targets).mean().item()), rel=1e-6)
+    assert int4.kld == pytest.approx((base.exp() * (base - logp)).sum(-1).mean().item(), rel=1e-4)
+
+
 def test_variants_against_fp16(smollm2_engine, ids):
     variants = {
         "fp16 again": KVCacheConfig(dtype="fp16"),

@@ -19,6 +19,7 @@ from .prefix_cache import PrefixCache, block_key
 from .sequence import Sequence
 
 Copy = tuple[int, int]   # (source, destination) FP16 blocks
+Quantisation = tuple[int, int]   # (FP16 block, quantised block id)
 
 
 class OutOfBlocks(RuntimeError):
@@ -221,32 +222,39 @@ class BlockManager:
         """Blocks before this index (after the sinks) have left the recent window."""
         return max(0, (num_cached - self.kv.window) // self.block_size)
 
-    def compact(self, seq: Sequence, pools: KVPools) -> None:
+    def compact(self, seq: Sequence, pools: KVPools | None) -> list[Quantisation]:
         """Quantise every full block that has left the recent window (sink blocks stay FP16).
 
         Block b is out of the window once all its tokens are older than the last `window` cached ones.
         A block already quantised under the same key by another sequence is shared instead of quantised
         again; a block this sequence quantises takes over the key, because the quantised copy is the one
         that lives on (the FP16 pool is only sinks + window + a chunk per sequence).
+        Returns the (FP16 block, quantised block) pairs to quantise; with `pools` None the caller
+        quantises them (a forward that writes and reads them does so layer by layer).
         """
         first, end = -(-self.kv.sink_tokens // self.block_size), self._first_window_block(seq.num_cached)
         if not self.quantised or end <= first or max(seq.block_table[first:end]) < 0:
-            return   # the common case, checked at C speed: nothing new has left the window
+            return []   # the common case, checked at C speed: nothing new has left the window
         keys = self._keys(seq, end) if self.cache else None
+        pairs: list[Quantisation] = []
         for b in range(first, end):
             entry = seq.block_table[b]
             if entry < 0:
                 continue
-            seq.block_table[b] = self._quantised_twin(entry, keys[b] if keys else None, pools)
+            seq.block_table[b] = self._quantised_twin(entry, keys[b] if keys else None, pools, pairs)
             self._release(entry)
+        return pairs
 
-    def _quantised_twin(self, entry: int, key: bytes | None, pools: KVPools) -> int:
+    def _quantised_twin(self, entry: int, key: bytes | None, pools: KVPools | None,
+                        pairs: list[Quantisation]) -> int:
         cached = self.cache.get(key) if key else None
         if cached is not None and cached < 0:
             self._share(cached)
             return cached
         twin = self._take(True)
-        ops.quantize_block(pools, entry, decode_block(twin)[1])
+        pairs.append((entry, decode_block(twin)[1]))
+        if pools is not None:
+            ops.quantize_block(pools, entry, decode_block(twin)[1])
         if key:
             if cached is not None and self.cache.drop(cached):
                 self._free(cached)

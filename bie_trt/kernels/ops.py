@@ -128,6 +128,11 @@ def quantize_block(pools: KVPools, fp_block: int, q_block: int) -> None:
     return quant.quantize_block(pools, None, fp_block, q_block)
 
 
+def quantize_layer_blocks(pools: KVPools, layer: int, fp_blocks: list[int], q_blocks: list[int]) -> None:
+    """Quantise one layer of several FP16 blocks, for a step that reads in a layer what it wrote there."""
+    quant.quantize_block(pools, layer, fp_blocks, q_blocks)
+
+
 def attention_config() -> dict:
     """The paged attention's engine-wide settings: the tile loop `BIE_TRT_ATTENTION` names (v1 unset)."""
     return {"variant": os.environ.get("BIE_TRT_ATTENTION", "v1")}

@@ -76,8 +76,9 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     return (q.float() * scale.float()).to(dtype)
 
 
-def quantize_block(pools: KVPools, layer: int | None, fp_block: int, q_block: int) -> None:
+def quantize_block(pools: KVPools, layer: int | None, fp_block: int | list[int], q_block: int | list[int]) -> None:
     """Quantise FP16 block `fp_block` into quantised block `q_block`, K and V, in one layer or all (None).
+    Lists of blocks quantise each into its partner.
 
     Called when a block falls wholly out of the recent window. Keys in the FP16
     pool are already rotated when rotation is on, so none happens here.

@@ -97,9 +97,15 @@ class LlamaModel:
         self.scale = cfg.head_dim ** -0.5
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqInput], pools: KVPools) -> list[torch.Tensor]:
-        """Returns each sequence's logits: [V] for its last token, or [T, V] when all_logits."""
+    def forward(self, seqs: list[SeqInput], pools: KVPools,
+                quantise: list[tuple[int, int]] = ()) -> list[torch.Tensor]:
+        """Returns each sequence's logits: [V] for its last token, or [T, V] when all_logits.
+
+        `quantise` lists (FP16 block, quantised block) pairs that this step writes and some of its
+        sequences read quantised (consecutive chunks of one text as sequences of one step): each
+        layer quantises them between writing K/V and attention."""
         meta = StepMetadata.build(seqs, pools.cfg.block_size, self.device)
+        meta.quantise = tuple(list(ids) for ids in zip(*quantise)) or None
         logits = self.forward_hidden(self.embed_ids(torch.cat([s.token_ids for s in seqs])), meta, pools)
         return [rows if s.all_logits else rows[0] for rows, s in zip(logits.split(meta.logit_counts), seqs)]
 
@@ -151,6 +157,8 @@ class LlamaModel:
         q = ops.qkv_epilogue(qkv, cfg.num_heads, cfg.num_kv_heads, meta.rope_positions, self.rope.inv_freq,
                              self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
                              rotates_values(pools.cfg), pools, li, meta.slot_blocks, meta.slot_offsets)
+        if meta.quantise:
+            ops.quantize_layer_blocks(pools, li, *meta.quantise)
         if meta.all_decode:   # a decode-only step (the graphs'): no gather and scatter of rows
             out = ops.paged_decode_attention(q, pools, li, meta.decode_tables, meta.decode_lens, self.scale)
         else:
@@ -184,6 +192,7 @@ class StepMetadata:
     logit_rows: torch.Tensor                 # rows whose logits are wanted
     logit_counts: list[int]
     rope_positions: torch.Tensor             # [T] positions RoPE rotates by: `positions` + each rope_offset
+    quantise: tuple[list[int], list[int]] | None = None   # FP16 blocks, and the quantised blocks they go to
 
     @property
     def all_decode(self) -> bool:
