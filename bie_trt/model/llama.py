@@ -114,16 +114,14 @@ class LlamaModel:
         """The rows `forward` takes logits of, before the final norm, stacked [rows, H]: for heads
         other than the model's own (`head_logits(rows, head)`)."""
         meta = StepMetadata.build(seqs, pools.cfg.block_size, self.device)
-        return self.body(self.embed_ids(torch.cat([s.token_ids for s in seqs])), meta, pools)
+        return self.forward_hidden(self.embed_ids(torch.cat([s.token_ids for s in seqs])), meta, pools, head=False)
 
-    def forward_hidden(self, h: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
-        """Embedded rows [T, H] -> logits of meta.logit_rows. Device work only (no host syncs in
-        decode-only steps), so CUDA graphs can capture it; the embedding gather stays outside
-        because its table may live in host memory."""
-        return self.head_logits(self.body(h, meta, pools)).float()
-
-    def body(self, h: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
-        """Embedded rows [T, H] -> the last hidden state of meta.logit_rows (before the final norm)."""
+    def forward_hidden(self, h: torch.Tensor, meta: "StepMetadata", pools: KVPools, head: bool = True) -> torch.Tensor:
+        """Embedded rows [T, H] -> logits of meta.logit_rows (without `head`: their last hidden state, before
+        the final norm). Device work only (no host syncs in decode-only steps), so CUDA graphs can capture
+        it; the embedding gather stays outside because its table may live in host memory. One function,
+        not a body and a head around it: a caller frame holding `h` would keep the embedded rows alive
+        through every layer."""
         cfg = self.cfg
         # h is the residual stream: each linear that ends a sub-block adds into it, and the norm
         # in front of a sub-block is folded into the linear that starts it.
@@ -133,7 +131,7 @@ class LlamaModel:
             h = ops.linear_residual(act, layer.linears["down"], h)
         if meta.logit_rows.numel() != h.shape[0]:   # build() lists rows in order: as many means all of them
             h = h[meta.logit_rows]
-        return h
+        return self.head_logits(h).float() if head else h
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_on_host:
