@@ -308,12 +308,14 @@ class BieEngine:
         if isinstance(prompt, list) and isinstance(prompt[0], int):
             return list(prompt)
         if chat or isinstance(prompt, list):
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            if not self.tokenizer.chat_template:
-                raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            return self._apply_template(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt)["input_ids"])
+
+    def _apply_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Chat messages and OpenAI tools through the chat template. A template that does not render tools
@@ -322,15 +324,10 @@ class BieEngine:
         if not uses_tools:
             return self.encode(messages, chat=True)
         check_prompt(messages, "messages")
-        if not self.tokenizer.chat_template:
-            raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
-        if self._template_renders_tools is None:
+        if self._template_renders_tools is None and self.tokenizer.chat_template:
             self._template_renders_tools = template_renders_tools(self.tokenizer)
-        native = self._template_renders_tools
-        ids = self.tokenizer.apply_chat_template(template_messages(messages, tools, native),
-                                                 tools=tools if native else None, add_generation_prompt=True,
-                                                 tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        native = bool(self._template_renders_tools)
+        return self._apply_template(template_messages(messages, tools, native), tools if native else None)
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         params.validate()

@@ -14,6 +14,8 @@ from ..config import REPETITION_PENALTY_RANGE
 
 MAX_CHOICES = 16                      # n per request: each choice is a request on the loop
 SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1 - MAX_CHOICES)   # choice i uses seed + i; torch takes 64-bit seeds
+# message field -> (the one role that may carry it, the verb its error needs)
+ROLE_OF_FIELD = {"tool_calls": ("assistant", "are"), "tool_call_id": ("tool", "is")}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Union fields get one message naming every accepted shape (pydantic reports one error per branch).
@@ -234,19 +236,14 @@ class ChatMessage(_Strict):
             raise ValueError(f"must not be null in a {role} message")
         return content
 
-    @field_validator("tool_calls")
+    @field_validator("tool_calls", "tool_call_id")
     @classmethod
-    def _calls_from_assistant(cls, calls: Any, info: ValidationInfo) -> Any:
-        if calls is not None and info.data.get("role") != "assistant":
-            raise ValueError(f"are only allowed in an assistant message, not a {info.data.get('role')} one")
-        return calls
-
-    @field_validator("tool_call_id")
-    @classmethod
-    def _id_for_tool(cls, call_id: Any, info: ValidationInfo) -> Any:
-        if call_id is not None and info.data.get("role") != "tool":
-            raise ValueError(f"is only allowed in a tool message, not a {info.data.get('role')} one")
-        return call_id
+    def _only_in_its_role(cls, value: Any, info: ValidationInfo) -> Any:
+        role, verb = ROLE_OF_FIELD[info.field_name]
+        if value is not None and info.data.get("role") != role:
+            article = "an" if role[0] in "aeiou" else "a"
+            raise ValueError(f"{verb} only allowed in {article} {role} message, not a {info.data.get('role')} one")
+        return value
 
     def to_template(self) -> dict[str, Any]:
         """The message as a chat template reads it."""
