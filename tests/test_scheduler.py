@@ -209,3 +209,22 @@ def test_the_planned_step_holds_a_chunk_beside_every_decode_with_all_its_proposa
     assert batch.lookahead == {seq: 3 for seq in decoding}
     assert dict(batch.chunks)[s.running[-1]] == 32
     assert sum(n for _, n in batch.chunks) + sum(batch.lookahead.values()) <= s.max_num_batched_tokens
+
+
+def test_postprocess_gives_back_rejected_room_and_hands_compactions_to_the_next_step():
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=0, window=16, rotation="none", block_size=B)
+    s = Scheduler(BlockManager(kv, 16, 16), 4, 64, 64, num_speculative_tokens=4)
+    seq = new_seq([1] * 47)
+    s.add(seq)
+    assert s.schedule().chunks == [(seq, 47)]
+    first_block, second_block = seq.block_table[:2]
+    s.postprocess(seq, 47, had_lookahead=False)   # block 0 (tokens 0..15) has left the 16-token window
+    assert seq.num_cached == 47 and seq.block_table[0] < 0
+    seq.output_ids.append(7)
+    batch = s.schedule()
+    assert batch.quantisations == [(first_block, 0)]   # launched before the step that may reuse the block
+    assert batch.lookahead == {seq: 4} and len(seq.block_table) == 4   # room for 48 + 4 tokens
+    s.postprocess(seq, 1, had_lookahead=True)          # every proposal rejected: only the pending token
+    assert seq.num_cached == 48 and len(seq.block_table) == 3
+    assert s.take_quantisations() == [(second_block, 1)]   # 48 cached: tokens 16..31 have left the window too
+    assert s.take_quantisations() == []

@@ -1,4 +1,5 @@
-"""Continuous batching (DESIGN §7): which sequences run in the next step, and how many tokens each.
+"""Continuous batching: which sequences run in the next step and how many tokens each, and each
+sequence's bookkeeping once the step ran.
 
 Each step has a token budget. Running decodes go first (latency), then the next chunk of prompts
 already under way, then new requests in arrival order while the budget, `max_num_seqs` and the KV
@@ -8,6 +9,10 @@ blocks are freed and it waits again, first in line, keeping its generated tokens
 With speculative decoding a decode may also reserve room for proposals (lookahead): only once
 every running sequence is scheduled, from the budget and blocks left over, so speculation never
 preempts.
+
+After the step, `postprocess` counts each sequence's computed tokens, gives back the blocks held for
+rejected proposals and compacts what left the window; the quantisations that decides are launched at
+the start of the next step, with its copies.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .block_manager import BlockManager, Copy
+from .block_manager import BlockManager, Copy, Quantisation
 from .sequence import Sequence, Status
 
 
@@ -23,26 +28,28 @@ from .sequence import Sequence, Status
 class ScheduledBatch:
     chunks: list[tuple[Sequence, int]]   # each sequence and how many of its pending tokens run
     copies: list[Copy]                   # copy-on-write to carry out before the step
+    quantisations: list[Quantisation] = field(default_factory=list)   # to carry out first (see postprocess)
     # decodes with room for proposals: how many tokens may follow the pending one (blocks held for them)
     lookahead: dict[Sequence, int] = field(default_factory=dict)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
-                 num_lookahead: int = 0, max_model_len: int | None = None,
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill_size: int,
+                 num_speculative_tokens: int = 0, max_model_len: int | None = None,
                  on_free: Callable[[Sequence], None] | None = None):
         self.blocks = blocks
-        self.num_lookahead = num_lookahead   # γ: proposals per decode step (0: no speculation)
+        self.num_speculative_tokens = num_speculative_tokens   # proposals per decode step (0: no speculation)
         self.max_model_len = max_model_len
         self.on_free = on_free               # a sequence's blocks went (finished, aborted, preempted)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.chunk_size = chunk_size
+        self.chunked_prefill_size = chunked_prefill_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []    # in admission order: the newest is preempted first
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0       # prompt tokens looked up in the prefix cache at admission
         self.prefix_hit_tokens = 0           # ... and found there
+        self._quantisations: list[Quantisation] = []   # decided by compactions since the last schedule
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -78,13 +85,13 @@ class Scheduler:
             for seq in seqs:
                 if seq.status is not Status.RUNNING or budget() == 0:   # preempted by an earlier one
                     continue
-                n = min(seq.num_pending, self.chunk_size, budget())
+                n = min(seq.num_pending, self.chunked_prefill_size, budget())
                 if self._make_room(seq, seq.num_cached + n, scheduled):
                     scheduled[seq] = (n, self.blocks.grow(seq, seq.num_cached + n))
 
         run([s for s in self.running if s.num_pending == 1])   # decodes first (latency)
         run([s for s in self.running if s.num_pending > 1])    # then the prompt chunks under way
-        if self.num_lookahead:   # then proposals, from what is left: speculation never preempts
+        if self.num_speculative_tokens:   # then proposals, from what is left: speculation never preempts
             self._reserve_lookahead(scheduled, lookahead, budget)
 
         # Admitting right after preempting would only thrash: the pool is full.
@@ -93,7 +100,7 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self.blocks.match(seq)
             cached = len(hit) * self.blocks.block_size
-            n = min(seq.num_tokens - cached, self.chunk_size, budget())
+            n = min(seq.num_tokens - cached, self.chunked_prefill_size, budget())
             if not self.blocks.can_admit(hit, cached + n):
                 break
             self.waiting.popleft()
@@ -104,9 +111,24 @@ class Scheduler:
             self.running.append(seq)
             scheduled[seq] = (n, self.blocks.grow(seq, cached + n))
 
+        for seq in scheduled:   # a prefix hit can bring FP16 blocks already out of seq's window
+            self._quantisations += self.blocks.compact(seq)
         return ScheduledBatch([(seq, n) for seq, (n, _) in scheduled.items()],
-                              [c for _, copies in scheduled.values() for c in copies],
+                              [c for _, copies in scheduled.values() for c in copies], self.take_quantisations(),
                               {s: k for s, k in lookahead.items() if s in scheduled})
+
+    def take_quantisations(self) -> list[Quantisation]:
+        """The quantisations compactions decided since the last call, for the next step to launch first."""
+        quantisations, self._quantisations = self._quantisations, []
+        return quantisations
+
+    def postprocess(self, seq: Sequence, num_computed: int, had_lookahead: bool) -> None:
+        """The step wrote K/V for seq's next `num_computed` tokens: count them (indexing full blocks for the
+        prefix cache), free the blocks held for proposals past them, and compact what left the window."""
+        self.blocks.commit(seq, num_computed)
+        if had_lookahead:
+            self.blocks.truncate(seq)
+        self._quantisations += self.blocks.compact(seq)
 
     def _reserve_lookahead(self, scheduled: dict, lookahead: dict[Sequence, int], budget: Callable[[], int]) -> None:
         """Room for proposals after each scheduled decode's token, as many as it can still use (max_tokens,
@@ -115,7 +137,7 @@ class Scheduler:
         for seq, (n, copies) in scheduled.items():
             if n != 1 or seq.num_pending != 1 or not seq.output_ids:
                 continue
-            k = min(self.num_lookahead, seq.params.max_tokens - len(seq.output_ids) - 1, budget())
+            k = min(self.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1, budget())
             if self.max_model_len is not None:
                 k = min(k, self.max_model_len - seq.num_tokens - 1)
             while k > 0 and not self.blocks.can_grow(seq, seq.num_cached + 1 + k):
