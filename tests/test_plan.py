@@ -202,9 +202,9 @@ def test_draft_adds_weights_and_bounded_kv(llama, ti):
     assert plan.bytes_of("draft_embedding") == 0                    # host
     assert plan.bytes_of("draft_norms") == 33 * 2048 * 2
     assert plan.bytes_of("draft_kv_key_mean") == 0                  # the draft's cache is fp16: nothing to centre
-    gamma = ti.defaults.num_speculative_tokens
-    assert plan.bytes_of("logits") == (1 + gamma) * 128256 * 4
-    assert plan.bytes_of("draft_probs") == gamma * 128256 * 4
+    k = ti.defaults.num_speculative_tokens
+    assert plan.bytes_of("logits") == (1 + k) * 128256 * 4
+    assert plan.bytes_of("draft_probs") == k * 128256 * 4
     assert plan.total_bytes > base.total_bytes
     names = [i.name for i in plan.items if i.name.startswith("draft_")]
     assert names == ["draft_linear_weights", "draft_lm_head", "draft_embedding", "draft_norms",
@@ -247,7 +247,7 @@ def test_each_sequence_gets_its_request_rows_of_the_drafts_head(llama, ti):
 
 
 def test_8b_with_1b_draft_fits_64k_on_8gb_cards(llama):
-    """The acceptance pair: Llama-3.1-8B + Llama-3.2-1B, 64k, INT4 KV, gamma 5, each 8 GB profile's
+    """The acceptance pair: Llama-3.1-8B + Llama-3.2-1B, 64k, INT4 KV, num_speculative_tokens 5, each 8 GB profile's
     defaults, with at least 64 MiB to spare."""
     draft = ModelConfig.from_hf(LLAMA_32_1B)
     for name in ("rtx4060ti-8gb", "rtx4060-8gb", "rtx3060-8gb", "rtx3070-8gb", "rtx4070-laptop-8gb"):
@@ -436,7 +436,7 @@ def test_activation_workspace_is_the_attention_phase_when_the_mlp_is_narrow():
 
 
 def test_the_activations_cover_a_whole_step_with_the_drafts_proposals(llama, ti):
-    """A step runs a prefill chunk beside every sequence's decode and its γ proposals: 256 + 1 x (1 + 4)
+    """A step runs a prefill chunk beside every sequence's decode and its num_speculative_tokens proposals: 256 + 1 x (1 + 4)
     tokens on an 8 GB profile with a 1B draft, and the pair still fits 64k with 64 MiB to spare."""
     d = ti.defaults
     plan = plan64k(llama, ti, draft=ModelConfig.from_hf(LLAMA_32_1B), chunked_prefill_size=d.chunked_prefill_size)

@@ -22,8 +22,8 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from ..config import EngineConfig, SamplingParams
-from ..errors import EngineError, RequestError
-from ..plan import bounded_fp_blocks_per_seq, planned_step_tokens, step_tokens
+from ..errors import RequestError
+from ..plan import planned_step_tokens
 from ..sampling import make_generator, sample_next, top_logprobs
 from ..spec_decode.proposer import Proposal
 from ..spec_decode.rejection import verify
@@ -35,7 +35,7 @@ from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
 from .prompts import check_prompt, check_prompt_ids
-from .scheduler import Scheduler
+from .scheduler import Scheduler, check_progress, step_budget
 from .sequence import Detokenizer, Sequence
 from .streams import RequestStream, RequestState
 
@@ -52,8 +52,11 @@ class BieEngine:
         engine_dir = Path(self.config.engine_dir)
         self.speculative = resolve_speculative(self.config.speculative, self.runner.manifest, engine_dir)
         num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative.enabled else 0
-        budget = self._step_budget(chunked_prefill_size, max_num_seqs, num_speculative_tokens)
-        self._check_limits(pools.num_fp_blocks, budget, max_num_seqs, num_speculative_tokens)
+        budget = step_budget(planned_step_tokens(self.runner.manifest["plan"]["inputs"]),
+                             self.config.max_num_batched_tokens, chunked_prefill_size, max_num_seqs,
+                             num_speculative_tokens)
+        check_progress(kv, self.max_model_len, chunked_prefill_size, pools.num_fp_blocks, budget, max_num_seqs,
+                       num_speculative_tokens)
         self.proposer = make_proposer(self.speculative, engine_dir, self.runner)
         self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, budget, chunked_prefill_size, num_speculative_tokens,
@@ -75,39 +78,6 @@ class BieEngine:
         self._grammar_compiler: GrammarCompiler | None = None   # made at the first structured request
         self._grammar_lock = threading.Lock()
         self._template_renders_tools: bool | None = None        # checked at the first chat with tools
-
-    def _step_budget(self, chunked_prefill_size: int, max_num_seqs: int, num_speculative_tokens: int) -> int:
-        """Tokens a step may run: by default a prefill chunk beside every decode and its proposals, which is the
-        plan's step when the engine speculates as it was built to; never more than the plan holds activations
-        for (speculation asked of an engine built without it takes only what a prefill chunk leaves)."""
-        planned = planned_step_tokens(self.runner.manifest["plan"]["inputs"])
-        wanted = self.config.max_num_batched_tokens
-        if wanted is None:
-            return min(step_tokens(chunked_prefill_size, max_num_seqs, num_speculative_tokens), planned)
-        if wanted > planned:
-            raise EngineError(f"max_num_batched_tokens {wanted} is above the {planned} tokens a step of this engine "
-                              f"holds activations for in its memory plan; lower it (or leave it unset), or rebuild "
-                              f"with a larger --chunked-prefill-size.")
-        return wanted
-
-    def _check_limits(self, num_fp_blocks: int, budget: int, max_num_seqs: int, num_speculative_tokens: int) -> None:
-        """The scheduler relies on one sequence always fitting the pool alone, and on a step's budget
-        holding a decode of every running sequence, so that it always makes progress."""
-        kv = self.runner.kv_config
-        per_seq = -(-self.max_model_len // kv.block_size)
-        if kv.dtype != "fp16":
-            per_seq = min(per_seq, bounded_fp_blocks_per_seq(kv, kv.window, self.runner.chunked_prefill_size))
-        if num_fp_blocks < per_seq:
-            raise EngineError(f"the FP16 KV pool has {num_fp_blocks} blocks but one sequence of max_model_len "
-                              f"{self.max_model_len} needs {per_seq}; raise num_kv_blocks or lower max_model_len.")
-        if budget < max_num_seqs:
-            raise EngineError(f"max_num_batched_tokens {budget} is below max_num_seqs {max_num_seqs}; every running "
-                              f"sequence must be able to decode in each step.")
-        # Verified tokens must stay FP16 until accepted: a block is quantised only once its tokens are final.
-        if num_speculative_tokens and kv.dtype != "fp16" and kv.window < num_speculative_tokens + 1:
-            raise EngineError(f"the KV window of {kv.window} tokens is smaller than the {num_speculative_tokens + 1} "
-                              f"tokens a speculative step verifies; lower num_speculative_tokens to {max(kv.window - 1, 0)} or "
-                              f"less (0: off), or build with a larger --kv-window.")
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:

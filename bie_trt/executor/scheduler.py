@@ -20,6 +20,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..config import KVCacheConfig
+from ..errors import EngineError
+from ..plan import bounded_fp_blocks_per_seq, step_tokens
 from .block_manager import BlockManager, Copy, Quantisation
 from .sequence import Sequence, Status
 
@@ -159,3 +162,38 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
+
+
+def step_budget(planned: int, wanted: int | None, chunked_prefill_size: int, max_num_seqs: int,
+                num_speculative_tokens: int) -> int:
+    """Tokens a step may run (`max_num_batched_tokens`): `wanted`, else a prefill chunk beside every decode
+    and its proposals, which is the plan's step when the engine speculates as it was built to; never more
+    than the `planned` step the plan holds activations for (speculation asked of an engine built without it
+    takes only what a prefill chunk leaves)."""
+    if wanted is None:
+        return min(step_tokens(chunked_prefill_size, max_num_seqs, num_speculative_tokens), planned)
+    if wanted > planned:
+        raise EngineError(f"max_num_batched_tokens {wanted} is above the {planned} tokens a step of this engine "
+                          f"holds activations for in its memory plan; lower it (or leave it unset), or rebuild "
+                          f"with a larger --chunked-prefill-size.")
+    return wanted
+
+
+def check_progress(kv: KVCacheConfig, max_model_len: int, chunked_prefill_size: int, num_fp_blocks: int,
+                   budget: int, max_num_seqs: int, num_speculative_tokens: int) -> None:
+    """The scheduler relies on one sequence always fitting the pool alone, and on a step's budget holding a
+    decode of every running sequence, so that it always makes progress: refuse settings that break either."""
+    per_seq = -(-max_model_len // kv.block_size)
+    if kv.dtype != "fp16":
+        per_seq = min(per_seq, bounded_fp_blocks_per_seq(kv, kv.window, chunked_prefill_size))
+    if num_fp_blocks < per_seq:
+        raise EngineError(f"the FP16 KV pool has {num_fp_blocks} blocks but one sequence of max_model_len "
+                          f"{max_model_len} needs {per_seq}; raise num_kv_blocks or lower max_model_len.")
+    if budget < max_num_seqs:
+        raise EngineError(f"max_num_batched_tokens {budget} is below max_num_seqs {max_num_seqs}; every running "
+                          f"sequence must be able to decode in each step.")
+    # Verified tokens must stay FP16 until accepted: a block is quantised only once its tokens are final.
+    if num_speculative_tokens and kv.dtype != "fp16" and kv.window < num_speculative_tokens + 1:
+        raise EngineError(f"the KV window of {kv.window} tokens is smaller than the {num_speculative_tokens + 1} "
+                          f"tokens a speculative step verifies; lower num_speculative_tokens to "
+                          f"{max(kv.window - 1, 0)} or less (0: off), or build with a larger --kv-window.")
