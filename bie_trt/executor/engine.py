@@ -37,7 +37,7 @@ from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
 from .prompts import check_prompt, check_prompt_ids
 from .scheduler import Scheduler, check_progress, step_budget
 from .sequence import Detokenizer, Sequence
-from .streams import RequestStream, RequestState
+from .streams import RequestState, RequestStream
 
 
 class BieEngine:
