@@ -26,7 +26,7 @@ from .kernels.w4_layout import awq_to_w4
 from .model.llama import LlamaModel, fused_linear_shapes
 from .plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, solve_plan
 from .profiles import BuildProfile, resolve_profile
-from .spec.draft_vocab import RANKING, reduced_vocabulary
+from .spec_decode.draft_vocab import RANKING, reduced_vocabulary
 from .templates import render
 
 # Fused at build time: one GEMM reads the shared input once.
@@ -172,18 +172,29 @@ def _toolchain() -> dict[str, str]:
 
 
 def plan_for(ckpt: Checkpoint, profile: BuildProfile, kv: KVCacheConfig, max_model_len: int,
-             max_num_seqs: int, chunk_tokens: int | None = None,
+             max_num_seqs: int, chunked_prefill_size: int | None = None,
              gpu_memory_utilization: float | None = None, draft: Checkpoint | None = None,
-             opts: BuildOptions | None = None) -> MemoryPlan:
+             opts: BuildOptions | None = None, num_speculative_tokens: int | None = None) -> MemoryPlan:
     extra = {}
     if draft is not None and opts is not None:
         extra = dict(draft=draft.model, draft_vocab_size=opts.draft_vocab_size,
                      draft_request_vocab=opts.draft_request_vocab,
                      draft_window_tokens=opts.draft_window_tokens, draft_weight_group_size=draft.quant.group_size)
     return solve_plan(ckpt.model, profile, max_model_len=max_model_len, kv=kv, max_num_seqs=max_num_seqs,
-                      chunk_tokens=chunk_tokens or profile.defaults.chunked_prefill_size,
+                      chunked_prefill_size=chunked_prefill_size or profile.defaults.chunked_prefill_size,
                       weight_group_size=ckpt.quant.group_size, gpu_memory_utilization=gpu_memory_utilization,
-                      **extra)
+                      num_speculative_tokens=num_speculative_tokens, **extra)
+
+
+def build_speculation(speculative: SpeculativeConfig | None, has_draft: bool, profile: BuildProfile
+                      ) -> SpeculativeConfig:
+    """The engine's default speculation, which its plan holds room for: the one asked for, else its draft
+    proposing the profile's num_speculative_tokens, else none."""
+    if speculative is not None:
+        return speculative
+    if has_draft:
+        return SpeculativeConfig("draft_model", num_speculative_tokens=profile.defaults.num_speculative_tokens)
+    return SpeculativeConfig()
 
 
 def check_tokenizer(path: Path) -> None:
@@ -254,8 +265,10 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
     max_seqs = opts.max_num_seqs or profile.defaults.max_num_seqs
     chunk = opts.chunked_prefill_size or profile.defaults.chunked_prefill_size
     draft = open_draft(opts, ckpt)
+    speculative = build_speculation(opts.speculative, draft is not None, profile)
     # refuse before any heavy work
-    plan = plan_for(ckpt, profile, kv, max_len, max_seqs, chunk, opts.gpu_memory_utilization, draft, opts)
+    plan = plan_for(ckpt, profile, kv, max_len, max_seqs, chunk, opts.gpu_memory_utilization, draft, opts,
+                    speculative.num_speculative_tokens if speculative.enabled else 0)
     if not plan.fits:
         raise PlanError(
             f"the memory plan does not fit {profile.name}:\n{plan.format_table()}\n"
@@ -289,7 +302,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
             "max_model_len": max_len,
             "max_num_seqs": max_seqs,
             "chunked_prefill_size": chunk,
-            **({"speculative": opts.speculative.to_dict()} if opts.speculative else {}),
+            **({"speculative": speculative.to_dict()} if speculative.enabled or opts.speculative else {}),
             "plan": plan.to_dict(),
             "kernels": tune_kernels(m, profile, ckpt.quant.group_size),
             "toolchain": _toolchain(),

@@ -136,7 +136,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """How the KV cache is stored: see DESIGN §5."""
+    """How the KV cache is stored: the two pools, the quantised format, the window and the rotation."""
 
     dtype: str = "fp16"
     group_size: int = 64

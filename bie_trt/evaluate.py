@@ -139,5 +139,5 @@ def _teacher_forced_logits(model: LlamaModel, v: _Variant, ids: list[int], chunk
         blocks.grow(seq, pos + len(part))
         inputs.append(SeqInput(torch.tensor(part), pos, list(seq.block_table), all_logits=True))
         seq.num_cached = pos + len(part)
-        quantise += blocks.compact(seq, None)
+        quantise += blocks.compact(seq)
     return torch.cat(model.forward(inputs, v.pools, quantise))

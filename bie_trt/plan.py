@@ -2,7 +2,7 @@
 
 Pure functions of the model's config.json, a build profile and the user's settings. The runtime
 allocates exactly what the plan says (the KV pools through `kv_pool_blocks`), once, so that
-nothing can spill to host memory during decode (DESIGN §1-2). See docs/memory-plan.md.
+nothing can spill to host memory during decode. See docs/memory-plan.md.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ CUDA_GRAPH_BYTES_PER_BATCH_SIZE = 16 * MIB
 # Allocator fragmentation and small buffers nobody itemised (block tables, sampling state).
 MARGIN_FRACTION = 0.02
 MIN_MARGIN_BYTES = 64 * MIB
-# The draft's bounded cache (sinks + a sliding window) and its reduced vocabulary (spec/draft.py).
+# The draft's bounded cache (sinks + a sliding window) and its reduced vocabulary (spec_decode/draft.py).
 DEFAULT_DRAFT_SINK_TOKENS = 8
 DEFAULT_DRAFT_WINDOW_TOKENS = 1024
 # The draft's head covers only the K most frequent token ids: on Llama-3 vocabularies (128,256)
@@ -132,7 +132,7 @@ def linear_shapes(model: ModelConfig) -> list[tuple[str, int, int]]:
 
 
 def awq_linear_bytes(in_features: int, out_features: int, group_size: int) -> int:
-    """AWQ storage (DESIGN §5): 4-bit weights, an fp16 scale and a 4-bit zero per group of inputs."""
+    """AWQ storage: 4-bit weights, an fp16 scale and a 4-bit zero per group of inputs."""
     groups = in_features // group_size
     return in_features * out_features // 2 + groups * out_features * FP16 + groups * out_features // 2
 
@@ -209,7 +209,7 @@ def kv_bytes_per_token(model: ModelConfig, kv: KVCacheConfig) -> int:
     return quant_bytes_per_token_per_layer(model, kv) * model.num_layers
 
 
-def bounded_fp_blocks_per_seq(kv: KVCacheConfig, window: int, chunk_tokens: int) -> int:
+def bounded_fp_blocks_per_seq(kv: KVCacheConfig, window: int, chunked_prefill_size: int) -> int:
     """FP16 blocks one sequence needs when only its sinks and recent window stay FP16.
 
     Sinks and window as blocks, plus one prefill chunk (its tokens land in FP16 before older
@@ -217,18 +217,18 @@ def bounded_fp_blocks_per_seq(kv: KVCacheConfig, window: int, chunk_tokens: int)
     the window rarely starts on a block boundary.
     """
     b = kv.block_size
-    return math.ceil(kv.sink_tokens / b) + math.ceil(window / b) + math.ceil(chunk_tokens / b) + 1
+    return math.ceil(kv.sink_tokens / b) + math.ceil(window / b) + math.ceil(chunked_prefill_size / b) + 1
 
 
 def kv_pool_blocks(
-    model: ModelConfig, kv: KVCacheConfig, max_model_len: int, max_num_seqs: int, chunk_tokens: int
+    model: ModelConfig, kv: KVCacheConfig, max_model_len: int, max_num_seqs: int, chunked_prefill_size: int
 ) -> tuple[int, int]:
     """(FP16 blocks, quantised blocks) the runtime allocates with `kv.pool.allocate_pools`."""
     _check_max_model_len(model, max_model_len)
     full = max_num_seqs * math.ceil(max_model_len / kv.block_size)
     if kv.dtype == "fp16":
         return full, 0
-    return max_num_seqs * bounded_fp_blocks_per_seq(kv, kv.window, chunk_tokens), full
+    return max_num_seqs * bounded_fp_blocks_per_seq(kv, kv.window, chunked_prefill_size), full
 
 
 def kv_pool_bytes(model: ModelConfig, kv: KVCacheConfig, num_fp_blocks: int, num_quant_blocks: int) -> tuple[int, int]:
@@ -244,7 +244,7 @@ def draft_kv_blocks_per_seq(sink_tokens: int, window: int, block_size: int) -> i
     """FP16 blocks of one sequence's draft cache: bounded, never the whole context.
 
     The sinks in whole blocks, the window's blocks, and one more so that a full window plus the
-    newest tokens fit; when they are all full the oldest window block is recycled (spec/draft.py).
+    newest tokens fit; when they are all full the oldest window block is recycled (spec_decode/draft.py).
     Nothing for a prefill chunk: the draft reads a long prompt only through its last window.
     """
     return math.ceil(sink_tokens / block_size) + math.ceil(window / block_size) + 1
@@ -271,20 +271,21 @@ def draft_request_rows(draft: ModelConfig, vocab_rows: int, request_vocab: int |
 
 # --- activations -----------------------------------------------------------------------------
 
-def step_tokens(chunk_tokens: int, max_num_seqs: int, num_speculative_tokens: int) -> int:
+def step_tokens(chunked_prefill_size: int, max_num_seqs: int, num_speculative_tokens: int) -> int:
     """Tokens one engine step runs at most (its default `max_num_batched_tokens`): a prefill chunk beside
     a decode of every running sequence, each with its speculative proposals."""
-    return chunk_tokens + max_num_seqs * (1 + num_speculative_tokens)
+    return chunked_prefill_size + max_num_seqs * (1 + num_speculative_tokens)
 
 
 def planned_step_tokens(inputs: dict[str, Any]) -> int:
     """`step_tokens` of a plan, from its `inputs` (an engine manifest's `plan.inputs`)."""
-    return step_tokens(int(inputs["chunk_tokens"]), int(inputs["max_num_seqs"]),
+    chunk = inputs["chunked_prefill_size"] if "chunked_prefill_size" in inputs else inputs["chunk_tokens"]   # older key
+    return step_tokens(int(chunk), int(inputs["max_num_seqs"]),
                        int(inputs.get("num_speculative_tokens") or 0))
 
 
 def activation_workspace_bytes(
-    model: ModelConfig, chunk_tokens: int, dtype_bytes: int = FP16, block_size: int = 16
+    model: ModelConfig, chunked_prefill_size: int, dtype_bytes: int = FP16, block_size: int = 16
 ) -> int:
     """Peak activation bytes of one decoder layer over a prefill chunk of T tokens.
 
@@ -296,7 +297,7 @@ def activation_workspace_bytes(
       MLP:       normed T*H + gate_up T*2I + silu(gate)*up T*I + down output T*H
     For 8B models the MLP phase dominates (the T*2I gate_up product).
     """
-    t, h, i = chunk_tokens, model.hidden_size, model.intermediate_size
+    t, h, i = chunked_prefill_size, model.hidden_size, model.intermediate_size
     residual = (t * h + 2 * t * model.head_dim) * dtype_bytes
     attention = (t * h + t * (model.q_size + 2 * model.kv_size) + t * model.q_size + t * h) * dtype_bytes
     attention += t * model.num_heads * block_size * FP32
@@ -318,7 +319,7 @@ def _check_max_model_len(model: ModelConfig, max_model_len: int) -> None:
 
 
 def _check_inputs(
-    model: ModelConfig, kv: KVCacheConfig, max_model_len: int, max_num_seqs: int, chunk_tokens: int,
+    model: ModelConfig, kv: KVCacheConfig, max_model_len: int, max_num_seqs: int, chunked_prefill_size: int,
     weight_group_size: int, draft: ModelConfig | None, lm_head_dtype: str, embedding: str, utilisation: float,
 ) -> None:
     _check_max_model_len(model, max_model_len)
@@ -338,8 +339,8 @@ def _check_inputs(
             f"a draft with another tokenizer or vocabulary cannot propose tokens for this model; "
             f"use a draft from the same family (e.g. Llama-3.2-1B for Llama-3.1-8B) or n-gram speculation."
         )
-    if max_num_seqs < 1 or chunk_tokens < 1:
-        raise PlanError(f"max_num_seqs and chunk size must be >= 1; got {max_num_seqs} and {chunk_tokens}.")
+    if max_num_seqs < 1 or chunked_prefill_size < 1:
+        raise PlanError(f"max_num_seqs and chunk size must be >= 1; got {max_num_seqs} and {chunked_prefill_size}.")
     if lm_head_dtype not in LM_HEAD_DTYPES:
         raise PlanError(f"lm_head dtype {lm_head_dtype!r} is unknown; use one of {LM_HEAD_DTYPES}.")
     if embedding not in EMBEDDING_PLACEMENTS:
@@ -366,7 +367,7 @@ def solve_plan(
     max_model_len: int,
     kv: KVCacheConfig,
     max_num_seqs: int = 1,
-    chunk_tokens: int = 512,
+    chunked_prefill_size: int = 512,
     weight_group_size: int = 128,
     draft: ModelConfig | None = None,
     draft_window_tokens: int = DEFAULT_DRAFT_WINDOW_TOKENS,
@@ -381,7 +382,7 @@ def solve_plan(
 ) -> MemoryPlan:
     """Every GPU allocation of an engine serving `model` under `profile`, and whether it fits.
 
-    Settings left as None take the profile's defaults. `num_speculative_tokens` (gamma) defaults
+    Settings left as None take the profile's defaults. `num_speculative_tokens` defaults
     to the profile's when a draft is given, else 0 (pass it for n-gram speculation).
     `draft_vocab_size` (K): the draft's head covers the K most frequent token ids
     (DEFAULT_DRAFT_VOCAB_SIZE when None; the whole vocabulary when K >= it), and
@@ -394,13 +395,14 @@ def solve_plan(
     embedding = embedding_placement or d.embedding_placement
     utilisation = gpu_memory_utilization if gpu_memory_utilization is not None else d.gpu_memory_utilization
     graph_sizes = d.cuda_graph_batch_sizes if cuda_graph_batch_sizes is None else tuple(cuda_graph_batch_sizes)
-    gamma = num_speculative_tokens if num_speculative_tokens is not None else (d.num_draft_tokens if draft else 0)
-    _check_inputs(model, kv, max_model_len, max_num_seqs, chunk_tokens, weight_group_size, draft,
+    if num_speculative_tokens is None:
+        num_speculative_tokens = d.num_speculative_tokens if draft else 0
+    _check_inputs(model, kv, max_model_len, max_num_seqs, chunked_prefill_size, weight_group_size, draft,
                   lm_head_dtype, embedding, utilisation)
     draft_group = draft_weight_group_size or weight_group_size
     if draft is not None:
         check_draft_settings(draft_window_tokens, draft_vocab_size, draft_request_vocab)
-        _check_inputs(draft, kv, min(max_model_len, draft.max_position_embeddings), max_num_seqs, chunk_tokens,
+        _check_inputs(draft, kv, min(max_model_len, draft.max_position_embeddings), max_num_seqs, chunked_prefill_size,
                       draft_group, None, lm_head_dtype, embedding, utilisation)
     budget = int(profile.vram_bytes * utilisation)
 
@@ -410,21 +412,21 @@ def solve_plan(
                             "fp16 mean key per layer and KV head, subtracted before quantising"))
     draft_items: list[PlanItem] = []
     # A step runs a prefill chunk and every sequence's decode (and proposals) in one forward.
-    step = step_tokens(chunk_tokens, max_num_seqs, gamma)
+    step = step_tokens(chunked_prefill_size, max_num_seqs, num_speculative_tokens)
     workspace = activation_workspace_bytes(model, step, block_size=kv.block_size)
     vocab_rows = draft_vocab_rows(draft, draft_vocab_size) if draft is not None else None
     request_rows = draft_request_rows(draft, vocab_rows, draft_request_vocab) if draft is not None else None
     if draft is not None:
         draft_items = _draft_items(draft, kv, draft_window_tokens, vocab_rows, request_rows,
-                                   max_num_seqs, gamma, draft_group, lm_head_dtype, embedding)
+                                   max_num_seqs, num_speculative_tokens, draft_group, lm_head_dtype, embedding)
         # Draft and target run one after the other and share the workspace.
         workspace = max(workspace, activation_workspace_bytes(draft, step, block_size=kv.block_size))
     captured = [s for s in graph_sizes if s <= max_num_seqs]  # a bigger batch never runs
     runtime = [
-        PlanItem("activations", workspace, f"one {step}-token step ({chunk_tokens}-token prefill chunk + "
-                                           f"{max_num_seqs} x {1 + gamma} decode), peak of one layer"),
-        PlanItem("logits", max_num_seqs * (1 + gamma) * model.vocab_size * FP32,
-                 f"fp32, {max_num_seqs} seq(s) x {1 + gamma} position(s)"),
+        PlanItem("activations", workspace, f"one {step}-token step ({chunked_prefill_size}-token prefill chunk + "
+                                           f"{max_num_seqs} x {1 + num_speculative_tokens} decode), peak of one layer"),
+        PlanItem("logits", max_num_seqs * (1 + num_speculative_tokens) * model.vocab_size * FP32,
+                 f"fp32, {max_num_seqs} seq(s) x {1 + num_speculative_tokens} position(s)"),
         *draft_items,
         PlanItem("cuda_graphs", len(captured) * CUDA_GRAPH_BYTES_PER_BATCH_SIZE,
                  f"decode graphs for batch sizes {captured}" if captured else "no CUDA graphs"),
@@ -434,7 +436,7 @@ def solve_plan(
     fixed_bytes = sum(it.bytes for it in weights + runtime)
 
     def kv_items(length: int) -> tuple[list[PlanItem], int, int]:
-        n_fp, n_q = kv_pool_blocks(model, kv, length, max_num_seqs, chunk_tokens)
+        n_fp, n_q = kv_pool_blocks(model, kv, length, max_num_seqs, chunked_prefill_size)
         fp_bytes, q_bytes = kv_pool_bytes(model, kv, n_fp, n_q)
         q_note = f"{kv.dtype}, {n_q:,} blocks" if kv.dtype != "fp16" else "fp16 KV: no quantised pool"
         return [PlanItem("kv_fp16_pool", fp_bytes, f"{n_fp:,} blocks of {kv.block_size} tokens"),
@@ -452,7 +454,7 @@ def solve_plan(
         "max_model_len": max_model_len,
         "kv": dataclasses.asdict(kv),
         "max_num_seqs": max_num_seqs,
-        "chunk_tokens": chunk_tokens,
+        "chunked_prefill_size": chunked_prefill_size,
         "weight_group_size": weight_group_size,
         "lm_head_dtype": lm_head_dtype,
         "embedding_placement": embedding,
@@ -462,7 +464,7 @@ def solve_plan(
         "draft_sink_tokens": DEFAULT_DRAFT_SINK_TOKENS if draft is not None else None,
         "draft_vocab_size": vocab_rows,
         "draft_request_vocab": request_rows,
-        "num_speculative_tokens": gamma,
+        "num_speculative_tokens": num_speculative_tokens,
     }
     return MemoryPlan(
         items=weights + kv_list + runtime,
@@ -477,7 +479,7 @@ def solve_plan(
 
 def _draft_items(
     draft: ModelConfig, kv: KVCacheConfig, window: int, vocab_rows: int, request_rows: int, max_num_seqs: int,
-    gamma: int, group_size: int, lm_head_dtype: str, embedding: str,
+    num_speculative_tokens: int, group_size: int, lm_head_dtype: str, embedding: str,
 ) -> list[PlanItem]:
     """The draft's own items, each named draft_*: its weights (head over `vocab_rows` ids, and
     `request_rows` more per sequence), its bounded FP16 KV and the distributions it proposes from."""
@@ -495,8 +497,8 @@ def _draft_items(
         *weights,
         PlanItem("draft_kv", blocks * kv.block_size * fp16_kv_bytes_per_token(draft),
                  f"fp16, {blocks:,} blocks: {sinks} sink + {window:,} window tokens + one block, per seq"),
-        PlanItem("draft_probs", max_num_seqs * gamma * draft.vocab_size * FP32,
-                 f"fp32 draft distributions for {gamma} proposed token(s), over the whole vocabulary"),
+        PlanItem("draft_probs", max_num_seqs * num_speculative_tokens * draft.vocab_size * FP32,
+                 f"fp32 draft distributions for {num_speculative_tokens} proposed token(s), over the whole vocabulary"),
     ]
 
 

@@ -45,7 +45,7 @@ class ProfileDefaults:
     kv_window: int
     block_size: int
     chunked_prefill_size: int
-    num_draft_tokens: int
+    num_speculative_tokens: int   # proposals per decode step the plan holds room for, with a draft
     cuda_graph_batch_sizes: tuple[int, ...]
     gpu_memory_utilization: float
     max_num_seqs: int
@@ -125,6 +125,8 @@ def _parse_profile(path: Path) -> BuildProfile:
     try:
         table = dict(data.pop("defaults"))
         table["cuda_graph_batch_sizes"] = tuple(table.get("cuda_graph_batch_sizes", ()))
+        if "num_draft_tokens" in table:   # the key's older spelling
+            table.setdefault("num_speculative_tokens", table.pop("num_draft_tokens"))
         defaults = ProfileDefaults(**table)
         profile = BuildProfile(
             **{**data, "gpu_name_patterns": tuple(data.get("gpu_name_patterns", ())), "defaults": defaults}

@@ -1,5 +1,8 @@
-"""Turning one sequence's logits into the next token: constraints (logit_bias, min_tokens, grammar),
-penalties, temperature, top-k/p, min-p, seed."""
+"""The one sampler: one row of logits -> constraints (logit_bias, min_tokens, grammar) and penalties ->
+the filtered distribution (temperature, top-k, min-p, top-p) -> a token, and the logprobs a request
+asks for. Plain decoding, the draft's proposals and verification all go through these functions, on
+the host or on the device the logits are on (drawing there with a generator on that device, so only
+the token id crosses to the host)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -17,16 +20,17 @@ if TYPE_CHECKING:
 _BOUNDARY_TOL = 1e-6
 
 
-def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generator:
-    """Per-request generator on the CPU: the same seed gives the same tokens on any device."""
-    g = torch.Generator()
+def make_generator(params: SamplingParams, fallback_seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's generator on `device`. A seed repeats its tokens on one kind of device (a CUDA
+    generator's numbers are not the CPU's)."""
+    g = torch.Generator(device=device)
     g.manual_seed(params.seed if params.seed is not None else fallback_seed)
     return g
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
                     output_ids: list[int]) -> torch.Tensor:
-    # Index tensors on the logits' device: the same ops run on the host or on the GPU (device_sampling.py).
+    # Index tensors on the logits' device: the same ops run on the host or on the GPU.
     if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
         vals = logits[seen]
@@ -41,7 +45,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
                    constraint: "LogitsConstraint | None" = None) -> torch.Tensor:
     """The one place a row of logits [V] is shaped before temperature and the filters, in place, on its
     device: first what the request forbids or favours (logit_bias, min_tokens, the grammar's mask at its
-    current state), then the penalties. The host sampler, the device sampler and verification share it."""
+    current state), then the penalties."""
     if constraint is not None:
         constraint.apply(logits, len(output_ids))
     return apply_penalties(logits, params, prompt_ids, output_ids)
@@ -72,10 +76,35 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def draw(processed: torch.Tensor, params: SamplingParams, generator: torch.Generator
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """From processed logits [V]: (the token, a one-element tensor on their device; the distribution it was
+    drawn from, None when greedy: the argmax, a one-hot distribution)."""
+    if params.temperature == 0:
+        return torch.argmax(processed).view(1), None
+    probs = probabilities(processed, params)
+    return torch.multinomial(probs, 1, generator=generator), probs
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
                 prompt_ids: list[int], output_ids: list[int], constraint: "LogitsConstraint | None" = None) -> int:
-    """logits [V] float32 -> one token id."""
-    logits = process_logits(logits.float().cpu().clone(), params, prompt_ids, output_ids, constraint)
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
+    """logits [V] -> one token id, drawn where `generator` is: a CPU generator takes the row to the host, one
+    on the logits' device draws there."""
+    if generator.device.type == "cpu":
+        logits = logits.cpu()
+    elif generator.device != logits.device:
+        raise ValueError(f"the generator is on {generator.device} but the logits on {logits.device}: "
+                         "make it with make_generator(params, seed, logits.device).")
+    processed = process_logits(logits.float().clone(), params, prompt_ids, output_ids, constraint)
+    return int(draw(processed, params, generator)[0])
+
+
+def top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """Log-probabilities of the model's distribution (before constraints, penalties and filters): the top n
+    and the sampled token, in one transfer from the logits' device."""
+    logp = torch.log_softmax(logits.float(), -1)
+    values, ids = torch.topk(logp, n)
+    host = torch.cat([logp[token].view(1).double(), ids.double(), values.double()]).tolist()
+    top = dict(zip((int(i) for i in host[1:1 + n]), host[1 + n:]))
+    top[token] = host[0]
+    return top

@@ -14,6 +14,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from .config import StructuredOutputs
+from .errors import RequestError
+
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"     # Llama-3.1 may open a JSON call with it
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -281,3 +284,29 @@ class ReplyParser:
 
 def _arguments_delta(index: int, fragment: str) -> dict:
     return {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
+
+
+def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool = True
+               ) -> tuple[str, str | None, StructuredOutputs | None]:
+    """OpenAI's tools and tool_choice -> (reply mode: none, auto, required or named; the named function;
+    the constraint that enforces it)."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise RequestError(f"tool_choice {tool_choice!r} needs tools; send the functions in tools.")
+        return "none", None, None
+    if not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+               and isinstance(t["function"].get("name"), str) for t in tools):
+        raise RequestError('each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}.')
+    if tool_choice in (None, "auto", "none"):
+        return tool_choice or "auto", None, None
+    if tool_choice == "required":
+        return "required", None, StructuredOutputs(json=required_schema(tools, parallel))
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if name is None:
+        raise RequestError(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
+                           f'{{"name": ...}}}}; got {tool_choice!r}.')
+    tool = next((t for t in tools if t["function"]["name"] == name), None)
+    if tool is None:
+        raise RequestError(f"tool_choice names function {name!r}, which is not in tools "
+                           f"({sorted(t['function']['name'] for t in tools)}).")
+    return "named", name, StructuredOutputs(json=parameters_of(tool))

@@ -24,6 +24,7 @@ import torch
 
 from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
 from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.model_runner import quantise_blocks
 from bie_trt.executor.cuda_graphs import DecodeGraphs
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools, encode_quant_block
@@ -73,7 +74,7 @@ def sync(device: torch.device) -> None:
 
 def plan_gib(cfg: ModelConfig, kv: KVCacheConfig, context: int, profile: str) -> float:
     """What the memory plan allots an engine of these shapes at this context, batch 1, one graph."""
-    plan = solve_plan(cfg, load_profile(profile), max_model_len=context, kv=kv, max_num_seqs=1, chunk_tokens=512,
+    plan = solve_plan(cfg, load_profile(profile), max_model_len=context, kv=kv, max_num_seqs=1, chunked_prefill_size=512,
                       cuda_graph_batch_sizes=[1])
     return plan.total_bytes / GiB
 
@@ -147,7 +148,7 @@ def bench_prefill(model: LlamaModel, kv: KVCacheConfig, length: int, chunk: int)
         blocks.grow(seq, pos + len(part))
         model.forward([SeqInput(torch.tensor(part), pos, seq.block_table)], pools)
         seq.num_cached = pos + len(part)
-        blocks.compact(seq, pools)
+        quantise_blocks(pools, blocks.compact(seq))
     sync(dev)
     seconds = time.perf_counter() - start
     peak = cuda_peak_gib(dev)

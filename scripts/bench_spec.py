@@ -98,7 +98,7 @@ def first_uses_outside(engine: BieEngine, prompt: str, output: list[int]) -> int
 
 def run_self_draft_part(args: argparse.Namespace) -> dict:
     text = PASSAGE.read_text()[:args.self_draft_chars] if PASSAGE.exists() else FALLBACK
-    spec = {"method": "draft_model", "num_speculative_tokens": args.gamma}
+    spec = {"method": "draft_model", "num_speculative_tokens": args.num_speculative_tokens}
     engines = {name: BieEngine(EngineConfig(engine_dir=path, device="cpu", speculative=spec))
                for name, path in zip(("default", "full_vocab"), args.self_draft)}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -121,13 +121,13 @@ def run_self_draft_part(args: argparse.Namespace) -> dict:
                                                                              for r in rows), 1)
              for name in engines}
     print(json.dumps({"acceptance_all_tasks": total}), flush=True)
-    return {"gamma": args.gamma, "acceptance_all_tasks": total, "rows": rows}
+    return {"gamma": args.num_speculative_tokens, "acceptance_all_tasks": total, "rows": rows}
 
 
 def run_engine_part(args: argparse.Namespace) -> list[dict]:
     text = PASSAGE.read_text()[:args.passage_chars] if PASSAGE.exists() else FALLBACK
     configs = {"off": {"method": "none"},
-               "ngram": {"method": "ngram", "num_speculative_tokens": args.gamma}}
+               "ngram": {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}}
     engines = {name: BieEngine(EngineConfig(engine_dir=args.engine, device="cpu", speculative=spec))
                for name, spec in configs.items()}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -163,9 +163,9 @@ def run_engine_part(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def expected_tokens_per_step(alpha: float, gamma: int) -> float:
+def expected_tokens_per_step(alpha: float, num_speculative_tokens: int) -> float:
     """Tokens one verify step emits when each proposal is accepted with probability alpha, independently."""
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return (1 - alpha ** (num_speculative_tokens + 1)) / (1 - alpha)
 
 
 def time_forward(model: LlamaModel, pools, table: list[int], start: int, tokens: int, steps: int) -> float:
@@ -188,15 +188,15 @@ def run_verify_part(args: argparse.Namespace) -> dict:
     kv = KVCacheConfig(dtype="int4_asym")
     rows = []
     for ctx in map(int, args.contexts.split(",")):
-        n_fp, n_q = kv_pool_blocks(cfg, kv, ctx + args.gamma + 1, 1, 512)
+        n_fp, n_q = kv_pool_blocks(cfg, kv, ctx + args.num_speculative_tokens + 1, 1, 512)
         pools = allocate_pools(cfg, kv, n_fp, n_q, dtype, device)
-        table = fill_cache(pools, ctx + args.gamma + 1, kv)
+        table = fill_cache(pools, ctx + args.num_speculative_tokens + 1, kv)
         t1 = time_forward(model, pools, table, ctx - 1, 1, args.steps)
-        tg = time_forward(model, pools, table, ctx - 1, args.gamma + 1, args.steps)
+        tg = time_forward(model, pools, table, ctx - 1, args.num_speculative_tokens + 1, args.steps)
         ratio = tg / t1
-        row = {"context": ctx, "kv": kv.dtype, "gamma": args.gamma, "ms_verify_1": 1e3 * t1,
-               f"ms_verify_{args.gamma + 1}": 1e3 * tg, "verify_cost_ratio": ratio,
-               "implied_speedup": {str(a): expected_tokens_per_step(a, args.gamma) / ratio for a in (0.6, 0.7, 0.8)}}
+        row = {"context": ctx, "kv": kv.dtype, "gamma": args.num_speculative_tokens, "ms_verify_1": 1e3 * t1,
+               f"ms_verify_{args.num_speculative_tokens + 1}": 1e3 * tg, "verify_cost_ratio": ratio,
+               "implied_speedup": {str(a): expected_tokens_per_step(a, args.num_speculative_tokens) / ratio for a in (0.6, 0.7, 0.8)}}
         rows.append(row)
         print(json.dumps(row), flush=True)
         del pools
@@ -209,7 +209,8 @@ def run_verify_part(args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", help="engine directory for the CPU part (e.g. built from smollm2-135m)")
-    ap.add_argument("--gamma", type=int, default=5, help="tokens proposed per step")
+    ap.add_argument("--num-speculative-tokens", "--gamma", dest="num_speculative_tokens", type=int, default=5,
+                    help="tokens proposed per step")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--passage-chars", type=int, default=700)
@@ -227,7 +228,7 @@ def main() -> None:
     elif args.gpu and not torch.cuda.is_available():
         print("bench_spec --gpu needs a CUDA GPU (none here; --smoke runs it small on the CPU).", file=sys.stderr)
         sys.exit(2)
-    out = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "smoke": args.smoke, "gamma": args.gamma,
+    out = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "smoke": args.smoke, "gamma": args.num_speculative_tokens,
            "max_tokens": args.max_tokens, "engine": None, "tasks": None, "self_draft": None, "verify": None}
     if args.engine:
         manifest = json.loads((Path(args.engine) / "manifest.json").read_text())

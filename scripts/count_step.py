@@ -41,7 +41,8 @@ from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
 from bie_trt.executor.cuda_graphs import _StaticStep  # noqa: E402
 from bie_trt.kernels.triton_w4 import gemv_grid_for, sm_limits  # noqa: E402
 from bie_trt.kv.pool import allocate_pools  # noqa: E402
-from bie_trt.model.llama import LlamaModel, SeqInput, StepMetadata, fused_linear_shapes  # noqa: E402
+from bie_trt.model.llama import LlamaModel, fused_linear_shapes  # noqa: E402
+from bie_trt.model.step_inputs import SeqInput, StepMetadata  # noqa: E402
 from bie_trt.model.synthetic import llama3_8b, random_weights, tiny_llama  # noqa: E402
 from bie_trt.plan import kv_bytes_per_token, lm_head_bytes, linear_weight_bytes  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""AWQ gemm packing against an independent reading of the format (DESIGN §5), and RTN bounds."""
+"""AWQ gemm packing against an independent reading of the format, and RTN bounds."""
 from __future__ import annotations
 
 import numpy as np

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
-from bie_trt.executor.block_manager import BlockManager, copy_blocks
+from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.model_runner import copy_blocks, quantise_blocks
 from bie_trt.executor.prefix_cache import PrefixCache
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools, decode_block
@@ -76,7 +77,7 @@ class BlockMachine(RuleBasedStateMachine):
             self.pools.k[0, block, 0, p % B] = content(tokens[:p + 1])
             self.pools.v[0, block, 0, p % B] = -content(tokens[:p + 1])
         self.blocks.commit(seq, n)
-        self.blocks.compact(seq, self.pools)
+        quantise_blocks(self.pools, self.blocks.compact(seq))
 
     @rule(prompt=PROMPTS, n=st.integers(1, 6))
     def admit(self, prompt, n):
@@ -214,7 +215,7 @@ def run_through(bm: BlockManager, pools, seq: Sequence, chunk: int) -> None:
         n = min(chunk, seq.num_pending)
         bm.grow(seq, seq.num_cached + n)
         bm.commit(seq, n)
-        bm.compact(seq, pools)
+        quantise_blocks(pools, bm.compact(seq))
 
 
 def test_sinks_that_do_not_fill_a_block_keep_it_fp16():

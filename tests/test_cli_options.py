@@ -92,7 +92,7 @@ def test_the_bundled_checkpoint_says_where_it_is_cached(smollm2_checkpoint):
 
 def test_the_stats_line_counts_one_token_without_a_rate_and_shows_speculation():
     from bie_trt.cli.model_cmds import stats_line
-    from bie_trt.executor.engine import RequestOutput, Usage
+    from bie_trt.executor.outputs import RequestOutput, Usage
 
     def output(n: int, rate: float, spec: dict | None = None) -> RequestOutput:
         return RequestOutput("r", [1, 2], "x" * n, list(range(n)), "stop", Usage(2, n), 0.1, rate, spec_decode=spec)

@@ -14,6 +14,7 @@ import torch
 
 from bie_trt.config import KVCacheConfig, SamplingParams
 from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.model_runner import quantise_blocks
 from bie_trt.executor.cuda_graphs import DecodeGraphs
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kernels import triton_ops
@@ -55,7 +56,7 @@ class World:
             logits = self.model.forward(inputs, self.pools)
         for seq, n in chunks:
             seq.num_cached += n
-            self.blocks.compact(seq, self.pools)
+            quantise_blocks(self.pools, self.blocks.compact(seq))
         return logits
 
     def decode(self, rows: list[int], tokens: list[int]) -> list[torch.Tensor]:

@@ -1,15 +1,13 @@
-"""Sampling on the logits' device keeps `sampling.py`'s semantics: on the CPU, with generators of
-the same seed, it draws exactly the tokens `sample_next` draws, and reports the logprobs the engine
-reports; on a GPU a seed repeats its tokens and greedy equals the host."""
+"""Sampling on the logits' device keeps the host's semantics: a generator made for a device draws
+there exactly what a host generator of the same seed draws on the CPU, logprobs are the model's raw
+distribution, and on a GPU a seed repeats its tokens and greedy equals the host."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from bie_trt.config import SamplingParams
-from bie_trt.device_sampling import device_generator, sample_on_device
-from bie_trt.executor.engine import _top_logprobs
-from bie_trt.sampling import make_generator, sample_next
+from bie_trt.sampling import make_generator, sample_next, top_logprobs
 
 PARAMS = [
     SamplingParams(temperature=0.0, repetition_penalty=1.3),
@@ -30,11 +28,14 @@ def logits_rows(n: int, vocab: int = 300, seed: int = 0) -> list[torch.Tensor]:
 def test_same_tokens_as_host_sampling(params: SamplingParams) -> None:
     prompt = [int(r.argmax()) for r in logits_rows(3)]   # the likeliest tokens, penalised from the start
     host_out, dev_out = [], []
-    host_gen, dev_gen = make_generator(params, 1), device_generator(params, 1, torch.device("cpu"))
+    host_gen, dev_gen = make_generator(params, 1), make_generator(params, 1, torch.device("cpu"))
     for row in logits_rows(12):
         host_out.append(sample_next(row, params, host_gen, prompt, host_out))
-        token, top = sample_on_device(row, params, dev_gen, prompt, dev_out, top_logprobs=3)
-        assert top == pytest.approx(_top_logprobs(row, token, 3))
+        token = sample_next(row, params, dev_gen, prompt, dev_out)
+        logp = torch.log_softmax(row, -1)
+        top = top_logprobs(row, token, 3)
+        assert list(top)[:3] == logp.topk(3).indices.tolist()
+        assert top == pytest.approx({i: float(logp[i]) for i in [*logp.topk(3).indices.tolist(), token]})
         dev_out.append(token)
     assert dev_out == host_out
     assert len(set(dev_out)) > 1 or params.temperature == 0
@@ -43,9 +44,9 @@ def test_same_tokens_as_host_sampling(params: SamplingParams) -> None:
 def test_generator_on_another_device_is_refused() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a second device kind")
-    with pytest.raises(ValueError, match="device_generator"):
-        sample_on_device(torch.zeros(4), SamplingParams(), device_generator(SamplingParams(), 0, torch.device("cuda")),
-                         [], [])
+    with pytest.raises(ValueError, match="make_generator"):
+        sample_next(torch.zeros(4), SamplingParams(), make_generator(SamplingParams(), 0, torch.device("cuda")),
+                    [], [])
 
 
 @pytest.mark.gpu
@@ -54,13 +55,13 @@ def test_on_the_gpu_a_seed_repeats_and_greedy_equals_the_host() -> None:
     params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1, seed=3)
     runs = []
     for _ in range(2):
-        g, out = device_generator(params, 0, torch.device("cuda")), []
+        g, out = make_generator(params, 0, torch.device("cuda")), []
         for row in rows:
-            out.append(sample_on_device(row.cuda(), params, g, [1, 2], out)[0])
+            out.append(sample_next(row.cuda(), params, g, [1, 2], out))
         runs.append(out)
     assert runs[0] == runs[1]
     greedy = SamplingParams(temperature=0.0, presence_penalty=0.4)
-    g = device_generator(greedy, 0, torch.device("cuda"))
+    g = make_generator(greedy, 0, torch.device("cuda"))
     for row in rows:
-        assert sample_on_device(row.cuda(), greedy, g, [5], [9, 9])[0] == \
+        assert sample_next(row.cuda(), greedy, g, [5], [9, 9]) == \
             sample_next(row, greedy, make_generator(greedy, 0), [5], [9, 9])

@@ -16,7 +16,7 @@ from bie_trt.cli import main
 from bie_trt.config import ModelConfig
 from bie_trt.engine_format import sha256_file, verify_engine
 from bie_trt.errors import CheckpointError, PlanError
-from bie_trt.spec.draft_vocab import frequency_order, reduced_vocabulary
+from bie_trt.spec_decode.draft_vocab import frequency_order, reduced_vocabulary
 from tiny_model import write_tiny_hf
 
 K = 4096   # tiny_draft_engine's (conftest.py)

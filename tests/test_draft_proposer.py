@@ -3,7 +3,6 @@ reduced vocabulary's q, and the SmolLM2 engine proposing for itself."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,10 +13,10 @@ from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.executor.sequence import Sequence
 from bie_trt.sampling import make_generator
-from bie_trt.spec.draft import DraftModelProposer
+from bie_trt.spec_decode.draft import DraftModelProposer
 from hf_reference import hf_model
 
-GAMMA = SimpleNamespace(num_speculative_tokens=4)
+NUM_SPECULATIVE_TOKENS = 4
 K = 4096   # the static ids of tiny_draft_engine's draft: SmolLM2's merge order is its id order, so 0..4095
 
 
@@ -30,7 +29,7 @@ def seq_of(ids: list[int], **params) -> Sequence:
 def tiny(tiny_draft_engine):
     """SmolLM2 target, the random 2-layer draft: head over 4,096 ids, window 64."""
     runner = ModelRunner(EngineConfig(engine_dir=str(tiny_draft_engine), device="cpu", max_num_seqs=2))
-    return runner, DraftModelProposer(tiny_draft_engine, runner, GAMMA)
+    return runner, DraftModelProposer(tiny_draft_engine, runner, NUM_SPECULATIVE_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +47,7 @@ def test_long_prompt_reads_sinks_and_last_window_at_their_positions(tiny, tiny_d
     ids = text_ids[:300]
     seq = seq_of(ids, temperature=1.0)
     before = proposer.tokens_forwarded
-    q = proposer.propose([seq], [1])[0].probs[0]
+    q = proposer.propose([seq.proposal_request(1)])[0].probs[0]
     assert proposer.tokens_forwarded - before == 16 + 64          # O(window), not O(prompt)
     kept = list(range(16)) + list(range(300 - 64, 300))
     assert proposer.cached_positions(seq) == kept
@@ -73,9 +72,9 @@ def test_reduced_vocabulary_zeroes_q_outside_it(tiny, tiny_draft_engine, tmp_pat
     shutil.copytree(tiny_draft_engine, engine)
     ids = sorted(random.Random(0).sample(range(49152), 4096))
     (engine / "draft" / "vocab.json").write_text(json.dumps({"ids": ids}))
-    proposer = DraftModelProposer(engine, runner, GAMMA)
+    proposer = DraftModelProposer(engine, runner, NUM_SPECULATIVE_TOKENS)
     seq = seq_of(text_ids[:40], temperature=1.0, top_p=1.0)
-    prop = proposer.propose([seq], [4])[0]
+    prop = proposer.propose([seq.proposal_request(4)])[0]
     inside = torch.zeros(49152, dtype=torch.bool)
     inside[ids] = True
     inside[text_ids[:40]] = True
@@ -83,7 +82,7 @@ def test_reduced_vocabulary_zeroes_q_outside_it(tiny, tiny_draft_engine, tmp_pat
     assert (prop.probs[:, ~inside] == 0).all() and (prop.probs[:, inside] > 0).all()
     assert torch.allclose(prop.probs.sum(-1), torch.ones(4), atol=1e-5)
     assert all(inside[t] for t in prop.token_ids)
-    greedy = proposer.propose([seq_of(text_ids[:40])], [2])[0]
+    greedy = proposer.propose([seq_of(text_ids[:40]).proposal_request(2)])[0]
     assert greedy.probs is None and all(inside[t] for t in greedy.token_ids)
 
 
@@ -99,7 +98,7 @@ def test_past_r_ids_the_most_recently_seen_keep_their_rows(tiny, tiny_draft_engi
     manifest = json.loads((engine / "manifest.json").read_text())
     manifest["draft"]["request_vocab"] = 8
     (engine / "manifest.json").write_text(json.dumps(manifest))
-    proposer = DraftModelProposer(engine, runner, GAMMA)
+    proposer = DraftModelProposer(engine, runner, NUM_SPECULATIVE_TOKENS)
     assert {t.shape[:2] for t in proposer.request_head.values()} == {(runner.max_num_seqs, 8)}
 
     def most_recent(ids: list[int]) -> set[int]:
@@ -107,7 +106,7 @@ def test_past_r_ids_the_most_recently_seen_keep_their_rows(tiny, tiny_draft_engi
 
     seq = seq_of(text_ids[:200], temperature=1.0)
     for step in range(2):
-        q = proposer.propose([seq], [1])[0].probs[0]
+        q = proposer.propose([seq.proposal_request(1)])[0].probs[0]
         held, older = most_recent(seq.token_ids), set(t for t in seq.token_ids if t >= K) - most_recent(seq.token_ids)
         assert set(proposer.request_ids(seq)) == held and len(proposer.request_ids(seq)) == 8 and older
         assert all(q[t] > 0 for t in held) and all(q[t] == 0 for t in older)
@@ -119,7 +118,7 @@ def test_past_r_ids_the_most_recently_seen_keep_their_rows(tiny, tiny_draft_engi
         seq.output_ids += [t for t in text_ids[1000:1200] if t >= K][:3]   # three ids, then propose again
     proposer.free(seq)
     again = [seq_of(text_ids[:50]), seq_of(text_ids[:60])]
-    proposer.propose(again, [1, 1])
+    proposer.propose([s.proposal_request(1) for s in again])
     assert sorted(proposer.seqs[s].head_slot for s in again) == [0, 1]
 
 
@@ -139,10 +138,11 @@ def test_an_int8_head_gives_the_request_rows_in_int8_too(tiny, tiny_draft_engine
         w = load_file(str(engine / "draft" / name))
         w["lm_head.q"], w["lm_head.scale"] = quantize_rows_int8(w.pop("lm_head"))
         save_file(w, str(engine / "draft" / name))
-    int8 = DraftModelProposer(engine, runner, GAMMA)
+    int8 = DraftModelProposer(engine, runner, NUM_SPECULATIVE_TOKENS)
     assert int8.request_head["lm_head.q"].dtype == torch.int8
     seq, twin = seq_of(text_ids[:120], temperature=1.0), seq_of(text_ids[:120], temperature=1.0)
-    q8, q = int8.propose([seq], [1])[0].probs[0], proposer.propose([twin], [1])[0].probs[0]
+    q8 = int8.propose([seq.proposal_request(1)])[0].probs[0]
+    q = proposer.propose([twin.proposal_request(1)])[0].probs[0]
     assert int8.request_ids(seq) == proposer.request_ids(twin) and len(int8.request_ids(seq)) > 5
     assert torch.equal(q8 > 0, q > 0)
     assert torch.allclose(q8[q > 0].log(), q[q > 0].log(), atol=0.05), (q8[q > 0].log() - q[q > 0].log()).abs().max()
@@ -154,11 +154,11 @@ def test_rollback_equals_a_fresh_draft(tiny, tiny_draft_engine, text_ids):
     draft that never saw the rejected guesses gives."""
     runner, proposer = tiny
     seq = seq_of(text_ids[:50], temperature=1.0)
-    guesses = proposer.propose([seq], [4])[0].token_ids
+    guesses = proposer.propose([seq.proposal_request(4)])[0].token_ids
     seq.output_ids += [guesses[0], (guesses[1] + 1) % 4096]       # first accepted, second replaced
-    q = proposer.propose([seq], [3])[0].probs[0]
-    fresh = DraftModelProposer(tiny_draft_engine, runner, GAMMA)
-    q_fresh = fresh.propose([seq_of(seq.token_ids, temperature=1.0)], [1])[0].probs[0]
+    q = proposer.propose([seq.proposal_request(3)])[0].probs[0]
+    fresh = DraftModelProposer(tiny_draft_engine, runner, NUM_SPECULATIVE_TOKENS)
+    q_fresh = fresh.propose([seq_of(seq.token_ids, temperature=1.0).proposal_request(1)])[0].probs[0]
     assert torch.allclose(q, q_fresh, atol=1e-5), (q - q_fresh).abs().max()
     proposer.free(seq)
 
@@ -166,12 +166,12 @@ def test_rollback_equals_a_fresh_draft(tiny, tiny_draft_engine, text_ids):
 def test_draft_kv_is_the_same_for_6k_and_1k_prompts(build, tiny_draft, text_ids):
     engine = build(checkpoint=str(tiny_draft), draft_checkpoint=str(tiny_draft))   # default window 1,024
     runner = ModelRunner(EngineConfig(engine_dir=str(engine), device="cpu", max_num_seqs=2))
-    proposer = DraftModelProposer(engine, runner, GAMMA)
+    proposer = DraftModelProposer(engine, runner, NUM_SPECULATIVE_TOKENS)
     held, forwarded = [], []
     for n in (1000, 6000):
         seq = seq_of(text_ids[:n])
         before = proposer.tokens_forwarded
-        proposer.propose([seq], [4])
+        proposer.propose([seq.proposal_request(4)])
         forwarded.append(proposer.tokens_forwarded - before)
         held.append(proposer.blocks_held(seq))
         # the prompt (or its sinks and last window), then the 3 proposals fed back (the 4th is not)
@@ -215,7 +215,7 @@ def one_layer(build, smollm2_checkpoint, tmp_path_factory):
     engine = build(checkpoint=str(awq), draft_checkpoint=str(awq), draft_vocab_size=4096, draft_window_tokens=64,
                    max_model_len=512)
     runner = ModelRunner(EngineConfig(engine_dir=str(engine), device="cpu", max_num_seqs=2))
-    return awq, engine, DraftModelProposer(engine, runner, GAMMA)
+    return awq, engine, DraftModelProposer(engine, runner, NUM_SPECULATIVE_TOKENS)
 
 
 def test_a_long_run_keeps_a_sliding_window_in_its_fixed_blocks(one_layer, text_ids):
@@ -225,14 +225,14 @@ def test_a_long_run_keeps_a_sliding_window_in_its_fixed_blocks(one_layer, text_i
     checkpoint, engine, proposer = one_layer
     seq = seq_of(text_ids[:20], temperature=1.0)
     for step in range(40):
-        guesses = proposer.propose([seq], [4])[0].token_ids
+        guesses = proposer.propose([seq.proposal_request(4)])[0].token_ids
         seq.output_ids += guesses[:step % 3] + [text_ids[20 + step]]   # some accepted, then the target's own
         pos = proposer.cached_positions(seq)
         window = pos[16:]
         assert pos[:16] == list(range(16)) and proposer.blocks_held(seq) == proposer.blocks_per_seq
         assert window == list(range(window[0], window[0] + len(window)))
         assert len(window) >= min(64, seq.num_tokens - 16) and len(pos) <= proposer.blocks_per_seq * 16
-    q = proposer.propose([seq], [1])[0].probs[0]
+    q = proposer.propose([seq.proposal_request(1)])[0].probs[0]
     own = list(dict.fromkeys(t for t in seq.token_ids if t >= K))
     want, vocab = draft_log_probs(checkpoint, engine, seq.token_ids, proposer.cached_positions(seq), extra=own)
     assert torch.allclose(q[vocab].log(), want, atol=1e-4), (q[vocab].log() - want).abs().max()
@@ -245,14 +245,14 @@ def test_smollm2_as_its_own_draft_proposes_the_targets_greedy_tokens(build, text
     context) proposes 4 tokens a step, accepted up to the first mismatch: >= 95% accepted."""
     engine_dir = build(draft_checkpoint="smollm2-135m", draft_vocab_size=49152)
     target = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu", kv_cache_dtype="int4_asym"))
-    proposer = DraftModelProposer(engine_dir, target.runner, GAMMA)
+    proposer = DraftModelProposer(engine_dir, target.runner, NUM_SPECULATIVE_TOKENS)
     proposed = accepted = 0
     for start in (0, 5000):
         prompt = text_ids[start:start + 120]
         ref = target.generate(prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)).token_ids
         seq, i = seq_of(prompt), 0
         while i < len(ref) - 1:
-            guesses = proposer.propose([seq], [4])[0].token_ids
+            guesses = proposer.propose([seq.proposal_request(4)])[0].token_ids
             judged = min(len(guesses), len(ref) - i)   # guesses past the reference's end are not judged
             m = next((j for j, (g, r) in enumerate(zip(guesses, ref[i:])) if g != r), judged)
             proposed, accepted = proposed + judged, accepted + m

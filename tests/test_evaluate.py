@@ -13,7 +13,7 @@ from bie_trt.cli import main
 from bie_trt.config import EngineConfig, KVCacheConfig, SamplingParams
 from bie_trt.evaluate import evaluate
 from bie_trt.executor.block_manager import BlockManager
-from bie_trt.executor.model_runner import ModelRunner
+from bie_trt.executor.model_runner import ModelRunner, quantise_blocks
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools
 from bie_trt.model.llama import SeqInput
@@ -46,7 +46,7 @@ def logits_by(runner, kv: KVCacheConfig, tokens: list[int], chunk: int) -> torch
         blocks.grow(seq, pos + len(part))
         rows.append(runner.model.forward([SeqInput(torch.tensor(part), pos, seq.block_table, all_logits=True)], pools)[0])
         seq.num_cached = pos + len(part)
-        blocks.compact(seq, pools)
+        quantise_blocks(pools, blocks.compact(seq))
     return torch.cat(rows)
 
 

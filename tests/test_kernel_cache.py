@@ -18,6 +18,7 @@ import pytest
 from bie_trt.build import BuildOptions, build_engine
 from bie_trt.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import EngineConfig
+from bie_trt.executor import model_runner
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.kernels.kernel_cache import KERNELS_DIR, compiled_kernels, installed_triton, use_engine_kernels
 from bie_trt.model.synthetic import write_word_tokenizer
@@ -45,10 +46,14 @@ def test_warm_up_runs_each_kind_of_step(cpu_engine, monkeypatch):
     forward = runner.forward
     monkeypatch.setattr(runner, "forward", lambda inputs: steps.append([len(i.token_ids) for i in inputs])
                         or forward(inputs))
+    quantised, quantise = [], model_runner.quantise_blocks
+    monkeypatch.setattr(model_runner, "quantise_blocks", lambda pools, pairs: quantised.extend(pairs)
+                        or quantise(pools, pairs))
     runner.warm_up()
     # chunks of each kind of size, a prompt beside a decode (twice), then decodes of 1, 2 and 3 rows
     assert steps == [[64], [63], [15], [16], [31], [32], [17, 1], [17, 1], [1], [1, 1], [1, 1, 1]]
-    assert sum(s[0] for s in steps[:6]) > runner.kv_config.sink_tokens + runner.kv_config.window   # compacts
+    assert sum(s[0] for s in steps[:6]) > runner.kv_config.sink_tokens + runner.kv_config.window
+    assert quantised   # blocks that left the window went through the quantiser, as in serving
 
 
 def test_warm_up_runs_what_a_shrunk_pool_fits(cpu_engine, monkeypatch):

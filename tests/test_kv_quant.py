@@ -215,7 +215,7 @@ def test_quantize_block_refuses_an_fp16_cache() -> None:
         quantize_block(pools, None, 0, 0)
 
 
-# --- bytes per token (DESIGN §2) -----------------------------------------------------------
+# --- bytes per token -----------------------------------------------------------------------
 
 def pool_bytes_per_token(model: ModelConfig, kv: KVCacheConfig) -> dict[str, float]:
     # The meta device allocates nothing but reports the same nbytes.

@@ -1,4 +1,4 @@
-"""The memory plan, checked against the hand arithmetic of DESIGN §2 and against the real pool allocator."""
+"""The memory plan, checked against hand arithmetic and against the real pool allocator."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +18,7 @@ from bie_trt.plan import (
     draft_kv_blocks,
     draft_kv_blocks_per_seq,
     kv_pool_blocks,
+    planned_step_tokens,
     solve_plan,
 )
 from bie_trt.profiles import list_profiles, load_profile
@@ -116,7 +117,7 @@ def test_sizes_match_design_arithmetic(llama, ti):
     params = 32 * (4096 * (4096 + 1024 + 1024) + 4096 * 4096 + 3 * 4096 * 14336)
     assert params == 6_979_321_856
     assert plan.bytes_of("linear_weights") == params * 133 // 256  # (64 + 2 + 0.5) bytes per 128 weights
-    # DESIGN's 3.45 GiB counts an fp16 zero (4.25 bit); AWQ packs zeros in 4 bits: ~2% less.
+    # A 3.45 GiB estimate counts an fp16 zero (4.25 bit); AWQ packs zeros in 4 bits: ~2% less.
     assert abs(plan.bytes_of("linear_weights") / (3.45 * GIB) - 1) < 0.03
     assert plan.bytes_of("kv_quant_pool") == 36 * 1024 * 65536 == 2.25 * GIB
     assert plan.bytes_of("kv_fp16_pool") == 42 * 16 * 128 * 1024  # sink 1 + window 8 + chunk 32 + 1 blocks
@@ -170,7 +171,7 @@ def test_plan_kv_items_equal_allocated_pools(model, kv, max_len, seqs, chunk):
     # meta tensors: real shapes and dtypes without the memory (the Llama case is 2.3 GiB).
     pools = allocate_pools(model, kv, n_fp, n_q, dtype=torch.float16, device="meta")
     plan = solve_plan(model, load_profile("cpu"), max_model_len=max_len, kv=kv, max_num_seqs=seqs,
-                      chunk_tokens=chunk, weight_group_size=64)
+                      chunked_prefill_size=chunk, weight_group_size=64)
     assert (plan.num_fp_blocks, plan.num_quant_blocks) == (n_fp, n_q)
     assert pools.nbytes() == {"fp16": plan.bytes_of("kv_fp16_pool"), "quant": plan.bytes_of("kv_quant_pool")}
 
@@ -192,7 +193,7 @@ def test_draft_adds_weights_and_bounded_kv(llama, ti):
     assert plan.bytes_of("draft_kv") == blocks * 16 * 2 * 16 * 8 * 64 * 2
     # Bounded: the draft's KV grows neither with the target's context nor with the prefill chunk.
     longer = solve_plan(llama, ti, max_model_len=131072, kv=kv_cfg(), draft=draft, draft_window_tokens=1024,
-                        chunk_tokens=2048)
+                        chunked_prefill_size=2048)
     assert longer.bytes_of("draft_kv") == plan.bytes_of("draft_kv")
     linears = 16 * (2048 * (2048 + 512 + 512) + 2048 * 2048 + 3 * 2048 * 8192)
     assert plan.bytes_of("draft_linear_weights") == linears * 133 // 256
@@ -201,9 +202,9 @@ def test_draft_adds_weights_and_bounded_kv(llama, ti):
     assert plan.bytes_of("draft_embedding") == 0                    # host
     assert plan.bytes_of("draft_norms") == 33 * 2048 * 2
     assert plan.bytes_of("draft_kv_key_mean") == 0                  # the draft's cache is fp16: nothing to centre
-    gamma = ti.defaults.num_draft_tokens
-    assert plan.bytes_of("logits") == (1 + gamma) * 128256 * 4
-    assert plan.bytes_of("draft_probs") == gamma * 128256 * 4
+    k = ti.defaults.num_speculative_tokens
+    assert plan.bytes_of("logits") == (1 + k) * 128256 * 4
+    assert plan.bytes_of("draft_probs") == k * 128256 * 4
     assert plan.total_bytes > base.total_bytes
     names = [i.name for i in plan.items if i.name.startswith("draft_")]
     assert names == ["draft_linear_weights", "draft_lm_head", "draft_embedding", "draft_norms",
@@ -246,14 +247,14 @@ def test_each_sequence_gets_its_request_rows_of_the_drafts_head(llama, ti):
 
 
 def test_8b_with_1b_draft_fits_64k_on_8gb_cards(llama):
-    """The acceptance pair: Llama-3.1-8B + Llama-3.2-1B, 64k, INT4 KV, gamma 5, each 8 GB profile's
+    """The acceptance pair: Llama-3.1-8B + Llama-3.2-1B, 64k, INT4 KV, num_speculative_tokens 5, each 8 GB profile's
     defaults, with at least 64 MiB to spare."""
     draft = ModelConfig.from_hf(LLAMA_32_1B)
     for name in ("rtx4060ti-8gb", "rtx4060-8gb", "rtx3060-8gb", "rtx3070-8gb", "rtx4070-laptop-8gb"):
         p = load_profile(name)
         d = p.defaults
         plan = solve_plan(llama, p, max_model_len=65536, kv=d.kv_config(), max_num_seqs=d.max_num_seqs,
-                          chunk_tokens=d.chunked_prefill_size, draft=draft, num_speculative_tokens=5)
+                          chunked_prefill_size=d.chunked_prefill_size, draft=draft, num_speculative_tokens=5)
         assert plan.budget_bytes - plan.total_bytes >= 64 * MIB, plan.format_table()
 
 
@@ -280,7 +281,7 @@ def test_llama_fits_every_profile_at_its_defaults(llama, name):
     p = load_profile(name)
     d = p.defaults
     plan = solve_plan(llama, p, max_model_len=min(d.max_model_len, llama.max_position_embeddings),
-                      kv=d.kv_config(), max_num_seqs=d.max_num_seqs, chunk_tokens=d.chunked_prefill_size)
+                      kv=d.kv_config(), max_num_seqs=d.max_num_seqs, chunked_prefill_size=d.chunked_prefill_size)
     assert plan.fits, plan.format_table()
 
 
@@ -435,11 +436,18 @@ def test_activation_workspace_is_the_attention_phase_when_the_mlp_is_narrow():
 
 
 def test_the_activations_cover_a_whole_step_with_the_drafts_proposals(llama, ti):
-    """A step runs a prefill chunk beside every sequence's decode and its γ proposals: 256 + 1 x (1 + 4)
+    """A step runs a prefill chunk beside every sequence's decode and its num_speculative_tokens proposals: 256 + 1 x (1 + 4)
     tokens on an 8 GB profile with a 1B draft, and the pair still fits 64k with 64 MiB to spare."""
     d = ti.defaults
-    plan = plan64k(llama, ti, draft=ModelConfig.from_hf(LLAMA_32_1B), chunk_tokens=d.chunked_prefill_size)
-    step = d.chunked_prefill_size + d.max_num_seqs * (1 + d.num_draft_tokens)
+    plan = plan64k(llama, ti, draft=ModelConfig.from_hf(LLAMA_32_1B), chunked_prefill_size=d.chunked_prefill_size)
+    step = d.chunked_prefill_size + d.max_num_seqs * (1 + d.num_speculative_tokens)
     assert step == 261
     assert plan.bytes_of("activations") == activation_workspace_bytes(llama, step, block_size=d.block_size)
     assert plan.budget_bytes - plan.total_bytes >= 64 * MIB
+
+
+def test_planned_step_reads_the_older_chunk_key():
+    """Engines built before the rename record the prefill chunk as "chunk_tokens"."""
+    new = {"chunked_prefill_size": 512, "max_num_seqs": 2, "num_speculative_tokens": 3}
+    old = {"chunk_tokens": 512, "max_num_seqs": 2, "num_speculative_tokens": 3}
+    assert planned_step_tokens(new) == planned_step_tokens(old) == 512 + 2 * (1 + 3)

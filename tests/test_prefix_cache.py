@@ -10,6 +10,7 @@ import torch
 from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.config import KVCacheConfig
 from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.model_runner import quantise_blocks
 from bie_trt.kv.pool import allocate_pools
 from test_block_manager import MODEL, new_seq
 
@@ -23,7 +24,7 @@ def run(bm: BlockManager, seq, pools=None) -> None:
     bm.grow(seq, seq.num_cached + n)
     bm.commit(seq, n)
     if pools is not None:
-        bm.compact(seq, pools)
+        quantise_blocks(pools, bm.compact(seq))
 
 
 def test_a_hit_always_leaves_the_last_token_to_compute():
@@ -67,7 +68,7 @@ def test_a_quantised_block_takes_over_the_key_and_is_shared():
     b.output_ids += [1, 2, 3, 4, 5, 6, 7, 8]
     bm.grow(b, 20)
     bm.commit(b, 8)
-    bm.compact(b, pools)
+    quantise_blocks(pools, bm.compact(b))
     assert b.block_table[1:3] == a.block_table[1:3] and bm.usage(True)["used"] == 2
     # a longer prompt whose window lies past them takes them straight from the cache
     c = new_seq(prompt + [1, 2, 3, 4])
@@ -85,7 +86,7 @@ def decode(bm: BlockManager, seq, pools, n: int) -> None:
         seq.output_ids.append(1000 + i)
         bm.grow(seq, seq.num_tokens)
         bm.commit(seq, 1)
-        bm.compact(seq, pools)
+        quantise_blocks(pools, bm.compact(seq))
 
 
 def test_a_prompt_another_sequence_quantised_is_found_up_to_the_new_window():

@@ -125,3 +125,15 @@ def test_malformed_profile_names_file_and_fix(monkeypatch, tmp_path):
     monkeypatch.setattr(profiles, "PROFILES_DIR", tmp_path)
     with pytest.raises(PlanError, match=r"broken\.toml is malformed"):
         load_profile("broken")
+
+
+def test_older_spelling_num_draft_tokens_still_loads(monkeypatch, tmp_path):
+    text = (profiles.PROFILES_DIR / "cpu.toml").read_text()
+    assert "num_speculative_tokens = 4" in text
+    (tmp_path / "cpu.toml").write_text(text.replace("num_speculative_tokens = 4", "num_draft_tokens = 3"))
+    monkeypatch.setattr(profiles, "PROFILES_DIR", tmp_path)
+    profiles._parse_profile.cache_clear()
+    try:
+        assert load_profile("cpu").defaults.num_speculative_tokens == 3
+    finally:
+        profiles._parse_profile.cache_clear()

@@ -1,7 +1,7 @@
 """RequestVocab: which ids of a sequence's own text get rows of the draft's head, and which row."""
 from __future__ import annotations
 
-from bie_trt.spec.request_vocab import RequestVocab
+from bie_trt.spec_decode.request_vocab import RequestVocab
 
 
 def test_ids_outside_the_static_set_take_rows_in_first_seen_order():

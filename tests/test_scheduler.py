@@ -2,9 +2,12 @@
 pool, preemption of the newest sequence with its tokens kept, and max_num_seqs."""
 from __future__ import annotations
 
+import pytest
+
 from bie_trt.config import KVCacheConfig
+from bie_trt.errors import EngineError
 from bie_trt.executor.block_manager import BlockManager
-from bie_trt.executor.scheduler import Scheduler
+from bie_trt.executor.scheduler import Scheduler, check_progress, step_budget
 from bie_trt.executor.sequence import Status
 from bie_trt.plan import step_tokens
 from test_block_manager import new_seq
@@ -179,10 +182,10 @@ def test_a_decode_runs_before_a_prompt_chunk_admitted_earlier():
     assert step(s) == [(5, 1), (40, 8)]           # and then its decodes
 
 
-def speculating(budget: int, gamma: int) -> tuple[Scheduler, list]:
-    """Three sequences decoding (their prompts cached, one token sampled) with room for γ proposals each,
+def speculating(budget: int, num_speculative_tokens: int) -> tuple[Scheduler, list]:
+    """Three sequences decoding (their prompts cached, one token sampled) with room for num_speculative_tokens proposals each,
     and a 100-token prompt waiting."""
-    s = Scheduler(BlockManager(KVCacheConfig(block_size=B), 64, 0), 4, budget, 32, gamma)
+    s = Scheduler(BlockManager(KVCacheConfig(block_size=B), 64, 0), 4, budget, 32, num_speculative_tokens)
     decoding = [new_seq([i] * 5) for i in range(3)]
     for seq in decoding:
         s.add(seq)
@@ -194,7 +197,7 @@ def speculating(budget: int, gamma: int) -> tuple[Scheduler, list]:
 def test_proposals_are_charged_to_the_step_budget():
     """A step budget that holds no proposals (speculation the plan did not expect): the prompt chunk gets
     only what the decodes and their proposals leave."""
-    s, decoding = speculating(step_tokens(32, 4, 0), gamma=2)
+    s, decoding = speculating(step_tokens(32, 4, 0), num_speculative_tokens=2)
     batch = s.schedule()
     assert batch.lookahead == {seq: 2 for seq in decoding}
     scheduled = sum(n for _, n in batch.chunks) + sum(batch.lookahead.values())
@@ -204,8 +207,50 @@ def test_proposals_are_charged_to_the_step_budget():
 def test_the_planned_step_holds_a_chunk_beside_every_decode_with_all_its_proposals():
     """The memory plan's step (its activation workspace) is sized so that no proposal is ever cut for
     want of budget while a full prompt chunk runs."""
-    s, decoding = speculating(step_tokens(32, 4, 3), gamma=3)
+    s, decoding = speculating(step_tokens(32, 4, 3), num_speculative_tokens=3)
     batch = s.schedule()
     assert batch.lookahead == {seq: 3 for seq in decoding}
     assert dict(batch.chunks)[s.running[-1]] == 32
     assert sum(n for _, n in batch.chunks) + sum(batch.lookahead.values()) <= s.max_num_batched_tokens
+
+
+def test_postprocess_gives_back_rejected_room_and_hands_compactions_to_the_next_step():
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=0, window=16, rotation="none", block_size=B)
+    s = Scheduler(BlockManager(kv, 16, 16), 4, 64, 64, num_speculative_tokens=4)
+    seq = new_seq([1] * 47)
+    s.add(seq)
+    assert s.schedule().chunks == [(seq, 47)]
+    first_block, second_block = seq.block_table[:2]
+    s.postprocess(seq, 47, had_lookahead=False)   # block 0 (tokens 0..15) has left the 16-token window
+    assert seq.num_cached == 47 and seq.block_table[0] < 0
+    seq.output_ids.append(7)
+    batch = s.schedule()
+    assert batch.quantisations == [(first_block, 0)]   # launched before the step that may reuse the block
+    assert batch.lookahead == {seq: 4} and len(seq.block_table) == 4   # room for 48 + 4 tokens
+    s.postprocess(seq, 1, had_lookahead=True)          # every proposal rejected: only the pending token
+    assert seq.num_cached == 48 and len(seq.block_table) == 3
+    assert s.take_quantisations() == [(second_block, 1)]   # 48 cached: tokens 16..31 have left the window too
+    assert s.take_quantisations() == []
+
+
+def test_the_default_budget_is_the_planned_step_when_speculating_as_built():
+    planned = step_tokens(256, 4, 3)
+    assert step_budget(planned, None, 256, 4, 3) == planned
+    assert step_budget(planned, None, 256, 4, 0) == step_tokens(256, 4, 0)   # less asked: less taken
+    assert step_budget(planned, None, 256, 4, 8) == planned                  # more: cut to the plan's
+    assert step_budget(planned, 260, 256, 4, 3) == 260                       # asked for: taken as is
+    with pytest.raises(EngineError, match=f"above the {planned} tokens"):
+        step_budget(planned, planned + 1, 256, 4, 3)
+
+
+def test_settings_that_could_stall_the_loop_are_refused():
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=16, window=32, rotation="none", block_size=B)
+    need = 1 + 2 + 2 + 1   # sinks, window, a 32-token chunk, one more (plan.bounded_fp_blocks_per_seq)
+    check_progress(kv, 4096, 32, need, 8, 4, 3)
+    with pytest.raises(EngineError, match=f"has {need - 1} blocks but one sequence .* needs {need}"):
+        check_progress(kv, 4096, 32, need - 1, 8, 4, 3)
+    with pytest.raises(EngineError, match="max_num_batched_tokens 3 is below max_num_seqs 4"):
+        check_progress(kv, 4096, 32, need, 3, 4, 3)
+    with pytest.raises(EngineError, match="window of 32 tokens is smaller than the 33"):
+        check_progress(kv, 4096, 32, need, 8, 4, 32)
+    check_progress(KVCacheConfig(block_size=B), 64, 32, 4, 8, 4, 32)   # an FP16 cache holds any proposal

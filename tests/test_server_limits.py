@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
-from bie_trt.executor.engine import EngineStats
+from bie_trt.executor.outputs import EngineStats
 from bie_trt.server.app import ServerOptions
 from bie_trt.server.metrics import CONTENT_TYPE, Metrics
 from test_concurrency import wait_until

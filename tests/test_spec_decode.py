@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bie_trt import BieEngine, EngineConfig, EngineError, SamplingParams, SpeculativeConfig
-from bie_trt.spec.select import resolve_speculative
+from bie_trt.spec_decode.select import resolve_speculative
 
 PASSAGE = ("The river rises in the hills above the old mill and runs south through three villages before it "
            "meets the sea. In spring the water is high and fast; in late summer children walk across it on the "

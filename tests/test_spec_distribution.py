@@ -93,7 +93,7 @@ def two_sample_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
                          ids=["ngram", "draft"])
 def test_positions_1_to_4_have_the_same_distribution_with_and_without_speculation(tiny_engine, plain,
                                                                                   speculative):
-    spec, counters = histograms(tiny_engine, speculative)   # None: the engine's default, n-gram with γ = 3
+    spec, counters = histograms(tiny_engine, speculative)   # None: the engine's default, n-gram with num_speculative_tokens 3
     assert len(counters["accepted_by_position"]) == 3
     # Speculation ran and both outcomes happened often: proposals accepted and rejected.
     assert counters["num_draft_tokens"] > N

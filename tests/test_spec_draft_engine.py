@@ -26,7 +26,7 @@ def engines(engine_dir) -> tuple[BieEngine, BieEngine]:
     def make(speculative):
         return BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu", speculative=speculative))
 
-    return make({"method": "none"}), make(None)   # None: the engine's default, its draft with γ = 5
+    return make({"method": "none"}), make(None)   # None: the engine's default, its draft as planned
 
 
 def prompts(engine: BieEngine, lee_text) -> list[list[int]]:

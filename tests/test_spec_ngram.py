@@ -4,7 +4,7 @@ from __future__ import annotations
 from bie_trt import SamplingParams, SpeculativeConfig
 from bie_trt.executor.sequence import Sequence
 from bie_trt.sampling import make_generator
-from bie_trt.spec.ngram import NgramProposer, ngram_lookup
+from bie_trt.spec_decode.ngram import NgramProposer, ngram_lookup
 
 
 def test_the_longest_suffix_wins_over_a_later_shorter_match():
@@ -31,5 +31,16 @@ def test_no_match_of_at_least_min_tokens_proposes_nothing():
 def test_the_proposer_looks_at_prompt_and_output():
     seq = Sequence([10, 11, 12, 13], SamplingParams(), make_generator(SamplingParams(), 0), output_ids=[10, 11])
     proposer = NgramProposer(SpeculativeConfig("ngram", prompt_lookup_max=3, prompt_lookup_min=2))
-    assert [p.token_ids for p in proposer.propose([seq], [2])] == [[12, 13]]
-    assert proposer.propose([seq], [2])[0].probs is None   # deterministic: one-hot q
+    assert [p.token_ids for p in proposer.propose([seq.proposal_request(2)])] == [[12, 13]]
+    assert proposer.propose([seq.proposal_request(2)])[0].probs is None   # deterministic: one-hot q
+
+
+def test_a_proposal_request_slices_prompt_and_output_as_one_list():
+    seq = Sequence([1, 2, 3], SamplingParams(), make_generator(SamplingParams(), 0))
+    seq.output_ids += [4, 5]
+    request = seq.proposal_request(2)
+    whole = [1, 2, 3, 4, 5]
+    for start in range(6):
+        for stop in range(start, 7):
+            assert request.token_slice(start, stop) == whole[start:stop]
+    assert request.num_total == 5 and request.key is seq and request.num_tokens == 2

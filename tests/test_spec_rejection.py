@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from bie_trt import SamplingParams
-from bie_trt.spec.proposer import Proposal
-from bie_trt.spec.rejection import greedy_accept, rejection_sample, verify
+from bie_trt.spec_decode.proposer import Proposal
+from bie_trt.spec_decode.rejection import greedy_accept, rejection_sample, verify
 
 V, K, DRAWS = 6, 4, 200_000
 
@@ -134,7 +134,7 @@ def test_the_drafts_generator_is_independent_of_the_targets():
     derived from one seed. Drawn from equal streams, the uniforms that accept a proposal would be the
     ones that drew it, and the emitted tokens past position 0 would stop following p."""
     from bie_trt.sampling import make_generator
-    from bie_trt.spec.draft import draft_generator
+    from bie_trt.spec_decode.draft import draft_generator
 
     p, q = random_pair(5)
     n, k = 6_000, 2

@@ -10,11 +10,10 @@ import torch
 from transformers import AutoTokenizer
 
 from bie_trt.config import SamplingParams, StructuredOutputs
-from bie_trt.device_sampling import device_generator, sample_on_device
 from bie_trt.errors import RequestError
-from bie_trt.sampling import make_generator, sample_next
-from bie_trt.spec.proposer import Proposal
-from bie_trt.spec.rejection import verify
+from bie_trt.sampling import make_generator, sample_next, top_logprobs
+from bie_trt.spec_decode.proposer import Proposal
+from bie_trt.spec_decode.rejection import verify
 from bie_trt.structured import GrammarCompiler, LogitsConstraint, apply_bitmask
 
 EOS = 2
@@ -122,8 +121,9 @@ def test_device_sampler_applies_the_same_constraint(compiler, tokenizer):
     c = constraint(compiler, StructuredOutputs(regex="[0-9]+"), logit_bias={ids(tokenizer, "7")[0]: 100})
     logits = torch.randn(len(tokenizer), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=1.0, seed=3)
-    gen = device_generator(params, 0, logits.device)
-    token, top = sample_on_device(logits, params, gen, [1], [], top_logprobs=1, constraint=c)
+    gen = make_generator(params, 0, logits.device)
+    token = sample_next(logits, params, gen, [1], [], c)
+    top = top_logprobs(logits, token, 1)
     assert token == ids(tokenizer, "7")[0]
     assert top[token] == pytest.approx(float(torch.log_softmax(logits, -1)[token]))
 

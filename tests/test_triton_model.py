@@ -9,7 +9,7 @@ from bie_trt.build import BuildOptions, build_engine
 from bie_trt.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import EngineConfig, SamplingParams
 from bie_trt.executor.block_manager import BlockManager
-from bie_trt.executor.model_runner import ModelRunner
+from bie_trt.executor.model_runner import ModelRunner, quantise_blocks
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kernels import triton_ops
 from bie_trt.model.llama import SeqInput
@@ -53,7 +53,7 @@ def run_steps(runner: ModelRunner) -> list[torch.Tensor]:
         out += runner.forward(inputs)
         for seq, n in step:
             seq.num_cached += n
-            blocks.compact(seq, pools)
+            quantise_blocks(pools, blocks.compact(seq))
     assert any(e < 0 for e in a.block_table), "the INT4 body was never used"
     return out
 

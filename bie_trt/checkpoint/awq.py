@@ -1,4 +1,4 @@
-"""AutoAWQ "gemm" packing (DESIGN §5) and round-to-nearest 4-bit quantisation.
+"""AutoAWQ "gemm" packing and round-to-nearest 4-bit quantisation.
 
 qweight int32 [in, out/8], qzeros int32 [in/G, out/8], scales fp16 [in/G, out].
 Nibble slot i (bits 4i..4i+3) of packed column c holds logical column 8c + AWQ_ORDER[i].

@@ -17,7 +17,7 @@ from ..profiles import profiles_epilog
 from ..errors import EngineError, RequestError
 
 if TYPE_CHECKING:
-    from ..executor.engine import RequestOutput
+    from ..executor.outputs import RequestOutput
 
 
 @main.command()

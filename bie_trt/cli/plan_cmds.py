@@ -101,7 +101,7 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
               help=f"Head rows per sequence for the ids of its own text outside the K (0: off). "
                    f"[default: {DEFAULT_DRAFT_REQUEST_VOCAB:,}]")
 @click.option("--num-speculative-tokens", type=int,
-              help="Tokens proposed per step (gamma). [default: the profile's with a draft, else 0]")
+              help="Tokens proposed per step. [default: the profile's with a draft, else 0]")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table.")
 @click.pass_context
 def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | None, profile: str,
@@ -150,7 +150,7 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
         # A model with a shorter limit than the profile's default gets its own limit.
         max_model_len=max_model_len or min(d.max_model_len, model.max_position_embeddings),
         max_num_seqs=max_num_seqs or d.max_num_seqs,
-        chunk_tokens=chunked_prefill_size or d.chunked_prefill_size,
+        chunked_prefill_size=chunked_prefill_size or d.chunked_prefill_size,
         weight_group_size=_weight_group_size(hf, model),
         draft=draft,
         draft_vocab_size=draft_vocab_size,

@@ -1,5 +1,6 @@
 """Block bookkeeping over the two pools: FP16 for sinks / recent window / chunk in flight,
-quantised for everything that has left the window (DESIGN §5), shared through the prefix cache (§7).
+quantised for everything that has left the window, shared through the prefix cache. Host state
+only: the copies and quantisations it decides are returned for the model runner to launch.
 
 Every block-table entry (FP16 block e >= 0, quantised block -e - 1, see pool.py) that some table
 holds has a reference count; an entry nobody holds is free, or cached (findable by its key, in an
@@ -10,11 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from ..config import KVCacheConfig
-from ..kv.pool import KVPools, decode_block, encode_quant_block
-from ..kernels import ops
+from ..kv.pool import decode_block, encode_quant_block
 from .prefix_cache import PrefixCache, block_key
 from .sequence import Sequence
 
@@ -24,14 +22,6 @@ Quantisation = tuple[int, int]   # (FP16 block, quantised block id)
 
 class OutOfBlocks(RuntimeError):
     """The pool cannot hold what was asked; the scheduler waits or preempts, never crashes."""
-
-
-def copy_blocks(pools: KVPools, copies: list[Copy]) -> None:
-    """Carry out copy-on-write: every layer's K and V of each source FP16 block into its destination."""
-    if copies:
-        src, dst = (torch.tensor(ids, device=pools.k.device) for ids in zip(*copies))
-        pools.k[:, dst] = pools.k[:, src]
-        pools.v[:, dst] = pools.v[:, src]
 
 
 class BlockManager:
@@ -157,7 +147,7 @@ class BlockManager:
 
     def grow(self, seq: Sequence, num_tokens: int) -> list[Copy]:
         """Take FP16 blocks so seq can hold `num_tokens` tokens. Returns the copy-on-write pairs the
-        caller must copy (`copy_blocks`) before the step writes: a shared block is copied, not written."""
+        runner must copy before the step writes: a shared block is copied, not written."""
         need = self.blocks_needed(seq, num_tokens)
         if need > self.num_free_fp:
             raise OutOfBlocks(f"need {need} KV blocks, {self.num_free_fp} free")
@@ -222,15 +212,15 @@ class BlockManager:
         """Blocks before this index (after the sinks) have left the recent window."""
         return max(0, (num_cached - self.kv.window) // self.block_size)
 
-    def compact(self, seq: Sequence, pools: KVPools | None) -> list[Quantisation]:
+    def compact(self, seq: Sequence) -> list[Quantisation]:
         """Quantise every full block that has left the recent window (sink blocks stay FP16).
 
         Block b is out of the window once all its tokens are older than the last `window` cached ones.
         A block already quantised under the same key by another sequence is shared instead of quantised
         again; a block this sequence quantises takes over the key, because the quantised copy is the one
         that lives on (the FP16 pool is only sinks + window + a chunk per sequence).
-        Returns the (FP16 block, quantised block) pairs to quantise; with `pools` None the caller
-        quantises them (a forward that writes and reads them does so layer by layer).
+        Returns the (FP16 block, quantised block) pairs the runner must quantise before the next forward
+        reads them (the FP16 blocks are released here, so before anything else is written into them).
         """
         first, end = -(-self.kv.sink_tokens // self.block_size), self._first_window_block(seq.num_cached)
         if not self.quantised or end <= first or max(seq.block_table[first:end]) < 0:
@@ -241,20 +231,17 @@ class BlockManager:
             entry = seq.block_table[b]
             if entry < 0:
                 continue
-            seq.block_table[b] = self._quantised_twin(entry, keys[b] if keys else None, pools, pairs)
+            seq.block_table[b] = self._quantised_twin(entry, keys[b] if keys else None, pairs)
             self._release(entry)
         return pairs
 
-    def _quantised_twin(self, entry: int, key: bytes | None, pools: KVPools | None,
-                        pairs: list[Quantisation]) -> int:
+    def _quantised_twin(self, entry: int, key: bytes | None, pairs: list[Quantisation]) -> int:
         cached = self.cache.get(key) if key else None
         if cached is not None and cached < 0:
             self._share(cached)
             return cached
         twin = self._take(True)
         pairs.append((entry, decode_block(twin)[1]))
-        if pools is not None:
-            ops.quantize_block(pools, entry, decode_block(twin)[1])
         if key:
             if cached is not None and self.cache.drop(cached):
                 self._free(cached)

@@ -4,10 +4,8 @@ overhead do not show in the step time.
 A graph reads static buffers: the embedded rows, one [4, batch] buffer of positions, KV slots and
 context lengths (one asynchronous host-to-device copy a step, from pinned memory), and the block
 tables. A table row is copied only when its sequence's table changed since that row was last
-written (a new block every 16 tokens, a compaction), not every step. At 64k context a row is
-4,096 entries: building the step's metadata from scratch took 0.24–0.39 ms of host time on the
-2-core CI machine, against a 1.5 ms roofline for an 8B decode step at 64k with INT4 KV; the
-steady-state step now takes ~17 µs there.
+written (a new block every 16 tokens, a compaction), not every step: at 64k context a row is
+4,096 entries, and rebuilding them each step would cost more host time than the decode itself.
 
 A step takes the smallest graph that fits. Padding rows write their K/V into a scratch FP16 block
 no sequence owns and attend to nothing (length 0).
@@ -17,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..kv.pool import KVPools
-from ..model.llama import LlamaModel, SeqInput, StepMetadata
+from ..model.llama import LlamaModel
+from ..model.step_inputs import SeqInput, StepMetadata, write_blocks
 
 
 class _StaticStep:
@@ -62,9 +61,7 @@ class _StaticStep:
     def run(self, seqs: list[SeqInput]) -> torch.Tensor:
         n, pad = len(seqs), self.batch - len(seqs)
         positions = [s.start_pos for s in seqs]
-        slots = [s.block_table[p // self.block_size] for s, p in zip(seqs, positions)]
-        if min(slots) < 0:
-            raise RuntimeError("write into a quantised KV block: the FP16 tail must cover every position written")
+        slots = [write_blocks(s.block_table, [p], self.block_size)[0] for s, p in zip(seqs, positions)]
         small = (positions + [0] * pad + slots + [self.scratch_block] * pad
                  + [p % self.block_size for p in positions] + [0] * pad + [p + 1 for p in positions] + [0] * pad)
         if self.small_copied is not None:

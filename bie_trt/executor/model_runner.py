@@ -1,4 +1,5 @@
-"""Load an engine directory onto a device: check it, allocate the plan once, run forward steps."""
+"""Load an engine directory onto a device: check it, allocate the plan once, and do every step's
+device work (copies and quantisations the block manager decided, inputs, the forward, CUDA graphs)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,11 +17,14 @@ from ..errors import EngineError
 from ..integrity import check_engine_files
 from ..kernels.kernel_cache import use_engine_kernels
 from ..kv.pool import KVPools, allocate_pools
-from ..model.llama import LlamaModel, SeqInput, centres_keys
+from ..kernels import ops
+from ..model.llama import LlamaModel, centres_keys
+from ..model.step_inputs import SeqInput
 from ..plan import kv_pool_blocks, linear_shapes
 from ..sampling import make_generator
-from .block_manager import BlockManager, OutOfBlocks
+from .block_manager import BlockManager, Copy, OutOfBlocks, Quantisation
 from .cuda_graphs import DecodeGraphs
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 
 
@@ -40,6 +44,20 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError) as e:   # truncated or garbled (served with --skip-verify)
         raise EngineError(f"{path}: unreadable ({e}); rebuild the engine with `bie-trt build`.") from None
+
+
+def quantise_blocks(pools: KVPools, pairs: list[Quantisation]) -> None:
+    """Quantise each (FP16 block, quantised block) pair the block manager's compaction returned."""
+    for fp_block, q_block in pairs:
+        ops.quantize_block(pools, fp_block, q_block)
+
+
+def copy_blocks(pools: KVPools, copies: list[Copy]) -> None:
+    """Copy-on-write: every layer's K and V of each source FP16 block into its destination."""
+    if copies:
+        src, dst = (torch.tensor(ids, device=pools.k.device) for ids in zip(*copies))
+        pools.k[:, dst] = pools.k[:, src]
+        pools.v[:, dst] = pools.v[:, src]
 
 
 def pick_device(config: EngineConfig, manifest: dict) -> torch.device:
@@ -74,7 +92,7 @@ class ModelRunner:
         self.max_num_seqs = min(config.max_num_seqs, int(self.manifest["max_num_seqs"]))
         built_chunk = int(self.manifest.get("chunked_prefill_size", 512))
         # never above the build's: the plan's activation workspace is sized for it
-        self.chunk_size = min(config.chunked_prefill_size or built_chunk, built_chunk)
+        self.chunked_prefill_size = min(config.chunked_prefill_size or built_chunk, built_chunk)
         weights_path = self.engine_dir / ef.WEIGHTS
         if not weights_path.exists():
             raise EngineError(f"{weights_path}: missing; the engine directory is incomplete (rebuild it).")
@@ -89,7 +107,7 @@ class ModelRunner:
         if centres_keys(self.kv_config) and self.model.key_mean is None:
             raise EngineError(f"{self.engine_dir}: key centering needs the calibrated kv.key_mean this engine "
                               "lacks; rebuild it with this version of bie-trt.")
-        n_fp, n_q = kv_pool_blocks(self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunk_size)
+        n_fp, n_q = kv_pool_blocks(self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunked_prefill_size)
         if config.num_kv_blocks is not None:  # tests and small hosts shrink the pool on purpose
             n_fp = config.num_kv_blocks
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
@@ -126,15 +144,17 @@ class ModelRunner:
         """One of each step serving launches, so that every kernel is compiled (or loaded from the
         engine's kernels) before the first request: prefill chunks of each kind of size, blocks
         leaving the window (the quantiser), short prompts beside a decode, and decodes of
-        1..max_num_seqs rows. Its own block manager: the pools are scratch until requests own blocks.
+        1..max_num_seqs rows, each through `execute` and `Scheduler.postprocess` as serving runs them. Its
+        own block manager and scheduler: the pools are scratch until requests own blocks.
 
         Chunk sizes: Triton specialises integer arguments on being a multiple of 16, and the W4
         tiles grow with the rows (16, 32, 64), so one size of each kind, at start positions that
         are and are not multiples of 16."""
         blocks = BlockManager(self.kv_config, self.pools.num_fp_blocks, self.pools.num_quant_blocks)
-        n = self.max_num_seqs
-        chunks = [k for k in (self.chunk_size, self.chunk_size - 1, 15, 16, 31, 32) if 0 < k <= self.chunk_size]
-        if sum(chunks) > self.max_model_len - 2 * n and self.chunk_size > 48:
+        n, chunk = self.max_num_seqs, self.chunked_prefill_size
+        scheduler = Scheduler(blocks, n, chunk + n, chunk)
+        chunks = [k for k in (chunk, chunk - 1, 15, 16, 31, 32) if 0 < k <= chunk]
+        if sum(chunks) > self.max_model_len - 2 * n and chunk > 48:
             chunks[:2] = [48, 47]   # the same kinds of launch as a full chunk (W4 BLOCK_M 64, rows % 16 == 0 or not)
         while sum(chunks) > self.max_model_len - 2 * n:   # the long prompt then decodes 2n - 1 times
             chunks.pop(0)
@@ -143,18 +163,15 @@ class ModelRunner:
                 for length in [sum(chunks)] + [17] * (n - 1)]
 
         def step(work: list[tuple[Sequence, int]]) -> None:
-            inputs = []
+            copies = []
             for seq, k in work:
                 try:
-                    blocks.grow(seq, seq.num_cached + k)
+                    copies += blocks.grow(seq, seq.num_cached + k)
                 except OutOfBlocks:   # a pool shrunk on purpose (num_kv_blocks): warm what fits
                     return
-                ids = torch.tensor(seq.token_slice(seq.num_cached, seq.num_cached + k))
-                inputs.append(SeqInput(ids, seq.num_cached, seq.block_table))
-            self.forward(inputs)
+            self.execute(ScheduledBatch(work, copies, scheduler.take_quantisations()))
             for seq, k in work:
-                seq.num_cached += k
-                blocks.compact(seq, self.pools)
+                scheduler.postprocess(seq, k, had_lookahead=False)
 
         first, rest = seqs[0], seqs[1:]
         for k in chunks:
@@ -166,8 +183,27 @@ class ModelRunner:
             for seq in seqs[:batch]:
                 seq.output_ids.append(0)
             step([(seq, 1) for seq in seqs[:batch]])
+        quantise_blocks(self.pools, scheduler.take_quantisations())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def execute(self, batch: ScheduledBatch, drafts: dict[Sequence, list[int]] | None = None) -> list[torch.Tensor]:
+        """One scheduled step on the device: the block manager's quantisations, then its copies (both read
+        blocks that later writes may reuse), then the forward. -> each chunk's logits: [V], or [1 + k, V] for
+        a decode followed by its k proposals in `drafts`."""
+        quantise_blocks(self.pools, batch.quantisations)
+        copy_blocks(self.pools, batch.copies)
+        return self.forward(self.prepare_inputs(batch.chunks, drafts or {}))
+
+    @staticmethod
+    def prepare_inputs(chunks: list[tuple[Sequence, int]], drafts: dict[Sequence, list[int]]) -> list[SeqInput]:
+        """Each chunk's tokens from its first uncached one, with the proposals verified after it."""
+        inputs = []
+        for seq, n in chunks:
+            extra = drafts.get(seq, [])
+            ids = seq.token_slice(seq.num_cached, seq.num_cached + n) + extra
+            inputs.append(SeqInput(torch.tensor(ids), seq.num_cached, seq.block_table, all_logits=bool(extra)))
+        return inputs
 
     def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
         if self.graphs is not None and (logits := self.graphs.run(inputs)) is not None:

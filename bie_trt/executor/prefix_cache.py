@@ -1,4 +1,4 @@
-"""The prefix cache's index (DESIGN §7): full KV blocks found by a key that chains their prefix.
+"""The prefix cache's index: full KV blocks found by a key that chains their prefix.
 
 A block's key hashes its parent block's key and its own token ids, so equal keys mean equal
 tokens at equal positions, hence equal K/V. Reference counts and free lists live in the block

@@ -1,4 +1,5 @@
-"""Continuous batching (DESIGN §7): which sequences run in the next step, and how many tokens each.
+"""Continuous batching: which sequences run in the next step and how many tokens each, and each
+sequence's bookkeeping once the step ran.
 
 Each step has a token budget. Running decodes go first (latency), then the next chunk of prompts
 already under way, then new requests in arrival order while the budget, `max_num_seqs` and the KV
@@ -8,6 +9,10 @@ blocks are freed and it waits again, first in line, keeping its generated tokens
 With speculative decoding a decode may also reserve room for proposals (lookahead): only once
 every running sequence is scheduled, from the budget and blocks left over, so speculation never
 preempts.
+
+After the step, `postprocess` counts each sequence's computed tokens, gives back the blocks held for
+rejected proposals and compacts what left the window; the quantisations that decides are launched at
+the start of the next step, with its copies.
 """
 from __future__ import annotations
 
@@ -15,7 +20,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .block_manager import BlockManager, Copy
+from ..config import KVCacheConfig
+from ..errors import EngineError
+from ..plan import bounded_fp_blocks_per_seq, step_tokens
+from .block_manager import BlockManager, Copy, Quantisation
 from .sequence import Sequence, Status
 
 
@@ -23,26 +31,28 @@ from .sequence import Sequence, Status
 class ScheduledBatch:
     chunks: list[tuple[Sequence, int]]   # each sequence and how many of its pending tokens run
     copies: list[Copy]                   # copy-on-write to carry out before the step
+    quantisations: list[Quantisation] = field(default_factory=list)   # to carry out first (see postprocess)
     # decodes with room for proposals: how many tokens may follow the pending one (blocks held for them)
     lookahead: dict[Sequence, int] = field(default_factory=dict)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
-                 num_lookahead: int = 0, max_model_len: int | None = None,
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill_size: int,
+                 num_speculative_tokens: int = 0, max_model_len: int | None = None,
                  on_free: Callable[[Sequence], None] | None = None):
         self.blocks = blocks
-        self.num_lookahead = num_lookahead   # γ: proposals per decode step (0: no speculation)
+        self.num_speculative_tokens = num_speculative_tokens   # proposals per decode step (0: no speculation)
         self.max_model_len = max_model_len
         self.on_free = on_free               # a sequence's blocks went (finished, aborted, preempted)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.chunk_size = chunk_size
+        self.chunked_prefill_size = chunked_prefill_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []    # in admission order: the newest is preempted first
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0       # prompt tokens looked up in the prefix cache at admission
         self.prefix_hit_tokens = 0           # ... and found there
+        self._quantisations: list[Quantisation] = []   # decided by compactions since the last schedule
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -78,13 +88,13 @@ class Scheduler:
             for seq in seqs:
                 if seq.status is not Status.RUNNING or budget() == 0:   # preempted by an earlier one
                     continue
-                n = min(seq.num_pending, self.chunk_size, budget())
+                n = min(seq.num_pending, self.chunked_prefill_size, budget())
                 if self._make_room(seq, seq.num_cached + n, scheduled):
                     scheduled[seq] = (n, self.blocks.grow(seq, seq.num_cached + n))
 
         run([s for s in self.running if s.num_pending == 1])   # decodes first (latency)
         run([s for s in self.running if s.num_pending > 1])    # then the prompt chunks under way
-        if self.num_lookahead:   # then proposals, from what is left: speculation never preempts
+        if self.num_speculative_tokens:   # then proposals, from what is left: speculation never preempts
             self._reserve_lookahead(scheduled, lookahead, budget)
 
         # Admitting right after preempting would only thrash: the pool is full.
@@ -93,7 +103,7 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self.blocks.match(seq)
             cached = len(hit) * self.blocks.block_size
-            n = min(seq.num_tokens - cached, self.chunk_size, budget())
+            n = min(seq.num_tokens - cached, self.chunked_prefill_size, budget())
             if not self.blocks.can_admit(hit, cached + n):
                 break
             self.waiting.popleft()
@@ -104,9 +114,24 @@ class Scheduler:
             self.running.append(seq)
             scheduled[seq] = (n, self.blocks.grow(seq, cached + n))
 
+        for seq in scheduled:   # a prefix hit can bring FP16 blocks already out of seq's window
+            self._quantisations += self.blocks.compact(seq)
         return ScheduledBatch([(seq, n) for seq, (n, _) in scheduled.items()],
-                              [c for _, copies in scheduled.values() for c in copies],
+                              [c for _, copies in scheduled.values() for c in copies], self.take_quantisations(),
                               {s: k for s, k in lookahead.items() if s in scheduled})
+
+    def take_quantisations(self) -> list[Quantisation]:
+        """The quantisations compactions decided since the last call, for the next step to launch first."""
+        quantisations, self._quantisations = self._quantisations, []
+        return quantisations
+
+    def postprocess(self, seq: Sequence, num_computed: int, had_lookahead: bool) -> None:
+        """The step wrote K/V for seq's next `num_computed` tokens: count them (indexing full blocks for the
+        prefix cache), free the blocks held for proposals past them, and compact what left the window."""
+        self.blocks.commit(seq, num_computed)
+        if had_lookahead:
+            self.blocks.truncate(seq)
+        self._quantisations += self.blocks.compact(seq)
 
     def _reserve_lookahead(self, scheduled: dict, lookahead: dict[Sequence, int], budget: Callable[[], int]) -> None:
         """Room for proposals after each scheduled decode's token, as many as it can still use (max_tokens,
@@ -115,7 +140,7 @@ class Scheduler:
         for seq, (n, copies) in scheduled.items():
             if n != 1 or seq.num_pending != 1 or not seq.output_ids:
                 continue
-            k = min(self.num_lookahead, seq.params.max_tokens - len(seq.output_ids) - 1, budget())
+            k = min(self.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1, budget())
             if self.max_model_len is not None:
                 k = min(k, self.max_model_len - seq.num_tokens - 1)
             while k > 0 and not self.blocks.can_grow(seq, seq.num_cached + 1 + k):
@@ -137,3 +162,38 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
+
+
+def step_budget(planned: int, wanted: int | None, chunked_prefill_size: int, max_num_seqs: int,
+                num_speculative_tokens: int) -> int:
+    """Tokens a step may run (`max_num_batched_tokens`): `wanted`, else a prefill chunk beside every decode
+    and its proposals, which is the plan's step when the engine speculates as it was built to; never more
+    than the `planned` step the plan holds activations for (speculation asked of an engine built without it
+    takes only what a prefill chunk leaves)."""
+    if wanted is None:
+        return min(step_tokens(chunked_prefill_size, max_num_seqs, num_speculative_tokens), planned)
+    if wanted > planned:
+        raise EngineError(f"max_num_batched_tokens {wanted} is above the {planned} tokens a step of this engine "
+                          f"holds activations for in its memory plan; lower it (or leave it unset), or rebuild "
+                          f"with a larger --chunked-prefill-size.")
+    return wanted
+
+
+def check_progress(kv: KVCacheConfig, max_model_len: int, chunked_prefill_size: int, num_fp_blocks: int,
+                   budget: int, max_num_seqs: int, num_speculative_tokens: int) -> None:
+    """The scheduler relies on one sequence always fitting the pool alone, and on a step's budget holding a
+    decode of every running sequence, so that it always makes progress: refuse settings that break either."""
+    per_seq = -(-max_model_len // kv.block_size)
+    if kv.dtype != "fp16":
+        per_seq = min(per_seq, bounded_fp_blocks_per_seq(kv, kv.window, chunked_prefill_size))
+    if num_fp_blocks < per_seq:
+        raise EngineError(f"the FP16 KV pool has {num_fp_blocks} blocks but one sequence of max_model_len "
+                          f"{max_model_len} needs {per_seq}; raise num_kv_blocks or lower max_model_len.")
+    if budget < max_num_seqs:
+        raise EngineError(f"max_num_batched_tokens {budget} is below max_num_seqs {max_num_seqs}; every running "
+                          f"sequence must be able to decode in each step.")
+    # Verified tokens must stay FP16 until accepted: a block is quantised only once its tokens are final.
+    if num_speculative_tokens and kv.dtype != "fp16" and kv.window < num_speculative_tokens + 1:
+        raise EngineError(f"the KV window of {kv.window} tokens is smaller than the {num_speculative_tokens + 1} "
+                          f"tokens a speculative step verifies; lower num_speculative_tokens to "
+                          f"{max(kv.window - 1, 0)} or less (0: off), or build with a larger --kv-window.")

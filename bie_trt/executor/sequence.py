@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import SamplingParams
+from ..spec_decode.proposer import ProposalRequest
 
 if TYPE_CHECKING:
     from ..structured import LogitsConstraint
@@ -28,7 +29,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator
-    # the same seed's generator on the GPU, made at the first token sampled there (device_sampling.py)
+    # the same seed's generator on the GPU, made at the first token sampled there
     device_generator: torch.Generator | None = None
     # logit_bias, min_tokens and the grammar (structured.py); None when the request sets none of them
     constraint: "LogitsConstraint | None" = None
@@ -67,6 +68,11 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens still to run through the model (the prompt's rest, or the newest sampled token)."""
         return self.num_tokens - self.num_cached
+
+    def proposal_request(self, num_tokens: int) -> ProposalRequest:
+        """What a proposer is asked for this sequence: its tokens, and up to `num_tokens` proposals."""
+        return ProposalRequest(self, self.prompt_ids, self.output_ids, num_tokens, self.params,
+                               self.generator.initial_seed())
 
     @property
     def is_finished(self) -> bool:

@@ -48,7 +48,7 @@ except ImportError:  # triton is optional: without it the runtime uses the refer
 # How the quantised pool stores rows: the kernels' KV_MODE constexpr (0 no quantised pool, 1 INT4, 2 FP8).
 _FP16_ONLY, _INT4, _FP8 = 0, 1, 2
 _CONFIG_KEYS = frozenset({"variant", "tile_blocks", "block_m", "num_partitions", "num_warps", "num_stages"})
-# The tile loops (`_partition_v1`, `_partition_v2`); v1 is the default until a GPU measures v2 faster.
+# The tile loops (`_partition_v1`, `_partition_v2`); v1 is the default, v2 is selectable per config.
 VARIANTS = ("v1", "v2")
 # Programs per SM the default partition count aims for: a few waves keep the memory
 # system busy while some programs wait on their loads.

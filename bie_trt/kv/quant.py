@@ -1,4 +1,4 @@
-"""Quantisers of the mixed-precision KV cache (DESIGN §5), as plain torch over tensors whose last dim is head_dim.
+"""Quantisers of the mixed-precision KV cache, as plain torch over tensors whose last dim is head_dim.
 
 These are the reference twins of the fused GPU kernels and what the CPU runtime
 runs. Layouts follow `pool.py` exactly:

@@ -1,4 +1,4 @@
-"""Walsh–Hadamard rotation of keys and queries (DESIGN §5).
+"""Walsh–Hadamard rotation of keys and queries.
 
 A few key channels carry outliers many times larger than the rest; one outlier
 stretches its INT4 group's range and drowns every other channel in rounding

@@ -13,6 +13,7 @@ from ..kernels.w4_layout import W4Weight
 from ..kv.pool import KVPools
 from ..kv.rotation import rotate
 from .rope import Rope
+from .step_inputs import SeqInput, StepMetadata
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -36,19 +37,6 @@ def centres_keys(kv: KVCacheConfig) -> bool:
 def rotates_values(kv: KVCacheConfig) -> bool:
     """Values rotated too: attention then returns rotated outputs, rotated back (H is its own inverse)."""
     return kv.dtype != "fp16" and kv.rotation == "hadamard_kv"
-
-
-@dataclass
-class SeqInput:
-    """One sequence's slice of a step: tokens at positions start_pos.., their blocks already allocated."""
-
-    token_ids: torch.Tensor          # [T] int64
-    start_pos: int
-    block_table: list[int]
-    all_logits: bool = False         # prefill-for-eval / speculative verify want every position
-    # RoPE position = cache position + rope_offset. Non-zero for a cache that dropped older tokens
-    # (the draft's sliding window): the tokens keep their original positions.
-    rope_offset: int = 0
 
 
 @dataclass
@@ -116,7 +104,7 @@ class LlamaModel:
         meta = StepMetadata.build(seqs, pools.cfg.block_size, self.device)
         return self.forward_hidden(self.embed_ids(torch.cat([s.token_ids for s in seqs])), meta, pools, head=False)
 
-    def forward_hidden(self, h: torch.Tensor, meta: "StepMetadata", pools: KVPools, head: bool = True) -> torch.Tensor:
+    def forward_hidden(self, h: torch.Tensor, meta: StepMetadata, pools: KVPools, head: bool = True) -> torch.Tensor:
         """Embedded rows [T, H] -> logits of meta.logit_rows (without `head`: their last hidden state, before
         the final norm). Device work only (no host syncs in decode-only steps), so CUDA graphs can capture
         it; the embedding gather stays outside because its table may live in host memory. One function,
@@ -146,7 +134,7 @@ class LlamaModel:
             return ops.norm_int8_rows_linear(rows, self.norm, eps, head)
         return F.linear(ops.rms_norm(rows, self.norm, eps)[0], head)
 
-    def _attention(self, li: int, layer: Layer, h: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
+    def _attention(self, li: int, layer: Layer, h: torch.Tensor, meta: StepMetadata, pools: KVPools) -> torch.Tensor:
         """h + o_proj(attention(norm(h))): the residual stream after the attention sub-block."""
         cfg = self.cfg
         qkv = ops.norm_linear(h, layer.attn_norm, cfg.rms_norm_eps, layer.linears["qkv"])
@@ -165,7 +153,7 @@ class LlamaModel:
             out = rotate(out)
         return ops.linear_residual(out.reshape(-1, cfg.q_size), layer.linears["o"], h)
 
-    def _mixed_attention(self, li: int, q: torch.Tensor, meta: "StepMetadata", pools: KVPools) -> torch.Tensor:
+    def _mixed_attention(self, li: int, q: torch.Tensor, meta: StepMetadata, pools: KVPools) -> torch.Tensor:
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = ops.paged_decode_attention(q[meta.decode_rows], pools, li, meta.decode_tables,
@@ -174,63 +162,3 @@ class LlamaModel:
             out[start:start + n] = ops.paged_prefill_attention(q[start:start + n], pools, li, table,
                                                                meta.positions[start:start + n], self.scale)
         return out
-
-
-@dataclass
-class StepMetadata:
-    """Where each token of a step lives, as device tensors built once per step (not per layer)."""
-
-    positions: torch.Tensor                  # [T] long
-    slot_blocks: torch.Tensor                # [T] FP16-pool block each token's K/V is written to
-    slot_offsets: torch.Tensor               # [T]
-    decode_rows: torch.Tensor | None         # rows of single-token sequences, attended in one batched call
-    decode_tables: torch.Tensor | None       # int32 [S_decode, max_blocks]
-    decode_lens: torch.Tensor | None         # int32 [S_decode]
-    prefills: list[tuple[int, int, torch.Tensor]]  # (first row, tokens, int32 table) of multi-token chunks
-    logit_rows: torch.Tensor                 # rows whose logits are wanted
-    logit_counts: list[int]
-    rope_positions: torch.Tensor             # [T] positions RoPE rotates by: `positions` + each rope_offset
-    quantise: tuple[list[int], list[int]] | None = None   # FP16 blocks, and the quantised blocks they go to
-
-    @property
-    def all_decode(self) -> bool:
-        """Every row is a one-token sequence, in order (build() and the graphs list them so)."""
-        return not self.prefills and self.decode_rows is not None and self.decode_rows.numel() == self.positions.numel()
-
-    @classmethod
-    def build(cls, seqs: list[SeqInput], block_size: int, device: torch.device) -> "StepMetadata":
-        positions, blocks, offsets, logit_rows, counts, rope = [], [], [], [], [], []
-        decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
-        row = 0
-        for s in seqs:
-            n = len(s.token_ids)
-            pos = list(range(s.start_pos, s.start_pos + n))
-            entries = [s.block_table[p // block_size] for p in pos]
-            if min(entries) < 0:
-                raise RuntimeError("write into a quantised KV block: the FP16 tail must cover every position written")
-            positions += pos
-            rope += [p + s.rope_offset for p in pos]
-            blocks += entries
-            offsets += [p % block_size for p in pos]
-            logit_rows += list(range(row, row + n)) if s.all_logits else [row + n - 1]
-            counts.append(n if s.all_logits else 1)
-            table = s.block_table[: pos[-1] // block_size + 1]
-            if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_lens.append(pos[-1] + 1)
-            else:
-                prefills.append((row, n, torch.tensor(table, dtype=torch.int32, device=device)))
-            row += n
-
-        def t(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        width = max((len(tb) for tb in decode_tables), default=0)
-        padded = [tb + [0] * (width - len(tb)) for tb in decode_tables]
-        return cls(t(positions), t(blocks), t(offsets),
-                   t(decode_rows) if decode_rows else None,
-                   t(padded, torch.int32) if decode_rows else None,
-                   t(decode_lens, torch.int32) if decode_rows else None,
-                   prefills, t(logit_rows), counts,
-                   t(rope))

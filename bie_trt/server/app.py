@@ -26,7 +26,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from ..config import SamplingParams
 from ..errors import BieError, RequestError
-from ..executor.engine import BieEngine, RequestOutput, RequestStream, StreamEvent, check_prompt
+from ..executor.engine import BieEngine
+from ..executor.outputs import RequestOutput, StreamEvent
+from ..executor.prompts import check_prompt
+from ..executor.streams import RequestStream
 from .auth import ApiKeyMiddleware
 from .errors import error_body, install_error_handlers, openai_error
 from .file_check import BackgroundFileCheck, DamagedEngineMiddleware

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..config import StructuredOutputs
 from ..errors import RequestError
-from ..executor.engine import plan_tools
+from ..tool_calls import plan_tools
 from ..tool_calls import ReplyParser
 from .protocol import ChatRequest, SamplingRequest
 

@@ -6,13 +6,12 @@ memory.
 """
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from typing import Hashable, Sequence as Seq
 
 import numpy as np
 
 from ..config import SpeculativeConfig
-from ..executor.sequence import Sequence
-from .proposer import Proposal
+from .proposer import Proposal, ProposalRequest
 
 
 def ngram_lookup(tokens: Seq[int], num_tokens: int, max_n: int, min_n: int) -> list[int]:
@@ -32,13 +31,14 @@ def ngram_lookup(tokens: Seq[int], num_tokens: int, max_n: int, min_n: int) -> l
 
 
 class NgramProposer:
-    """Deterministic proposals (one-hot q) from each sequence's own prompt and output."""
+    """Deterministic proposals (one-hot q) from each request's own prompt and output."""
 
     def __init__(self, config: SpeculativeConfig):
         self.max_n, self.min_n = config.prompt_lookup_max, config.prompt_lookup_min
 
-    def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> list[Proposal]:
-        return [Proposal(ngram_lookup(seq.token_ids, k, self.max_n, self.min_n)) for seq, k in zip(seqs, num_tokens)]
+    def propose(self, requests: Seq[ProposalRequest]) -> list[Proposal]:
+        return [Proposal(ngram_lookup(r.prompt_ids + r.output_ids, r.num_tokens, self.max_n, self.min_n))
+                for r in requests]
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, key: Hashable) -> None:
         """Nothing is kept per sequence."""

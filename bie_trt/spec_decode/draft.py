@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Hashable, Sequence as Seq
 
 import torch
 from safetensors.torch import load_file
@@ -30,14 +30,12 @@ from safetensors.torch import load_file
 from .. import engine_format as ef
 from ..config import KVCacheConfig, ModelConfig
 from ..errors import EngineError
-from ..executor.model_runner import ModelRunner
-from ..executor.sequence import Sequence
 from ..kernels.int8_rows import Int8Rows
 from ..kv.pool import allocate_pools
 from ..model.llama import LlamaModel, SeqInput
 from ..plan import draft_kv_blocks_per_seq
-from ..sampling import apply_penalties, probabilities
-from .proposer import Proposal
+from ..sampling import draw, process_logits
+from .proposer import Proposal, ProposalRequest, TargetRuntime
 from .request_vocab import RequestVocab
 
 DRAFT_SEED_SALT = 0x5DEECE66D
@@ -65,8 +63,7 @@ class _DraftSeq:
 
 
 class DraftModelProposer:
-    def __init__(self, engine_dir: Path, runner: ModelRunner, config) -> None:
-        """`config`: anything with `num_speculative_tokens` (the engine's SpeculativeConfig)."""
+    def __init__(self, engine_dir: Path, runner: TargetRuntime, num_speculative_tokens: int) -> None:
         engine_dir = Path(engine_dir)
         draft = ef.read_manifest(engine_dir).get("draft")
         if draft is None:
@@ -74,9 +71,8 @@ class DraftModelProposer:
                               f"`bie-trt build --draft-checkpoint DIR|NAME`, or speculate with n-gram lookup.")
         self.cfg = ModelConfig.from_dict(draft["config"])
         self.window = int(draft["window"])
-        gamma = int(config.num_speculative_tokens)
-        if gamma >= self.window:
-            raise EngineError(f"num_speculative_tokens {gamma} does not fit the draft's {self.window}-token window; "
+        if num_speculative_tokens >= self.window:
+            raise EngineError(f"num_speculative_tokens {num_speculative_tokens} does not fit the draft's {self.window}-token window; "
                               f"use fewer tokens or rebuild with a larger --draft-window-tokens.")
         self.device, self.block_size = runner.device, runner.kv_config.block_size
         self.sink_slots = math.ceil(int(draft["sink_tokens"]) / self.block_size) * self.block_size
@@ -94,22 +90,22 @@ class DraftModelProposer:
         self.pools = allocate_pools(self.cfg, kv, runner.max_num_seqs * self.blocks_per_seq, 0, runner.dtype,
                                     runner.device)
         self.free_blocks = list(range(runner.max_num_seqs * self.blocks_per_seq))
-        self.chunk_size = runner.chunk_size
-        self.seqs: dict[Sequence, _DraftSeq] = {}
+        self.chunked_prefill_size = runner.chunked_prefill_size
+        self.seqs: dict[Hashable, _DraftSeq] = {}   # request key -> its cache
         self.tokens_forwarded = 0   # tokens run through the draft, for tests and benchmarks
 
     # -- the Proposer protocol ----------------------------------------------------------------
 
-    def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> list[Proposal]:
-        proposals = [Proposal([], None) for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        feeds = {i: self._sync(seq) for i, (seq, n) in enumerate(zip(seqs, num_tokens)) if n > 0}
+    def propose(self, requests: Seq[ProposalRequest]) -> list[Proposal]:
+        proposals = [Proposal([], None) for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        feeds = {i: self._sync(r) for i, r in enumerate(requests) if r.num_tokens > 0}
         while feeds:
-            budget, inputs, fed = self.chunk_size, [], []
+            budget, inputs, fed = self.chunked_prefill_size, [], []
             for i, feed in feeds.items():
                 if budget <= 0:
                     break
-                piece = self._take(self.seqs[seqs[i]], feed, budget)
+                piece = self._take(self.seqs[requests[i].key], feed, budget)
                 inputs.append(piece)
                 fed.append(i)
                 budget -= len(piece.token_ids)
@@ -118,12 +114,12 @@ class DraftModelProposer:
             for i, row in zip(fed, hidden):
                 if feeds[i]:
                     continue   # more of its context first
-                token, q = self._sample(seqs[i], self._logits(self.seqs[seqs[i]], row), proposals[i].token_ids)
+                request, state = requests[i], self.seqs[requests[i].key]
+                token, q = self._sample(request, state, self._logits(state, row), proposals[i].token_ids)
                 proposals[i].token_ids.append(token)
                 if q is not None:
                     probs[i].append(q)
-                state = self.seqs[seqs[i]]
-                if len(proposals[i].token_ids) < num_tokens[i]:
+                if len(proposals[i].token_ids) < request.num_tokens:
                     feeds[i] = [(state.pos[-1] + 1, token)]
                 else:
                     del feeds[i]
@@ -131,8 +127,8 @@ class DraftModelProposer:
             p.probs = torch.stack(q) if q else None
         return proposals
 
-    def free(self, seq: Sequence) -> None:
-        state = self.seqs.pop(seq, None)
+    def free(self, key: Hashable) -> None:
+        state = self.seqs.pop(key, None)
         if state is not None:
             self.free_blocks += state.blocks
             if state.head_slot >= 0:
@@ -140,33 +136,33 @@ class DraftModelProposer:
 
     # -- the bounded cache --------------------------------------------------------------------
 
-    def cached_positions(self, seq: Sequence) -> list[int]:
-        """Original positions of the tokens the draft holds for seq (sinks, then the window)."""
-        state = self.seqs.get(seq)
+    def cached_positions(self, key: Hashable) -> list[int]:
+        """Original positions of the tokens the draft holds for a request (sinks, then the window)."""
+        state = self.seqs.get(key)
         return list(state.pos) if state else []
 
-    def blocks_held(self, seq: Sequence) -> int:
-        state = self.seqs.get(seq)
+    def blocks_held(self, key: Hashable) -> int:
+        state = self.seqs.get(key)
         return len(state.blocks) if state else 0
 
-    def _state(self, seq: Sequence) -> _DraftSeq:
-        if seq not in self.seqs:
+    def _state(self, request: ProposalRequest) -> _DraftSeq:
+        if request.key not in self.seqs:
             if len(self.free_blocks) < self.blocks_per_seq:
                 raise EngineError("the draft's cache is full: more sequences speculate than the engine's "
-                                  "max_num_seqs; free finished sequences with `free(seq)`.")
+                                  "max_num_seqs; free finished requests with `free(key)`.")
             blocks, self.free_blocks = self.free_blocks[:self.blocks_per_seq], self.free_blocks[self.blocks_per_seq:]
             slot = self.free_head_slots.pop(0) if self.request_rows else -1
-            self.seqs[seq] = _DraftSeq(blocks, draft_generator(seq.generator.initial_seed()), [], [],
+            self.seqs[request.key] = _DraftSeq(blocks, draft_generator(request.seed), [], [],
                                        RequestVocab(self.request_rows, self.static_ids), slot)
-        return self.seqs[seq]
+        return self.seqs[request.key]
 
-    def _sync(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Cut the cache back to what still matches seq's tokens; return the (position, token) pairs
+    def _sync(self, request: ProposalRequest) -> list[tuple[int, int]]:
+        """Cut the cache back to what still matches the request's tokens; return the (position, token) pairs
         to run before proposing: the new tokens, or only the sinks and the last window of them."""
-        state = self._state(seq)
-        n = seq.num_tokens
-        self._fill_request_rows(state, state.vocab.admit(seq.token_slice(state.vocab.seen, n)))
-        keep = self._matching_prefix(state, seq)
+        state = self._state(request)
+        n = request.num_total
+        self._fill_request_rows(state, state.vocab.admit(request.token_slice(state.vocab.seen, n)))
+        keep = self._matching_prefix(state, request)
         if keep and state.pos[keep - 1] == n - 1:
             keep -= 1   # everything is cached: run the last token again for its logits
         del state.pos[keep:], state.ids[keep:]
@@ -177,24 +173,24 @@ class DraftModelProposer:
             sinks = sum(p < self.sink_slots for p in state.pos)
             del state.pos[sinks:], state.ids[sinks:]
             wanted = list(range(sinks, min(self.sink_slots, n))) + list(range(max(self.sink_slots, n - self.window), n))
-        tokens = seq.token_slice(wanted[0], n) if wanted else []
+        tokens = request.token_slice(wanted[0], n) if wanted else []
         return [(p, tokens[p - wanted[0]]) for p in wanted]
 
     @staticmethod
-    def _matching_prefix(state: _DraftSeq, seq: Sequence) -> int:
-        """Slots whose cached token is still seq's token at that position (positions run in at most
+    def _matching_prefix(state: _DraftSeq, request: ProposalRequest) -> int:
+        """Slots whose cached token is still the request's token at that position (positions run in at most
         two contiguous stretches: the sinks and the window)."""
         slot = 0
         while slot < len(state.pos):
             end = slot
             while end + 1 < len(state.pos) and state.pos[end + 1] == state.pos[end] + 1:
                 end += 1
-            actual = seq.token_slice(state.pos[slot], state.pos[end] + 1)
+            actual = request.token_slice(state.pos[slot], state.pos[end] + 1)
             for cached, token in zip(state.ids[slot:end + 1], actual):
                 if cached != token:
                     return slot
                 slot += 1
-            if slot <= end:   # the sequence is shorter than what was cached
+            if slot <= end:   # the request is shorter than what was cached
                 return slot
         return slot
 
@@ -220,7 +216,7 @@ class DraftModelProposer:
 
     # -- the request's own ids ---------------------------------------------------------------
 
-    def _load_request_head(self, engine_dir: Path, runner: ModelRunner) -> None:
+    def _load_request_head(self, engine_dir: Path, runner: TargetRuntime) -> None:
         """The full head in host memory, and on the device R rows of it per sequence (the plan's
         draft_request_head), filled as the sequence's ids arrive."""
         self.free_head_slots = list(range(runner.max_num_seqs)) if self.request_rows else []
@@ -242,9 +238,9 @@ class DraftModelProposer:
         for name, buf in self.request_head.items():
             buf[state.head_slot, rows.to(buf.device)] = self.host_head[name][ids].to(buf.device, buf.dtype)
 
-    def request_ids(self, seq: Sequence) -> list[int]:
-        """The ids outside the static head the draft holds rows for, for seq (row order)."""
-        state = self.seqs.get(seq)
+    def request_ids(self, key: Hashable) -> list[int]:
+        """The ids outside the static head the draft holds rows for, for a request (row order)."""
+        state = self.seqs.get(key)
         return list(state.vocab.ids) if state else []
 
     def _logits(self, state: _DraftSeq, row: torch.Tensor) -> torch.Tensor:
@@ -261,11 +257,11 @@ class DraftModelProposer:
 
     # -- sampling -----------------------------------------------------------------------------
 
-    def _sample(self, seq: Sequence, full: torch.Tensor, proposed: list[int]) -> tuple[int, torch.Tensor | None]:
+    @staticmethod
+    def _sample(request: ProposalRequest, state: _DraftSeq, full: torch.Tensor, proposed: list[int]
+                ) -> tuple[int, torch.Tensor | None]:
         """One proposal from the draft's logits (over the whole vocabulary, -inf outside its own),
         processed as the target's are; returns q (None when greedy: q is one-hot)."""
-        full = apply_penalties(full, seq.params, seq.prompt_ids, seq.output_ids + proposed)
-        if seq.params.temperature == 0:
-            return int(torch.argmax(full)), None
-        q = probabilities(full, seq.params)
-        return int(torch.multinomial(q, 1, generator=self.seqs[seq].generator)), q
+        full = process_logits(full, request.params, request.prompt_ids, request.output_ids + proposed)
+        token, q = draw(full, request.params, state.generator)
+        return int(token), q

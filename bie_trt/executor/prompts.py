@@ -1,0 +1,43 @@
+"""Checks on what a caller sends as a prompt, before it reaches the engine loop."""
+from __future__ import annotations
+
+from ..config import SamplingParams
+from ..errors import RequestError
+
+
+def check_prompt(prompt: object, name: str = "the prompt") -> None:
+    """One line naming `name` (`prompts[1]`) for a prompt `encode` cannot take: empty, or no string, list of
+    token ids or list of chat messages."""
+    if isinstance(prompt, (str, list)) and not prompt:
+        raise RequestError(f"{name} is empty; send at least one token.")
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list):
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt) or all(isinstance(m, dict)
+                                                                                       for m in prompt):
+            return
+        kinds = sorted({type(p).__name__ for p in prompt})
+        got = f"a list of {' and '.join(kinds)}"
+        several = "; to run several prompts, pass generate() a list of them" if kinds == ["str"] else ""
+    else:
+        got, several = type(prompt).__name__, ""
+    raise RequestError(f"{name} must be a string, a list of token ids or a list of chat messages; got {got}"
+                       f"{several}.")
+
+
+def check_prompt_ids(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+    """One line for token ids this engine cannot run: none, too many for max_model_len, or an id (in the
+    prompt or in logit_bias) outside the vocabulary."""
+    if not prompt_ids:
+        raise RequestError("the prompt is empty; send at least one token.")
+    if len(prompt_ids) >= max_model_len:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens but this engine's max_model_len is {max_model_len} "
+            f"(prompt plus at least one generated token must fit); shorten the prompt or rebuild with a larger "
+            f"--max-model-len.")
+    if (bad := next((t for t in prompt_ids if not 0 <= t < vocab_size), None)) is not None:
+        raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size}); send ids from this "
+                           f"model's tokenizer.")
+    if params.logit_bias and (bad := next((t for t in params.logit_bias if t >= vocab_size), None)) is not None:
+        raise RequestError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size}); send ids from "
+                           f"this model's tokenizer.")

@@ -1,0 +1,88 @@
+"""A step's inputs as the model reads them: each sequence's slice (`SeqInput`) and, built from them once
+per step, where every token sits in the paged cache (`StepMetadata`). The model runner, the draft and
+evaluation all prepare their steps here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqInput:
+    """One sequence's slice of a step: tokens at positions start_pos.., their blocks already allocated."""
+
+    token_ids: torch.Tensor          # [T] int64
+    start_pos: int
+    block_table: list[int]
+    all_logits: bool = False         # prefill-for-eval / speculative verify want every position
+    # RoPE position = cache position + rope_offset. Non-zero for a cache that dropped older tokens
+    # (the draft's sliding window): the tokens keep their original positions.
+    rope_offset: int = 0
+
+
+def write_blocks(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
+    """The FP16 blocks the K/V of tokens at `positions` are written to. Writes always land in the FP16
+    tail: a quantised block there means the block manager compacted too early."""
+    entries = [block_table[p // block_size] for p in positions]
+    if min(entries) < 0:
+        raise RuntimeError("write into a quantised KV block: the FP16 tail must cover every position written")
+    return entries
+
+
+@dataclass
+class StepMetadata:
+    """Where each token of a step lives, as device tensors built once per step (not per layer)."""
+
+    positions: torch.Tensor                  # [T] long
+    slot_blocks: torch.Tensor                # [T] FP16-pool block each token's K/V is written to
+    slot_offsets: torch.Tensor               # [T]
+    decode_rows: torch.Tensor | None         # rows of single-token sequences, attended in one batched call
+    decode_tables: torch.Tensor | None       # int32 [S_decode, max_blocks]
+    decode_lens: torch.Tensor | None         # int32 [S_decode]
+    prefills: list[tuple[int, int, torch.Tensor]]  # (first row, tokens, int32 table) of multi-token chunks
+    logit_rows: torch.Tensor                 # rows whose logits are wanted
+    logit_counts: list[int]
+    rope_positions: torch.Tensor             # [T] positions RoPE rotates by: `positions` + each rope_offset
+    quantise: tuple[list[int], list[int]] | None = None   # FP16 blocks, and the quantised blocks they go to
+
+    @property
+    def all_decode(self) -> bool:
+        """Every row is a one-token sequence, in order (build() and the graphs list them so)."""
+        return not self.prefills and self.decode_rows is not None and self.decode_rows.numel() == self.positions.numel()
+
+    @classmethod
+    def build(cls, seqs: list[SeqInput], block_size: int, device: torch.device) -> "StepMetadata":
+        positions, blocks, offsets, logit_rows, counts, rope = [], [], [], [], [], []
+        decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
+        row = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            pos = list(range(s.start_pos, s.start_pos + n))
+            entries = write_blocks(s.block_table, pos, block_size)
+            positions += pos
+            rope += [p + s.rope_offset for p in pos]
+            blocks += entries
+            offsets += [p % block_size for p in pos]
+            logit_rows += list(range(row, row + n)) if s.all_logits else [row + n - 1]
+            counts.append(n if s.all_logits else 1)
+            table = s.block_table[: pos[-1] // block_size + 1]
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(pos[-1] + 1)
+            else:
+                prefills.append((row, n, torch.tensor(table, dtype=torch.int32, device=device)))
+            row += n
+
+        def t(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        width = max((len(tb) for tb in decode_tables), default=0)
+        padded = [tb + [0] * (width - len(tb)) for tb in decode_tables]
+        return cls(t(positions), t(blocks), t(offsets),
+                   t(decode_rows) if decode_rows else None,
+                   t(padded, torch.int32) if decode_rows else None,
+                   t(decode_lens, torch.int32) if decode_rows else None,
+                   prefills, t(logit_rows), counts,
+                   t(rope))
