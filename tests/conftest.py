@@ -1,6 +1,7 @@
 """Shared fixtures: the SmolLM2 checkpoint (converted once into the user cache) and engines built from it."""
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from filelock import FileLock  # noqa: E402
 
 from bie_trt.build import BuildOptions, build_engine
 from bie_trt.checkpoint.registry import resolve_checkpoint
@@ -30,20 +32,34 @@ def smollm2_checkpoint():
     return resolve_checkpoint("smollm2-135m")
 
 
-@pytest.fixture(scope="session")
-def build(tmp_path_factory, smollm2_checkpoint):
-    """build(**options) -> engine dir (of SmolLM2 unless checkpoint= says otherwise); identical
-    options reuse one engine."""
-    made = {}
+# Under pytest-xdist each worker is a process on its own core: one torch thread each, or the two
+# workers' thread pools fight over the same two cores.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    torch.set_num_threads(1)
 
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory) -> Path:
+    """A directory every xdist worker of this run sees (the run's base temp; its own one without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if WORKER else base
+
+
+@pytest.fixture(scope="session")
+def build(shared_dir, smollm2_checkpoint):
+    """build(**options) -> engine dir (of SmolLM2 unless checkpoint= says otherwise); identical
+    options reuse one engine, also across xdist workers (the first to ask builds it, under a lock)."""
     def _build(**kw):
-        key = tuple(sorted(kw.items()))
-        if key not in made:
-            out = tmp_path_factory.mktemp("engine")
-            kw = {"checkpoint": str(smollm2_checkpoint), "profile": "cpu", "max_model_len": 2048, **kw}
-            made[key] = build_engine(BuildOptions(out=str(out), force=True, **kw),
-                                     log=lambda m: None)
-        return made[key]
+        kw = {"checkpoint": str(smollm2_checkpoint), "profile": "cpu", "max_model_len": 2048, **kw}
+        digest = hashlib.sha256(repr(sorted(kw.items())).encode()).hexdigest()[:16]
+        out = shared_dir / "engines" / digest
+        out.parent.mkdir(exist_ok=True)
+        with FileLock(str(out) + ".lock"):
+            if not (out.parent / f"{digest}.done").exists():
+                build_engine(BuildOptions(out=str(out), force=True, **kw), log=lambda m: None)
+                (out.parent / f"{digest}.done").touch()
+        return out
 
     return _build
 

@@ -59,6 +59,7 @@ def compile_check(tmp_path: Path, archs: list[int], runtime_only: bool) -> list[
 
 
 @needs_ptxas
+@pytest.mark.slow
 def test_the_runtimes_kernels_compile_for_sm86(tmp_path):
     rows = compile_check(tmp_path, [86], runtime_only=True)
     assert not any(r["tuning_only"] for r in rows)

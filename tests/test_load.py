@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_load_test_ci_size(smollm2_engine, tmp_path):
     out = tmp_path / "load.json"
     proc = subprocess.run([sys.executable, "scripts/load_test.py", "--engine", str(smollm2_engine), "--clients", "8",

@@ -143,6 +143,7 @@ def engine(smollm2_engine):
     return BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=2048))
 
 
+@pytest.mark.slow
 def test_a_shared_2k_prefix_cuts_time_to_first_token_and_keeps_the_logits(engine, lee_text):
     text = " ".join(lee_text.read_text().split())
     prefix = engine.encode(text)[:2000]
@@ -163,7 +164,7 @@ def test_a_shared_2k_prefix_cuts_time_to_first_token_and_keeps_the_logits(engine
 
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4_asym", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int4_asym", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_a_long_document_asked_again_is_found_in_a_quantised_cache(smollm2_engine, lee_text, kv_dtype):
     """Many questions over one long document: A reads it and writes on past the FP16 window, so the whole
     document is quantised; B and C ask other questions, B while A still runs, C after A ended. Each finds

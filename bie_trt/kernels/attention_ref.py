@@ -8,6 +8,7 @@ the caller rotates q whenever the cached keys are rotated.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -67,6 +68,18 @@ def paged_attention_ref(
         running_max = new_max
     out = acc / running_sum.unsqueeze(-1)
     return out.transpose(0, 1).reshape(T, Hq, D).to(q.dtype)
+
+
+def stage_blocks(pools: KVPools, layer: int, tables: list[torch.Tensor]) -> tuple[KVPools, list[torch.Tensor]]:
+    """One layer of every block the tables name, dequantised once into an fp32 pool of one layer, and the
+    tables renumbered into it. Sequences of one step that share a prefix (eval's chunks of one text) then
+    dequantise it once instead of once each; the values read are the same, so attention is too."""
+    entries = sorted({int(e) for table in tables for e in table.tolist()})
+    index = {e: i for i, e in enumerate(entries)}
+    k, v = (side.unflatten(1, (len(entries), -1)).transpose(0, 1)[None]   # [1, n, H_kv, B, D]
+            for side in dequantize_blocks(pools, layer, entries))
+    staged = KVPools(dataclasses.replace(pools.cfg, dtype="fp16"), k, v)
+    return staged, [torch.tensor([index[int(e)] for e in table.tolist()]) for table in tables]
 
 
 def paged_decode_attention_ref(

@@ -14,7 +14,7 @@ import torch
 from ..kv import quant
 from ..kv.pool import KVPools
 from . import reference as ref
-from .attention_ref import paged_attention_ref, paged_decode_attention_ref
+from .attention_ref import paged_attention_ref, paged_decode_attention_ref, stage_blocks
 from .int8_rows import Int8Rows
 from .w4_layout import W4Weight
 
@@ -146,6 +146,18 @@ def paged_decode_attention(q: torch.Tensor, pools: KVPools, layer: int, block_ta
 
         return kernel(q, pools, layer, block_tables, context_lens, scale, config=attention_config())
     return paged_decode_attention_ref(q, pools, layer, block_tables, context_lens, scale, CPU_BLOCKS_PER_TILE)
+
+
+def paged_prefill_attentions(q: torch.Tensor, pools: KVPools, layer: int,
+                             prefills: list[tuple[int, int, torch.Tensor]], positions: torch.Tensor,
+                             scale: float) -> list[torch.Tensor]:
+    """Attention of each multi-token chunk of a step, (first row, tokens, table) each. On the CPU a
+    quantised cache read by several chunks is dequantised once per layer for all of them."""
+    if len(prefills) > 1 and pools.cfg.dtype != "fp16" and not use_triton(q):
+        pools, tables = stage_blocks(pools, layer, [table for _, _, table in prefills])
+        prefills, layer = [(s, n, t) for (s, n, _), t in zip(prefills, tables)], 0
+    return [paged_prefill_attention(q[s:s + n], pools, layer, table, positions[s:s + n], scale)
+            for s, n, table in prefills]
 
 
 def paged_prefill_attention(q: torch.Tensor, pools: KVPools, layer: int, block_table: torch.Tensor,
