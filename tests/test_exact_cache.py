@@ -128,9 +128,9 @@ def test_a_prefix_hit_and_preemption_do_not_change_the_tokens(flat_engine, token
     got = [o.token_ids for o in engine.generate(LONG, GREEDY)]
     assert engine.stats().prefix_hit_tokens - before >= 48 * len(LONG)
     _assert_same(got, token_by_token)
-    # A pool of 20 FP16 blocks for 8 sequences: they preempt each other and recompute.
+    # A pool of 12 FP16 blocks for 8 sequences: they preempt each other and recompute.
     small = BieEngine(EngineConfig(engine_dir=str(flat_engine), device="cpu", kv_cache_dtype="int4_asym",
-                                   kv_window=40, max_num_seqs=len(LONG), num_kv_blocks=20,
+                                   kv_window=40, max_num_seqs=len(LONG), num_kv_blocks=12, chunked_prefill_size=16,
                                    speculative={"method": "none"}))
     got = [o.token_ids for o in small.generate(LONG, GREEDY)]
     assert small.stats().preemptions > 0

@@ -34,6 +34,7 @@ from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
 from ..tool_calls import (ReplyParser, ToolCall, parameters_of, required_schema, template_messages,
                           template_renders_tools)
 from .block_manager import BlockManager, copy_blocks
+from .exact_rows import join_runs
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Detokenizer, Sequence
@@ -449,12 +450,18 @@ class BieEngine:
         for seq, _ in batch.chunks:   # a prefix hit can bring FP16 blocks already out of seq's window
             self.blocks.compact(seq, pools)
         proposals = self._propose(batch.lookahead)
-        inputs = []
+        inputs, num_runs, all_logits, quantise = [], [], [], []
         for seq, n in batch.chunks:
             drafts = proposals[seq].token_ids if seq in proposals else []
-            ids = seq.token_slice(seq.num_cached, seq.num_cached + n) + drafts
-            inputs.append(SeqInput(torch.tensor(ids), seq.num_cached, seq.block_table, all_logits=bool(drafts)))
-        logits = self.runner.forward(inputs)
+            ids = torch.tensor(seq.token_slice(seq.num_cached, seq.num_cached + n) + drafts)
+            # each run of rows reads the blocks plain decoding had quantised at its position (exact_rows)
+            views, pairs = self.blocks.row_views(seq, len(ids), pools)
+            inputs += [SeqInput(ids[row:row + rows], seq.num_cached + row, table, all_logits=bool(drafts))
+                       for row, rows, table in views]
+            num_runs.append(len(views))
+            all_logits.append(bool(drafts))
+            quantise += pairs
+        logits = join_runs(self.runner.forward(inputs, quantise), num_runs, all_logits)
         for (seq, n), rows in zip(batch.chunks, logits):
             request = self._requests[seq]
             try:

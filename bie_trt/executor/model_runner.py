@@ -169,7 +169,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
-        if self.graphs is not None and (logits := self.graphs.run(inputs)) is not None:
+    def forward(self, inputs: list[SeqInput], quantise: list[tuple[int, int]] = ()) -> list[torch.Tensor]:
+        """Each input's logits; `quantise`: (FP16, quantised) blocks the step writes and later rows read
+        quantised, quantised per layer between the K/V write and attention (LlamaModel.forward)."""
+        if not quantise and self.graphs is not None and (logits := self.graphs.run(inputs)) is not None:
             return logits
-        return self.model.forward(inputs, self.pools)
+        return self.model.forward(inputs, self.pools, quantise)
