@@ -54,12 +54,12 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return out
 
 
-def _run(engine_dir: Path, prompts: list[list[int]], dtype: str, window: int, speculative: dict | None = None,
+def _run(engine_dir: Path, prompts: list[list[int]], dtype: str, window: int, params: SamplingParams = GREEDY,
          **config) -> list[list[int]]:
     engine = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu", kv_cache_dtype=dtype, kv_window=window,
-                                    speculative=speculative or {"method": "none"},
+                                    speculative={"method": "none"},
                                     **{"max_num_seqs": len(prompts), **config}))
-    outs = engine.generate(prompts, GREEDY)
+    outs = engine.generate(prompts, params)
     assert engine.stats().kv_blocks["fp16"]["used"] == 0
     return [o.token_ids for o in outs]
 
@@ -105,17 +105,18 @@ def test_speculation_gives_the_greedy_tokens_of_plain_decoding(flat_engine, dtyp
 
 
 LONG = _prompts(8, 150, seed=1)   # prompts well past sinks + window: prefill rows read quantised blocks
+LONG_GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def token_by_token(flat_engine) -> list[list[int]]:
     """The reference: the prompt too fed one token per step, as plain decoding would."""
-    return _run(flat_engine, LONG, "int4_asym", 40, chunked_prefill_size=1)
+    return _run(flat_engine, LONG, "int4_asym", 40, LONG_GREEDY, chunked_prefill_size=1)
 
 
-@pytest.mark.parametrize("chunk", [16, 256])
+@pytest.mark.parametrize("chunk", [256, pytest.param(16, marks=pytest.mark.slow)])   # 16: below, with preemption
 def test_prefill_chunk_size_does_not_change_the_tokens(flat_engine, token_by_token, chunk):
-    _assert_same(_run(flat_engine, LONG, "int4_asym", 40, chunked_prefill_size=chunk), token_by_token)
+    _assert_same(_run(flat_engine, LONG, "int4_asym", 40, LONG_GREEDY, chunked_prefill_size=chunk), token_by_token)
 
 
 def test_a_prefix_hit_and_preemption_do_not_change_the_tokens(flat_engine, token_by_token):
@@ -125,13 +126,13 @@ def test_a_prefix_hit_and_preemption_do_not_change_the_tokens(flat_engine, token
     # partly quantised by the time these end; then the whole prompts, hitting them.
     engine.generate([p[:100] for p in LONG], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     before = engine.stats().prefix_hit_tokens
-    got = [o.token_ids for o in engine.generate(LONG, GREEDY)]
+    got = [o.token_ids for o in engine.generate(LONG, LONG_GREEDY)]
     assert engine.stats().prefix_hit_tokens - before >= 48 * len(LONG)
     _assert_same(got, token_by_token)
     # A pool of 12 FP16 blocks for 8 sequences: they preempt each other and recompute.
     small = BieEngine(EngineConfig(engine_dir=str(flat_engine), device="cpu", kv_cache_dtype="int4_asym",
                                    kv_window=40, max_num_seqs=len(LONG), num_kv_blocks=12, chunked_prefill_size=16,
                                    speculative={"method": "none"}))
-    got = [o.token_ids for o in small.generate(LONG, GREEDY)]
+    got = [o.token_ids for o in small.generate(LONG, LONG_GREEDY)]
     assert small.stats().preemptions > 0
     _assert_same(got, token_by_token)
