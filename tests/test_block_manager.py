@@ -154,7 +154,8 @@ class BlockMachine(RuleBasedStateMachine):
     def every_block_owned_once_and_counted(self):
         bm, cache = self.blocks, self.blocks.cache
         held = Counter(e for s in self.seqs for e in s.block_table)
-        held.update(e for twins in bm.twins.values() for e in twins.values())   # made for rows past the window
+        assert set(bm.twins) <= set(self.seqs)   # twins made for rows past the window go with their sequence
+        held.update(e for twins in bm.twins.values() for e in twins.values())
         assert all(len(set(s.block_table)) == len(s.block_table) for s in self.seqs)
         assert held == Counter(bm.ref_counts)
         for quantised, free, total in ((False, bm.free_fp, NUM_FP), (True, bm.free_quant, NUM_QUANT)):
