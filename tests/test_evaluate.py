@@ -1,4 +1,4 @@
-"""`bie-trt eval`: scoring math, and that chunked scoring sees the cache exactly as decode does."""
+"""`bie-trt eval`: scoring math, and that its scoring sees the cache exactly as decode does."""
 from __future__ import annotations
 
 import dataclasses
@@ -81,7 +81,8 @@ def test_perplexity_is_the_mean_nll_of_the_targets(smollm2_engine, runner, ids):
 
 
 def test_eval_scores_what_decode_sees_chunk_by_chunk(smollm2_engine, runner, ids):
-    """Eval batches a window's chunks into one forward; its numbers are those of running them one by one."""
+    """Eval runs a window as one forward whose rows read the cache as decode does; its numbers are those of
+    block-sized chunks run one by one (what decode sees with a window that is a multiple of the block)."""
     kv = KVCacheConfig(dtype="int4_asym", window=32, sink_tokens=8)
     window = ids[:96]
     fp16, int4 = evaluate(smollm2_engine, ids, len(window), {"int4": kv}, max_windows=1, progress=False)
@@ -120,9 +121,14 @@ def test_eval_cli_json(smollm2_engine, lee_text):
     assert data["kv"]["dtype"] == "int4_asym" and data["kv"]["window"] == 16 and data["tokens"] == 63
 
 
-def test_eval_rejects_chunks_larger_than_the_window(smollm2_engine, ids):
-    from bie_trt.errors import BieError
-
-    with pytest.raises(BieError, match="larger than the window"):
-        evaluate(smollm2_engine, ids, 64, {"int4": KVCacheConfig(dtype="int4_asym", window=16)}, chunk=32,
-                 progress=False)
+def test_eval_scores_what_decode_sees_with_any_window(smollm2_engine, runner, ids):
+    """A window that is not a multiple of the block size: eval's numbers are token-by-token decoding's."""
+    kv = KVCacheConfig(dtype="int4_asym", window=40, sink_tokens=8)
+    window = ids[:72]
+    _, int4 = evaluate(smollm2_engine, ids, len(window), {"int4": kv}, max_windows=1, progress=False)
+    logp = torch.log_softmax(logits_by(runner, kv, window[:-1], 1).double(), -1)
+    blocks = torch.log_softmax(logits_by(runner, kv, window[:-1], 16).double(), -1)
+    targets = torch.tensor(window[1:])[:, None]
+    assert int4.ppl == pytest.approx(math.exp(-logp.gather(-1, targets).mean().item()), rel=1e-5)
+    # block-sized chunks would not be: some of their rows read a block in FP16 that decode reads quantised
+    assert int4.ppl != pytest.approx(math.exp(-blocks.gather(-1, targets).mean().item()), rel=1e-5)
