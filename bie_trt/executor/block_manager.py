@@ -282,20 +282,23 @@ class BlockManager:
     def row_views(self, seq: Sequence, num_rows: int, pools: KVPools | None) -> tuple[list[View], list[Quantisation]]:
         """This step's rows of seq (positions num_cached..) cut into runs that read the same blocks
         quantised, each with the table it reads: seq's, with quantised twins for the blocks plain decoding
-        had quantised at that run's position (exact_rows). Call after `compact`, so the first run reads
-        seq's own table. A block full before the step is quantised now (with `pools`); one this step
+        had quantised at that run's position (exact_rows). Call after `compact`: the first run reads seq's
+        own table as it is. A block full before the step is quantised now (with `pools`); one this step
         writes comes back in the pairs, for the forward to quantise per layer between writing K/V and
         attention. The twins are held until `compact` takes them over or seq is freed; the FP16 copies
         stay in seq's table, read by the earlier runs."""
-        start, table = seq.num_cached, seq.block_table
-        views: list[View] = []
+        start = seq.num_cached
+        (_, rows, done), *later = runs(start, num_rows, self.kv)
+        view = seq.block_table   # compaction left it as the first run reads it: no per-step scan of the table
+        views: list[View] = [(0, rows, view)]
         pairs: list[Quantisation] = []
-        for row, rows, end in runs(start, num_rows, self.kv):
-            missing = [b for b in range(sink_blocks(self.kv), end) if table[b] >= 0]
-            view = list(table) if missing else table
-            for b in missing:
-                view[b] = self._pending_twin(seq, b, start, pools, pairs)
+        for row, rows, end in later:
+            view = list(view)
+            for b in range(done, end):
+                if view[b] >= 0:
+                    view[b] = self._pending_twin(seq, b, start, pools, pairs)
             views.append((row, rows, view))
+            done = end
         return views, pairs
 
     def _pending_twin(self, seq: Sequence, b: int, start: int, pools: KVPools | None,
