@@ -129,5 +129,14 @@ def _teacher_forced_logits(model: LlamaModel, v: _Variant, ids: list[int]) -> to
     seq = Sequence(list(ids), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
     blocks.grow(seq, len(ids))
     views, quantise = blocks.row_views(seq, len(ids), None)
-    inputs = [SeqInput(torch.tensor(ids[row:row + rows]), row, table, all_logits=True) for row, rows, table in views]
+    bs = v.kv.block_size
+    # Each run in block-sized slices: the rows of a slice go through attention together, as decode's
+    # prefill chunks of one block would, so the sums round alike for any variant.
+    inputs = [SeqInput(torch.tensor(ids[pos:min(pos + bs - pos % bs, row + rows)]), pos, table, all_logits=True)
+              for row, rows, table in views for pos in _slice_starts(row, row + rows, bs)]
     return torch.cat(model.forward(inputs, v.pools, quantise))
+
+
+def _slice_starts(start: int, stop: int, block_size: int) -> list[int]:
+    """start, then every multiple of block_size in (start, stop)."""
+    return [start] + list(range((start // block_size + 1) * block_size, stop, block_size))

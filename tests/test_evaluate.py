@@ -120,15 +120,3 @@ def test_eval_cli_json(smollm2_engine, lee_text):
     assert {"ppl", "kld", "tokens", "context", "kv"} <= set(data)
     assert data["kv"]["dtype"] == "int4_asym" and data["kv"]["window"] == 16 and data["tokens"] == 63
 
-
-def test_eval_scores_what_decode_sees_with_any_window(smollm2_engine, runner, ids):
-    """A window that is not a multiple of the block size: eval's numbers are token-by-token decoding's."""
-    kv = KVCacheConfig(dtype="int4_asym", window=40, sink_tokens=8)
-    window = ids[:72]
-    _, int4 = evaluate(smollm2_engine, ids, len(window), {"int4": kv}, max_windows=1, progress=False)
-    logp = torch.log_softmax(logits_by(runner, kv, window[:-1], 1).double(), -1)
-    blocks = torch.log_softmax(logits_by(runner, kv, window[:-1], 16).double(), -1)
-    targets = torch.tensor(window[1:])[:, None]
-    assert int4.ppl == pytest.approx(math.exp(-logp.gather(-1, targets).mean().item()), rel=1e-5)
-    # block-sized chunks would not be: some of their rows read a block in FP16 that decode reads quantised
-    assert int4.ppl != pytest.approx(math.exp(-blocks.gather(-1, targets).mean().item()), rel=1e-5)
