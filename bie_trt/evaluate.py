@@ -3,9 +3,9 @@
 Every variant runs over the same windows as an FP16-KV baseline, sharing one copy of the weights.
 A window goes through one forward as one sequence whose rows read the cache exactly as plain
 decoding does at their positions (the engine's own mechanism, executor/exact_rows.py): its rows
-are cut where the blocks read quantised change, each run with its block table, and the blocks the
-window itself writes and later rows read quantised are quantised per layer between writing K/V
-and attention.
+are cut where the blocks read quantised change, each run with its block table (and into block-sized
+slices), and the blocks the window itself writes and later rows read quantised are quantised per
+layer between writing K/V and attention.
 """
 from __future__ import annotations
 
