@@ -1,12 +1,11 @@
 """KV-cache quality: perplexity and KL divergence from the FP16-KV run, scored as decode sees them.
 
 Every variant runs over the same windows as an FP16-KV baseline, sharing one copy of the weights.
-A window is cut into chunks of `chunk` tokens (default: one KV block), each with the block table
-decode has when it reaches that chunk: blocks that left the window before it read quantised. With
-block-aligned chunks and a window that is a multiple of the block size this is exactly what decode
-does: token p attends to the quantised state of every block that decode would have quantised by
-then. The chunks go through one forward as sequences of one step, which quantises each layer of
-the leaving blocks between writing their K/V and attention.
+A window goes through one forward as one sequence whose rows read the cache exactly as plain
+decoding does at their positions (the engine's own mechanism, executor/exact_rows.py): its rows
+are cut where the blocks read quantised change, each run with its block table (and into block-sized
+slices), and the blocks the window itself writes and later rows read quantised are quantised per
+layer between writing K/V and attention.
 """
 from __future__ import annotations
 
@@ -24,7 +23,8 @@ from .executor.block_manager import BlockManager
 from .executor.model_runner import ModelRunner
 from .executor.sequence import Sequence
 from .kv.pool import KVPools, allocate_pools
-from .model.llama import LlamaModel, SeqInput
+from .model.llama import LlamaModel
+from .model.step_inputs import SeqInput
 from .plan import kv_bytes_per_token
 from .sampling import make_generator
 
@@ -74,7 +74,7 @@ def _windows(n_tokens: int, context: int, stride: int, first: int, max_windows: 
 
 
 def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variants: dict[str, KVCacheConfig],
-             stride: int | None = None, chunk: int | None = None, max_windows: int | None = None,
+             stride: int | None = None, max_windows: int | None = None,
              first_window: int = 0, device: str = "cpu", progress: bool = True) -> list[EvalResult]:
     """Perplexity and mean KL(P_fp16 || P_variant) per variant; the FP16 baseline comes first."""
     stride = stride or context
@@ -90,12 +90,8 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
         raise BieError(f"the text has {len(token_ids)} tokens, fewer than one window of {context}; "
                        f"use a smaller --context or a longer file.")
     base_kv = runner.kv_config
-    chunk = chunk or base_kv.block_size
-    for label, kv in variants.items():
+    for kv in variants.values():
         kv.validate(model_cfg.head_dim)
-        if kv.dtype != "fp16" and kv.window and kv.window < chunk:
-            raise BieError(f"{label}: chunk {chunk} is larger than the window {kv.window}; decode would "
-                           f"see quantised tokens the chunk sees in FP16. Use --chunk <= the window.")
     n_blocks = -(-context // base_kv.block_size) + 1
     fp16 = dataclasses.replace(base_kv, dtype="fp16")
     all_variants = [_Variant("fp16", fp16, allocate_pools(model_cfg, fp16, n_blocks, 0, runner.dtype, runner.device))]
@@ -111,10 +107,10 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
         keep = torch.arange(1, context) >= max(score_from, 1)
         base_logp = []
         for v in all_variants:
-            logits = _teacher_forced_logits(runner.model, v, window[:-1], chunk)
+            logits = _teacher_forced_logits(runner.model, v, window[:-1])
             bar.update(1)
-            for i, pos in enumerate(range(0, context - 1, chunk)):
-                rows = slice(pos, pos + chunk)
+            for i, pos in enumerate(range(0, context - 1, base_kv.block_size)):   # in slices: float64 of [T, V]
+                rows = slice(pos, pos + base_kv.block_size)
                 logp = torch.log_softmax(logits[rows].double(), -1)[keep[rows]]
                 v.nll -= logp.gather(-1, targets[rows][keep[rows], None].to(logp.device)).sum().item()
                 if v is all_variants[0]:
@@ -127,17 +123,22 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
                        kv_bytes_per_token(model_cfg, v.kv)) for v in all_variants]
 
 
-def _teacher_forced_logits(model: LlamaModel, v: _Variant, ids: list[int], chunk: int) -> torch.Tensor:
-    """Logits [len(ids), V] of every position, each chunk of `chunk` tokens a sequence of one forward
-    with the block table decode has when it reaches that chunk. Every chunk writes a block of its own:
-    the pools hold the whole window, and blocks freed by quantising queue behind the unused ones."""
+def _teacher_forced_logits(model: LlamaModel, v: _Variant, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] of every position, each row reading the cache as plain decoding does at its
+    position. The pools hold the whole window in FP16 beside its quantised twins."""
     blocks = BlockManager(v.kv, v.pools.num_fp_blocks, v.pools.num_quant_blocks)
     seq = Sequence(list(ids), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
-    inputs, quantise = [], []
-    for pos in range(0, len(ids), chunk):
-        part = ids[pos:pos + chunk]
-        blocks.grow(seq, pos + len(part))
-        inputs.append(SeqInput(torch.tensor(part), pos, list(seq.block_table), all_logits=True))
-        seq.num_cached = pos + len(part)
-        quantise += blocks.compact(seq)
+    blocks.grow(seq, len(ids))
+    # from position 0 every twin is of a block this forward writes: all quantised layer by layer
+    views, _, quantise = blocks.row_views(seq, len(ids))
+    bs = v.kv.block_size
+    # Each run in block-sized slices: the rows of a slice go through attention together, as decode's
+    # prefill chunks of one block would, so the sums round alike for any variant.
+    inputs = [SeqInput(torch.tensor(ids[pos:min(pos + bs - pos % bs, row + rows)]), pos, table, all_logits=True)
+              for row, rows, table in views for pos in _slice_starts(row, row + rows, bs)]
     return torch.cat(model.forward(inputs, v.pools, quantise))
+
+
+def _slice_starts(start: int, stop: int, block_size: int) -> list[int]:
+    """start, then every multiple of block_size in (start, stop)."""
+    return [start] + list(range((start // block_size + 1) * block_size, stop, block_size))

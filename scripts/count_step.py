@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
 from bie_trt.executor.cuda_graphs import _StaticStep  # noqa: E402
+from bie_trt.executor.exact_rows import runs  # noqa: E402
 from bie_trt.kernels.triton_w4 import gemv_grid_for, sm_limits  # noqa: E402
 from bie_trt.kv.pool import allocate_pools  # noqa: E402
 from bie_trt.model.llama import LlamaModel, fused_linear_shapes  # noqa: E402
@@ -154,7 +155,8 @@ def launches_of_step(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: i
                      rows: int = 1) -> list[Launch]:
     """Every launch of one step of `batch` sequences at `context` tokens each (shapes only on meta): the
     graph-captured decode step (`rows` = 1), or a speculative verify of `rows` = γ+1 tokens a sequence,
-    which runs eagerly through the prefill path (its metadata built on the host before the count)."""
+    which runs eagerly through the prefill path (its metadata built on the host before the count); a
+    verify that crosses a block boundary of the window is two slices a sequence."""
     from triton.runtime.interpreter import InterpretedFunction
 
     dtype = torch.float16 if device == "meta" else torch.float32
@@ -163,8 +165,11 @@ def launches_of_step(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: i
     blocks_per_seq = -(-context // kv.block_size)
     num_blocks = batch * blocks_per_seq   # every block FP16: which pool a block sits in changes no launch
     pools = allocate_pools(cfg, kv, num_blocks, num_blocks, dtype, torch.device(device), scratch_block=True)
-    seqs = [SeqInput(torch.arange(rows) + 1 + i, context - rows, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-                     all_logits=rows > 1) for i in range(batch)]
+    # A verify's rows are cut where they cross a window block boundary, as the engine cuts them (each
+    # run reads its own block-table view; which pool a block sits in changes no launch).
+    seqs = [SeqInput(torch.arange(rows)[row:row + n] + 1 + i, context - rows + row,
+                     list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), all_logits=rows > 1)
+            for i in range(batch) for row, n, _ in runs(context - rows, rows, kv)]
     if rows == 1:
         step = _StaticStep(model, pools, batch, blocks_per_seq, pools.scratch_block, capture=False)
         prepare, run = (lambda: step.run(seqs)), step._step

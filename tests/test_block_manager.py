@@ -3,6 +3,7 @@ admissions (with prefix hits), steps, forks, frees, cache resets and compactions
 exactly once, reference counts are exact, and no sequence's (or cached block's) K/V ever changes."""
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -13,11 +14,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
 from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.exact_rows import quantised_end, sink_blocks
 from bie_trt.executor.model_runner import copy_blocks, quantise_blocks
 from bie_trt.executor.prefix_cache import PrefixCache
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools, decode_block
-from bie_trt.kv.quant import dequantize_block
+from bie_trt.kv.quant import dequantize_block, quantize_block
 from bie_trt.sampling import make_generator
 
 MODEL = ModelConfig(architecture="LlamaForCausalLM", hidden_size=32, intermediate_size=32, num_layers=1, num_heads=1,
@@ -68,16 +70,38 @@ class BlockMachine(RuleBasedStateMachine):
         self.seqs: list[Sequence] = []
         self.key_tokens: dict[bytes, list[int]] = {}   # every key ever made -> the tokens it stands for
 
-    def _run(self, seq: Sequence, n: int) -> None:
-        """One step of `seq` over its next n tokens, as the engine does it; the "model" writes content()."""
-        copy_blocks(self.pools, self.blocks.grow(seq, seq.num_cached + n))
-        tokens = seq.token_ids
-        for p in range(seq.num_cached, seq.num_cached + n):
+    def _run(self, seq: Sequence, n: int, proposals: list[int] = ()) -> None:
+        """One step of `seq` over its next n tokens and `proposals` after them (all rejected), as the engine
+        does it: the "model" writes content(), then each run of rows reads its view."""
+        copy_blocks(self.pools, self.blocks.grow(seq, seq.num_cached + n + len(proposals)))
+        quantise_blocks(self.pools, self.blocks.compact(seq))
+        start = seq.num_cached
+        tokens = seq.token_slice(0, start + n) + list(proposals)
+        views, now, pairs = self.blocks.row_views(seq, n + len(proposals))
+        quantise_blocks(self.pools, now)   # the step launches these before the forward
+        for p in range(start, len(tokens)):
             block = seq.block_table[p // B]
             self.pools.k[0, block, 0, p % B] = content(tokens[:p + 1])
             self.pools.v[0, block, 0, p % B] = -content(tokens[:p + 1])
+        for fp, q in pairs:   # the forward quantises these per layer, after the K/V write
+            quantize_block(self.pools, None, fp, q)
+        self._check_views(seq, tokens, views)
         self.blocks.commit(seq, n)
+        if proposals:
+            self.blocks.truncate(seq)
         quantise_blocks(self.pools, self.blocks.compact(seq))
+
+    def _check_views(self, seq: Sequence, tokens: list[int], views) -> None:
+        """Each run reads every earlier token's K/V, quantised exactly where plain decoding had it."""
+        read = BlockReader(self.pools)
+        assert [row for row, _, _ in views] == list(itertools.accumulate([0] + [n for _, n, _ in views][:-1]))
+        for row, rows, table in views:
+            for pos in (seq.num_cached + row, seq.num_cached + row + rows - 1):
+                end = quantised_end(pos, self.kv) if self.blocks.quantised else 0
+                for b in range(pos // B + 1):
+                    assert (table[b] < 0) == (sink_blocks(self.kv) <= b < end), (seq, pos, b)
+                for p in range(pos + 1):
+                    assert read(table[p // B], p % B) == (content(tokens[:p + 1]), -content(tokens[:p + 1]))
 
     @rule(prompt=PROMPTS, n=st.integers(1, 6))
     def admit(self, prompt, n):
@@ -101,6 +125,17 @@ class BlockMachine(RuleBasedStateMachine):
             self._run(seq, n)
 
     @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99), proposals=st.lists(TOKENS, min_size=1, max_size=3))
+    def verify(self, i, proposals):
+        """A decode with proposals that are all rejected: twins made for rows past the pending token
+        are kept for the next compaction or freed with the sequence, never leaked."""
+        seq = self.seqs[i % len(self.seqs)]
+        if seq.num_pending == 0:
+            seq.output_ids.append(proposals[0])
+        if seq.num_pending == 1 and self.blocks.can_grow(seq, seq.num_cached + 1 + len(proposals)):
+            self._run(seq, 1, proposals)
+
+    @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 99))
     def fork(self, i):
         parent = self.seqs[i % len(self.seqs)]
@@ -121,6 +156,8 @@ class BlockMachine(RuleBasedStateMachine):
     def every_block_owned_once_and_counted(self):
         bm, cache = self.blocks, self.blocks.cache
         held = Counter(e for s in self.seqs for e in s.block_table)
+        assert set(bm.twins) <= set(self.seqs)   # twins made for rows past the window go with their sequence
+        held.update(e for twins in bm.twins.values() for e in twins.values())
         assert all(len(set(s.block_table)) == len(s.block_table) for s in self.seqs)
         assert held == Counter(bm.ref_counts)
         for quantised, free, total in ((False, bm.free_fp, NUM_FP), (True, bm.free_quant, NUM_QUANT)):
@@ -141,7 +178,7 @@ class BlockMachine(RuleBasedStateMachine):
             for b, key in enumerate(seq.block_keys):
                 self.key_tokens[key] = tokens[:(b + 1) * B]
         for key, entry in self.blocks.cache.entry_of.items():   # cached blocks too, held or not
-            tokens = self.key_tokens[key]
+            tokens = self.key_tokens[key[:16]]   # a quantised twin's key extends its block's
             for p in range(len(tokens) - B, len(tokens)):
                 assert read(entry, p % B) == (content(tokens[:p + 1]), -content(tokens[:p + 1]))
 

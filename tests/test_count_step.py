@@ -31,8 +31,10 @@ VERIFY_ROWS = 6
 VERIFY_LAUNCHES_OUTSIDE = {1: 2, 4: 4}   # batch 4: 24 rows, two head launches and the cat
 
 
-def verify_launches_per_layer(batch: int) -> int:
-    return 5 + 3 * batch
+def verify_launches_per_layer(batch: int, slices: int = 1) -> int:
+    """`slices`: a verify whose rows cross a block boundary of the window is cut in two, each slice reading
+    the blocks plain decoding reads at its positions: one more attention, cast and copy per sequence."""
+    return 5 + 3 * batch * slices
 KV = KVCacheConfig(dtype="int4_asym")
 
 
@@ -74,6 +76,14 @@ def test_launch_counts_of_a_verify_step(batch):
     assert r["launches_outside"] == VERIFY_LAUNCHES_OUTSIDE[batch]
     # the rows of every sequence share one read of the weights; each sequence's K/V is read once
     assert r["bytes_over_roofline"] <= MAX_BYTES_OVER_ROOFLINE
+
+
+def test_launch_counts_of_a_verify_step_across_a_block_boundary():
+    # 65,536 - 128 is a multiple of the block size: rows at 65,533..65,538 cross the window's boundary
+    r = count_step.count(llama3_8b(), KV, 4, 65536 + 3, rows=VERIFY_ROWS)
+    assert r["launches_per_layer"] == verify_launches_per_layer(4, slices=2)
+    assert sum(x["count"] for x in r["per_layer"] if x["name"] == "_paged_attention_kernel") == 8
+    assert r["launches_outside"] == VERIFY_LAUNCHES_OUTSIDE[4]
 
 
 @pytest.mark.parametrize("rows", [1, pytest.param(VERIFY_ROWS, marks=pytest.mark.slow)])

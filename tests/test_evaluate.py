@@ -1,4 +1,4 @@
-"""`bie-trt eval`: scoring math, and that chunked scoring sees the cache exactly as decode does."""
+"""`bie-trt eval`: scoring math, and that its scoring sees the cache exactly as decode does."""
 from __future__ import annotations
 
 import dataclasses
@@ -81,7 +81,8 @@ def test_perplexity_is_the_mean_nll_of_the_targets(smollm2_engine, runner, ids):
 
 
 def test_eval_scores_what_decode_sees_chunk_by_chunk(smollm2_engine, runner, ids):
-    """Eval batches a window's chunks into one forward; its numbers are those of running them one by one."""
+    """Eval runs a window as one forward whose rows read the cache as decode does; its numbers are those of
+    block-sized chunks run one by one (what decode sees with a window that is a multiple of the block)."""
     kv = KVCacheConfig(dtype="int4_asym", window=32, sink_tokens=8)
     window = ids[:96]
     fp16, int4 = evaluate(smollm2_engine, ids, len(window), {"int4": kv}, max_windows=1, progress=False)
@@ -119,10 +120,3 @@ def test_eval_cli_json(smollm2_engine, lee_text):
     assert {"ppl", "kld", "tokens", "context", "kv"} <= set(data)
     assert data["kv"]["dtype"] == "int4_asym" and data["kv"]["window"] == 16 and data["tokens"] == 63
 
-
-def test_eval_rejects_chunks_larger_than_the_window(smollm2_engine, ids):
-    from bie_trt.errors import BieError
-
-    with pytest.raises(BieError, match="larger than the window"):
-        evaluate(smollm2_engine, ids, 64, {"int4": KVCacheConfig(dtype="int4_asym", window=16)}, chunk=32,
-                 progress=False)

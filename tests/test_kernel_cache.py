@@ -44,15 +44,16 @@ def test_warm_up_runs_each_kind_of_step(cpu_engine, monkeypatch):
     runner = ModelRunner(EngineConfig(engine_dir=str(cpu_engine), device="cpu", max_num_seqs=3, chunked_prefill_size=64))
     steps = []
     forward = runner.forward
-    monkeypatch.setattr(runner, "forward", lambda inputs: steps.append([len(i.token_ids) for i in inputs])
-                        or forward(inputs))
+    monkeypatch.setattr(runner, "forward", lambda inputs, quantise=(): steps.append([len(i.token_ids) for i in inputs])
+                        or forward(inputs, quantise))
     quantised, quantise = [], model_runner.quantise_blocks
     monkeypatch.setattr(model_runner, "quantise_blocks", lambda pools, pairs: quantised.extend(pairs)
                         or quantise(pools, pairs))
     runner.warm_up()
     # chunks of each kind of size, a prompt beside a decode (twice), then decodes of 1, 2 and 3 rows
-    assert steps == [[64], [63], [15], [16], [31], [32], [17, 1], [17, 1], [1], [1, 1], [1, 1, 1]]
-    assert sum(s[0] for s in steps[:6]) > runner.kv_config.sink_tokens + runner.kv_config.window
+    assert [sum(s) for s in steps] == [64, 63, 15, 16, 31, 32, 17 + 1, 17 + 1, 1, 2, 3]
+    assert sum(sum(s) for s in steps[:6]) > runner.kv_config.sink_tokens + runner.kv_config.window
+    assert any(len(s) > 1 for s in steps[:6])   # a chunk past the window in runs, as serving cuts it
     assert quantised   # blocks that left the window went through the quantiser, as in serving
 
 
@@ -61,7 +62,7 @@ def test_warm_up_runs_what_a_shrunk_pool_fits(cpu_engine, monkeypatch):
                                       num_kv_blocks=3))
     steps = []
     forward = runner.forward
-    monkeypatch.setattr(runner, "forward", lambda inputs: steps.append(len(inputs)) or forward(inputs))
+    monkeypatch.setattr(runner, "forward", lambda inputs, quantise=(): steps.append(len(inputs)) or forward(inputs, quantise))
     runner.warm_up()   # 64 tokens need 4 blocks of 16: the first chunk is skipped, not an error
     assert steps and len(steps) < 11
 

@@ -11,6 +11,7 @@ from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.config import KVCacheConfig
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.model_runner import quantise_blocks
+from bie_trt.executor.prefix_cache import quant_key
 from bie_trt.kv.pool import allocate_pools
 from test_block_manager import MODEL, new_seq
 
@@ -51,7 +52,7 @@ def test_unreferenced_blocks_wait_in_an_lru_and_yield_to_new_sequences():
     assert bm.usage(False) == {"used": 4, "cached": 0, "free": 0}
 
 
-def test_a_quantised_block_takes_over_the_key_and_is_shared():
+def test_a_quantised_twin_is_cached_beside_its_fp16_copy_and_shared():
     kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=4, window=8, rotation="none", block_size=B)
     pools = allocate_pools(MODEL, kv, 16, 16, torch.float32)
     bm = BlockManager(kv, 16, 16, enable_prefix_caching=True)
@@ -59,18 +60,20 @@ def test_a_quantised_block_takes_over_the_key_and_is_shared():
     a = new_seq(prompt)
     run(bm, a, pools)
     assert [e < 0 for e in a.block_table] == [False, True, True, False, False]
-    assert bm.cache.get(a.block_keys[1]) == a.block_table[1]   # the key follows the quantised copy
-    # A shorter prompt would have its recent window in those quantised blocks: the hit stops short of it,
-    # and its own quantisation then reuses a's blocks instead of making new ones.
+    assert bm.cache.get(quant_key(a.block_keys[1])) == a.block_table[1]   # the twin has a key of its own
+    fp_copy = bm.cache.get(a.block_keys[1])
+    assert fp_copy >= 0 and fp_copy not in bm.ref_counts                   # the FP16 copy waits in the LRU
+    # A shorter prompt's first recomputed token (position 8) reads block 1 in FP16, as plain decoding
+    # does there: the hit takes the FP16 copy; its own quantisation then reuses a's twins.
     b = new_seq(prompt[:12])
-    assert bm.match(b) == a.block_table[:1]
+    assert bm.match(b) == [a.block_table[0], fp_copy]
     run(bm, b, pools)
     b.output_ids += [1, 2, 3, 4, 5, 6, 7, 8]
     bm.grow(b, 20)
     bm.commit(b, 8)
     quantise_blocks(pools, bm.compact(b))
     assert b.block_table[1:3] == a.block_table[1:3] and bm.usage(True)["used"] == 2
-    # a longer prompt whose window lies past them takes them straight from the cache
+    # a longer prompt whose window lies past them takes the twins straight from the cache
     c = new_seq(prompt + [1, 2, 3, 4])
     assert bm.match(c) == a.block_table
 
@@ -89,45 +92,42 @@ def decode(bm: BlockManager, seq, pools, n: int) -> None:
         quantise_blocks(pools, bm.compact(seq))
 
 
-def test_a_prompt_another_sequence_quantised_is_found_up_to_the_new_window():
+def test_a_prompt_another_sequence_quantised_is_found_whole_while_its_fp16_copies_are_cached():
     """A long shared prompt that A has served and continued past the window is quantised everywhere but
-    its sinks. B (same prompt, another ending) still finds it, up to B's own recent window: the hit is
-    judged against B's end, not walked back block by block to the sinks."""
+    its sinks. B (same prompt, another ending) finds all of it: the twins for the blocks its first
+    recomputed token reads quantised, the cached FP16 copies for the window before that token."""
     pools, bm = _quantised_bm()
     prompt = list(range(100))
     a = new_seq(prompt)
     run(bm, a, pools)
     decode(bm, a, pools, 40)
     assert all(e < 0 for e in a.block_table[1:25])      # the whole shared prompt is quantised
-    ending = [7] * 12
-    b = new_seq(prompt + ending)
+    b = new_seq(prompt + [7] * 12)
     hit = bm.match(b)
-    assert hit == a.block_table[:25]                     # all of the prompt: B's window starts after it
+    window = (100 - bm.kv.window) // B                   # blocks position 100 reads in FP16 start here
+    assert hit[:window] == a.block_table[:window] and len(hit) == 25
+    assert all(e >= 0 and bm.cache.get(key) == e for e, key in zip(hit[window:], a.block_keys[window:25]))
     run(bm, b, pools)
     window_start = (b.num_tokens - bm.kv.window) // B
     assert [e < 0 for e in b.block_table] == [0 < i < window_start for i in range(len(b.block_table))]
-    # a short ending: the hit stops where B's window starts, once
-    c = new_seq(prompt + [5])
-    assert bm.match(c) == a.block_table[:(101 - 8) // B]
     bm.free(a)                                           # A finished: its blocks wait in the LRU
-    assert bm.match(new_seq(prompt + [9] * 12))[:25] == hit[:25]
+    assert bm.match(new_seq(prompt + [9] * 12)) == hit
 
 
-def test_a_preempted_sequence_finds_its_own_quantised_blocks_again():
-    """Preemption frees a sequence's blocks; new work evicts its FP16 ones. Re-admitted, it recomputes
-    at most its window, not everything after the sinks."""
+def test_a_hit_is_cut_where_the_fp16_copies_of_its_window_were_evicted():
+    """Preemption frees a sequence's blocks; new work evicts its FP16 copies. Re-admitted, it can reuse
+    only a prefix whose window is still in FP16, since its first recomputed token reads that window in
+    FP16 in plain decoding: here only the sinks' block."""
     pools, bm = _quantised_bm(num_fp=12)
     a = new_seq(list(range(40)))
     run(bm, a, pools)
     decode(bm, a, pools, 20)                             # 60 tokens: blocks 1..12 quantised
     bm.free(a)                                           # preempted
     other = new_seq([3] * 44)
-    run(bm, other, pools)                                # takes every free FP16 block and two of the LRU's
-    assert bm.usage(False)["cached"] == 1                # A's sink block: its window's blocks are gone
+    run(bm, other, pools)                                # takes every free FP16 block and the LRU's oldest
     bm.free(other)
-    hit = bm.match(a)
-    assert len(hit) == 13 and all(e < 0 for e in hit[1:])   # sinks' block + the quantised body
-    assert len(hit) * B >= a.num_tokens - bm.kv.window
+    assert all(bm.cache.get(key) is None for key in a.block_keys[1:])   # the FP16 copies are gone
+    assert bm.match(a) == [bm.cache.get(a.block_keys[0])]
 
 
 def test_caching_off_shares_nothing():

@@ -214,22 +214,47 @@ def test_the_planned_step_holds_a_chunk_beside_every_decode_with_all_its_proposa
     assert sum(n for _, n in batch.chunks) + sum(batch.lookahead.values()) <= s.max_num_batched_tokens
 
 
-def test_postprocess_gives_back_rejected_room_and_hands_compactions_to_the_next_step():
+def test_postprocess_hands_compactions_to_the_next_step():
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=0, window=16, rotation="none", block_size=B)
+    s = Scheduler(BlockManager(kv, 16, 16), 4, 64, 64)
+    seq = new_seq([1] * 31)
+    s.add(seq)
+    assert s.schedule().chunks == [(seq, 31)]
+    first_block = seq.block_table[0]
+    s.postprocess(seq, 31, had_lookahead=False)   # nothing has left the 16-token window yet
+    seq.output_ids.append(7)
+    assert s.schedule().quantisations == []
+    s.postprocess(seq, 1, had_lookahead=False)    # 32 cached: block 0 (tokens 0..15) has left the window
+    assert seq.num_cached == 32 and seq.block_table[0] < 0
+    seq.output_ids.append(8)
+    assert s.schedule().quantisations == [(first_block, 0)]   # launched before the step that may reuse the block
+    assert s.take_quantisations() == []
+
+
+def test_rows_read_blocks_as_plain_decoding_did_at_their_positions():
+    """A prompt chunk past the window: its later rows read block 0 quantised, quantised by the forward
+    after writing it; a verify row whose position crosses into the next block's boundary gets that
+    block's twin before the step (its tokens are final), and compaction then takes the twin over."""
     kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=0, window=16, rotation="none", block_size=B)
     s = Scheduler(BlockManager(kv, 16, 16), 4, 64, 64, num_speculative_tokens=4)
     seq = new_seq([1] * 47)
     s.add(seq)
-    assert s.schedule().chunks == [(seq, 47)]
+    batch = s.schedule()
     first_block, second_block = seq.block_table[:2]
-    s.postprocess(seq, 47, had_lookahead=False)   # block 0 (tokens 0..15) has left the 16-token window
-    assert seq.num_cached == 47 and seq.block_table[0] < 0
+    assert [(row, rows) for row, rows, _ in batch.views[seq]] == [(0, 32), (32, 15)]
+    assert batch.views[seq][0][2][0] == first_block and batch.views[seq][1][2][0] < 0
+    assert batch.layer_quantisations == [(first_block, 0)] and batch.quantisations == []
+    s.postprocess(seq, 47, had_lookahead=False)
+    assert seq.block_table[0] == batch.views[seq][1][2][0]   # the twin the rows read took block 0's place
     seq.output_ids.append(7)
     batch = s.schedule()
-    assert batch.quantisations == [(first_block, 0)]   # launched before the step that may reuse the block
-    assert batch.lookahead == {seq: 4} and len(seq.block_table) == 4   # room for 48 + 4 tokens
-    s.postprocess(seq, 1, had_lookahead=True)          # every proposal rejected: only the pending token
+    assert batch.lookahead == {seq: 4}
+    assert [(row, rows) for row, rows, _ in batch.views[seq]] == [(0, 1), (1, 4)]   # rows 47 | 48..51
+    assert batch.quantisations == [(second_block, 1)] and batch.layer_quantisations == []
+    assert len(seq.block_table) == 4                   # room for 48 + 4 tokens
+    s.postprocess(seq, 1, had_lookahead=True)         # every proposal rejected: the room goes back
     assert seq.num_cached == 48 and len(seq.block_table) == 3
-    assert s.take_quantisations() == [(second_block, 1)]   # 48 cached: tokens 16..31 have left the window too
+    assert seq.block_table[1] == batch.views[seq][1][2][1]
     assert s.take_quantisations() == []
 
 

@@ -22,8 +22,6 @@ from ..eval_texts import BUILTIN_PREFIX, BUILTIN_TEXTS, load_eval_text
 @click.option("--context", default=2048, show_default=True, type=POSITIVE, help="Tokens per window.")
 @click.option("--stride", type=POSITIVE, help="Window step, at most --context. [default: --context, non-overlapping]")
 @kv_options("the engine's", build_defaults=False)
-@click.option("--chunk", type=POSITIVE,
-              help="Tokens per forward. [default: one KV block, exactly what decode sees]")
 @click.option("--max-windows", type=POSITIVE, help="Score at most this many windows (quick runs).")
 @click.option("--first-window", default=0, show_default=True, type=NON_NEGATIVE,
               help="Skip this many windows (split one long evaluation across processes).")
@@ -31,7 +29,7 @@ from ..eval_texts import BUILTIN_PREFIX, BUILTIN_TEXTS, load_eval_text
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, kv_cache_dtype: str | None,
              kv_group_size: int | None, kv_sink_tokens: int | None, kv_window: int | None, kv_rotation: str | None,
-             kv_key_centering: bool | None, chunk: int | None, max_windows: int | None, first_window: int,
+             kv_key_centering: bool | None, max_windows: int | None, first_window: int,
              ablations: bool, as_json: bool) -> None:
     """Perplexity over a text in windows of --context tokens, and the mean KL divergence of each
     position's next-token distribution from the FP16-KV run, scored the way decode sees the cache.
@@ -65,7 +63,7 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
         raise BieError(str(e)) from None
     variants = ablation_variants(chosen) if ablations else {chosen.dtype: chosen}
     ids = AutoTokenizer.from_pretrained(engine_dir)(text)["input_ids"]
-    results = evaluate(engine_dir, ids, context, variants, stride=stride, chunk=chunk, max_windows=max_windows,
+    results = evaluate(engine_dir, ids, context, variants, stride=stride, max_windows=max_windows,
                        first_window=first_window, progress=not as_json)
     base_ppl = results[0].ppl
     if as_json:

@@ -13,11 +13,13 @@ from collections import deque
 
 from ..config import KVCacheConfig
 from ..kv.pool import decode_block, encode_quant_block
-from .prefix_cache import PrefixCache, block_key
+from .exact_rows import quantised_end, runs, sink_blocks
+from .prefix_cache import PrefixCache, block_key, quant_key
 from .sequence import Sequence
 
 Copy = tuple[int, int]   # (source, destination) FP16 blocks
 Quantisation = tuple[int, int]   # (FP16 block, quantised block id)
+View = tuple[int, int, list[int]]   # (first row, rows, block table those rows read)
 
 
 class OutOfBlocks(RuntimeError):
@@ -34,6 +36,9 @@ class BlockManager:
         self.ref_counts: dict[int, int] = {}   # block-table entry -> tables holding it
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.quantised = kv.dtype != "fp16"
+        # Quantised twins made before compaction (for rows that read a block quantised before the
+        # sequence's own window has moved past it), held until `compact` takes them over: block -> entry.
+        self.twins: dict[Sequence, dict[int, int]] = {}
 
     @property
     def block_size(self) -> int:
@@ -94,25 +99,33 @@ class BlockManager:
 
     # -- admission -------------------------------------------------------------------------------
     def match(self, seq: Sequence) -> list[int]:
-        """Cached entries for the longest run of seq's leading full blocks.
+        """Cached entries for the longest run of seq's leading full blocks that the first token computed
+        after them would read as plain decoding does (see exact_rows).
 
         The last token is always left to compute (its logits pick the next token), so a hit never
-        covers the block that the sequence writes next. A quantised cache never hands out a quantised
-        block where the sequence will keep FP16 once its prompt is in: its own recent window, judged
-        from its own end (not the hit's, which would walk back block by block to the sinks whenever a
-        longer sequence has quantised the shared prompt). The hit is cut once, at the first such block,
-        so at most a window of tokens is recomputed.
+        covers the block that the sequence writes next. With a quantised cache a hit of h blocks needs
+        FP16 copies of the sinks and of the blocks still in the window at position h * block_size; the
+        blocks before that window may be either copy (compaction quantises an FP16 one at once). A
+        block's FP16 copy and its quantised twin are cached under separate keys, so a hit is cut only
+        where the FP16 copies were evicted.
         """
         if self.cache is None:
             return []
-        hit: list[int] = []
+        fp, quant = [], []
         for key in self._keys(seq, (seq.num_tokens - 1) // self.block_size):
-            entry = self.cache.get(key)
-            if entry is None:
+            fp.append(self.cache.get(key))
+            quant.append(self.cache.get(quant_key(key)) if self.quantised else None)
+            if fp[-1] is None and quant[-1] is None:
+                fp.pop(), quant.pop()
                 break
-            hit.append(entry)
-        window = self._first_window_block(seq.num_tokens)
-        return next((hit[:b] for b in range(window, len(hit)) if hit[b] < 0), hit)
+        if not self.quantised:
+            return fp
+        sinks = sink_blocks(self.kv)
+        for h in range(len(fp), 0, -1):
+            end = min(quantised_end(h * self.block_size, self.kv), h)
+            if all(fp[b] is not None for b in range(min(sinks, h))) and all(fp[b] is not None for b in range(end, h)):
+                return [quant[b] if sinks <= b < end and quant[b] is not None else fp[b] for b in range(h)]
+        return []
 
     def can_admit(self, hit: list[int], num_tokens: int) -> bool:
         """Whether a sequence can share `hit` and hold `num_tokens` tokens in all."""
@@ -197,6 +210,8 @@ class BlockManager:
         # Tail first: in the LRU a prefix's later blocks are then evicted before the blocks they extend.
         for entry in reversed(seq.block_table):
             self._release(entry)
+        for entry in self.twins.pop(seq, {}).values():
+            self._release(entry)
         seq.block_table = []
         seq.num_cached = 0
 
@@ -208,42 +223,80 @@ class BlockManager:
                     self._free(entry)
 
     # -- the window ------------------------------------------------------------------------------
-    def _first_window_block(self, num_cached: int) -> int:
-        """Blocks before this index (after the sinks) have left the recent window."""
-        return max(0, (num_cached - self.kv.window) // self.block_size)
-
     def compact(self, seq: Sequence) -> list[Quantisation]:
         """Quantise every full block that has left the recent window (sink blocks stay FP16).
 
         Block b is out of the window once all its tokens are older than the last `window` cached ones.
-        A block already quantised under the same key by another sequence is shared instead of quantised
-        again; a block this sequence quantises takes over the key, because the quantised copy is the one
-        that lives on (the FP16 pool is only sinks + window + a chunk per sequence).
+        A twin `row_views` made for the block already is taken over; a block already quantised under
+        the same key by another sequence is shared instead of quantised again. The FP16 copy stays
+        cached (under its own key) until evicted, for hits that need it in their window.
         Returns the (FP16 block, quantised block) pairs the runner must quantise before the next forward
         reads them (the FP16 blocks are released here, so before anything else is written into them).
         """
-        first, end = -(-self.kv.sink_tokens // self.block_size), self._first_window_block(seq.num_cached)
+        first, end = sink_blocks(self.kv), quantised_end(seq.num_cached, self.kv)
         if not self.quantised or end <= first or max(seq.block_table[first:end]) < 0:
             return []   # the common case, checked at C speed: nothing new has left the window
         keys = self._keys(seq, end) if self.cache else None
+        twins = self.twins.get(seq, {})
         pairs: list[Quantisation] = []
         for b in range(first, end):
             entry = seq.block_table[b]
             if entry < 0:
                 continue
-            seq.block_table[b] = self._quantised_twin(entry, keys[b] if keys else None, pairs)
+            twin = twins.pop(b, None)
+            if twin is None:
+                twin = self._quantised_twin(entry, keys[b] if keys else None, pairs)
+            elif keys and self.cache.get(quant_key(keys[b])) is None:
+                self.cache.add(quant_key(keys[b]), twin)
+            seq.block_table[b] = twin
             self._release(entry)
         return pairs
 
     def _quantised_twin(self, entry: int, key: bytes | None, pairs: list[Quantisation]) -> int:
-        cached = self.cache.get(key) if key else None
-        if cached is not None and cached < 0:
+        """A quantised copy of FP16 `entry`, held once: the cached one under `key`, else a new block
+        (listed in `pairs` for the runner to quantise) indexed under `key`."""
+        qkey = quant_key(key) if key else None
+        cached = self.cache.get(qkey) if qkey else None
+        if cached is not None:
             self._share(cached)
             return cached
         twin = self._take(True)
         pairs.append((entry, decode_block(twin)[1]))
-        if key:
-            if cached is not None and self.cache.drop(cached):
-                self._free(cached)
-            self.cache.add(key, twin)
+        if qkey:
+            self.cache.add(qkey, twin)
         return twin
+
+    def row_views(self, seq: Sequence, num_rows: int
+                  ) -> tuple[list[View], list[Quantisation], list[Quantisation]]:
+        """This step's rows of seq (positions num_cached..) cut into runs that read the same blocks
+        quantised, each with the table it reads: seq's, with quantised twins for the blocks plain decoding
+        had quantised at that run's position (exact_rows). Call after `compact`: the first run reads seq's
+        own table as it is. -> (views, twins of blocks full before the step, to quantise before the forward;
+        twins of blocks this step writes, which the forward quantises per layer between writing K/V and
+        attention). The twins are held until `compact` takes them over or seq is freed; the FP16 copies
+        stay in seq's table, read by the earlier runs."""
+        start = seq.num_cached
+        (_, rows, done), *later = runs(start, num_rows, self.kv)
+        view = seq.block_table   # compaction left it as the first run reads it: no per-step scan of the table
+        views: list[View] = [(0, rows, view)]
+        now: list[Quantisation] = []
+        per_layer: list[Quantisation] = []
+        for row, rows, end in later:
+            view = list(view)
+            for b in range(done, end):
+                if view[b] >= 0:
+                    view[b] = self._pending_twin(seq, b, start, now, per_layer)
+            views.append((row, rows, view))
+            done = end
+        return views, now, per_layer
+
+    def _pending_twin(self, seq: Sequence, b: int, start: int, now: list[Quantisation],
+                      per_layer: list[Quantisation]) -> int:
+        twins = self.twins.setdefault(seq, {})
+        if b not in twins:
+            if (b + 1) * self.block_size <= start:   # its tokens are final: quantised now, shared through the cache
+                key = self._keys(seq, b + 1)[b] if self.cache else None
+                twins[b] = self._quantised_twin(seq.block_table[b], key, now)
+            else:   # written this step: quantised per layer by the forward, indexed once compacted
+                twins[b] = self._quantised_twin(seq.block_table[b], None, per_layer)
+        return twins[b]

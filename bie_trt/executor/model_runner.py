@@ -24,6 +24,7 @@ from ..plan import kv_pool_blocks, linear_shapes
 from ..sampling import make_generator
 from .block_manager import BlockManager, Copy, OutOfBlocks, Quantisation
 from .cuda_graphs import DecodeGraphs
+from .exact_rows import join_runs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 
@@ -169,7 +170,8 @@ class ModelRunner:
                     copies += blocks.grow(seq, seq.num_cached + k)
                 except OutOfBlocks:   # a pool shrunk on purpose (num_kv_blocks): warm what fits
                     return
-            self.execute(ScheduledBatch(work, copies, scheduler.take_quantisations()))
+            views, layer_quantisations = scheduler.cut_rows(work, {})
+            self.execute(ScheduledBatch(work, copies, scheduler.take_quantisations(), {}, views, layer_quantisations))
             for seq, k in work:
                 scheduler.postprocess(seq, k, had_lookahead=False)
 
@@ -193,19 +195,30 @@ class ModelRunner:
         a decode followed by its k proposals in `drafts`."""
         quantise_blocks(self.pools, batch.quantisations)
         copy_blocks(self.pools, batch.copies)
-        return self.forward(self.prepare_inputs(batch.chunks, drafts or {}))
+        inputs, num_runs, all_logits = self.prepare_inputs(batch, drafts or {})
+        return join_runs(self.forward(inputs, batch.layer_quantisations), num_runs, all_logits)
 
     @staticmethod
-    def prepare_inputs(chunks: list[tuple[Sequence, int]], drafts: dict[Sequence, list[int]]) -> list[SeqInput]:
-        """Each chunk's tokens from its first uncached one, with the proposals verified after it."""
-        inputs = []
-        for seq, n in chunks:
+    def prepare_inputs(batch: ScheduledBatch, drafts: dict[Sequence, list[int]]
+                       ) -> tuple[list[SeqInput], list[int], list[bool]]:
+        """Each chunk's tokens from its first uncached one, with the proposals verified after it: one input
+        per run of rows (the batch's views, cut to the proposals that came). -> (inputs, runs per chunk,
+        whether each chunk wants every row's logits)."""
+        inputs, num_runs, all_logits = [], [], []
+        for seq, n in batch.chunks:
             extra = drafts.get(seq, [])
-            ids = seq.token_slice(seq.num_cached, seq.num_cached + n) + extra
-            inputs.append(SeqInput(torch.tensor(ids), seq.num_cached, seq.block_table, all_logits=bool(extra)))
-        return inputs
+            ids = torch.tensor(seq.token_slice(seq.num_cached, seq.num_cached + n) + extra)
+            views = [(row, min(rows, len(ids) - row), table)
+                     for row, rows, table in batch.views.get(seq, [(0, len(ids), seq.block_table)]) if row < len(ids)]
+            inputs += [SeqInput(ids[row:row + rows], seq.num_cached + row, table, all_logits=bool(extra))
+                       for row, rows, table in views]
+            num_runs.append(len(views))
+            all_logits.append(bool(extra))
+        return inputs, num_runs, all_logits
 
-    def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
-        if self.graphs is not None and (logits := self.graphs.run(inputs)) is not None:
+    def forward(self, inputs: list[SeqInput], quantise: list[Quantisation] = ()) -> list[torch.Tensor]:
+        """Each input's logits; `quantise`: blocks the step writes and later rows read quantised, which the
+        forward quantises layer by layer between the K/V write and attention (graphs never hold those)."""
+        if not quantise and self.graphs is not None and (logits := self.graphs.run(inputs)) is not None:
             return logits
-        return self.model.forward(inputs, self.pools)
+        return self.model.forward(inputs, self.pools, quantise)

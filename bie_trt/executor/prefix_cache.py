@@ -3,7 +3,8 @@
 A block's key hashes its parent block's key and its own token ids, so equal keys mean equal
 tokens at equal positions, hence equal K/V. Reference counts and free lists live in the block
 manager; this index only knows which block-table entry (FP16 or quantised, see pool.py) holds
-each key, and which of those no sequence holds any more (an LRU, evicted oldest first).
+each key, and which of those no sequence holds any more (an LRU, evicted oldest first). A block's
+quantised twin has a key of its own (`quant_key`), so both copies can be found.
 """
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ def block_key(parent: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+def quant_key(key: bytes) -> bytes:
+    """The key a block's quantised twin is cached under, beside its FP16 copy's `key`."""
+    return key + b"q"
+
+
 class PrefixCache:
     def __init__(self) -> None:
         self.entry_of: dict[bytes, int] = {}   # key -> block-table entry
@@ -31,18 +37,9 @@ class PrefixCache:
         return self.entry_of.get(key)
 
     def add(self, key: bytes, entry: int) -> None:
-        """Index `entry` under `key`; the key must be new (the block manager re-points keys with `drop`)."""
+        """Index `entry` under `key`; the key must be new."""
         self.entry_of[key] = entry
         self.key_of[entry] = key
-
-    def drop(self, entry: int) -> bool:
-        """Forget `entry`'s key. True when nobody referenced it, so the caller should free the block."""
-        del self.entry_of[self.key_of.pop(entry)]
-        parked = self.unused[entry < 0]
-        if entry not in parked:
-            return False
-        del parked[entry]
-        return True
 
     def park(self, entry: int) -> bool:
         """The last reference to `entry` went away: keep it findable until evicted. False if it has no key."""

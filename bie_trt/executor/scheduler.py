@@ -23,7 +23,7 @@ from typing import Callable
 from ..config import KVCacheConfig
 from ..errors import EngineError
 from ..plan import bounded_fp_blocks_per_seq, step_tokens
-from .block_manager import BlockManager, Copy, Quantisation
+from .block_manager import BlockManager, Copy, Quantisation, View
 from .sequence import Sequence, Status
 
 
@@ -34,6 +34,10 @@ class ScheduledBatch:
     quantisations: list[Quantisation] = field(default_factory=list)   # to carry out first (see postprocess)
     # decodes with room for proposals: how many tokens may follow the pending one (blocks held for them)
     lookahead: dict[Sequence, int] = field(default_factory=dict)
+    # each chunk's rows (and room for proposals) in runs that read the same blocks quantised (cut_rows);
+    # a chunk without an entry is one run over its own table
+    views: dict[Sequence, list[View]] = field(default_factory=dict)
+    layer_quantisations: list[Quantisation] = field(default_factory=list)   # blocks the step writes, then reads quantised
 
 
 class Scheduler:
@@ -116,9 +120,24 @@ class Scheduler:
 
         for seq in scheduled:   # a prefix hit can bring FP16 blocks already out of seq's window
             self._quantisations += self.blocks.compact(seq)
-        return ScheduledBatch([(seq, n) for seq, (n, _) in scheduled.items()],
-                              [c for _, copies in scheduled.values() for c in copies], self.take_quantisations(),
-                              {s: k for s, k in lookahead.items() if s in scheduled})
+        chunks = [(seq, n) for seq, (n, _) in scheduled.items()]
+        lookahead = {s: k for s, k in lookahead.items() if s in scheduled}
+        views, layer_quantisations = self.cut_rows(chunks, lookahead)
+        return ScheduledBatch(chunks, [c for _, copies in scheduled.values() for c in copies],
+                              self.take_quantisations(), lookahead, views, layer_quantisations)
+
+    def cut_rows(self, chunks: list[tuple[Sequence, int]], lookahead: dict[Sequence, int]
+                 ) -> tuple[dict[Sequence, list[View]], list[Quantisation]]:
+        """Each chunk's rows (with the room kept for proposals) in runs that read the KV blocks as plain
+        decoding did at their positions (`BlockManager.row_views`). Twins of blocks full before the step
+        join the quantisations it launches first; those of blocks it writes come back, for the forward to
+        quantise layer by layer."""
+        views, layer_quantisations = {}, []
+        for seq, n in chunks:
+            views[seq], now, per_layer = self.blocks.row_views(seq, n + lookahead.get(seq, 0))
+            self._quantisations += now
+            layer_quantisations += per_layer
+        return views, layer_quantisations
 
     def take_quantisations(self) -> list[Quantisation]:
         """The quantisations compactions decided since the last call, for the next step to launch first."""

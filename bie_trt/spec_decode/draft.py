@@ -44,7 +44,10 @@ DRAFT_SEED_SALT = 0x5DEECE66D
 def draft_generator(target_seed: int) -> torch.Generator:
     """The draft's own generator for a request whose target generator was seeded `target_seed`. Salted:
     with the target's seed its numbers would repeat the ones verification draws to accept or reject
-    them, and the emitted tokens would no longer follow the target's distribution."""
+    them, and the emitted tokens would no longer follow the target's distribution. The target's stream
+    is not the one it would be without speculation either: each verify draws k uniforms and one
+    multinomial from it where plain decoding draws one token a step, so a seeded request's sampled
+    tokens follow the same distribution, not the same draws (greedy tokens are the same)."""
     g = torch.Generator()
     g.manual_seed((target_seed ^ DRAFT_SEED_SALT) % 2**63)
     return g
