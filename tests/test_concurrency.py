@@ -33,8 +33,9 @@ def test_batched_greedy_equals_one_at_a_time(smollm2_engine, kv):
     engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=256,
                                     chunked_prefill_size=16, **kv))
     steps = []
-    forward = engine.runner.forward
-    engine.runner.forward = lambda inputs: steps.append([len(i.token_ids) for i in inputs]) or forward(inputs)
+    execute = engine.runner.execute
+    engine.runner.execute = lambda batch, drafts=None: (steps.append([n for _, n in batch.chunks])
+                                                        or execute(batch, drafts))
     together = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
     assert any(1 in s and max(s) > 1 for s in steps)     # prompt chunks ran in the same steps as decodes
     assert max(len(s) for s in steps) == len(PROMPTS)
@@ -67,7 +68,7 @@ def test_a_dropped_stream_is_aborted(engine):
 
 
 def test_an_engine_error_reaches_every_stream_and_the_engine_recovers(engine, monkeypatch):
-    def broken(inputs):
+    def broken(inputs, quantise=()):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(engine.runner, "forward", broken)

@@ -77,7 +77,7 @@ def test_a_fault_in_a_step_fails_only_that_steps_request(engine, monkeypatch):
     with an OpenAI error body, B is served in full and equals a run alone, every block comes back."""
     forward, poisoned, go = engine.runner.forward, set(), threading.Event()
 
-    def faulty(inputs):
+    def faulty(inputs, quantise=()):
         for seq_input in inputs:
             if seq_input.start_pos == 0 and seq_input.token_ids.tolist() == POISON:
                 poisoned.add(seq_input.block_table[0])   # A's first block names A in its later steps
@@ -85,7 +85,7 @@ def test_a_fault_in_a_step_fails_only_that_steps_request(engine, monkeypatch):
                 poisoned.clear()
                 go.wait(60)
                 raise RuntimeError("injected fault in the forward pass")
-        return forward(inputs)
+        return forward(inputs, quantise)
 
     monkeypatch.setattr(engine.runner, "forward", faulty)
     errors = engine.stats().requests.get("error", 0)
