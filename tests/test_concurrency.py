@@ -109,6 +109,7 @@ def small_pool_server(smollm2_engine):
     thread.join(timeout=10)
 
 
+@pytest.mark.slow
 def test_a_pool_far_too_small_still_completes_every_request(small_pool_server):
     engine, base = small_pool_server
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)

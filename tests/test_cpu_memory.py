@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from bie_trt.config import EngineConfig
@@ -34,6 +35,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)   #
 """
 
 
+@pytest.mark.slow
 def test_key_calibration_does_not_keep_dequantised_layers(tmp_path):
     tokenizer = write_word_tokenizer(tmp_path / "tok")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -50,7 +50,8 @@ def logits_by(runner, kv: KVCacheConfig, tokens: list[int], chunk: int) -> torch
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("dtype", ["int4_asym", pytest.param("fp8", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["int4_asym", "fp8"])
 def test_block_chunks_see_exactly_what_decode_sees(runner, ids, dtype):
     kv = KVCacheConfig(dtype=dtype, window=32, sink_tokens=8)
     tokens = ids[:80]

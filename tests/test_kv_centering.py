@@ -33,6 +33,7 @@ def hf_keys(model, ids: list[int]) -> torch.Tensor:
     return torch.stack([layer.keys[0] for layer in cache.layers])
 
 
+@pytest.mark.slow
 def test_built_key_mean_is_the_mean_transformers_keys(smollm2_engine, hf):
     from transformers import AutoTokenizer
 

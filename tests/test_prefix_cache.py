@@ -164,7 +164,8 @@ def test_a_shared_2k_prefix_cuts_time_to_first_token_and_keeps_the_logits(engine
 
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4_asym", pytest.param("fp8", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", ["int4_asym", "fp8"])
 def test_a_long_document_asked_again_is_found_in_a_quantised_cache(smollm2_engine, lee_text, kv_dtype):
     """Many questions over one long document: A reads it and writes on past the FP16 window, so the whole
     document is quantised; B and C ask other questions, B while A still runs, C after A ended. Each finds

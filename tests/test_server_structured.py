@@ -70,6 +70,7 @@ def test_parse_gives_a_pydantic_object(client, model):
     assert isinstance(r.choices[0].message.parsed, City)
 
 
+@pytest.mark.slow
 def test_json_schema_replies_validate(client, model):
     """Every shape of tests/structured_cases.py, all at once (batched), at temperature 1."""
     def ask(name: str, schema: dict):
@@ -140,6 +141,7 @@ def reassemble(chunks) -> tuple[str | None, list[tuple[str, str]], str]:
     return content or None, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finish
 
 
+@pytest.mark.slow
 def test_streamed_calls_reassemble_to_the_same_call(client, model):
     """For "required" and a named function (all four requests batched together)."""
     def pair(tool_choice, seed):
@@ -158,6 +160,7 @@ def test_streamed_calls_reassemble_to_the_same_call(client, model):
     assert len(stream_named) > 4   # a named call's arguments stream as they come, not in one piece
 
 
+@pytest.mark.slow
 def test_auto_parses_the_models_own_format(client, model):
     """tool_choice auto: a reply in Hermes tags (made certain here with a regex, since the 135M model seldom
     calls tools by itself) comes back as tool_calls, the prose before it as content, whole or streamed."""

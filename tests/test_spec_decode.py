@@ -196,6 +196,7 @@ def test_generate_cli_speculates_and_reports_it(smollm2_engine):
     assert out["token_ids"] == plain.generate(prompt, SamplingParams(temperature=0, max_tokens=12)).token_ids
 
 
+@pytest.mark.slow
 def test_bench_spec_smoke(smollm2_engine, tmp_path):
     out = tmp_path / "spec.json"
     root = Path(__file__).resolve().parents[1]
@@ -231,6 +232,7 @@ def test_bench_spec_self_draft_smoke(tiny_draft_engine, tmp_path):
     assert 0 <= row["first_uses_outside_static"] <= 6
 
 
+@pytest.mark.slow
 def test_max_model_len_cuts_a_speculative_run_where_plain_decoding_stops(smollm2_engine, plain):
     limit = len(plain.tokenizer(PROMPTS[2])["input_ids"]) + 9
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)

@@ -134,7 +134,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("variant,kind", VARIANT_KINDS)
-@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("parts", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_decode_matches_reference(variant: str, kind: tuple[str, int], parts: int) -> None:
     pools, tables, lens, q = decode_batch(*kind)
     for layer in range(LAYERS):
@@ -201,7 +201,8 @@ PREFILL_CASES = {
 
 
 @pytest.mark.parametrize("variant,kind", VARIANT_KINDS)
-@pytest.mark.parametrize("case", PREFILL_CASES)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "long-chunk" else c
+                                  for c in PREFILL_CASES])
 def test_prefill_matches_reference(variant: str, kind: tuple[str, int], case: str) -> None:
     start, n, config = PREFILL_CASES[case]
     pools = poisoned_pools(*kind, torch.float32)
