@@ -65,6 +65,7 @@ def test_chat_template_without_chat_is_an_error(smollm2_engine, tmp_path):
     assert "--chat-template applies only with --chat" in r.output and "add --chat" in r.output
 
 
+@pytest.mark.slow
 def test_eval_without_a_kv_flag_compares_int4_against_fp16(smollm2_engine, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The cat sat on the mat and looked at the dog across the room. " * 20)

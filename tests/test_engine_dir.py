@@ -114,7 +114,7 @@ def test_build_refuses_bad_options(tmp_path, smollm2_checkpoint):
 
 @pytest.mark.parametrize("options", [
     {},
-    {"kv_cache_dtype": "int4_asym", "kv_group_size": 32, "max_num_seqs": 2},
+    pytest.param({"kv_cache_dtype": "int4_asym", "kv_group_size": 32, "max_num_seqs": 2}, marks=pytest.mark.slow),
     pytest.param({"kv_cache_dtype": "fp8", "kv_window": 64}, marks=pytest.mark.slow),
     {"profile": "rtx4060ti-8gb", "max_model_len": 4096},   # INT4 KV by default; the engine other tests build
 ])

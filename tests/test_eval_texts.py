@@ -13,6 +13,7 @@ from bie_trt.errors import BieError
 from bie_trt.eval_texts import load_eval_text
 
 
+@pytest.mark.slow
 def test_eval_scores_the_builtin_text_without_a_text_option(smollm2_engine):
     r = CliRunner().invoke(main, ["eval", "--engine", str(smollm2_engine), "--context", "64", "--max-windows", "1",
                                   "--json"])

@@ -67,7 +67,7 @@ def run_engine_logits(engine: BieEngine, ids: list[int], continuation: list[int]
     return rows
 
 
-@pytest.mark.parametrize("scatter,chunk", [pytest.param(False, 512, marks=pytest.mark.slow), (True, 100)])
+@pytest.mark.parametrize("scatter,chunk", [pytest.param(False, 512, marks=pytest.mark.slow), pytest.param(True, 100, marks=pytest.mark.slow)])
 def test_logits_match_transformers(reference, scatter, chunk):
     engine, ids, continuation, hf_logits = reference
     ours = torch.cat(run_engine_logits(engine, ids, continuation, scatter, chunk))

@@ -49,6 +49,7 @@ class PeakTensorBytes(TorchDispatchMode):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [512])
 def test_activation_formula_matches_a_measured_chunk(smollm2_engine, monkeypatch, chunk):
     runner = ModelRunner(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_num_seqs=1))

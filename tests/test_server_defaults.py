@@ -46,6 +46,7 @@ def test_completions_keep_16_tokens_and_accept_a_request_ending_exactly_at_the_c
         client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=CONTEXT - prompt_tokens + 1)
 
 
+@pytest.mark.slow
 def test_completions_with_max_tokens_null_fill_the_context(small):
     engine, base, _ = small
     prompt = "Once upon a time"

@@ -140,7 +140,7 @@ def test_no_method_path_or_raw_body_makes_a_5xx(fuzz_server, method, path, raw, 
 INT_EDGES = [-1, 2 ** 63, 10 ** 20, 1e308, "4", True]   # None, lists and objects: the hypothesis draws
 
 
-@pytest.mark.parametrize("route", [0, 1], ids=["completions", "chat"])
+@pytest.mark.parametrize("route", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["completions", "chat"])
 def test_every_field_at_every_edge_with_the_rest_valid(fuzz_server, route):
     """Each numeric field of the schema in turn set to each edge value, on an otherwise valid one-token
     body: the sweep hypothesis might need thousands of draws to stumble on."""

@@ -57,6 +57,7 @@ def test_the_target_as_its_own_draft_is_accepted_and_changes_nothing(build, tiny
     assert idle(spec)
 
 
+@pytest.mark.slow
 def test_a_different_draft_changes_no_greedy_token(build, tiny_draft, other_draft, lee_text):
     engine_dir = build(checkpoint=str(tiny_draft), draft_checkpoint=str(other_draft), draft_vocab_size=4096,
                        draft_window_tokens=64)
