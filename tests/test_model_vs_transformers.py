@@ -78,6 +78,7 @@ def test_logits_match_transformers(reference, scatter, chunk):
     assert diff <= 1e-3, f"max |Δlogit| = {diff}"
 
 
+@pytest.mark.slow
 def test_64_greedy_tokens_identical(reference):
     engine, ids, continuation, _ = reference
     out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))

@@ -89,7 +89,8 @@ def two_sample_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
-@pytest.mark.parametrize("speculative", [None, {"method": "draft_model", "num_speculative_tokens": 3}],
+@pytest.mark.parametrize("speculative", [None, pytest.param({"method": "draft_model", "num_speculative_tokens": 3},
+                                                       marks=pytest.mark.slow)],
                          ids=["ngram", "draft"])
 def test_positions_1_to_4_have_the_same_distribution_with_and_without_speculation(tiny_engine, plain,
                                                                                   speculative):
