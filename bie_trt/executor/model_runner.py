@@ -170,8 +170,7 @@ class ModelRunner:
                     copies += blocks.grow(seq, seq.num_cached + k)
                 except OutOfBlocks:   # a pool shrunk on purpose (num_kv_blocks): warm what fits
                     return
-            views, layer_quantisations = scheduler.cut_rows(work, {})
-            self.execute(ScheduledBatch(work, copies, scheduler.take_quantisations(), {}, views, layer_quantisations))
+            self.execute(scheduler.batch(work, copies, {}))
             for seq, k in work:
                 scheduler.postprocess(seq, k, had_lookahead=False)
 

@@ -120,11 +120,16 @@ class Scheduler:
 
         for seq in scheduled:   # a prefix hit can bring FP16 blocks already out of seq's window
             self._quantisations += self.blocks.compact(seq)
-        chunks = [(seq, n) for seq, (n, _) in scheduled.items()]
-        lookahead = {s: k for s, k in lookahead.items() if s in scheduled}
+        return self.batch([(seq, n) for seq, (n, _) in scheduled.items()],
+                          [c for _, copies in scheduled.values() for c in copies],
+                          {s: k for s, k in lookahead.items() if s in scheduled})
+
+    def batch(self, chunks: list[tuple[Sequence, int]], copies: list[Copy],
+              lookahead: dict[Sequence, int]) -> ScheduledBatch:
+        """The step over `chunks` (blocks already grown): its rows cut into views, with the quantisations
+        decided since the last step."""
         views, layer_quantisations = self.cut_rows(chunks, lookahead)
-        return ScheduledBatch(chunks, [c for _, copies in scheduled.values() for c in copies],
-                              self.take_quantisations(), lookahead, views, layer_quantisations)
+        return ScheduledBatch(chunks, copies, self.take_quantisations(), lookahead, views, layer_quantisations)
 
     def cut_rows(self, chunks: list[tuple[Sequence, int]], lookahead: dict[Sequence, int]
                  ) -> tuple[dict[Sequence, list[View]], list[Quantisation]]:
