@@ -81,6 +81,20 @@ def tiny_draft(tmp_path_factory, smollm2_checkpoint):
 
 
 @pytest.fixture(scope="session")
+def tiny_engine(build, tmp_path_factory, smollm2_checkpoint):
+    """A tiny random model alone (head_dim 32, so every KV cache dtype fits): for what does not depend on
+    the model's text (the server's protocol, limits, batching). Its near-flat logits make it the harder
+    case for "batched equals alone"."""
+    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from tiny_model import write_tiny_hf
+
+    root = tmp_path_factory.mktemp("tiny-target")
+    hf = write_tiny_hf(root / "hf", smollm2_checkpoint, num_attention_heads=2, num_key_value_heads=1,
+                       max_position_embeddings=8192)
+    return build(checkpoint=str(quantize_checkpoint(hf, root / "awq", group_size=32)))
+
+
+@pytest.fixture(scope="session")
 def tiny_draft_engine(build, tiny_draft):
     """The tiny model, with itself as the draft: the draft's head over 4,096 ids, a 64-token window.
     (Seconds to build, where a SmolLM2 target takes minutes on two cores.)"""

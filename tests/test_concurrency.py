@@ -28,9 +28,9 @@ PROMPTS = [SYSTEM + "What is the capital of France?", "Once upon a time",
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.mark.parametrize("kv", [{}, {"kv_cache_dtype": "int4_asym", "kv_window": 16}], ids=["fp16", "int4"])
-def test_batched_greedy_equals_one_at_a_time(smollm2_engine, kv):
-    engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=256,
+@pytest.mark.parametrize("kv", [{}, {"kv_cache_dtype": "int4_asym", "kv_window": 16, "kv_group_size": 32}], ids=["fp16", "int4"])
+def test_batched_greedy_equals_one_at_a_time(tiny_engine, kv):
+    engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=256,
                                     chunked_prefill_size=16, **kv))
     steps = []
     execute = engine.runner.execute
@@ -53,8 +53,8 @@ def wait_until(condition, what: str, timeout: float = 30) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_engine):
-    return BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=128))
+def engine(tiny_engine):
+    return BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=128))
 
 
 def test_a_dropped_stream_is_aborted(engine):
@@ -81,9 +81,9 @@ def test_an_engine_error_reaches_every_stream_and_the_engine_recovers(engine, mo
     assert engine.generate("Hi", SamplingParams(max_tokens=2)).usage.completion_tokens == 2
 
 
-def test_a_pool_too_small_for_one_sequence_is_refused(smollm2_engine):
+def test_a_pool_too_small_for_one_sequence_is_refused(tiny_engine):
     with pytest.raises(EngineError, match="num_kv_blocks"):
-        BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=64, num_kv_blocks=3))
+        BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=64, num_kv_blocks=3))
 
 
 def metric(base: str, name: str, **labels: str) -> float:
@@ -95,9 +95,9 @@ def metric(base: str, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def small_pool_server(smollm2_engine):
+def small_pool_server(tiny_engine):
     """Six 16-token blocks: one 64-token sequence fits, four at once do not."""
-    engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=64,
+    engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=64,
                                     num_kv_blocks=6, chunked_prefill_size=16))
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))

@@ -44,8 +44,8 @@ def serving(engine: BieEngine, options: ServerOptions | None = None) -> Iterator
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_engine):
-    engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=256))
+def server(tiny_engine):
+    engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=256))
     with serving(engine) as base:
         yield engine, base
 

@@ -15,8 +15,8 @@ CONTEXT = 64   # small, so that a reply running to the end of the context takes 
 
 
 @pytest.fixture(scope="module")
-def small(smollm2_engine):
-    engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=CONTEXT))
+def small(tiny_engine):
+    engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=CONTEXT))
     with serving(engine) as base:
         yield engine, base, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
 

@@ -76,8 +76,8 @@ def body_strategy(schema: dict, defs: dict) -> st.SearchStrategy:
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(smollm2_engine):
-    engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=64))
+def fuzz_server(tiny_engine):
+    engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=64))
     with serving(engine, ServerOptions(request_timeout=20)) as base:
         schema = httpx.get(base + "/openapi.json").json()
         yield engine, base, schema

@@ -28,9 +28,9 @@ LONG = {"prompt": "Tell me a long story", "max_tokens": 1000, "ignore_eos": True
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_engine):
+def engine(tiny_engine):
     """One sequence at a time: a second request is certain to wait."""
-    return BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=1024, max_num_seqs=1))
+    return BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=1024, max_num_seqs=1))
 
 
 def test_a_full_queue_answers_503_with_retry_after(engine):
@@ -73,17 +73,16 @@ POISON = [28, 28, 28, 28, 28, 28, 28, 28]   # a prompt no other request sends
 
 
 def test_a_fault_in_a_step_fails_only_that_steps_request(engine, monkeypatch):
-    """Request A's decode step raises inside the engine while B waits for the slot A holds: A gets a 500
+    """Request A's decode step raises inside the engine once B waits for the slot A holds: A gets a 500
     with an OpenAI error body, B is served in full and equals a run alone, every block comes back."""
-    forward, poisoned, go = engine.runner.forward, set(), threading.Event()
+    forward, poisoned = engine.runner.forward, set()
 
     def faulty(inputs, quantise=()):
         for seq_input in inputs:
             if seq_input.start_pos == 0 and seq_input.token_ids.tolist() == POISON:
                 poisoned.add(seq_input.block_table[0])   # A's first block names A in its later steps
-            elif poisoned and seq_input.block_table[0] in poisoned and seq_input.start_pos >= len(POISON) + 2:
-                poisoned.clear()
-                go.wait(60)
+            elif poisoned and seq_input.block_table[0] in poisoned and engine.stats().waiting == 1:
+                poisoned.clear()   # B is queued behind A (requests join between steps, so never block here)
                 raise RuntimeError("injected fault in the forward pass")
         return forward(inputs, quantise)
 
@@ -91,12 +90,12 @@ def test_a_fault_in_a_step_fails_only_that_steps_request(engine, monkeypatch):
     errors = engine.stats().requests.get("error", 0)
     alone = engine.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
     with serving(engine) as base, httpx.Client(timeout=120) as http, ThreadPoolExecutor(2) as pool:
-        a = pool.submit(http.post, base + "/v1/completions", json={"prompt": POISON, "max_tokens": 50})
+        # A is long enough to still be decoding when B arrives, however fast the model
+        a = pool.submit(http.post, base + "/v1/completions", json={"prompt": POISON, "max_tokens": 1000,
+                                                                   "ignore_eos": True})
         wait_until(lambda: engine.stats().running == 1, "A never ran")
         b = pool.submit(http.post, base + "/v1/completions",
                         json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
-        wait_until(lambda: engine.stats().waiting == 1, "B never queued behind A")
-        go.set()
         ra, rb = a.result(), b.result()
         assert ra.status_code == 500, ra.text
         assert "injected fault in the forward pass" in ra.json()["error"]["message"]
@@ -171,10 +170,10 @@ def _up(base: str) -> bool:
         return False
 
 
-def test_sigterm_stops_accepting_aborts_after_the_grace_period_and_exits_0(smollm2_engine):
+def test_sigterm_stops_accepting_aborts_after_the_grace_period_and_exits_0(tiny_engine):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = _start_server(smollm2_engine, port, "--shutdown-timeout", "2", "--served-model-name", "tiny")
+    proc = _start_server(tiny_engine, port, "--shutdown-timeout", "2", "--served-model-name", "tiny")
     try:
         wait_until(lambda: _up(base) or proc.poll() is not None, "the server never came up", timeout=180)
         assert proc.poll() is None, proc.stdout.read()
@@ -208,10 +207,10 @@ def test_sigterm_stops_accepting_aborts_after_the_grace_period_and_exits_0(smoll
 
 
 @pytest.mark.slow   # a second server process: a minute of start-up on a busy 2-core machine
-def test_sigterm_lets_a_short_request_finish(smollm2_engine):
+def test_sigterm_lets_a_short_request_finish(tiny_engine):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = _start_server(smollm2_engine, port, "--shutdown-timeout", "60")
+    proc = _start_server(tiny_engine, port, "--shutdown-timeout", "60")
     try:
         wait_until(lambda: _up(base) or proc.poll() is not None, "the server never came up", timeout=180)
         lines: list[str] = []
