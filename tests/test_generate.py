@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from bie_trt import BieEngine, EngineConfig, RequestError, SamplingParams
+from bie_trt.cli import main
 from bie_trt.sampling import probabilities
 
 
@@ -19,10 +19,9 @@ def engine(smollm2_engine):
 
 def test_generate_cli_json(smollm2_engine, engine):
     prompt = "The capital of France is"
-    cmd = [sys.executable, "-m", "bie_trt.cli", "generate", "--engine", str(smollm2_engine), "--prompt", prompt,
-           "--max-tokens", "8", "--temperature", "0", "--json"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    res = CliRunner().invoke(main, ["generate", "--engine", str(smollm2_engine), "--prompt", prompt,
+                                    "--max-tokens", "8", "--temperature", "0", "--json"])
+    assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["prompt_token_ids"] == engine.tokenizer(prompt)["input_ids"]
     want = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=8))

@@ -11,8 +11,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from bie_trt import BieEngine, EngineConfig, EngineError, SamplingParams, SpeculativeConfig
+from bie_trt.cli import main
 from bie_trt.spec_decode.select import resolve_speculative
 
 PASSAGE = ("The river rises in the hills above the old mill and runs south through three villages before it "
@@ -184,11 +186,10 @@ def test_the_default_comes_from_the_manifest_else_a_draft_else_off(tmp_path):
 
 def test_generate_cli_speculates_and_reports_it(smollm2_engine):
     prompt = "Repeat after me: one two three four, one two three four, one two"
-    cmd = [sys.executable, "-m", "bie_trt.cli", "generate", "--engine", str(smollm2_engine), "--prompt", prompt,
-           "--max-tokens", "12", "--temperature", "0", "--device", "cpu", "--json",
-           "--speculative-config", '{"method": "ngram"}']
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
+    res = CliRunner().invoke(main, ["generate", "--engine", str(smollm2_engine), "--prompt", prompt, "--max-tokens",
+                                    "12", "--temperature", "0", "--device", "cpu", "--json",
+                                    "--speculative-config", '{"method": "ngram"}'])
+    assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["spec_decode"]["num_accepted_tokens"] > 0
     assert out["spec_decode"]["num_draft_tokens"] >= out["spec_decode"]["num_accepted_tokens"]
