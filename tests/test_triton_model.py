@@ -27,21 +27,21 @@ def runner(tmp_path_factory, smollm2_checkpoint):
     awq = quantize_checkpoint(hf, root / "awq", group_size=32)
     engine = build_engine(BuildOptions(checkpoint=str(awq), out=str(root / "engine"), profile="cpu",
                                        max_model_len=256, kv_cache_dtype="int4_asym", kv_group_size=32,
-                                       kv_window=32, kv_sink_tokens=8), log=lambda m: None)
+                                       kv_window=16, kv_sink_tokens=8), log=lambda m: None)
     return ModelRunner(EngineConfig(engine_dir=str(engine), device="cpu", max_num_seqs=2))
 
 
 def run_steps(runner: ModelRunner) -> list[torch.Tensor]:
-    """Two sequences: A prefills 70 tokens in chunks then decodes; B decodes beside A's chunks."""
+    """Two sequences: A prefills 58 tokens in chunks then decodes; B decodes beside A's chunks."""
     pools = runner.pools
     blocks = BlockManager(runner.kv_config, pools.num_fp_blocks, pools.num_quant_blocks)
     g = torch.Generator().manual_seed(0)
-    a_ids, b_ids = torch.randint(0, 49152, (70,), generator=g).tolist(), torch.randint(0, 49152, (9,), generator=g).tolist()
+    a_ids, b_ids = torch.randint(0, 49152, (58,), generator=g).tolist(), torch.randint(0, 49152, (9,), generator=g).tolist()
     a = Sequence(a_ids, SamplingParams(), make_generator(SamplingParams(), 0))
     b = Sequence(b_ids, SamplingParams(), make_generator(SamplingParams(), 0))
     out = []
-    # B's prompt, then A's chunks of 16 with B decoding alongside, then both decode
-    plan = [[(b, 9)]] + [[(a, 16), (b, 1)]] * 4 + [[(a, 6), (b, 1)], [(a, 1), (b, 1)], [(a, 1), (b, 1)]]
+    # B's prompt, then A's chunks (32 rows, then 26: a multiple of 16 and not) with B decoding alongside, then both decode
+    plan = [[(b, 9)], [(a, 32), (b, 1)], [(a, 26), (b, 1)], [(a, 1), (b, 1)], [(a, 1), (b, 1)]]
     for step in plan:
         inputs = []
         for seq, n in step:
