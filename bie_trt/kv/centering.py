@@ -15,8 +15,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import KVCacheConfig
-from ..model.llama import LlamaModel, SeqInput
+from ..config import KVCacheConfig, SamplingParams
+from ..executor.block_manager import BlockManager
+from ..executor.sequence import Sequence
+from ..model.llama import LlamaModel
+from ..model.step_inputs import SeqInput
+from ..sampling import make_generator
 from .pool import allocate_pools
 
 CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
@@ -33,10 +37,12 @@ def key_means(model: LlamaModel, token_ids: list[int], skip: int = SKIP_POSITION
     kv = KVCacheConfig(dtype="fp16")
     n_blocks = -(-len(token_ids) // kv.block_size)
     pools = allocate_pools(model.cfg, kv, n_blocks, 0, model.dtype, model.device)
-    ids = torch.tensor(token_ids, dtype=torch.long, device=model.device)
-    model.forward([SeqInput(ids, 0, list(range(n_blocks)))], pools)
-    # Pool layout [L, blocks, Hkv, block, D]: blocks 0.. hold positions 0.. in order.
-    keys = pools.k.permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, skip:len(token_ids)]
+    # One prompt, its blocks laid out by the block manager as serving lays them out
+    seq = Sequence(list(token_ids), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
+    BlockManager(kv, n_blocks, 0).grow(seq, len(token_ids))
+    model.forward([SeqInput(torch.tensor(token_ids, device=model.device), 0, seq.block_table)], pools)
+    # Pool layout [L, blocks, Hkv, block, D]: the table's blocks, in order, hold positions 0..
+    keys = pools.k[:, seq.block_table].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, skip:len(token_ids)]
     return keys.float().mean(dim=2).cpu()
 
 
