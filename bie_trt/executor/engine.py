@@ -32,7 +32,7 @@ from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
 from ..templates import load_tokenizer
 from ..tool_calls import ReplyParser, plan_tools, template_messages, template_renders_tools
 from .block_manager import BlockManager
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, apply_moves
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
 from .prompts import check_prompt, check_prompt_ids
 from .scheduler import Scheduler, check_progress, step_budget
@@ -58,7 +58,8 @@ class BieEngine:
         check_progress(kv, self.max_model_len, chunked_prefill_size, pools.num_fp_blocks, budget, max_num_seqs,
                        num_speculative_tokens)
         self.proposer = make_proposer(self.speculative, engine_dir, self.runner)
-        self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching)
+        self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching,
+                                   self.runner.host_bytes, self.runner.block_bytes)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, budget, chunked_prefill_size, num_speculative_tokens,
                                    self.max_model_len, self.proposer.free if self.proposer else None)
         cfg = self.runner.model_config
@@ -318,7 +319,7 @@ class BieEngine:
         now, n, first = time.perf_counter(), len(seq.output_ids), seq.first_token_time
         rate = (n - 1) / (now - first) if n > 1 and now > first else 0.0
         return RequestOutput(seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), seq.finish_reason,
-                             Usage(len(seq.prompt_ids), n), first - seq.arrival_time, rate,
+                             Usage(len(seq.prompt_ids), n, seq.num_prompt_cached or 0), first - seq.arrival_time, rate,
                              list(seq.logprobs) if seq.params.logprobs is not None else None,
                              {"num_drafts": seq.num_drafts, "num_draft_tokens": seq.num_draft_tokens,
                               "num_accepted_tokens": seq.num_accepted_tokens} if self.proposer else None)
@@ -389,9 +390,17 @@ class BieEngine:
         return ChatOutput(content, calls, ReplyParser.finish_reason(out.finish_reason, bool(calls)), out)
 
     def reset_prefix_cache(self) -> None:
-        """Forget the cached blocks no request holds (benchmarks use it to measure cold prefills)."""
+        """Forget the cached blocks no request holds, in both tiers (benchmarks use it to measure cold
+        prefills)."""
         done = threading.Event()
-        self._on_loop(lambda: (self.blocks.reset_prefix_cache(), done.set()))
+
+        def reset() -> None:
+            self.blocks.reset_prefix_cache()
+            # the host tier's memory goes now, with the quantisations queued before it (in order)
+            apply_moves(self.runner.pools, self.runner.host_pool, self.scheduler.take_moves())
+            done.set()
+
+        self._on_loop(reset)
         done.wait()
 
     def stats(self) -> EngineStats:
@@ -403,4 +412,12 @@ class BieEngine:
             pools["quant"] = self.blocks.usage(True)
         return EngineStats(dict(self._finished), self._prompt_tokens, self._generation_tokens, s.num_preemptions,
                            s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting),
-                           {**self._spec, "accepted_by_position": list(self._accepted_by_position)})
+                           {**self._spec, "accepted_by_position": list(self._accepted_by_position)},
+                           self._host_stats())
+
+    def _host_stats(self) -> dict[str, float]:
+        host, pool = self.blocks.host, self.runner.host_pool
+        return {"capacity_bytes": host.capacity if host else 0, "used_bytes": host.held if host else 0,
+                "blocks": len(host) if host else 0, "hit_tokens": self.scheduler.host_hit_tokens,
+                "offloaded_bytes": pool.bytes_offloaded, "restored_bytes": pool.bytes_restored,
+                "offload_seconds": pool.seconds_offloading, "restore_seconds": pool.seconds_restoring}

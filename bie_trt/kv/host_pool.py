@@ -1,0 +1,88 @@
+"""The host tier's storage: blocks evicted from the device KV pools, in their own layout (a quantised
+block's codes and scale/zero records as they are, an FP16 block's K and V), one slot each.
+
+The block manager's host cache (executor/host_cache.py) decides which slot holds what and keeps the
+total under its bound; this pool only copies. On a GPU the slots are pinned host memory and the copies
+are asynchronous on the device's stream (ordered with the quantisations and the forward around them);
+on the CPU it is simply a second pool of tensors.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .pool import KVPools, decode_block
+
+GIB = 2**30
+DEFAULT_HOST_FRACTION = 0.2        # of the host memory available when the engine starts
+DEFAULT_HOST_CAP_BYTES = 32 * GIB
+
+
+def default_host_bytes(available: int | None) -> int:
+    """The host tier's size when none is asked for: a fraction of the available host memory, capped."""
+    if available is None:
+        return 0
+    return int(min(available * DEFAULT_HOST_FRACTION, DEFAULT_HOST_CAP_BYTES))
+
+
+def host_bytes(gib: float | None, available: int | None) -> int:
+    """`--host-kv-cache-gb` in bytes: None takes the default, 0 turns the tier off."""
+    if gib is None:
+        return default_host_bytes(available)
+    if gib < 0:
+        raise ValueError(f"host_kv_cache_gb must be >= 0 (0 turns the host tier off); got {gib}.")
+    return int(gib * GIB)
+
+
+def block_bytes(pools: KVPools) -> dict[bool, int]:
+    """Bytes of one block, every layer's K and V: is quantised -> size."""
+    out = {False: 2 * pools.k[:, 0].nbytes}
+    if pools.k_pack is not None:
+        out[True] = 2 * pools.k_pack[:, 0].nbytes
+    return out
+
+
+class HostPool:
+    def __init__(self, pools: KVPools):
+        self.pools = pools
+        self.pin = pools.k.is_cuda
+        self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.bytes_offloaded = self.bytes_restored = 0
+        self.seconds_offloading = self.seconds_restoring = 0.0
+
+    def _sides(self, entry: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The (K, V) pool tensors holding `entry`, and its block id in them."""
+        quantised, block = decode_block(entry)
+        if quantised:
+            return self.pools.k_pack, self.pools.v_pack, block
+        return self.pools.k, self.pools.v, block
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.slots.values())
+
+    def offload(self, entry: int, slot: int) -> None:
+        """Device block `entry` -> host `slot`."""
+        start = time.perf_counter()
+        k, v, block = self._sides(entry)
+        copies = []
+        for side in (k, v):
+            host = torch.empty(side[:, block].shape, dtype=side.dtype, device="cpu", pin_memory=self.pin)
+            copies.append(host.copy_(side[:, block], non_blocking=self.pin))
+        self.slots[slot] = (copies[0], copies[1])
+        self.bytes_offloaded += copies[0].nbytes + copies[1].nbytes
+        self.seconds_offloading += time.perf_counter() - start
+
+    def restore(self, slot: int, entry: int) -> None:
+        """Host `slot` -> device block `entry`; the slot is freed."""
+        start = time.perf_counter()
+        k, v, block = self._sides(entry)
+        host_k, host_v = self.slots.pop(slot)
+        k[:, block].copy_(host_k, non_blocking=self.pin)
+        v[:, block].copy_(host_v, non_blocking=self.pin)
+        self.bytes_restored += host_k.nbytes + host_v.nbytes
+        self.seconds_restoring += time.perf_counter() - start
+
+    def drop(self, slot: int) -> None:
+        del self.slots[slot]
