@@ -10,11 +10,18 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+from hypothesis.stateful import invariant, rule
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.build import BuildOptions, build_engine
 from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.config import KVCacheConfig
+from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.model_runner import apply_moves
+from bie_trt.kv.host_pool import HostPool, block_bytes
 from bie_trt.model.synthetic import write_word_tokenizer
+from test_block_manager import PROMPTS, BlockMachine, new_seq
 from tiny_model import write_tiny_hf
 
 VOCAB = 48
@@ -89,3 +96,105 @@ def test_without_the_tier_the_same_pool_recomputes(tiny_engine):
     untiered.generate(B, PARAMS)
     assert untiered.generate(A, PARAMS).usage.cached_tokens < 0.5 * PROMPT_LEN
     assert untiered.stats().host_kv["capacity_bytes"] == 0
+
+
+# -- the block manager with a host tier, as a state machine ------------------------------------------------
+
+def _launching(name: str):
+    def call(self, *args, **kwargs):
+        out = getattr(BlockManager, name)(self, *args, **kwargs)
+        # as the scheduler orders them: the host moves a call decided go before the pairs it returns
+        apply_moves(self.pools, self.host_pool, self.take_host_moves())
+        self.host.settle()
+        return out
+    return call
+
+
+class LaunchingBlocks(BlockManager):
+    """A block manager whose host moves are launched as each call returns (the machine launches the
+    quantisations and copies the calls return at once too)."""
+    locals().update({name: _launching(name) for name in ("admit", "grow", "compact", "row_views", "free",
+                                                         "reset_prefix_cache", "truncate", "commit", "fork")})
+
+
+class HostTierMachine(BlockMachine):
+    """test_block_manager's machine (every block owned once, no cached or held K/V ever changes, every row
+    reads what plain decoding read) over a device pool with a host tier of a few blocks behind it: evicted
+    blocks come back through it, and it never holds more than its bound."""
+    num_fp, num_quant = 7, 6       # a small device pool: blocks are evicted often
+    HOST_FP16, HOST_QUANT = 4, 8   # blocks' worth; a block's bytes go to the host only while it can hold them
+
+    def __init__(self):
+        super().__init__()
+        sizes = block_bytes(self.pools)
+        self.blocks = LaunchingBlocks(self.kv, self.num_fp, self.num_quant, True,
+                                      self.HOST_FP16 * sizes[False] + self.HOST_QUANT * sizes.get(True, 0), sizes)
+        self.blocks.pools, self.blocks.host_pool = self.pools, HostPool(self.pools)
+
+    @rule(prompt=PROMPTS)
+    def visit(self, prompt):
+        """A whole request: admitted with its hit (restored from the host tier when it is there), computed
+        and freed, its blocks cached (evicting older ones)."""
+        seq = new_seq(prompt)
+        hit = self.blocks.match(seq)
+        if self.blocks.can_admit(hit, seq.num_tokens):
+            self.blocks.admit(seq, hit)
+            self._run(seq, seq.num_pending)
+            size = self.kv.block_size
+            self.key_tokens.update({key: seq.token_ids[:(b + 1) * size] for b, key in enumerate(seq.block_keys)})
+            self.blocks.free(seq)
+
+    @invariant()
+    def the_host_tier_stays_bounded_and_exact(self):
+        host, pool = self.blocks.host, self.blocks.host_pool
+        assert host.held <= host.capacity
+        assert pool.nbytes == host.used and set(pool.slots) == {slot for slot, _ in host.blocks.values()}
+        assert not set(host.blocks) & set(self.blocks.cache.entry_of)   # a block lives in one tier
+
+
+class FP16HostTierMachine(HostTierMachine):
+    kv = KVCacheConfig(dtype="fp16", block_size=4)
+
+
+TestHostTierInt4 = HostTierMachine.TestCase
+TestHostTierFP16 = FP16HostTierMachine.TestCase
+TestHostTierInt4.settings = TestHostTierFP16.settings = settings(max_examples=60, stateful_step_count=30,
+                                                                 deadline=None)
+
+
+@pytest.mark.parametrize("machine", [HostTierMachine, FP16HostTierMachine])
+def test_a_prefix_comes_back_from_the_host_tier_as_it_was(machine):
+    """A -> B (evicting A's blocks to the host tier) -> A: the hit is restored, and every row of A's
+    rest reads the K/V it had (the machine's step checks each one)."""
+    m = machine()
+    first, other = [0, 1] * 10 + [1], [1, 1, 0] * 7
+    m.visit(first)
+    m.visit(other)
+    host = m.blocks.host
+    assert host.num_offloaded > 0
+    hit = m.blocks.match(new_seq(first))
+    assert len(hit) == 5 and sum(isinstance(item, bytes) for item in hit) >= 2   # some of it from the host
+    m.visit(first)
+    assert host.num_restored >= 2
+    m.the_host_tier_stays_bounded_and_exact()
+    m.no_content_ever_changes()
+    m.every_block_owned_once_and_counted()
+
+
+def test_the_host_cache_drops_its_oldest_blocks_to_stay_within_its_bound():
+    from bie_trt.executor.host_cache import Drop, HostCache
+
+    host = HostCache(100, {False: 40, True: 10})
+    moves = []
+    slots = [host.put(bytes([i]), i % 2 == 1, moves) for i in range(6)]   # 40 + 10 + 40 + 10 + ...
+    assert host.held == 100 and moves == [Drop(slots[0]), Drop(slots[1])]
+    assert bytes([0]) not in host and bytes([5]) in host
+    assert host.put(bytes([5]), True, moves) is None                      # stored once
+    assert host.take(bytes([4])) == (slots[4], False)
+    # a restore not launched yet still holds its bytes: room for a new block pushes out an older one
+    moves.clear()
+    host.put(b"x", False, moves)
+    assert host.held == 100 and moves == [Drop(slots[2])]
+    host.settle()
+    assert host.held == host.used == 60
+    assert HostCache(30, {False: 40}).put(b"y", False, moves) is None     # larger than the whole tier

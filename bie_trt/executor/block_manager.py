@@ -98,6 +98,13 @@ class BlockManager:
                 self.host_moves.append(Offload(entry, slot))
         return entry
 
+    def _index(self, key: bytes, entry: int) -> None:
+        """Cache `entry` under `key` on the device; a copy the host tier still had is dropped (a block lives
+        in one tier)."""
+        self.cache.add(key, entry)
+        if self.host is not None:
+            self.host.discard(key, self.host_moves)
+
     def take_host_moves(self) -> list[HostMove]:
         """The host tier's moves decided since the last call, in order, for the runner to launch."""
         moves, self.host_moves = self.host_moves, []
@@ -244,7 +251,7 @@ class BlockManager:
         for b in range(before, len(keys)):
             key = keys[b]
             if self.cache.get(key) is None:   # else an equal block is cached already: this one stays private
-                self.cache.add(key, seq.block_table[b])
+                self._index(key, seq.block_table[b])
 
     def truncate(self, seq: Sequence) -> None:
         """Speculation's rollback: free the blocks past seq's cached tokens, which held only rejected
@@ -308,7 +315,7 @@ class BlockManager:
             if twin is None:
                 twin = self._quantised_twin(entry, keys[b] if keys else None, pairs)
             elif keys and self.cache.get(quant_key(keys[b])) is None:
-                self.cache.add(quant_key(keys[b]), twin)
+                self._index(quant_key(keys[b]), twin)
             seq.block_table[b] = twin
             self._release(entry)
         return pairs
@@ -324,7 +331,7 @@ class BlockManager:
         twin = self._take(True)
         pairs.append((entry, decode_block(twin)[1]))
         if qkey:
-            self.cache.add(qkey, twin)
+            self._index(qkey, twin)
         return twin
 
     def row_views(self, seq: Sequence, num_rows: int

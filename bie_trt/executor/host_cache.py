@@ -93,6 +93,12 @@ class HostCache:
         """The restores decided so far are in the runner's hands, which frees their slots as it copies them."""
         self.in_flight = 0
 
+    def discard(self, key: bytes, moves: list[HostMove]) -> None:
+        """Forget `key`'s block if the tier has it (listed in `moves`)."""
+        if key in self.blocks:
+            self.blocks.move_to_end(key, last=False)
+            self._drop_oldest(moves)
+
     def clear(self, moves: list[HostMove]) -> None:
         while self.blocks:
             self._drop_oldest(moves)
