@@ -198,3 +198,60 @@ def test_the_host_cache_drops_its_oldest_blocks_to_stay_within_its_bound():
     host.settle()
     assert host.held == host.used == 60
     assert HostCache(30, {False: 40}).put(b"y", False, moves) is None     # larger than the whole tier
+
+
+# -- over HTTP ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiered_server(tiny_engine):
+    from test_server import serving
+
+    tiered = engine(tiny_engine, "int4_asym", "none", host_kv_cache_gb=0.01)
+    with serving(tiered) as base:
+        yield tiered, base
+
+
+def test_responses_report_cached_tokens_and_metrics_count_the_host_tier(tiered_server):
+    import httpx
+    from test_concurrency import metric
+
+    tiered, base = tiered_server
+
+    def complete(ids: list[int], **extra) -> dict:
+        r = httpx.post(base + "/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0, **extra},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    assert complete(A)["prompt_tokens_details"] == {"cached_tokens": 0}
+    complete(B)
+    assert metric(base, "bie_host_kv_copied_bytes_total", direction="offload") > 0
+    assert metric(base, "bie_host_kv_cache_used_bytes") > 0
+    assert metric(base, "bie_host_kv_cache_used_bytes") <= metric(base, "bie_host_kv_cache_capacity_bytes")
+    again = complete(A)
+    assert again["prompt_tokens_details"]["cached_tokens"] >= 0.95 * PROMPT_LEN
+    assert metric(base, "bie_host_kv_cache_hits_total") >= 0.6 * PROMPT_LEN
+    assert metric(base, "bie_host_kv_copied_bytes_total", direction="restore") > 0
+    # streamed with include_usage: the last chunk carries it too
+    r = httpx.post(base + "/v1/completions", json={"prompt": A, "max_tokens": 2, "temperature": 0, "stream": True,
+                                                  "stream_options": {"include_usage": True}}, timeout=120)
+    usage = [line for line in r.text.splitlines() if '"usage"' in line][-1]
+    assert '"prompt_tokens_details": {"cached_tokens": 416}' in usage
+
+
+def test_the_plan_table_shows_the_host_tier_beside_the_device_plan():
+    import json
+
+    from click.testing import CliRunner
+
+    from bie_trt.cli import main
+
+    config = Path(__file__).parents[1] / "docs" / "examples" / "llama-3.1-8b-instruct-awq.config.json"
+    args = ["plan", "--model-config", str(config), "--profile", "rtx4060ti-8gb", "--max-model-len", "65536",
+            "--kv-cache-dtype", "int4_asym"]
+    # 36 KiB a token of INT4 K/V on Llama-3-8B: 2.25 GiB holds a 64k document
+    table = CliRunner().invoke(main, args + ["--host-kv-cache-gb", "2.25"]).stdout
+    assert "host KV tier: 2.25 GiB of host RAM (outside the budget): 4,096 int4_asym blocks" in table
+    assert "65,536 tokens" in table
+    tier = json.loads(CliRunner().invoke(main, args + ["--host-kv-cache-gb", "0", "--json"]).stdout)["host_kv_cache"]
+    assert tier["bytes"] == 0 and tier["tokens"] == 0

@@ -13,16 +13,16 @@ from safetensors.torch import load_file
 from .. import engine_format as ef
 from ..checkpoint.registry import cache_dir
 from ..config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
-from ..devices import check_device_name
+from ..devices import available_host_memory as _available_memory, check_device_name
 from ..errors import EngineError
 from ..integrity import check_engine_files
 from ..kernels.kernel_cache import use_engine_kernels
-from ..kv.host_pool import HostPool, block_bytes, host_bytes
+from ..kv.host_pool import HostPool, block_bytes
 from ..kv.pool import KVPools, allocate_pools
 from ..kernels import ops
 from ..model.llama import LlamaModel, centres_keys
 from ..model.step_inputs import SeqInput
-from ..plan import kv_pool_blocks, linear_shapes
+from ..plan import host_bytes, kv_pool_blocks, linear_shapes
 from ..sampling import make_generator
 from .block_manager import BlockManager, Copy, OutOfBlocks, Quantisation
 from .cuda_graphs import DecodeGraphs
@@ -30,17 +30,6 @@ from .exact_rows import join_runs
 from .host_cache import Drop, Offload, Restore
 from .scheduler import Move, ScheduledBatch, Scheduler
 from .sequence import Sequence
-
-
-def _available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (Linux); None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:

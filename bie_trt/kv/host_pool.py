@@ -14,27 +14,6 @@ import torch
 
 from .pool import KVPools, decode_block
 
-GIB = 2**30
-DEFAULT_HOST_FRACTION = 0.2        # of the host memory available when the engine starts
-DEFAULT_HOST_CAP_BYTES = 32 * GIB
-
-
-def default_host_bytes(available: int | None) -> int:
-    """The host tier's size when none is asked for: a fraction of the available host memory, capped."""
-    if available is None:
-        return 0
-    return int(min(available * DEFAULT_HOST_FRACTION, DEFAULT_HOST_CAP_BYTES))
-
-
-def host_bytes(gib: float | None, available: int | None) -> int:
-    """`--host-kv-cache-gb` in bytes: None takes the default, 0 turns the tier off."""
-    if gib is None:
-        return default_host_bytes(available)
-    if gib < 0:
-        raise ValueError(f"host_kv_cache_gb must be >= 0 (0 turns the host tier off); got {gib}.")
-    return int(gib * GIB)
-
-
 def block_bytes(pools: KVPools) -> dict[bool, int]:
     """Bytes of one block, every layer's K and V: is quantised -> size."""
     out = {False: 2 * pools.k[:, 0].nbytes}

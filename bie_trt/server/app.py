@@ -134,11 +134,14 @@ def _sse(obj: dict) -> str:
 
 
 
-def _usage(outputs: list[RequestOutput], n: int) -> dict[str, int]:
-    """Each prompt counted once (its n choices share it); the completion tokens of every choice."""
+def _usage(outputs: list[RequestOutput], n: int) -> dict:
+    """Each prompt counted once (its n choices share it); the completion tokens of every choice; the
+    prompt tokens the prefix cache served (either tier) as OpenAI reports them."""
     prompt = sum(out.usage.prompt_tokens for out in outputs[::n])
+    cached = sum(out.usage.cached_tokens for out in outputs[::n])
     completion = sum(out.usage.completion_tokens for out in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastAPI:
