@@ -255,3 +255,20 @@ def test_the_plan_table_shows_the_host_tier_beside_the_device_plan():
     assert "65,536 tokens" in table
     tier = json.loads(CliRunner().invoke(main, args + ["--host-kv-cache-gb", "0", "--json"]).stdout)["host_kv_cache"]
     assert tier["bytes"] == 0 and tier["tokens"] == 0
+
+
+def test_a_preempted_sequence_comes_back_through_the_host_tier_with_the_same_tokens(tiny_engine):
+    """Three sequences in a pool with room for about one and a half: they preempt each other. A victim's
+    full blocks stay in the prefix cache, the device evicts them to the host tier when it needs the room,
+    and the victim's re-admission copies them back: only its partly filled last block is recomputed."""
+    prompts = [prompt(seed, 150) for seed in (3, 4, 5)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    alone = engine(tiny_engine, "int4_asym", "none", max_num_seqs=1, num_kv_blocks=None)
+    want = [alone.generate(p, params).token_ids for p in prompts]
+    crowded = engine(tiny_engine, "int4_asym", "none", max_num_seqs=3, num_kv_blocks=10, chunked_prefill_size=32,
+                     host_kv_cache_gb=0.01)
+    got = [out.token_ids for out in crowded.generate(prompts, params)]
+    stats = crowded.stats()
+    assert stats.preemptions > 0 and stats.host_kv["hit_tokens"] > 0
+    assert got == want
+    assert stats.kv_blocks["fp16"]["used"] == 0 and stats.kv_blocks["quant"]["used"] == 0
