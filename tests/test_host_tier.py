@@ -6,6 +6,7 @@ from the host tier, and its tokens and logprobs equal those of a warm device-poo
 random model with flat logits, where a block read one bit differently soon flips a token."""
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -184,7 +185,7 @@ def test_a_prefix_comes_back_from_the_host_tier_as_it_was(machine):
 def test_the_host_cache_drops_its_oldest_blocks_to_stay_within_its_bound():
     from bie_trt.executor.host_cache import Drop, HostCache
 
-    host = HostCache(100, {False: 40, True: 10})
+    host = HostCache(100, {False: 40, True: 10}, itertools.count())
     moves = []
     slots = [host.put(bytes([i]), i % 2 == 1, moves) for i in range(6)]   # 40 + 10 + 40 + 10 + ...
     assert host.held == 100 and moves == [Drop(slots[0]), Drop(slots[1])]
@@ -197,7 +198,7 @@ def test_the_host_cache_drops_its_oldest_blocks_to_stay_within_its_bound():
     assert host.held == 100 and moves == [Drop(slots[2])]
     host.settle()
     assert host.held == host.used == 60
-    assert HostCache(30, {False: 40}).put(b"y", False, moves) is None     # larger than the whole tier
+    assert HostCache(30, {False: 40}, itertools.count()).put(b"y", False, moves) is None     # larger than the whole tier
 
 
 # -- over HTTP ----------------------------------------------------------------------------------------------
@@ -272,3 +273,57 @@ def test_a_preempted_sequence_comes_back_through_the_host_tier_with_the_same_tok
     assert stats.preemptions > 0 and stats.host_kv["hit_tokens"] > 0
     assert got == want
     assert stats.kv_blocks["fp16"]["used"] == 0 and stats.kv_blocks["quant"]["used"] == 0
+
+
+# -- cache files ------------------------------------------------------------------------------------------
+
+def test_a_saved_cache_restores_into_a_new_engine_with_the_same_tokens(tiny_engine, tmp_path):
+    warm = engine(tiny_engine, "int4_asym", "none", host_kv_cache_gb=0.01)
+    warm.generate(A, PARAMS)
+    want = warm.generate(A, PARAMS)
+    saved = warm.save_cache(A, tmp_path / "a.kvc")
+    assert saved["tokens"] == PROMPT_LEN - 1 and not list(tmp_path.glob(".*.tmp"))   # renamed into place
+    warm.generate(B, PARAMS)
+    assert warm.save_cache(A, tmp_path / "a2.kvc")["tokens"] == PROMPT_LEN - 1      # partly from the host tier
+
+    for name in ("a.kvc", "a2.kvc"):
+        fresh = engine(tiny_engine, "int4_asym", "none", host_kv_cache_gb=0.01)
+        assert fresh.load_cache(tmp_path / name, A)["tokens"] == PROMPT_LEN - 1
+        got = fresh.generate(A, PARAMS)
+        assert got.usage.cached_tokens == PROMPT_LEN - 1
+        same_output(got, want)
+
+
+@pytest.fixture(scope="module")
+def saved_file(tiny_engine, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cache") / "a.kvc"
+    engine(tiny_engine, "int4_asym", "none").save_cache(A[:100], path)
+    return path
+
+
+def refused(tiny_engine, path: Path, dtype: str = "int4_asym", engine_dir: Path | None = None) -> str:
+    from bie_trt.executor.cache_file import CacheFileError
+
+    with pytest.raises(CacheFileError) as e:
+        engine(engine_dir or tiny_engine, dtype, "none").load_cache(path)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_a_cache_file_is_refused_when_damaged_or_made_elsewhere(tiny_engine, saved_file, tmp_path):
+    import shutil
+
+    data = saved_file.read_bytes()
+    (tmp_path / "cut.kvc").write_bytes(data[:-100])
+    assert "truncated" in refused(tiny_engine, tmp_path / "cut.kvc")
+    for at in (20, len(data) // 2):   # in the header, in a block
+        flipped = bytearray(data)
+        flipped[at] ^= 0x10
+        (tmp_path / "flip.kvc").write_bytes(bytes(flipped))
+        assert "checksum mismatch" in refused(tiny_engine, tmp_path / "flip.kvc")
+    assert "kv_layout" in refused(tiny_engine, saved_file, dtype="fp8")
+    other = tmp_path / "other"
+    shutil.copytree(tiny_engine, other)
+    manifest = (other / "manifest.json").read_text()
+    (other / "manifest.json").write_text(manifest.replace('"max_num_seqs": 4', '"max_num_seqs": 3'))
+    assert "the engine with manifest sha256" in refused(tiny_engine, saved_file, engine_dir=other)

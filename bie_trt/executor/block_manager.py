@@ -12,6 +12,7 @@ device block (a `Restore` before the step that reads it); a full host tier drops
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from ..config import KVCacheConfig
@@ -44,7 +45,8 @@ class BlockManager:
         self.ref_counts: dict[int, int] = {}   # block-table entry -> tables holding it
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.quantised = kv.dtype != "fp16"
-        self.host = (HostCache(host_bytes, block_bytes) if self.cache is not None and host_bytes > 0
+        self._slots = itertools.count()   # host slots: the tier's, and blocks loaded from a file
+        self.host = (HostCache(host_bytes, block_bytes, self._slots) if self.cache is not None and host_bytes > 0
                      else None)
         self.host_moves: list[HostMove] = []   # decided since the scheduler last took them
         # Quantised twins made before compaction (for rows that read a block quantised before the
@@ -104,6 +106,25 @@ class BlockManager:
         self.cache.add(key, entry)
         if self.host is not None:
             self.host.discard(key, self.host_moves)
+
+    def new_slot(self) -> int:
+        """A host slot for a block that arrives from outside the tier (a cache file), for `adopt`."""
+        return next(self._slots)
+
+    def adopt(self, key: bytes, quantised: bool, slot: int) -> bool:
+        """Cache a block whose bytes wait in host `slot` (read from a cache file) on the device under `key`,
+        unreferenced (a `Restore` move copies it in). False, leaving the slot to the caller, when `key` is
+        cached already or every device block of its kind is held."""
+        if self.cache is None or self._find(key) is not None:
+            return False
+        try:
+            entry = self._take(quantised)
+        except OutOfBlocks:
+            return False
+        self.host_moves.append(Restore(slot, entry))
+        self._index(key, entry)
+        self._release(entry)
+        return True
 
     def take_host_moves(self) -> list[HostMove]:
         """The host tier's moves decided since the last call, in order, for the runner to launch."""

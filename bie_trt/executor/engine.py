@@ -32,6 +32,7 @@ from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
 from ..templates import load_tokenizer
 from ..tool_calls import ReplyParser, plan_tools, template_messages, template_renders_tools
 from .block_manager import BlockManager
+from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
 from .model_runner import ModelRunner, apply_moves
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
 from .prompts import check_prompt, check_prompt_ids
@@ -392,16 +393,91 @@ class BieEngine:
     def reset_prefix_cache(self) -> None:
         """Forget the cached blocks no request holds, in both tiers (benchmarks use it to measure cold
         prefills)."""
-        done = threading.Event()
-
         def reset() -> None:
             self.blocks.reset_prefix_cache()
             # the host tier's memory goes now, with the quantisations queued before it (in order)
             apply_moves(self.runner.pools, self.runner.host_pool, self.scheduler.take_moves())
-            done.set()
 
-        self._on_loop(reset)
+        self._run_on_loop(reset)
+
+    # -- cache files -----------------------------------------------------------------------------
+    def _cache_identity(self) -> dict:
+        """What a cache file must match to be restored here: the engine (its manifest's digest) and the
+        KV layout this run stores blocks in (the format, and the activation dtype of its FP16 blocks)."""
+        return {"engine": self.runner.manifest_digest,
+                "kv_layout": {**dataclasses.asdict(self.runner.kv_config),
+                              "fp16_block_dtype": str(self.runner.pools.k.dtype).removeprefix("torch.")}}
+
+    def save_cache(self, prompt: str | list[int] | list[dict], path: str | Path, chat: bool = False) -> dict:
+        """Write the prompt's KV blocks to `path` (atomically), prefilling it first unless it is cached.
+        -> {"file", "tokens" (prompt tokens the file covers), "blocks", "bytes"}."""
+        ids = self.encode(prompt, chat)
+        self.generate(ids, SamplingParams(max_tokens=1, temperature=0))   # a hit, or the prefill that caches it
+        snapshot: list = []
+        self._run_on_loop(lambda: snapshot.extend(self._snapshot(ids)))
+        size = write_cache_file(Path(path), self._cache_identity(), ids, snapshot)
+        return {"file": str(path), "tokens": len(snapshot) * self.blocks.block_size, "blocks": len(snapshot),
+                "bytes": size}
+
+    def _snapshot(self, ids: list[int]) -> list[CachedBlock]:
+        """Copies of the blocks a request for `ids` would hit, from either tier (on the loop thread)."""
+        seq = Sequence(ids, SamplingParams(), make_generator(SamplingParams(), 0))
+        if self.runner.device.type == "cuda":   # host-tier copies are asynchronous
+            torch.cuda.synchronize(self.runner.device)
+        blocks = []
+        for item in self.blocks.match(seq):
+            if isinstance(item, bytes):
+                slot, quantised = self.blocks.host.blocks[item]
+                k, v = self.runner.host_pool.slots[slot]
+                key = item
+            else:
+                k, v = self.runner.host_pool.read(item)
+                quantised, key = item < 0, self.blocks.cache.key_of[item]
+            blocks.append(CachedBlock(key, quantised, k.clone(), v.clone()))
+        return blocks
+
+    def load_cache(self, path: str | Path, prompt: str | list[int] | list[dict] | None = None,
+                   chat: bool = False) -> dict:
+        """Put a cache file's blocks into the prefix cache (on the device while it has room), so that a
+        request with its prompt hits them. CacheFileError (one line) for a file this engine cannot use, or
+        one saved for another prompt than `prompt` when given. -> {"file", "tokens", "blocks"}."""
+        ids, blocks = read_cache_file(Path(path), self._cache_identity())
+        if prompt is not None and self.encode(prompt, chat) != ids:
+            raise CacheFileError(f"{path}: saved for another prompt ({len(ids)} tokens) than this one.")
+        loaded: list[int] = []
+        self._run_on_loop(lambda: loaded.append(self._adopt(blocks)))
+        return {"file": str(path), "tokens": loaded[0] * self.blocks.block_size, "blocks": loaded[0]}
+
+    def _adopt(self, blocks: list[CachedBlock]) -> int:
+        """The blocks into the device cache, last first (so the LRU keeps a prefix's start longest); each
+        copy is launched at once, in order with the moves queued before it. -> blocks taken."""
+        taken = 0
+        for block in reversed(blocks):
+            slot = self.blocks.new_slot()
+            self.runner.host_pool.put(slot, block.k, block.v)
+            if self.blocks.adopt(block.key, block.quantised, slot):
+                taken += 1
+            else:
+                self.runner.host_pool.drop(slot)
+        apply_moves(self.runner.pools, self.runner.host_pool, self.scheduler.take_moves())
+        return taken
+
+    def _run_on_loop(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop thread between steps and wait for it; its exception is raised here."""
+        done, error = threading.Event(), []
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception as e:   # handed to the caller, not to the requests in flight
+                error.append(e)
+            finally:
+                done.set()
+
+        self._on_loop(run)
         done.wait()
+        if error:
+            raise error[0]
 
     def stats(self) -> EngineStats:
         """Read from any thread without stopping the loop: each number is read atomically, so a snapshot

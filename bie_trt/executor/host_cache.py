@@ -9,9 +9,9 @@ for the memory the runner really holds.
 """
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterator
 
 
 @dataclass(frozen=True)
@@ -38,14 +38,14 @@ HostMove = Offload | Restore | Drop
 
 
 class HostCache:
-    def __init__(self, capacity_bytes: int, block_bytes: dict[bool, int]):
+    def __init__(self, capacity_bytes: int, block_bytes: dict[bool, int], slots: Iterator[int]):
         self.capacity = capacity_bytes
         self.block_bytes = block_bytes          # is quantised -> bytes of one block (every layer, K and V)
         # key -> (slot, is quantised), least recently evicted from the device first
         self.blocks: OrderedDict[bytes, tuple[int, bool]] = OrderedDict()
         self.used = 0                           # bytes of the blocks in `blocks`
         self.in_flight = 0                      # bytes of blocks taken for restores not launched yet
-        self._slots = itertools.count()
+        self._slots = slots                     # the block manager's: never reused
         self.num_offloaded = self.num_restored = self.num_dropped = 0
 
     @property

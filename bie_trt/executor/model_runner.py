@@ -79,6 +79,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.engine_dir = Path(config.engine_dir)
         self.manifest = ef.read_manifest(self.engine_dir)
+        self.manifest_digest = ef.sha256_file(self.engine_dir / ef.MANIFEST)
         if not config.skip_verify:
             check_engine_files(self.engine_dir, self.manifest)
         self.device = pick_device(config, self.manifest)

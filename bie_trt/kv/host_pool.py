@@ -65,3 +65,12 @@ class HostPool:
 
     def drop(self, slot: int) -> None:
         del self.slots[slot]
+
+    def put(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Host `slot` holds a block read from elsewhere (a cache file)."""
+        self.slots[slot] = tuple(t.pin_memory() if self.pin else t for t in (k, v))
+
+    def read(self, entry: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of device block `entry`'s K and V, on the CPU."""
+        k, v, block = self._sides(entry)
+        return k[:, block].cpu(), v[:, block].cpu()
