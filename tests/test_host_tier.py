@@ -204,11 +204,17 @@ def test_the_host_cache_drops_its_oldest_blocks_to_stay_within_its_bound():
 # -- over HTTP ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiered_server(tiny_engine):
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kv_files")
+
+
+@pytest.fixture(scope="module")
+def tiered_server(tiny_engine, cache_dir):
+    from bie_trt.server.app import ServerOptions
     from test_server import serving
 
     tiered = engine(tiny_engine, "int4_asym", "none", host_kv_cache_gb=0.01)
-    with serving(tiered) as base:
+    with serving(tiered, ServerOptions(kv_cache_dir=str(cache_dir))) as base:
         yield tiered, base
 
 
@@ -327,3 +333,55 @@ def test_a_cache_file_is_refused_when_damaged_or_made_elsewhere(tiny_engine, sav
     manifest = (other / "manifest.json").read_text()
     (other / "manifest.json").write_text(manifest.replace('"max_num_seqs": 4', '"max_num_seqs": 3'))
     assert "the engine with manifest sha256" in refused(tiny_engine, saved_file, engine_dir=other)
+
+
+def test_save_then_restart_then_restore_over_http_gives_the_same_tokens(tiny_engine, tiered_server, cache_dir):
+    import httpx
+
+    from bie_trt.server.app import ServerOptions
+    from test_server import serving
+
+    _, base = tiered_server
+    body = {"prompt": A, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    first = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
+    r = httpx.post(base + "/v1/cache/save", json={"prompt": A, "file": "doc-a.kvc"}, timeout=120)
+    assert r.status_code == 200 and r.json()["tokens"] == PROMPT_LEN - 1, r.text
+    want = httpx.post(base + "/v1/completions", json=body, timeout=120).json()   # a warm hit
+    assert want["usage"]["prompt_tokens_details"]["cached_tokens"] == PROMPT_LEN - 1
+    assert first["choices"][0]["text"] == want["choices"][0]["text"]
+
+    restarted = engine(tiny_engine, "int4_asym", "none", host_kv_cache_gb=0.01)
+    with serving(restarted, ServerOptions(kv_cache_dir=str(cache_dir))) as again:
+        r = httpx.post(again + "/v1/cache/restore", json={"file": "doc-a.kvc", "prompt": A}, timeout=120)
+        assert r.status_code == 200 and r.json()["blocks"] == (PROMPT_LEN - 1) // 16, r.text
+        got = httpx.post(again + "/v1/completions", json=body, timeout=120).json()
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == PROMPT_LEN - 1
+        assert got["choices"] == want["choices"]
+        for file, status, words in [("../doc-a.kvc", 400, "file"), ("missing.kvc", 404, "no cache file"),
+                                    ("doc-a.kvc", 400, "another prompt")]:
+            r = httpx.post(again + "/v1/cache/restore", json={"file": file, "prompt": B}, timeout=120)
+            assert r.status_code == status and words in r.json()["error"]["message"], r.text
+
+
+def test_generate_saves_and_loads_a_cache_file(tiny_engine, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from bie_trt.cli import main
+
+    words = "the a of and to in is was it that for on with as by at from".split()
+    text = " ".join(random.Random(7).choice(words) for _ in range(300))
+    args = ["generate", "--engine", str(tiny_engine), "--prompt", text, "--max-tokens", "4", "--temperature", "0",
+            "--device", "cpu", "--json"]
+    saved = CliRunner().invoke(main, args + ["--save-cache", str(tmp_path / "doc.kvc")])
+    assert saved.exit_code == 0, saved.output
+    assert "saved 288 prompt tokens" in saved.stderr
+    loaded = CliRunner().invoke(main, args + ["--load-cache", str(tmp_path / "doc.kvc")])
+    assert loaded.exit_code == 0, loaded.output
+    out, first = json.loads(loaded.stdout), json.loads(saved.stdout)
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
+    assert out["token_ids"] == first["token_ids"]
+    (tmp_path / "doc.kvc").write_bytes((tmp_path / "doc.kvc").read_bytes()[:1000])
+    cut = CliRunner().invoke(main, args + ["--load-cache", str(tmp_path / "doc.kvc")])
+    assert cut.exit_code == 2 and "truncated" in json.loads(cut.stdout)["error"]   # --json: the error as JSON

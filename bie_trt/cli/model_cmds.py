@@ -214,11 +214,16 @@ _SAMPLING = SamplingParams.__dataclass_fields__   # one set of defaults: the SDK
                    "per file once checked, so only the first load after a change pays for it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @host_kv_cache_option
+@click.option("--load-cache", type=click.Path(exists=True, dir_okay=False),
+              help="Before generating, load a KV cache file saved by this engine (--save-cache, or the server's "
+                   "/v1/cache/save) for this prompt: its prefill becomes a copy.")
+@click.option("--save-cache", type=click.Path(dir_okay=False),
+              help="After generating, save the prompt's KV cache to this file (written atomically).")
 @speculative_config
 def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None, echo: bool, max_tokens: int,
              temperature: float, top_p: float, top_k: int, seed: int | None, json_schema: str | None,
              regex: str | None, min_tokens: int, device: str, skip_verify: bool, as_json: bool,
-             host_kv_cache_gb: float | None, speculative) -> None:
+             host_kv_cache_gb: float | None, load_cache: str | None, save_cache: str | None, speculative) -> None:
     """Generate from an engine, streaming text to the terminal as it decodes.
 
     Sampling defaults are the SDK's and the server's /v1/completions' (OpenAI's): temperature 1, top-p 1,
@@ -242,6 +247,9 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
         raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens {max_tokens} exceeds this "
                            f"engine's context of {engine.max_model_len} tokens; lower --max-tokens to at most "
                            f"{engine.max_model_len - len(prompt_ids)}.")
+    if load_cache:
+        loaded = engine.load_cache(load_cache, prompt_ids)
+        click.echo(f"loaded {loaded['tokens']} cached prompt tokens from {load_cache}", err=True)
     start, out = time.perf_counter(), None
     events = engine.stream(prompt_ids, params)
     if echo and not as_json:
@@ -264,6 +272,10 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
     else:
         click.echo()
         click.echo(stats_line(out), err=True)
+    if save_cache:
+        saved = engine.save_cache(prompt_ids, save_cache)
+        click.echo(f"saved {saved['tokens']} prompt tokens of KV cache to {save_cache} ({saved['bytes']:,} bytes)",
+                   err=True)
 
 
 def stats_line(out: RequestOutput) -> str:

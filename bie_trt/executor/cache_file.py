@@ -91,6 +91,8 @@ def read_cache_file(path: Path, identity: dict[str, Any]) -> tuple[list[int], li
     magic, version, header_len = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise CacheFileError(f"{path}: not a bie-trt KV cache file.")
+    if _PREFIX.size + header_len + _DIGEST > len(data):
+        raise CacheFileError(f"{path}: truncated ({len(data):,} bytes, less than its header); save the cache again.")
     header = None
     try:
         header = json.loads(data[_PREFIX.size:_PREFIX.size + header_len])
