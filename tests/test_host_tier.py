@@ -385,3 +385,30 @@ def test_generate_saves_and_loads_a_cache_file(tiny_engine, tmp_path):
     (tmp_path / "doc.kvc").write_bytes((tmp_path / "doc.kvc").read_bytes()[:1000])
     cut = CliRunner().invoke(main, args + ["--load-cache", str(tmp_path / "doc.kvc")])
     assert cut.exit_code == 2 and "truncated" in json.loads(cut.stdout)["error"]   # --json: the error as JSON
+
+
+@pytest.mark.slow
+def test_load_with_a_small_pool_and_a_full_host_tier_leaks_nothing(tiny_engine, tmp_path):
+    """The load test's clients (hang-ups and bad bodies included) against a device pool smaller than the
+    prompts and a host tier of a few dozen blocks: evictions fill it, it drops its oldest, hits come back
+    from it, and no request fails; afterwards no block is held, and the tier never held more than its bound."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "load.json"
+    text = " ".join(random.Random(3).choice("the a of and to in is was it that".split()) for _ in range(2000))
+    (tmp_path / "words.txt").write_text(text)
+    proc = subprocess.run([sys.executable, "scripts/load_test.py", "--engine", str(tiny_engine), "--clients", "4",
+                           "--duration", "8", "--max-model-len", "512", "--max-prompt-words", "400",
+                           "--max-tokens", "16", "--num-kv-blocks", "8", "--chunked-prefill-size", "32",
+                           "--host-kv-cache-gb", "0.0002", "--text", str(tmp_path / "words.txt"), "--out", str(out)],
+                          cwd=root, timeout=600, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.exists(), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["server_errors_5xx"] == 0 and result["outcomes"].get("completed", 0) > 0, result
+    assert result["kv_blocks_used_after"] == result["kv_blocks_used_before"] == 0
+    assert 0 < result["host_kv_used_max_bytes"] <= result["host_kv_capacity_bytes"] == int(0.0002 * 2**30)
+    assert result["ok"] and proc.returncode == 0

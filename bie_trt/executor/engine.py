@@ -493,7 +493,8 @@ class BieEngine:
 
     def _host_stats(self) -> dict[str, float]:
         host, pool = self.blocks.host, self.runner.host_pool
-        return {"capacity_bytes": host.capacity if host else 0, "used_bytes": host.held if host else 0,
-                "blocks": len(host) if host else 0, "hit_tokens": self.scheduler.host_hit_tokens,
+        on = host is not None   # (an empty tier is falsy: it has a length)
+        return {"capacity_bytes": host.capacity if on else 0, "used_bytes": host.held if on else 0,
+                "blocks": len(host) if on else 0, "hit_tokens": self.scheduler.host_hit_tokens,
                 "offloaded_bytes": pool.bytes_offloaded, "restored_bytes": pool.bytes_restored,
                 "offload_seconds": pool.seconds_offloading, "restore_seconds": pool.seconds_restoring}
