@@ -10,7 +10,8 @@
 #   4. kernels at Llama-3-8B shapes with do_bench_cudagraph, a read-bandwidth calibration in the same
 #      run (fractions against it and against 4.3 TB/s), the fused layer launches against their twins;
 #   5. the speculative verify step: T(γ+1)/T(1) at 4k/32k/64k, 8B shapes, INT4 KV;
-#   6. the other decode contexts and a 64k chunked prefill.
+#   6. the other decode contexts and a 64k chunked prefill;
+#   7. the KV host tier: pinned copy bandwidth each way and a 64k INT4 document's restore at 8B shapes.
 # JSON and logs under $OUT (default: benchmarks/results/<date>); each step saves as it goes.
 #   through the device tool:  run(command="bash scripts/device_check.sh", timeout_s=450)
 set -uo pipefail
@@ -50,4 +51,9 @@ timeout 40 python3 scripts/bench_spec.py --gpu --out "$OUT/spec_gpu.json" 2>&1 |
 # 6. the rest, if the lease allows                                                     (30 s)
 timeout 30 python3 scripts/bench_decode.py --contexts 4096,32768 --kv int4_asym,fp16 --steps 20 --prefill-len 65536 \
     --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -8
+
+# 7. the KV host tier at Llama-3-8B shapes: 4,096 INT4 blocks (64k tokens) down to pinned memory and
+#    back, copy bandwidth each way and the restore time (not yet measured on a GPU)      (20 s)
+timeout 20 python3 scripts/bench_host_tier.py --copy --device cuda --blocks 4096 --out "$OUT/host_tier_copy.json" \
+    2>&1 | tee "$OUT/host_tier.log" | tail -14
 ls -la "$OUT"

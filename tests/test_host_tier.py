@@ -412,3 +412,20 @@ def test_load_with_a_small_pool_and_a_full_host_tier_leaks_nothing(tiny_engine, 
     assert result["kv_blocks_used_after"] == result["kv_blocks_used_before"] == 0
     assert 0 < result["host_kv_used_max_bytes"] <= result["host_kv_capacity_bytes"] == int(0.0002 * 2**30)
     assert result["ok"] and proc.returncode == 0
+
+
+def test_the_copy_bench_runs_and_round_trips(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "copy.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_host_tier.py", "--copy", "--blocks", "8", "--out", str(out)],
+                          cwd=root, timeout=300, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    # 8 blocks of 16 tokens at 36 KiB a token (Llama-3-8B, INT4 with group-64 scales)
+    assert result["tokens"] == 128 and result["bytes"] == 128 * 36 * 1024 and result["restore_gb_s"] > 0

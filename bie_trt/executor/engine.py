@@ -422,6 +422,8 @@ class BieEngine:
     def _snapshot(self, ids: list[int]) -> list[CachedBlock]:
         """Copies of the blocks a request for `ids` would hit, from either tier (on the loop thread)."""
         seq = Sequence(ids, SamplingParams(), make_generator(SamplingParams(), 0))
+        # the last step's compactions may have indexed twins their quantisations have not filled yet
+        apply_moves(self.runner.pools, self.runner.host_pool, self.scheduler.take_moves())
         if self.runner.device.type == "cuda":   # host-tier copies are asynchronous
             torch.cuda.synchronize(self.runner.device)
         blocks = []
