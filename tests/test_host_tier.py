@@ -128,8 +128,10 @@ class HostTierMachine(BlockMachine):
     def __init__(self):
         super().__init__()
         sizes = block_bytes(self.pools)
+        # no margin past the window: FP16 copies with twins go to the host only from a prompt's last window
         self.blocks = LaunchingBlocks(self.kv, self.num_fp, self.num_quant, True,
-                                      self.HOST_FP16 * sizes[False] + self.HOST_QUANT * sizes.get(True, 0), sizes)
+                                      self.HOST_FP16 * sizes[False] + self.HOST_QUANT * sizes.get(True, 0), sizes,
+                                      host_tail_tokens=0)
         self.blocks.pools, self.blocks.host_pool = self.pools, HostPool(self.pools)
 
     @rule(prompt=PROMPTS)
@@ -182,6 +184,28 @@ def test_a_prefix_comes_back_from_the_host_tier_as_it_was(machine):
     m.every_block_owned_once_and_counted()
 
 
+def test_fp16_copies_of_a_body_stay_off_the_host_unless_a_prompt_ends_near_them():
+    """A 48-token prompt (window 8) in a pool that holds it once; another as long evicts it. Its body's
+    FP16 copies, released as it was quantised, are not worth the host tier (their quantised twins are
+    there); the FP16 blocks a hit on the whole prompt reads are, and A's return hits all it can."""
+    class Roomy(HostTierMachine):
+        num_fp, num_quant = 14, 10
+        HOST_FP16, HOST_QUANT = 6, 16
+
+    m = Roomy()
+    first = [0, 1, 1] * 16
+    m.visit(first)
+    m.visit([1, 0, 0, 0] * 12)
+    size, keys = m.kv.block_size, m.blocks._keys(new_seq(first), 12)
+    fp16_on_host = {key for key, (_, quantised) in m.blocks.host.blocks.items() if not quantised}
+    body = set(keys[1:(len(first) - 1) // size * size // size - m.kv.window // size])
+    assert fp16_on_host and not body & fp16_on_host
+    hit = m.blocks.match(new_seq(first))
+    assert len(hit) == (len(first) - 1) // size and any(isinstance(item, bytes) for item in hit)
+    m.visit(first)   # restored: every row of the rest reads what it read before (the machine checks)
+    m.no_content_ever_changes()
+
+
 def test_the_host_cache_drops_its_oldest_blocks_to_stay_within_its_bound():
     from bie_trt.executor.host_cache import Drop, HostCache
 
@@ -191,7 +215,7 @@ def test_the_host_cache_drops_its_oldest_blocks_to_stay_within_its_bound():
     assert host.held == 100 and moves == [Drop(slots[0]), Drop(slots[1])]
     assert bytes([0]) not in host and bytes([5]) in host
     assert host.put(bytes([5]), True, moves) is None                      # stored once
-    assert host.take(bytes([4])) == (slots[4], False)
+    assert host.take(bytes([4])) == (slots[4], False, False)
     # a restore not launched yet still holds its bytes: room for a new block pushes out an older one
     moves.clear()
     host.put(b"x", False, moves)

@@ -26,6 +26,10 @@ Copy = tuple[int, int]   # (source, destination) FP16 blocks
 Quantisation = tuple[int, int]   # (FP16 block, quantised block id)
 View = tuple[int, int, list[int]]   # (first row, rows, block table those rows read)
 Hit = int | bytes   # a device block-table entry, or the key of a block waiting in the host tier
+# An FP16 copy of a block that also has a quantised twin goes to the host tier only when its tokens lie
+# within the window plus this many tokens of the end of a prompt: only a hit ending near it reads it in
+# FP16, and a document's body would otherwise cost the tier four times its quantised size.
+HOST_TAIL_TOKENS = 512
 
 
 class OutOfBlocks(RuntimeError):
@@ -35,7 +39,7 @@ class OutOfBlocks(RuntimeError):
 class BlockManager:
     def __init__(self, kv: KVCacheConfig, num_fp_blocks: int, num_quant_blocks: int,
                  enable_prefix_caching: bool = False, host_bytes: int = 0,
-                 block_bytes: dict[bool, int] | None = None):
+                 block_bytes: dict[bool, int] | None = None, host_tail_tokens: int = HOST_TAIL_TOKENS):
         """`host_bytes` > 0 (with prefix caching) keeps evicted blocks in a host tier of that many bytes;
         `block_bytes`: is quantised -> bytes of one block, every layer's K and V."""
         self.kv = kv
@@ -49,6 +53,8 @@ class BlockManager:
         self.host = (HostCache(host_bytes, block_bytes, self._slots) if self.cache is not None and host_bytes > 0
                      else None)
         self.host_moves: list[HostMove] = []   # decided since the scheduler last took them
+        self.host_tail_tokens = host_tail_tokens
+        self.tail: set[int] = set()   # FP16 entries near a prompt's end: worth the host tier even with a twin
         # Quantised twins made before compaction (for rows that read a block quantised before the
         # sequence's own window has moved past it), held until `compact` takes them over: block -> entry.
         self.twins: dict[Sequence, dict[int, int]] = {}
@@ -94,11 +100,22 @@ class BlockManager:
         if oldest is None:
             return None
         entry, key = oldest
-        if self.host is not None:
-            slot = self.host.put(key, quantised, self.host_moves)
+        tail = entry in self.tail
+        self.tail.discard(entry)
+        if self.host is not None and (quantised or tail or self._find(quant_key(key)) is None):
+            slot = self.host.put(key, quantised, self.host_moves, tail)
             if slot is not None:
                 self.host_moves.append(Offload(entry, slot))
         return entry
+
+    def _mark_tail(self, seq: Sequence, b: int, entry: int) -> None:
+        """Note FP16 block b of seq as worth the host tier if a hit near the end of seq's prompt reads it
+        (see HOST_TAIL_TOKENS); called as seq lets go of it."""
+        if self.host is None or not self.quantised or entry < 0:
+            return
+        hit_end = (len(seq.prompt_ids) - 1) // self.block_size * self.block_size   # where a hit on it stops
+        if b >= quantised_end(hit_end - self.host_tail_tokens, self.kv):   # in the FP16 window such hits read
+            self.tail.add(entry)
 
     def _index(self, key: bytes, entry: int) -> None:
         """Cache `entry` under `key` on the device; a copy the host tier still had is dropped (a block lives
@@ -147,6 +164,7 @@ class BlockManager:
             self._free(entry)
 
     def _free(self, entry: int) -> None:
+        self.tail.discard(entry)
         quantised, block = decode_block(entry)
         (self.free_quant if quantised else self.free_fp).append(block)
 
@@ -217,8 +235,10 @@ class BlockManager:
         seq.block_table = []
         for item in hit:
             if isinstance(item, bytes):
-                slot, quantised = taken[item]
+                slot, quantised, tail = taken[item]
                 entry = self._take(quantised)
+                if tail:
+                    self.tail.add(entry)
                 self.host_moves.append(Restore(slot, entry))
                 self.cache.add(item, entry)
                 item = entry
@@ -294,8 +314,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         # Tail first: in the LRU a prefix's later blocks are then evicted before the blocks they extend.
-        for entry in reversed(seq.block_table):
-            self._release(entry)
+        for b in reversed(range(len(seq.block_table))):
+            self._mark_tail(seq, b, seq.block_table[b])
+            self._release(seq.block_table[b])
         for entry in self.twins.pop(seq, {}).values():
             self._release(entry)
         seq.block_table = []
@@ -338,6 +359,7 @@ class BlockManager:
             elif keys and self.cache.get(quant_key(keys[b])) is None:
                 self._index(quant_key(keys[b]), twin)
             seq.block_table[b] = twin
+            self._mark_tail(seq, b, entry)
             self._release(entry)
         return pairs
 

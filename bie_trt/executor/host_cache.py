@@ -44,6 +44,7 @@ class HostCache:
         # key -> (slot, is quantised), least recently evicted from the device first
         self.blocks: OrderedDict[bytes, tuple[int, bool]] = OrderedDict()
         self.used = 0                           # bytes of the blocks in `blocks`
+        self.tail: set[bytes] = set()           # keys of FP16 blocks stored for being near a prompt's end
         self.in_flight = 0                      # bytes of blocks taken for restores not launched yet
         self._slots = slots                     # the block manager's: never reused
         self.num_offloaded = self.num_restored = self.num_dropped = 0
@@ -59,7 +60,7 @@ class HostCache:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def put(self, key: bytes, quantised: bool, moves: list[HostMove]) -> int | None:
+    def put(self, key: bytes, quantised: bool, moves: list[HostMove], tail: bool = False) -> int | None:
         """Make room (dropping the least recently stored blocks, listed in `moves`) and a slot for a block
         the device evicts; None when one block is larger than the whole tier or the key is stored already."""
         size = self.block_bytes[quantised]
@@ -69,25 +70,30 @@ class HostCache:
             self._drop_oldest(moves)
         slot = next(self._slots)
         self.blocks[key] = (slot, quantised)
+        if tail:
+            self.tail.add(key)
         self.used += size
         self.num_offloaded += 1
         return slot
 
     def _drop_oldest(self, moves: list[HostMove]) -> None:
-        _, (slot, quantised) = self.blocks.popitem(last=False)
+        key, (slot, quantised) = self.blocks.popitem(last=False)
+        self.tail.discard(key)
         self.used -= self.block_bytes[quantised]
         self.num_dropped += 1
         moves.append(Drop(slot))
 
-    def take(self, key: bytes) -> tuple[int, bool]:
-        """A hit: the block leaves the tier for the device. -> (slot, is quantised). Its bytes count until
-        `settle` (the restore has been handed to the runner)."""
+    def take(self, key: bytes) -> tuple[int, bool, bool]:
+        """A hit: the block leaves the tier for the device. -> (slot, is quantised, stored as a tail block).
+        Its bytes count until `settle` (the restore has been handed to the runner)."""
         slot, quantised = self.blocks.pop(key)
+        tail = key in self.tail
+        self.tail.discard(key)
         size = self.block_bytes[quantised]
         self.used -= size
         self.in_flight += size
         self.num_restored += 1
-        return slot, quantised
+        return slot, quantised, tail
 
     def settle(self) -> None:
         """The restores decided so far are in the runner's hands, which frees their slots as it copies them."""
