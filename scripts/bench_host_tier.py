@@ -48,7 +48,8 @@ def a_b_a(engine_dir: str, prompt_tokens: int, host_gb: float, device: str, seed
     engine.generate(b, params)
     back = engine.generate(a, params)
     stats = engine.stats()
-    return {"ttft_first_s": round(first.time_to_first_token_s, 4), "ttft_return_s": round(back.time_to_first_token_s, 4),
+    return {"ttft_first_s": round(first.time_to_first_token_s, 4),
+            "ttft_return_s": round(back.time_to_first_token_s, 4),
             "cached_tokens": back.usage.cached_tokens, "token_ids": back.token_ids, "host_kv": stats.host_kv,
             "pools": stats.kv_blocks}
 

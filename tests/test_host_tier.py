@@ -222,7 +222,8 @@ def test_the_host_cache_drops_its_oldest_blocks_to_stay_within_its_bound():
     assert host.held == 100 and moves == [Drop(slots[2])]
     host.settle()
     assert host.held == host.used == 60
-    assert HostCache(30, {False: 40}, itertools.count()).put(b"y", False, moves) is None     # larger than the whole tier
+    too_small = HostCache(30, {False: 40}, itertools.count())
+    assert too_small.put(b"y", False, moves) is None     # a block larger than the whole tier
 
 
 # -- over HTTP ----------------------------------------------------------------------------------------------
@@ -429,7 +430,8 @@ def test_load_with_a_small_pool_and_a_full_host_tier_leaks_nothing(tiny_engine, 
                            "--duration", "8", "--max-model-len", "512", "--max-prompt-words", "400",
                            "--max-tokens", "16", "--num-kv-blocks", "8", "--chunked-prefill-size", "32",
                            "--host-kv-cache-gb", "0.0002", "--text", str(tmp_path / "words.txt"), "--out", str(out)],
-                          cwd=root, timeout=600, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+                          cwd=root, timeout=600, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)})
     assert out.exists(), proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["server_errors_5xx"] == 0 and result["outcomes"].get("completed", 0) > 0, result

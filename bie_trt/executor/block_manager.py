@@ -186,8 +186,9 @@ class BlockManager:
         return entry
 
     def match(self, seq: Sequence) -> list[Hit]:
-        """Cached entries (device entries, or host-tier keys that `admit` restores) for the longest run of seq's leading full blocks that the first token computed
-        after them would read as plain decoding does (see exact_rows).
+        """Cached entries (device entries, or host-tier keys that `admit` restores) for the longest run of
+        seq's leading full blocks that the first token computed after them would read as plain decoding
+        does (see exact_rows).
 
         The last token is always left to compute (its logits pick the next token), so a hit never
         covers the block that the sequence writes next. With a quantised cache a hit of h blocks needs
