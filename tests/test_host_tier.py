@@ -466,3 +466,10 @@ def test_a_host_tier_too_small_for_the_prompt_degrades_to_recompute(tiny_engine)
     assert 0 < host["used_bytes"] <= host["capacity_bytes"] and small.blocks.host.num_dropped > 0
     assert again.usage.cached_tokens < 0.95 * PROMPT_LEN
     assert again.token_ids == want.token_ids
+
+
+def test_a_negative_host_tier_size_is_refused_with_the_fix(tiny_engine):
+    from bie_trt.errors import EngineError
+
+    with pytest.raises(EngineError, match=r"host_kv_cache_gb must be >= 0 \(0 turns the host tier off\); got -1"):
+        engine(tiny_engine, "int4_asym", "none", host_kv_cache_gb=-1)
