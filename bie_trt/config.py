@@ -242,6 +242,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # tokens per step; None: chunked_prefill_size + max_num_seqs
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # None: from the memory plan
+    # GiB of host memory for prefix blocks evicted from the device (0: off; None: a fraction of the
+    # available host memory, see kv/host_pool.py)
+    host_kv_cache_gb: float | None = None
     enforce_eager: bool = False       # True: no CUDA graphs (debugging)
     skip_verify: bool = False         # True: serve without checking each file's sha256 against the manifest
     chat_template: str | None = None  # a jinja2 chat template file replacing the checkpoint's own

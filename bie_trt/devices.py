@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from .errors import BieError
 
@@ -22,3 +23,14 @@ def check_device_name(name: str) -> str:
             raise BieError(f"device {name}: this machine has {available} CUDA GPU(s) visible to PyTorch; "
                            f"use --device cpu or auto.")
     return name
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (Linux); None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

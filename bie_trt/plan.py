@@ -109,6 +109,44 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+DEFAULT_HOST_FRACTION = 0.2        # of the host memory available when the engine starts
+DEFAULT_HOST_CAP_BYTES = 32 * GIB
+
+
+def default_host_bytes(available: int | None) -> int:
+    """The host tier's size when none is asked for: a fraction of the available host memory, capped."""
+    if available is None:
+        return 0
+    return int(min(available * DEFAULT_HOST_FRACTION, DEFAULT_HOST_CAP_BYTES))
+
+
+def host_bytes(gib: float | None, available: int | None) -> int:
+    """`--host-kv-cache-gb` in bytes: None takes the default, 0 turns the tier off."""
+    if gib is None:
+        return default_host_bytes(available)
+    if gib < 0:
+        raise ValueError(f"host_kv_cache_gb must be >= 0 (0 turns the host tier off); got {gib}.")
+    return int(gib * GIB)
+
+
+def host_tier(model: ModelConfig, kv: KVCacheConfig, size: int) -> dict[str, Any]:
+    """What a KV host tier of `size` bytes holds, in host RAM beside the device plan (not in its budget):
+    blocks of the body's format (quantised, or FP16 for an FP16 cache) and the tokens they cover."""
+    per_token = (fp16_kv_bytes_per_token(model) if kv.dtype == "fp16"
+                 else quant_bytes_per_token_per_layer(model, kv) * model.num_layers)
+    block = per_token * kv.block_size
+    blocks = size // block
+    return {"bytes": size, "block_bytes": block, "blocks": blocks, "tokens": blocks * kv.block_size}
+
+
+def format_host_tier(tier: dict[str, Any], kv_dtype: str) -> str:
+    if not tier["bytes"]:
+        return "host KV tier: off"
+    return (f"host KV tier: {format_bytes(tier['bytes'])} of host RAM (outside the budget): {tier['blocks']:,} "
+            f"{kv_dtype} blocks of {format_bytes(tier['block_bytes'])}, {tier['tokens']:,} tokens of evicted "
+            f"prefixes")
+
+
 def format_bytes(n: int) -> str:
     if abs(n) >= GIB:
         return f"{n / GIB:.2f} GiB"

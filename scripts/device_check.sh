@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (see the device tool's README): at most 420 s of steps (their timeouts),
+# The one prepared GPU run (see the device tool's README): at most 450 s of steps (their timeouts),
 # so a 15-minute lease leaves room for a rerun. Headline first, so a run cut short still answers it:
 #   1. INT4 and FP8 decode attention at 64k, tile loops v1 and v2 (and INT4 without the inline-PTX nibbles);
 #   2. the 64k INT4 decode step under an 8 GiB cap: tokens/s, roofline fraction, peak memory against
@@ -10,9 +10,10 @@
 #   4. kernels at Llama-3-8B shapes with do_bench_cudagraph, a read-bandwidth calibration in the same
 #      run (fractions against it and against 4.3 TB/s), the fused layer launches against their twins;
 #   5. the speculative verify step: T(γ+1)/T(1) at 4k/32k/64k, 8B shapes, INT4 KV;
-#   6. the other decode contexts and a 64k chunked prefill.
+#   6. the other decode contexts and a 64k chunked prefill;
+#   7. the KV host tier: pinned copy bandwidth each way and a 64k INT4 document's restore at 8B shapes.
 # JSON and logs under $OUT (default: benchmarks/results/<date>); each step saves as it goes.
-#   through the device tool:  run(command="bash scripts/device_check.sh", timeout_s=450)
+#   through the device tool:  run(command="bash scripts/device_check.sh", timeout_s=480)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/$(date +%Y-%m-%d)}
@@ -50,4 +51,10 @@ timeout 40 python3 scripts/bench_spec.py --gpu --out "$OUT/spec_gpu.json" 2>&1 |
 # 6. the rest, if the lease allows                                                     (30 s)
 timeout 30 python3 scripts/bench_decode.py --contexts 4096,32768 --kv int4_asym,fp16 --steps 20 --prefill-len 65536 \
     --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -8
+
+# 7. the KV host tier at Llama-3-8B shapes: 4,096 INT4 blocks (64k tokens) down to pinned memory and
+#    back through the runner's host pool (a pinned allocation per block included), copy bandwidth each way
+#    and the restore time (not yet measured on a GPU)                                   (30 s)
+timeout 30 python3 scripts/bench_host_tier.py --copy --device cuda --blocks 4096 --out "$OUT/host_tier_copy.json" \
+    2>&1 | tee "$OUT/host_tier.log" | tail -14
 ls -la "$OUT"

@@ -3,8 +3,10 @@
 N clients send requests back to back for a fixed duration: streamed completions and chats with random
 prompt lengths and max_tokens, 10% hanging up mid-stream and 5% invalid (each must get a 4xx). It
 prints and writes JSON: requests by outcome, p50/p95/p99 time to first token and inter-token latency,
-the number of 5xx answers (must be 0) and the KV blocks in use before and after (must return to
-idle). Exits 1 when either check fails.
+the number of 5xx answers (must be 0), the KV blocks in use before and after (must return to idle)
+and the most the KV cache's host tier held, sampled through the run (must stay within its bound).
+Exits 1 when any check fails. A small device pool (--num-kv-blocks) with a small host tier
+(--host-kv-cache-gb) drives evictions to the host, restores and drops from a full host tier.
 
     python scripts/load_test.py --engine engines/smollm2 --clients 16 --duration 300 \\
         --out benchmarks/results/load_test_cpu_16clients_300s.json
@@ -85,6 +87,14 @@ def kv_blocks_used(base_url: str) -> int:
                    for s in f.samples if s.labels.get("state") == "used"))
 
 
+def host_tier(base_url: str) -> tuple[float, float]:
+    """(bytes the KV host tier holds, its bound)."""
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    values = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)
+              if f.name in ("bie_host_kv_cache_used_bytes", "bie_host_kv_cache_capacity_bytes")}
+    return values.get("bie_host_kv_cache_used_bytes", 0.0), values.get("bie_host_kv_cache_capacity_bytes", 0.0)
+
+
 def check_loopback(base_url: str) -> None:
     host = urlparse(base_url).hostname or ""
     try:
@@ -163,13 +173,25 @@ def run_load(base_url: str, clients: int, duration: float, seed: int, max_prompt
             one_request(client, model, kind_of(turn), rng, words, tally, max_prompt_words, max_tokens)
             turn += 1
 
+    host_held, host_bound = [], host_tier(base_url)[1]
+    running = threading.Event()
+    running.set()
+
+    def sample_host_tier() -> None:
+        while running.is_set():
+            host_held.append(host_tier(base_url)[0])
+            time.sleep(0.2)
+
     started = time.perf_counter()
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(clients)]
-    for t in threads:
+    sampler = threading.Thread(target=sample_host_tier)
+    for t in threads + [sampler]:
         t.start()
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - started
+    running.clear()
+    sampler.join()
     after, settle = kv_blocks_used(base_url), time.perf_counter() + 30
     while after != before and time.perf_counter() < settle:   # aborts land within a step or two
         time.sleep(0.2)
@@ -183,19 +205,22 @@ def run_load(base_url: str, clients: int, duration: float, seed: int, max_prompt
         "tokens_per_s": round(tally.tokens / elapsed, 2),
         "ttft_s": percentiles(tally.ttft), "inter_token_latency_s": percentiles(tally.itl),
         "kv_blocks_used_before": before, "kv_blocks_used_after": after,
+        "host_kv_capacity_bytes": host_bound, "host_kv_used_max_bytes": max(host_held, default=0.0),
+        "host_kv_samples": len(host_held),
         "ok": server_errors == 0 and after == before and not tally.outcomes.get("invalid_accepted")
-        and not tally.outcomes.get("connection_error"),
+        and not tally.outcomes.get("connection_error") and max(host_held, default=0.0) <= host_bound,
     }
 
 
-def serve_in_process(engine_dir: str, device: str, max_model_len: int | None):
-    """The server on a free loopback port in a daemon thread; returns (base_url, stop)."""
+def serve_in_process(engine_dir: str, device: str, max_model_len: int | None, **config):
+    """The server on a free loopback port in a daemon thread; returns (base_url, stop). `config`: more
+    EngineConfig fields."""
     import uvicorn
 
     from bie_trt import BieEngine, EngineConfig
     from bie_trt.server.app import create_app
 
-    engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len))
+    engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len, **config))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -221,6 +246,9 @@ def main() -> None:
     where.add_argument("--base-url", help="A running server on loopback, e.g. http://127.0.0.1:8080.")
     ap.add_argument("--device", default="cpu", help="With --engine: cpu, cuda or auto.")
     ap.add_argument("--max-model-len", type=int, default=512, help="With --engine: the context to serve.")
+    ap.add_argument("--num-kv-blocks", type=int, help="With --engine: FP16 KV blocks (default: the plan's).")
+    ap.add_argument("--chunked-prefill-size", type=int, help="With --engine: prompt tokens per step.")
+    ap.add_argument("--host-kv-cache-gb", type=float, help="With --engine: the KV host tier's size (0: off).")
     ap.add_argument("--clients", type=int, default=8, help="Concurrent clients.")
     ap.add_argument("--duration", type=float, default=30.0, help="Seconds the clients keep sending.")
     ap.add_argument("--max-prompt-words", type=int, default=120, help="Prompts have 1..this many words.")
@@ -235,7 +263,10 @@ def main() -> None:
     stop = None
     base_url = args.base_url.rstrip("/") if args.base_url else None
     if args.engine:
-        base_url, stop = serve_in_process(args.engine, args.device, args.max_model_len)
+        config = {"num_kv_blocks": args.num_kv_blocks, "chunked_prefill_size": args.chunked_prefill_size,
+                  "host_kv_cache_gb": args.host_kv_cache_gb}
+        base_url, stop = serve_in_process(args.engine, args.device, args.max_model_len,
+                                          **{k: v for k, v in config.items() if v is not None})
     try:
         result = run_load(base_url, args.clients, args.duration, args.seed, args.max_prompt_words,
                           args.max_tokens, text)

@@ -62,11 +62,12 @@ class BlockReader:
 
 class BlockMachine(RuleBasedStateMachine):
     kv = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=4, window=8, rotation="none", block_size=B)
+    num_fp, num_quant = NUM_FP, NUM_QUANT
 
     def __init__(self):
         super().__init__()
-        self.pools = allocate_pools(MODEL, self.kv, NUM_FP, NUM_QUANT, torch.float32)
-        self.blocks = BlockManager(self.kv, NUM_FP, NUM_QUANT, enable_prefix_caching=True)
+        self.pools = allocate_pools(MODEL, self.kv, self.num_fp, self.num_quant, torch.float32)
+        self.blocks = BlockManager(self.kv, self.num_fp, self.num_quant, enable_prefix_caching=True)
         self.seqs: list[Sequence] = []
         self.key_tokens: dict[bytes, list[int]] = {}   # every key ever made -> the tokens it stands for
 
@@ -160,7 +161,7 @@ class BlockMachine(RuleBasedStateMachine):
         held.update(e for twins in bm.twins.values() for e in twins.values())
         assert all(len(set(s.block_table)) == len(s.block_table) for s in self.seqs)
         assert held == Counter(bm.ref_counts)
-        for quantised, free, total in ((False, bm.free_fp, NUM_FP), (True, bm.free_quant, NUM_QUANT)):
+        for quantised, free, total in ((False, bm.free_fp, self.num_fp), (True, bm.free_quant, self.num_quant)):
             in_use = [decode_block(e)[1] for e in held if (e < 0) == quantised]
             parked = [decode_block(e)[1] for e in cache.unused[quantised]]
             assert all(e not in held and e in cache.key_of for e in cache.unused[quantised])

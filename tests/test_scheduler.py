@@ -223,12 +223,12 @@ def test_postprocess_hands_compactions_to_the_next_step():
     first_block = seq.block_table[0]
     s.postprocess(seq, 31, had_lookahead=False)   # nothing has left the 16-token window yet
     seq.output_ids.append(7)
-    assert s.schedule().quantisations == []
+    assert s.schedule().moves == []
     s.postprocess(seq, 1, had_lookahead=False)    # 32 cached: block 0 (tokens 0..15) has left the window
     assert seq.num_cached == 32 and seq.block_table[0] < 0
     seq.output_ids.append(8)
-    assert s.schedule().quantisations == [(first_block, 0)]   # launched before the step that may reuse the block
-    assert s.take_quantisations() == []
+    assert s.schedule().moves == [(first_block, 0)]   # launched before the step that may reuse the block
+    assert s.take_moves() == []
 
 
 def test_rows_read_blocks_as_plain_decoding_did_at_their_positions():
@@ -243,19 +243,19 @@ def test_rows_read_blocks_as_plain_decoding_did_at_their_positions():
     first_block, second_block = seq.block_table[:2]
     assert [(row, rows) for row, rows, _ in batch.views[seq]] == [(0, 32), (32, 15)]
     assert batch.views[seq][0][2][0] == first_block and batch.views[seq][1][2][0] < 0
-    assert batch.layer_quantisations == [(first_block, 0)] and batch.quantisations == []
+    assert batch.layer_quantisations == [(first_block, 0)] and batch.moves == []
     s.postprocess(seq, 47, had_lookahead=False)
     assert seq.block_table[0] == batch.views[seq][1][2][0]   # the twin the rows read took block 0's place
     seq.output_ids.append(7)
     batch = s.schedule()
     assert batch.lookahead == {seq: 4}
     assert [(row, rows) for row, rows, _ in batch.views[seq]] == [(0, 1), (1, 4)]   # rows 47 | 48..51
-    assert batch.quantisations == [(second_block, 1)] and batch.layer_quantisations == []
+    assert batch.moves == [(second_block, 1)] and batch.layer_quantisations == []
     assert len(seq.block_table) == 4                   # room for 48 + 4 tokens
     s.postprocess(seq, 1, had_lookahead=True)         # every proposal rejected: the room goes back
     assert seq.num_cached == 48 and len(seq.block_table) == 3
     assert seq.block_table[1] == batch.views[seq][1][2][1]
-    assert s.take_quantisations() == []
+    assert s.take_moves() == []
 
 
 def test_the_default_budget_is_the_planned_step_when_speculating_as_built():

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from . import main
-from .options import NON_NEGATIVE, POSITIVE, device_option, kv_options, speculative_config
+from .options import NON_NEGATIVE, POSITIVE, device_option, host_kv_cache_option, kv_options, speculative_config
 from ..config import SamplingParams, StructuredOutputs, check_json_schema
 from ..plan import AWQ_GROUP_SIZES
 from ..profiles import profiles_epilog
@@ -213,11 +213,17 @@ _SAMPLING = SamplingParams.__dataclass_fields__   # one set of defaults: the SDK
               help="Do not check each file's sha256 against the manifest before loading (it is remembered "
                    "per file once checked, so only the first load after a change pays for it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@host_kv_cache_option
+@click.option("--load-cache", type=click.Path(exists=True, dir_okay=False),
+              help="Before generating, load a KV cache file saved by this engine (--save-cache, or the server's "
+                   "/v1/cache/save) for this prompt: its prefill becomes a copy.")
+@click.option("--save-cache", type=click.Path(dir_okay=False),
+              help="After generating, save the prompt's KV cache to this file (written atomically).")
 @speculative_config
 def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None, echo: bool, max_tokens: int,
              temperature: float, top_p: float, top_k: int, seed: int | None, json_schema: str | None,
              regex: str | None, min_tokens: int, device: str, skip_verify: bool, as_json: bool,
-             speculative) -> None:
+             host_kv_cache_gb: float | None, load_cache: str | None, save_cache: str | None, speculative) -> None:
     """Generate from an engine, streaming text to the terminal as it decodes.
 
     Sampling defaults are the SDK's and the server's /v1/completions' (OpenAI's): temperature 1, top-p 1,
@@ -233,13 +239,17 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             min_tokens=min_tokens, structured_outputs=_structured_option(json_schema, regex))
     engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, skip_verify=skip_verify,
-                                    chat_template=chat_template, speculative=speculative))
+                                    chat_template=chat_template, speculative=speculative,
+                                    host_kv_cache_gb=host_kv_cache_gb))
     prompt_ids = engine.encode(prompt, chat=chat)
     # a prompt that leaves no room at all gets the SDK's advice (shorten it, or rebuild) from stream() below
     if len(prompt_ids) < engine.max_model_len and len(prompt_ids) + max_tokens > engine.max_model_len:
         raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens {max_tokens} exceeds this "
                            f"engine's context of {engine.max_model_len} tokens; lower --max-tokens to at most "
                            f"{engine.max_model_len - len(prompt_ids)}.")
+    if load_cache:
+        loaded = engine.load_cache(load_cache, prompt_ids)
+        click.echo(f"loaded {loaded['tokens']} cached prompt tokens from {load_cache}", err=True)
     start, out = time.perf_counter(), None
     events = engine.stream(prompt_ids, params)
     if echo and not as_json:
@@ -255,12 +265,17 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
             "prompt_token_ids": out.prompt_token_ids,
             "finish_reason": out.finish_reason, "tokens_per_s": round(out.decode_tokens_per_s, 3),
             "time_to_first_token_s": round(out.time_to_first_token_s, 4), "elapsed_s": round(elapsed, 3),
-            "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens},
+            "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": out.usage.cached_tokens}},
             **({"spec_decode": out.spec_decode} if out.spec_decode is not None else {}),
         }))
     else:
         click.echo()
         click.echo(stats_line(out), err=True)
+    if save_cache:
+        saved = engine.save_cache(prompt_ids, save_cache)
+        click.echo(f"saved {saved['tokens']} prompt tokens of KV cache to {save_cache} ({saved['bytes']:,} bytes)",
+                   err=True)
 
 
 def stats_line(out: RequestOutput) -> str:

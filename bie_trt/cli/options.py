@@ -8,6 +8,7 @@ import click
 from ..config import KV_DTYPES, KV_ROTATIONS, SpeculativeConfig
 from ..devices import DEVICE_HELP, check_device_name
 from ..errors import BieError
+from ..plan import DEFAULT_HOST_CAP_BYTES, DEFAULT_HOST_FRACTION
 
 POSITIVE = click.IntRange(min=1)
 NON_NEGATIVE = click.IntRange(min=0)
@@ -70,3 +71,12 @@ speculative_config = click.option(
     help='Speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 5, '
          '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', {"method": "draft_model"} or {"method": "none"}. '
          "[default: the engine's]")
+
+
+host_kv_cache_option = click.option(
+    "--host-kv-cache-gb", type=click.FloatRange(min=0), metavar="GIB",
+    help="Host memory (GiB) for prefix-cache blocks evicted from the device, kept in their own layout (a "
+         "quantised body as it is): a later request with the same prefix copies them back instead of "
+         "recomputing them. 0 turns the host tier off. [default: "
+         f"{DEFAULT_HOST_FRACTION:.0%} of the host memory available at start, at most "
+         f"{DEFAULT_HOST_CAP_BYTES // 2**30} GiB]")

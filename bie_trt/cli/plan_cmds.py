@@ -13,13 +13,15 @@ from . import main
 from ..config import KV_DTYPES, KVCacheConfig, ModelConfig
 from ..errors import CheckpointError, PlanError
 from ..jsonio import read_json_object
-from .options import POSITIVE
+from .options import POSITIVE, host_kv_cache_option
 from ..plan import (
     DEFAULT_DRAFT_REQUEST_VOCAB,
     DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_DRAFT_WINDOW_TOKENS,
     MemoryPlan,
     default_weight_group_size,
+    format_host_tier,
+    host_tier,
     solve_plan,
 )
 from ..profiles import (EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile, load_profile, profiles_epilog,
@@ -102,6 +104,7 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
                    f"[default: {DEFAULT_DRAFT_REQUEST_VOCAB:,}]")
 @click.option("--num-speculative-tokens", type=int,
               help="Tokens proposed per step. [default: the profile's with a draft, else 0]")
+@host_kv_cache_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table.")
 @click.pass_context
 def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | None, profile: str,
@@ -110,7 +113,7 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
              chunked_prefill_size: int | None, lm_head_dtype: str | None, embedding_placement: str | None,
              gpu_memory_utilization: float | None, speculative_draft_config: Path | None,
              draft_vocab_size: int | None, draft_window_tokens: int, draft_request_vocab: int | None,
-             num_speculative_tokens: int | None,
+             num_speculative_tokens: int | None, host_kv_cache_gb: float | None,
              as_json: bool) -> None:
     """Print the fixed memory plan of an engine: every GPU allocation, item by item, and whether it
     fits the profile's budget.
@@ -166,10 +169,15 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
     if not plan.fits:
         int4 = dataclasses.replace(kv, dtype="int4_asym")
         advice = _advice(plan, kv.dtype != "int4_asym" and solve_plan(model, prof, kv=int4, **settings).fits)
+    from ..devices import available_host_memory
+    from ..plan import host_bytes
+
+    tier = host_tier(model, kv, host_bytes(host_kv_cache_gb, available_host_memory()))
     if as_json:
-        click.echo(json.dumps({**plan.to_dict(), "advice": advice}, indent=2))
+        click.echo(json.dumps({**plan.to_dict(), "advice": advice, "host_kv_cache": tier}, indent=2))
     else:
         click.echo(plan.format_table())
+        click.echo(format_host_tier(tier, kv.dtype))
         if advice:
             click.echo(advice)
     if not plan.fits:

@@ -6,7 +6,7 @@ import copy
 import click
 
 from . import main
-from .options import device_option, speculative_config
+from .options import device_option, host_kv_cache_option, speculative_config
 
 
 def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_len: int | None,
@@ -70,13 +70,17 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
                    "per file once checked, so only the first load after a change pays for it).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="Server log verbosity.")
+@host_kv_cache_option
+@click.option("--kv-cache-dir", type=click.Path(file_okay=False),
+              help="Directory for POST /v1/cache/save and /v1/cache/restore, which write a prompt's KV cache to "
+                   "a file there and load it back (into this engine only). Without it those routes are off.")
 @speculative_config
 def serve(engine: str | None, engine_opt: str | None, host: str, port: int, device: str,
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int | None,
           gpu_memory_utilization: float | None, api_key: str | None, max_waiting: int | None,
           request_timeout: float | None, max_request_bytes: int | None, shutdown_timeout: float,
           chat_template: str | None, skip_verify: bool,
-          log_level: str, speculative) -> None:
+          log_level: str, host_kv_cache_gb: float | None, kv_cache_dir: str | None, speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
     \b
@@ -105,10 +109,10 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
         seqs = max_num_seqs or int(manifest["max_num_seqs"])
         bie = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
                                      max_num_seqs=seqs, speculative=speculative, chat_template=chat_template,
-                                     skip_verify=skip_verify))
+                                     skip_verify=skip_verify, host_kv_cache_gb=host_kv_cache_gb))
         app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
                                             max_waiting=max_waiting, request_timeout=request_timeout,
-                                            max_request_bytes=max_request_bytes))
+                                            max_request_bytes=max_request_bytes, kv_cache_dir=kv_cache_dir))
         name = served_model_name or bie.model_name
         click.echo(f"serving {name} (max_model_len {bie.max_model_len}, max_num_seqs {bie.runner.max_num_seqs}) "
                    f"on http://{host}:{port}", err=True)

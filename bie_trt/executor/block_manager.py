@@ -1,25 +1,35 @@
 """Block bookkeeping over the two pools: FP16 for sinks / recent window / chunk in flight,
 quantised for everything that has left the window, shared through the prefix cache. Host state
-only: the copies and quantisations it decides are returned for the model runner to launch.
+only: the copies and quantisations it decides are returned for the model runner to launch, and so
+are the moves of the host tier (host_cache.py), listed in `host_moves` in the order decided.
 
 Every block-table entry (FP16 block e >= 0, quantised block -e - 1, see pool.py) that some table
 holds has a reference count; an entry nobody holds is free, or cached (findable by its key, in an
 LRU) until a hit takes it back or an allocation evicts it. Cached blocks are always evictable, so
-the cache can never starve a running sequence.
+the cache can never starve a running sequence. With a host tier, an evicted block's bytes move to
+host memory (an `Offload` before the device block is reused) and a hit there comes back into a free
+device block (a `Restore` before the step that reads it); a full host tier drops its oldest blocks.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from ..config import KVCacheConfig
 from ..kv.pool import decode_block, encode_quant_block
 from .exact_rows import quantised_end, runs, sink_blocks
+from .host_cache import HostCache, HostMove, Offload, Restore
 from .prefix_cache import PrefixCache, block_key, quant_key
 from .sequence import Sequence
 
 Copy = tuple[int, int]   # (source, destination) FP16 blocks
 Quantisation = tuple[int, int]   # (FP16 block, quantised block id)
 View = tuple[int, int, list[int]]   # (first row, rows, block table those rows read)
+Hit = int | bytes   # a device block-table entry, or the key of a block waiting in the host tier
+# An FP16 copy of a block that also has a quantised twin goes to the host tier only when its tokens lie
+# within the window plus this many tokens of the end of a prompt: only a hit ending near it reads it in
+# FP16, and a document's body would otherwise cost the tier four times its quantised size.
+HOST_TAIL_TOKENS = 512
 
 
 class OutOfBlocks(RuntimeError):
@@ -28,7 +38,10 @@ class OutOfBlocks(RuntimeError):
 
 class BlockManager:
     def __init__(self, kv: KVCacheConfig, num_fp_blocks: int, num_quant_blocks: int,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, host_bytes: int = 0,
+                 block_bytes: dict[bool, int] | None = None, host_tail_tokens: int = HOST_TAIL_TOKENS):
+        """`host_bytes` > 0 (with prefix caching) keeps evicted blocks in a host tier of that many bytes;
+        `block_bytes`: is quantised -> bytes of one block, every layer's K and V."""
         self.kv = kv
         self.num_fp_blocks, self.num_quant_blocks = num_fp_blocks, num_quant_blocks
         self.free_fp: deque[int] = deque(range(num_fp_blocks))
@@ -36,6 +49,12 @@ class BlockManager:
         self.ref_counts: dict[int, int] = {}   # block-table entry -> tables holding it
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.quantised = kv.dtype != "fp16"
+        self._slots = itertools.count()   # host slots: the tier's, and blocks loaded from a file
+        self.host = (HostCache(host_bytes, block_bytes, self._slots) if self.cache is not None and host_bytes > 0
+                     else None)
+        self.host_moves: list[HostMove] = []   # decided since the scheduler last took them
+        self.host_tail_tokens = host_tail_tokens
+        self.tail: set[int] = set()   # FP16 entries near a prompt's end: worth the host tier even with a twin
         # Quantised twins made before compaction (for rows that read a block quantised before the
         # sequence's own window has moved past it), held until `compact` takes them over: block -> entry.
         self.twins: dict[Sequence, dict[int, int]] = {}
@@ -48,6 +67,10 @@ class BlockManager:
     def num_free_fp(self) -> int:
         """FP16 blocks a sequence could take now: free ones plus cached ones nobody holds."""
         return len(self.free_fp) + (self.cache.num_unused(False) if self.cache else 0)
+
+    @property
+    def num_free_quant(self) -> int:
+        return len(self.free_quant) + (self.cache.num_unused(True) if self.cache else 0)
 
     def usage(self, quantised: bool) -> dict[str, int]:
         """Blocks of one pool that sequences hold ("used"), cached ones nobody holds, and free ones."""
@@ -64,11 +87,66 @@ class BlockManager:
             block = free.popleft()
             entry = encode_quant_block(block) if quantised else block
         else:
-            entry = self.cache.evict(quantised) if self.cache else None
+            entry = self._evict(quantised)
             if entry is None:
                 raise OutOfBlocks(f"the {'quantised' if quantised else 'FP16'} KV pool is exhausted")
         self.ref_counts[entry] = 1
         return entry
+
+    def _evict(self, quantised: bool) -> int | None:
+        """The least recently used cached entry of one pool, forgotten by the device cache; with a host
+        tier its bytes are offloaded there first."""
+        oldest = self.cache.evict_keyed(quantised) if self.cache else None
+        if oldest is None:
+            return None
+        entry, key = oldest
+        tail = entry in self.tail
+        self.tail.discard(entry)
+        if self.host is not None and (quantised or tail or self._find(quant_key(key)) is None):
+            slot = self.host.put(key, quantised, self.host_moves, tail)
+            if slot is not None:
+                self.host_moves.append(Offload(entry, slot))
+        return entry
+
+    def _mark_tail(self, seq: Sequence, b: int, entry: int) -> None:
+        """Note FP16 block b of seq as worth the host tier if a hit near the end of seq's prompt reads it
+        (see HOST_TAIL_TOKENS); called as seq lets go of it."""
+        if self.host is None or not self.quantised or entry < 0:
+            return
+        hit_end = (len(seq.prompt_ids) - 1) // self.block_size * self.block_size   # where a hit on it stops
+        if b >= quantised_end(hit_end - self.host_tail_tokens, self.kv):   # in the FP16 window such hits read
+            self.tail.add(entry)
+
+    def _index(self, key: bytes, entry: int) -> None:
+        """Cache `entry` under `key` on the device; a copy the host tier still had is dropped (a block lives
+        in one tier)."""
+        self.cache.add(key, entry)
+        if self.host is not None:
+            self.host.discard(key, self.host_moves)
+
+    def new_slot(self) -> int:
+        """A host slot for a block that arrives from outside the tier (a cache file), for `adopt`."""
+        return next(self._slots)
+
+    def adopt(self, key: bytes, quantised: bool, slot: int) -> bool:
+        """Cache a block whose bytes wait in host `slot` (read from a cache file) on the device under `key`,
+        unreferenced (a `Restore` move copies it in). False, leaving the slot to the caller, when `key` is
+        cached already or every device block of its kind is held."""
+        if self.cache is None or self._find(key) is not None:
+            return False
+        try:
+            entry = self._take(quantised)
+        except OutOfBlocks:
+            return False
+        self.host_moves.append(Restore(slot, entry))
+        self._index(key, entry)
+        self._release(entry)
+        return True
+
+    def take_host_moves(self) -> list[HostMove]:
+        """The host tier's moves decided since the last call, in order, for the runner to launch."""
+        moves, self.host_moves = self.host_moves, []
+        return moves
 
     def _share(self, entry: int) -> None:
         if entry in self.ref_counts:
@@ -86,6 +164,7 @@ class BlockManager:
             self._free(entry)
 
     def _free(self, entry: int) -> None:
+        self.tail.discard(entry)
         quantised, block = decode_block(entry)
         (self.free_quant if quantised else self.free_fp).append(block)
 
@@ -98,9 +177,18 @@ class BlockManager:
         return seq.block_keys[:num_blocks]
 
     # -- admission -------------------------------------------------------------------------------
-    def match(self, seq: Sequence) -> list[int]:
-        """Cached entries for the longest run of seq's leading full blocks that the first token computed
-        after them would read as plain decoding does (see exact_rows).
+    def _find(self, key: bytes) -> Hit | None:
+        """Where the block cached under `key` is: its device entry, else the key itself if the host tier
+        has it, else None."""
+        entry = self.cache.get(key)
+        if entry is None and self.host is not None and key in self.host:
+            return key
+        return entry
+
+    def match(self, seq: Sequence) -> list[Hit]:
+        """Cached entries (device entries, or host-tier keys that `admit` restores) for the longest run of
+        seq's leading full blocks that the first token computed after them would read as plain decoding
+        does (see exact_rows).
 
         The last token is always left to compute (its logits pick the next token), so a hit never
         covers the block that the sequence writes next. With a quantised cache a hit of h blocks needs
@@ -113,8 +201,8 @@ class BlockManager:
             return []
         fp, quant = [], []
         for key in self._keys(seq, (seq.num_tokens - 1) // self.block_size):
-            fp.append(self.cache.get(key))
-            quant.append(self.cache.get(quant_key(key)) if self.quantised else None)
+            fp.append(self._find(key))
+            quant.append(self._find(quant_key(key)) if self.quantised else None)
             if fp[-1] is None and quant[-1] is None:
                 fp.pop(), quant.pop()
                 break
@@ -127,16 +215,35 @@ class BlockManager:
                 return [quant[b] if sinks <= b < end and quant[b] is not None else fp[b] for b in range(h)]
         return []
 
-    def can_admit(self, hit: list[int], num_tokens: int) -> bool:
-        """Whether a sequence can share `hit` and hold `num_tokens` tokens in all."""
-        reclaimed = sum(1 for e in hit if e >= 0 and e not in self.ref_counts)   # leave the LRU on sharing
-        return self._new_blocks(len(hit), num_tokens) <= self.num_free_fp - reclaimed
+    def can_admit(self, hit: list[Hit], num_tokens: int) -> bool:
+        """Whether a sequence can share `hit` (restoring its host blocks) and hold `num_tokens` tokens in all."""
+        need = {False: self._new_blocks(len(hit), num_tokens), True: 0}
+        for item in hit:
+            if isinstance(item, bytes):        # a restore takes a device block of its kind
+                need[self.host.blocks[item][1]] += 1
+            elif item not in self.ref_counts:  # leaves the LRU on sharing
+                need[item < 0] += 1
+        return need[False] <= self.num_free_fp and need[True] <= self.num_free_quant
 
-    def admit(self, seq: Sequence, hit: list[int]) -> None:
-        """Start seq's table with the shared `hit` blocks; their tokens are computed already."""
-        for entry in hit:
-            self._share(entry)
-        seq.block_table = list(hit)
+    def admit(self, seq: Sequence, hit: list[Hit]) -> None:
+        """Start seq's table with the `hit` blocks, shared, or restored from the host tier into free device
+        blocks (`Restore` moves); their tokens are computed already."""
+        for item in hit:
+            if isinstance(item, int):   # shared before a restore's allocation could evict it
+                self._share(item)
+        # out of the host tier before an offload below could push them out of it
+        taken = {item: self.host.take(item) for item in hit if isinstance(item, bytes)}
+        seq.block_table = []
+        for item in hit:
+            if isinstance(item, bytes):
+                slot, quantised, tail = taken[item]
+                entry = self._take(quantised)
+                if tail:
+                    self.tail.add(entry)
+                self.host_moves.append(Restore(slot, entry))
+                self.cache.add(item, entry)
+                item = entry
+            seq.block_table.append(item)
         seq.num_cached = len(hit) * self.block_size
 
     # -- growth ----------------------------------------------------------------------------------
@@ -186,7 +293,7 @@ class BlockManager:
         for b in range(before, len(keys)):
             key = keys[b]
             if self.cache.get(key) is None:   # else an equal block is cached already: this one stays private
-                self.cache.add(key, seq.block_table[b])
+                self._index(key, seq.block_table[b])
 
     def truncate(self, seq: Sequence) -> None:
         """Speculation's rollback: free the blocks past seq's cached tokens, which held only rejected
@@ -208,19 +315,23 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         # Tail first: in the LRU a prefix's later blocks are then evicted before the blocks they extend.
-        for entry in reversed(seq.block_table):
-            self._release(entry)
+        for b in reversed(range(len(seq.block_table))):
+            self._mark_tail(seq, b, seq.block_table[b])
+            self._release(seq.block_table[b])
         for entry in self.twins.pop(seq, {}).values():
             self._release(entry)
         seq.block_table = []
         seq.num_cached = 0
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no sequence holds (benchmarks measure cold prefills with it)."""
+        """Forget every cached block that no sequence holds, in both tiers (benchmarks measure cold
+        prefills with it)."""
         if self.cache:
             for quantised in (False, True):
                 while (entry := self.cache.evict(quantised)) is not None:
                     self._free(entry)
+        if self.host is not None:
+            self.host.clear(self.host_moves)
 
     # -- the window ------------------------------------------------------------------------------
     def compact(self, seq: Sequence) -> list[Quantisation]:
@@ -247,8 +358,9 @@ class BlockManager:
             if twin is None:
                 twin = self._quantised_twin(entry, keys[b] if keys else None, pairs)
             elif keys and self.cache.get(quant_key(keys[b])) is None:
-                self.cache.add(quant_key(keys[b]), twin)
+                self._index(quant_key(keys[b]), twin)
             seq.block_table[b] = twin
+            self._mark_tail(seq, b, entry)
             self._release(entry)
         return pairs
 
@@ -263,7 +375,7 @@ class BlockManager:
         twin = self._take(True)
         pairs.append((entry, decode_block(twin)[1]))
         if qkey:
-            self.cache.add(qkey, twin)
+            self._index(qkey, twin)
         return twin
 
     def row_views(self, seq: Sequence, num_rows: int

@@ -32,7 +32,8 @@ from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
 from ..templates import load_tokenizer
 from ..tool_calls import ReplyParser, plan_tools, template_messages, template_renders_tools
 from .block_manager import BlockManager
-from .model_runner import ModelRunner
+from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
+from .model_runner import ModelRunner, apply_moves
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
 from .prompts import check_prompt, check_prompt_ids
 from .scheduler import Scheduler, check_progress, step_budget
@@ -58,7 +59,8 @@ class BieEngine:
         check_progress(kv, self.max_model_len, chunked_prefill_size, pools.num_fp_blocks, budget, max_num_seqs,
                        num_speculative_tokens)
         self.proposer = make_proposer(self.speculative, engine_dir, self.runner)
-        self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching)
+        self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching,
+                                   self.runner.host_bytes, self.runner.block_bytes)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, budget, chunked_prefill_size, num_speculative_tokens,
                                    self.max_model_len, self.proposer.free if self.proposer else None)
         cfg = self.runner.model_config
@@ -318,7 +320,7 @@ class BieEngine:
         now, n, first = time.perf_counter(), len(seq.output_ids), seq.first_token_time
         rate = (n - 1) / (now - first) if n > 1 and now > first else 0.0
         return RequestOutput(seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), seq.finish_reason,
-                             Usage(len(seq.prompt_ids), n), first - seq.arrival_time, rate,
+                             Usage(len(seq.prompt_ids), n, seq.num_prompt_cached or 0), first - seq.arrival_time, rate,
                              list(seq.logprobs) if seq.params.logprobs is not None else None,
                              {"num_drafts": seq.num_drafts, "num_draft_tokens": seq.num_draft_tokens,
                               "num_accepted_tokens": seq.num_accepted_tokens} if self.proposer else None)
@@ -389,10 +391,95 @@ class BieEngine:
         return ChatOutput(content, calls, ReplyParser.finish_reason(out.finish_reason, bool(calls)), out)
 
     def reset_prefix_cache(self) -> None:
-        """Forget the cached blocks no request holds (benchmarks use it to measure cold prefills)."""
-        done = threading.Event()
-        self._on_loop(lambda: (self.blocks.reset_prefix_cache(), done.set()))
+        """Forget the cached blocks no request holds, in both tiers (benchmarks use it to measure cold
+        prefills)."""
+        def reset() -> None:
+            self.blocks.reset_prefix_cache()
+            # the host tier's memory goes now, with the quantisations queued before it (in order)
+            apply_moves(self.runner.pools, self.runner.host_pool, self.scheduler.take_moves())
+
+        self._run_on_loop(reset)
+
+    # -- cache files -----------------------------------------------------------------------------
+    def _cache_identity(self) -> dict:
+        """What a cache file must match to be restored here: the engine (its manifest's digest) and the
+        KV layout this run stores blocks in (the format, and the activation dtype of its FP16 blocks)."""
+        return {"engine": self.runner.manifest_digest,
+                "kv_layout": {**dataclasses.asdict(self.runner.kv_config),
+                              "fp16_block_dtype": str(self.runner.pools.k.dtype).removeprefix("torch.")}}
+
+    def save_cache(self, prompt: str | list[int] | list[dict], path: str | Path, chat: bool = False) -> dict:
+        """Write the prompt's KV blocks to `path` (atomically), prefilling it first unless it is cached.
+        -> {"file", "tokens" (prompt tokens the file covers), "blocks", "bytes"}."""
+        ids = self.encode(prompt, chat)
+        self.generate(ids, SamplingParams(max_tokens=1, temperature=0))   # a hit, or the prefill that caches it
+        snapshot: list = []
+        self._run_on_loop(lambda: snapshot.extend(self._snapshot(ids)))
+        size = write_cache_file(Path(path), self._cache_identity(), ids, snapshot)
+        return {"file": str(path), "tokens": len(snapshot) * self.blocks.block_size, "blocks": len(snapshot),
+                "bytes": size}
+
+    def _snapshot(self, ids: list[int]) -> list[CachedBlock]:
+        """Copies of the blocks a request for `ids` would hit, from either tier (on the loop thread)."""
+        seq = Sequence(ids, SamplingParams(), make_generator(SamplingParams(), 0))
+        # the last step's compactions may have indexed twins their quantisations have not filled yet
+        apply_moves(self.runner.pools, self.runner.host_pool, self.scheduler.take_moves())
+        if self.runner.device.type == "cuda":   # host-tier copies are asynchronous
+            torch.cuda.synchronize(self.runner.device)
+        blocks = []
+        for item in self.blocks.match(seq):
+            if isinstance(item, bytes):
+                slot, quantised = self.blocks.host.blocks[item]
+                k, v = self.runner.host_pool.slots[slot]
+                key = item
+            else:
+                k, v = self.runner.host_pool.read(item)
+                quantised, key = item < 0, self.blocks.cache.key_of[item]
+            blocks.append(CachedBlock(key, quantised, k.clone(), v.clone()))
+        return blocks
+
+    def load_cache(self, path: str | Path, prompt: str | list[int] | list[dict] | None = None,
+                   chat: bool = False) -> dict:
+        """Put a cache file's blocks into the prefix cache (on the device while it has room), so that a
+        request with its prompt hits them. CacheFileError (one line) for a file this engine cannot use, or
+        one saved for another prompt than `prompt` when given. -> {"file", "tokens", "blocks"}."""
+        ids, blocks = read_cache_file(Path(path), self._cache_identity())
+        if prompt is not None and self.encode(prompt, chat) != ids:
+            raise CacheFileError(f"{path}: saved for another prompt ({len(ids)} tokens) than this one.")
+        loaded: list[int] = []
+        self._run_on_loop(lambda: loaded.append(self._adopt(blocks)))
+        return {"file": str(path), "tokens": loaded[0] * self.blocks.block_size, "blocks": loaded[0]}
+
+    def _adopt(self, blocks: list[CachedBlock]) -> int:
+        """The blocks into the device cache, last first (so the LRU keeps a prefix's start longest); each
+        copy is launched at once, in order with the moves queued before it. -> blocks taken."""
+        taken = 0
+        for block in reversed(blocks):
+            slot = self.blocks.new_slot()
+            self.runner.host_pool.put(slot, block.k, block.v)
+            if self.blocks.adopt(block.key, block.quantised, slot):
+                taken += 1
+            else:
+                self.runner.host_pool.drop(slot)
+        apply_moves(self.runner.pools, self.runner.host_pool, self.scheduler.take_moves())
+        return taken
+
+    def _run_on_loop(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop thread between steps and wait for it; its exception is raised here."""
+        done, error = threading.Event(), []
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception as e:   # handed to the caller, not to the requests in flight
+                error.append(e)
+            finally:
+                done.set()
+
+        self._on_loop(run)
         done.wait()
+        if error:
+            raise error[0]
 
     def stats(self) -> EngineStats:
         """Read from any thread without stopping the loop: each number is read atomically, so a snapshot
@@ -403,4 +490,13 @@ class BieEngine:
             pools["quant"] = self.blocks.usage(True)
         return EngineStats(dict(self._finished), self._prompt_tokens, self._generation_tokens, s.num_preemptions,
                            s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting),
-                           {**self._spec, "accepted_by_position": list(self._accepted_by_position)})
+                           {**self._spec, "accepted_by_position": list(self._accepted_by_position)},
+                           self._host_stats())
+
+    def _host_stats(self) -> dict[str, float]:
+        host, pool = self.blocks.host, self.runner.host_pool
+        on = host is not None   # (an empty tier is falsy: it has a length)
+        return {"capacity_bytes": host.capacity if on else 0, "used_bytes": host.held if on else 0,
+                "blocks": len(host) if on else 0, "hit_tokens": self.scheduler.host_hit_tokens,
+                "offloaded_bytes": pool.bytes_offloaded, "restored_bytes": pool.bytes_restored,
+                "offload_seconds": pool.seconds_offloading, "restore_seconds": pool.seconds_restoring}

@@ -1,5 +1,6 @@
 """Load an engine directory onto a device: check it, allocate the plan once, and do every step's
-device work (copies and quantisations the block manager decided, inputs, the forward, CUDA graphs)."""
+device work (copies, quantisations and host-tier moves the block manager decided, inputs, the forward,
+CUDA graphs)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,32 +13,23 @@ from safetensors.torch import load_file
 from .. import engine_format as ef
 from ..checkpoint.registry import cache_dir
 from ..config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
-from ..devices import check_device_name
+from ..devices import available_host_memory as _available_memory, check_device_name
 from ..errors import EngineError
 from ..integrity import check_engine_files
 from ..kernels.kernel_cache import use_engine_kernels
+from ..kv.host_pool import HostPool, block_bytes
 from ..kv.pool import KVPools, allocate_pools
 from ..kernels import ops
 from ..model.llama import LlamaModel, centres_keys
 from ..model.step_inputs import SeqInput
-from ..plan import kv_pool_blocks, linear_shapes
+from ..plan import host_bytes, kv_pool_blocks, linear_shapes
 from ..sampling import make_generator
 from .block_manager import BlockManager, Copy, OutOfBlocks, Quantisation
 from .cuda_graphs import DecodeGraphs
 from .exact_rows import join_runs
-from .scheduler import ScheduledBatch, Scheduler
+from .host_cache import Drop, Offload, Restore
+from .scheduler import Move, ScheduledBatch, Scheduler
 from .sequence import Sequence
-
-
-def _available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (Linux); None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -51,6 +43,20 @@ def quantise_blocks(pools: KVPools, pairs: list[Quantisation]) -> None:
     """Quantise each (FP16 block, quantised block) pair the block manager's compaction returned."""
     for fp_block, q_block in pairs:
         ops.quantize_block(pools, fp_block, q_block)
+
+
+def apply_moves(pools: KVPools, host: HostPool, moves: list[Move]) -> None:
+    """The block manager's quantisations and host-tier moves, in the order it decided them (each may
+    read a block a later one reuses)."""
+    for move in moves:
+        if isinstance(move, Offload):
+            host.offload(move.entry, move.slot)
+        elif isinstance(move, Restore):
+            host.restore(move.slot, move.entry)
+        elif isinstance(move, Drop):
+            host.drop(move.slot)
+        else:
+            ops.quantize_block(pools, *move)
 
 
 def copy_blocks(pools: KVPools, copies: list[Copy]) -> None:
@@ -73,6 +79,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.engine_dir = Path(config.engine_dir)
         self.manifest = ef.read_manifest(self.engine_dir)
+        self.manifest_digest = ef.sha256_file(self.engine_dir / ef.MANIFEST)
         if not config.skip_verify:
             check_engine_files(self.engine_dir, self.manifest)
         self.device = pick_device(config, self.manifest)
@@ -115,6 +122,12 @@ class ModelRunner:
         # "fp16" KV is stored in the activation dtype: exact fp32 on the CPU reference.
         self.pools: KVPools = allocate_pools(self.model_config, self.kv_config, n_fp, n_q, self.dtype, self.device,
                                              scratch_block=use_graphs)
+        try:
+            self.host_bytes = host_bytes(config.host_kv_cache_gb, _available_memory())
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self.host_pool = HostPool(self.pools)
+        self.block_bytes = block_bytes(self.pools)
         self.graphs = None
         if use_graphs:
             sizes = [b for b in self.manifest["profile"]["defaults"]["cuda_graph_batch_sizes"] if b <= self.max_num_seqs]
@@ -184,15 +197,15 @@ class ModelRunner:
             for seq in seqs[:batch]:
                 seq.output_ids.append(0)
             step([(seq, 1) for seq in seqs[:batch]])
-        quantise_blocks(self.pools, scheduler.take_quantisations())
+        apply_moves(self.pools, self.host_pool, scheduler.take_moves())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def execute(self, batch: ScheduledBatch, drafts: dict[Sequence, list[int]] | None = None) -> list[torch.Tensor]:
-        """One scheduled step on the device: the block manager's quantisations, then its copies (both read
-        blocks that later writes may reuse), then the forward. -> each chunk's logits: [V], or [1 + k, V] for
-        a decode followed by its k proposals in `drafts`."""
-        quantise_blocks(self.pools, batch.quantisations)
+        """One scheduled step on the device: the block manager's quantisations and host-tier moves, then its
+        copies (both read blocks that later writes may reuse), then the forward. -> each chunk's logits: [V],
+        or [1 + k, V] for a decode followed by its k proposals in `drafts`."""
+        apply_moves(self.pools, self.host_pool, batch.moves)
         copy_blocks(self.pools, batch.copies)
         inputs, num_runs, all_logits = self.prepare_inputs(batch, drafts or {})
         return join_runs(self.forward(inputs, batch.layer_quantisations), num_runs, all_logits)

@@ -10,6 +10,9 @@ from ..tool_calls import ToolCall
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # prompt tokens served from the prefix cache (device or host tier), OpenAI's
+    # usage.prompt_tokens_details.cached_tokens
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -70,3 +73,6 @@ class EngineStats:
     # accepted_by_position (list: drafts whose i-th proposal was accepted)
     spec_decode: dict = field(default_factory=lambda: {"num_drafts": 0, "num_draft_tokens": 0,
                                                         "num_accepted_tokens": 0, "accepted_by_position": []})
+    # the host tier: capacity_bytes, used_bytes, blocks (now), hit_tokens, offloaded_bytes, restored_bytes,
+    # offload_seconds, restore_seconds (since start)
+    host_kv: dict = field(default_factory=dict)

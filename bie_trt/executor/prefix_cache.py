@@ -54,11 +54,17 @@ class PrefixCache:
 
     def evict(self, quantised: bool) -> int | None:
         """The least recently used unreferenced entry of one pool, forgotten; None if there is none."""
+        oldest = self.evict_keyed(quantised)
+        return None if oldest is None else oldest[0]
+
+    def evict_keyed(self, quantised: bool) -> tuple[int, bytes] | None:
+        """`evict`, with the key the entry was found by."""
         if not self.unused[quantised]:
             return None
         entry, _ = self.unused[quantised].popitem(last=False)
-        del self.entry_of[self.key_of.pop(entry)]
-        return entry
+        key = self.key_of.pop(entry)
+        del self.entry_of[key]
+        return entry, key
 
     def num_unused(self, quantised: bool) -> int:
         return len(self.unused[quantised])

@@ -12,7 +12,10 @@ preempts.
 
 After the step, `postprocess` counts each sequence's computed tokens, gives back the blocks held for
 rejected proposals and compacts what left the window; the quantisations that decides are launched at
-the start of the next step, with its copies.
+the start of the next step, with its copies. They travel with the host tier's offloads, restores and
+drops in one list (`moves`), in the order the block manager decided them: a block offloaded is read
+before a later quantisation or restore reuses it, and a quantisation's FP16 block before a restore
+overwrites it.
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ from ..config import KVCacheConfig
 from ..errors import EngineError
 from ..plan import bounded_fp_blocks_per_seq, step_tokens
 from .block_manager import BlockManager, Copy, Quantisation, View
+from .host_cache import HostMove
+
+Move = Quantisation | HostMove   # a block move launched before a step's copies and forward
 from .sequence import Sequence, Status
 
 
@@ -31,7 +37,7 @@ from .sequence import Sequence, Status
 class ScheduledBatch:
     chunks: list[tuple[Sequence, int]]   # each sequence and how many of its pending tokens run
     copies: list[Copy]                   # copy-on-write to carry out before the step
-    quantisations: list[Quantisation] = field(default_factory=list)   # to carry out first (see postprocess)
+    moves: list[Move] = field(default_factory=list)   # to carry out first, in order (see the module docstring)
     # decodes with room for proposals: how many tokens may follow the pending one (blocks held for them)
     lookahead: dict[Sequence, int] = field(default_factory=dict)
     # each chunk's rows (and room for proposals) in runs that read the same blocks quantised (cut_rows);
@@ -56,7 +62,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0       # prompt tokens looked up in the prefix cache at admission
         self.prefix_hit_tokens = 0           # ... and found there
-        self._quantisations: list[Quantisation] = []   # decided by compactions since the last schedule
+        self.host_hit_tokens = 0             # ... of those, restored from the host tier
+        self._moves: list[Move] = []         # decided since the last schedule
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -107,6 +114,7 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self.blocks.match(seq)
             cached = len(hit) * self.blocks.block_size
+            from_host = sum(isinstance(item, bytes) for item in hit) * self.blocks.block_size
             n = min(seq.num_tokens - cached, self.chunked_prefill_size, budget())
             if not self.blocks.can_admit(hit, cached + n):
                 break
@@ -114,12 +122,15 @@ class Scheduler:
             self.blocks.admit(seq, hit)
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += cached
+            self.host_hit_tokens += from_host
+            if seq.num_prompt_cached is None:
+                seq.num_prompt_cached = min(cached, len(seq.prompt_ids))
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled[seq] = (n, self.blocks.grow(seq, cached + n))
 
         for seq in scheduled:   # a prefix hit can bring FP16 blocks already out of seq's window
-            self._quantisations += self.blocks.compact(seq)
+            self._add_moves(self.blocks.compact(seq))
         return self.batch([(seq, n) for seq, (n, _) in scheduled.items()],
                           [c for _, copies in scheduled.values() for c in copies],
                           {s: k for s, k in lookahead.items() if s in scheduled})
@@ -129,7 +140,7 @@ class Scheduler:
         """The step over `chunks` (blocks already grown): its rows cut into views, with the quantisations
         decided since the last step."""
         views, layer_quantisations = self.cut_rows(chunks, lookahead)
-        return ScheduledBatch(chunks, copies, self.take_quantisations(), lookahead, views, layer_quantisations)
+        return ScheduledBatch(chunks, copies, self.take_moves(), lookahead, views, layer_quantisations)
 
     def cut_rows(self, chunks: list[tuple[Sequence, int]], lookahead: dict[Sequence, int]
                  ) -> tuple[dict[Sequence, list[View]], list[Quantisation]]:
@@ -140,14 +151,23 @@ class Scheduler:
         views, layer_quantisations = {}, []
         for seq, n in chunks:
             views[seq], now, per_layer = self.blocks.row_views(seq, n + lookahead.get(seq, 0))
-            self._quantisations += now
+            self._add_moves(now)
             layer_quantisations += per_layer
         return views, layer_quantisations
 
-    def take_quantisations(self) -> list[Quantisation]:
-        """The quantisations compactions decided since the last call, for the next step to launch first."""
-        quantisations, self._quantisations = self._quantisations, []
-        return quantisations
+    def _add_moves(self, quantisations: list[Quantisation]) -> None:
+        """Queue quantisations a block-manager call returned, after the host moves decided before them
+        (inside that call: the evictions that freed their quantised blocks)."""
+        self._moves += self.blocks.take_host_moves()
+        self._moves += quantisations
+
+    def take_moves(self) -> list[Move]:
+        """The block moves decided since the last call, in order, for the next step to launch first."""
+        self._add_moves([])
+        moves, self._moves = self._moves, []
+        if self.blocks.host is not None:   # the runner frees the restored slots as it launches these
+            self.blocks.host.settle()
+        return moves
 
     def postprocess(self, seq: Sequence, num_computed: int, had_lookahead: bool) -> None:
         """The step wrote K/V for seq's next `num_computed` tokens: count them (indexing full blocks for the
@@ -155,7 +175,7 @@ class Scheduler:
         self.blocks.commit(seq, num_computed)
         if had_lookahead:
             self.blocks.truncate(seq)
-        self._quantisations += self.blocks.compact(seq)
+        self._add_moves(self.blocks.compact(seq))
 
     def _reserve_lookahead(self, scheduled: dict, lookahead: dict[Sequence, int], budget: Callable[[], int]) -> None:
         """Room for proposals after each scheduled decode's token, as many as it can still use (max_tokens,

@@ -37,6 +37,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0            # tokens whose K/V are in the cache
+    num_prompt_cached: int | None = None   # prompt tokens the prefix cache held at first admission (both tiers)
     # Prefix-cache keys of the first full blocks of token_ids, in order; they depend on the tokens
     # only, so they survive preemption.
     block_keys: list[bytes] = field(default_factory=list)

@@ -3,7 +3,8 @@
 Routes: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions (each streamed as server-sent events ending in `data: [DONE]` when
 `stream` is true; `logprobs` in the shape of each API; `n` choices; a list of prompts; output
-constraints and tool calls), POST /tokenize and /detokenize (vLLM's). Every error
+constraints and tool calls), POST /tokenize and /detokenize (vLLM's), POST /v1/cache/save and
+/v1/cache/restore (a prompt's KV cache to and from a file under --kv-cache-dir). Every error
 has OpenAI's shape (errors.py) and a client's mistake is never a 5xx. Every request runs on the
 engine's one loop, batched with the others in flight; a client that leaves aborts its requests.
 """
@@ -17,6 +18,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import anyio
@@ -26,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from ..config import SamplingParams
 from ..errors import BieError, RequestError
+from ..executor.cache_file import CacheFileError
 from ..executor.engine import BieEngine
 from ..executor.outputs import RequestOutput, StreamEvent
 from ..executor.prompts import check_prompt
@@ -35,7 +38,7 @@ from .errors import error_body, install_error_handlers, openai_error
 from .file_check import BackgroundFileCheck, DamagedEngineMiddleware
 from .limits import BodySizeLimit, default_max_request_bytes, longest_token_chars, min_tokens
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, SamplingRequest, TokenizeRequest
+from .protocol import CacheRequest, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingRequest, TokenizeRequest
 from .structured import ParamError, ToolPlan, error_param, output_constraint, tool_plan
 
 DISCONNECT_POLL_S = 0.1   # how often a non-streamed request checks that its client is still there
@@ -51,6 +54,7 @@ class ServerOptions:
     max_waiting: int | None = None         # requests queued beyond the running batch; None: unbounded
     request_timeout: float | None = None   # seconds a request may take before it is aborted; None: no limit
     max_request_bytes: int | None = None   # larger bodies get 413 unread; None: from the context length
+    kv_cache_dir: str | None = None        # where /v1/cache/save and /restore keep files; None: those routes are off
 
 
 def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, constraint) -> SamplingParams:
@@ -134,11 +138,14 @@ def _sse(obj: dict) -> str:
 
 
 
-def _usage(outputs: list[RequestOutput], n: int) -> dict[str, int]:
-    """Each prompt counted once (its n choices share it); the completion tokens of every choice."""
+def _usage(outputs: list[RequestOutput], n: int) -> dict:
+    """Each prompt counted once (its n choices share it); the completion tokens of every choice; the
+    prompt tokens the prefix cache served (either tier) as OpenAI reports them."""
     prompt = sum(out.usage.prompt_tokens for out in outputs[::n])
+    cached = sum(out.usage.cached_tokens for out in outputs[::n])
     completion = sum(out.usage.completion_tokens for out in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastAPI:
@@ -479,6 +486,41 @@ def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastA
         except (jinja2.TemplateError, BieError) as e:
             return openai_error(400, f"the chat template refused these messages: {e}", "messages")
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    async def cache_file(req: CacheRequest, action: Callable[[Path, Any, bool], dict]) -> dict | JSONResponse:
+        if (err := check_model(req)) is not None:
+            return err
+        if options.kv_cache_dir is None:
+            return openai_error(400, "this server keeps no cache files; start it with --kv-cache-dir DIR.", "file")
+        if req.messages is not None:
+            prompt, chat = [m.to_template() for m in req.messages], True
+        else:
+            prompt, chat = req.prompt, False
+        path = Path(options.kv_cache_dir) / req.file
+        try:
+            return await anyio.to_thread.run_sync(action, path, prompt, chat)
+        except FileNotFoundError:
+            return openai_error(404, f"no cache file {req.file!r} in this server's --kv-cache-dir.", "file")
+        except (jinja2.TemplateError, BieError) as e:
+            return openai_error(400, str(e), "file" if isinstance(e, CacheFileError) else "prompt")
+
+    @app.post("/v1/cache/save")
+    async def cache_save(req: CacheRequest):
+        """A prompt's KV cache (prefilled first unless cached) to a file: {"file", "tokens", "blocks", "bytes"}."""
+        if req.prompt is None and req.messages is None:
+            return openai_error(400, "send the prompt (or messages) whose cache to save.", "prompt")
+        return await cache_file(req, lambda path, prompt, chat: {**engine.save_cache(prompt, path, chat),
+                                                                 "file": req.file})
+
+    @app.post("/v1/cache/restore")
+    async def cache_restore(req: CacheRequest):
+        """A saved cache back into the prefix cache: {"file", "tokens", "blocks"}."""
+        def restore(path: Path, prompt, chat: bool) -> dict:
+            if not path.is_file():
+                raise FileNotFoundError(path)
+            return {**engine.load_cache(path, prompt, chat), "file": req.file}
+
+        return await cache_file(req, restore)
 
     @app.post("/detokenize")
     async def detokenize_route(req: DetokenizeRequest):

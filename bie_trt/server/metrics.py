@@ -69,6 +69,29 @@ def engine_metrics(stats: EngineStats) -> list[Metric]:
         _counter("bie_spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.get("num_draft_tokens", 0)),
         _counter("bie_spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.get("num_accepted_tokens", 0)),
         by_position,
+        *host_tier_metrics(stats.host_kv),
+    ]
+
+
+def host_tier_metrics(host: dict) -> list[Metric]:
+    """The KV cache's host tier: its use and bound, the prompt tokens it served, and its copies each way."""
+    copied = CounterMetricFamily("bie_host_kv_copied_bytes", "Bytes copied between the device KV pools and the "
+                                 "host tier (offload: evicted blocks down; restore: hits back up).",
+                                 labels=["direction"])
+    seconds = CounterMetricFamily("bie_host_kv_copy_seconds", "Time spent launching those copies (the copies "
+                                  "themselves on the CPU).", labels=["direction"])
+    for direction, key in (("offload", "offloaded"), ("restore", "restored")):
+        copied.add_metric([direction], host.get(f"{key}_bytes", 0))
+        seconds.add_metric([direction], host.get(f"{direction}_seconds", 0.0))
+    return [
+        _gauge("bie_host_kv_cache_capacity_bytes", "Bound of the KV cache's host tier (0: off).",
+               host.get("capacity_bytes", 0)),
+        _gauge("bie_host_kv_cache_used_bytes", "Bytes of KV blocks the host tier holds.", host.get("used_bytes", 0)),
+        _gauge("bie_host_kv_cache_blocks", "KV blocks the host tier holds.", host.get("blocks", 0)),
+        _counter("bie_host_kv_cache_hits", "Prompt tokens served by copying blocks back from the host tier.",
+                 host.get("hit_tokens", 0)),
+        copied,
+        seconds,
     ]
 
 

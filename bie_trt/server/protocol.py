@@ -311,6 +311,26 @@ class TokenizeRequest(_Strict):
         return messages
 
 
+CACHE_FILE_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+
+
+class CacheRequest(_Strict):
+    """POST /v1/cache/save and /v1/cache/restore: a file name inside the server's --kv-cache-dir, and the
+    prompt (text or token ids) or chat messages it holds the KV cache of (optional for a restore, which
+    then checks the file was saved for it)."""
+    model: str | None = None
+    file: str = Field(pattern=f"^{CACHE_FILE_NAME}$")
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_both(cls, messages: Any, info: ValidationInfo) -> Any:
+        if messages is not None and info.data.get("prompt") is not None:
+            raise ValueError("send one of prompt and messages, not both")
+        return messages
+
+
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
