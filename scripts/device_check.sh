@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (see the device tool's README): at most 450 s of steps (their timeouts),
+# The one prepared GPU run (see the device tool's README): at most 420 s of steps (their timeouts),
 # so a 15-minute lease leaves room for a rerun. Headline first, so a run cut short still answers it:
 #   1. INT4 and FP8 decode attention at 64k, tile loops v1 and v2 (and INT4 without the inline-PTX nibbles);
 #   2. the 64k INT4 decode step under an 8 GiB cap: tokens/s, roofline fraction, peak memory against
@@ -13,7 +13,7 @@
 #   6. the other decode contexts and a 64k chunked prefill;
 #   7. the KV host tier: pinned copy bandwidth each way and a 64k INT4 document's restore at 8B shapes.
 # JSON and logs under $OUT (default: benchmarks/results/<date>); each step saves as it goes.
-#   through the device tool:  run(command="bash scripts/device_check.sh", timeout_s=480)
+#   through the device tool:  run(command="bash scripts/device_check.sh", timeout_s=450)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/$(date +%Y-%m-%d)}
@@ -33,16 +33,16 @@ timeout 75 python3 scripts/bench_decode.py --contexts 65536 --kv int4_asym --ste
     --out "$OUT/decode_64k.json" 2>&1 | tee -a "$OUT/headline.log" | tail -3 | cut -c1-2000
 
 # 3. correctness on the GPU. Not the slow tests: those force Triton onto CPU tensors (interpreter).
-#    pytest-xdist (in the lent machine's image) spreads the Triton compiles over 8 processes. (130 s)
+#    pytest-xdist (in the lent machine's image) spreads the Triton compiles over 8 processes. (115 s)
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-timeout 130 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" $XDIST \
+timeout 115 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" $XDIST \
     tests/test_triton_attention.py tests/test_triton_w4.py tests/test_triton_ops.py tests/test_triton_int8.py \
     tests/test_decode_graphs.py tests/test_device_sampling.py tests/test_kernel_cache.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 
 # 4. kernels: calibration, fused layer launches, W4 shapes at their default grids (waves printed),
-#    small ops, lm_head alone and with the final norm in front (no sweep)                  (90 s)
-timeout 90 python3 scripts/bench_kernels.py --no-attention --no-tune --rep 30 --out "$OUT/kernels.json" 2>&1 \
+#    small ops, lm_head alone and with the final norm in front (no sweep)                  (75 s)
+timeout 75 python3 scripts/bench_kernels.py --no-attention --no-tune --rep 30 --out "$OUT/kernels.json" 2>&1 \
     | tee "$OUT/kernels.log" | tail -40
 
 # 5. speculative decoding's verify cost at 8B shapes                                     (40 s)
