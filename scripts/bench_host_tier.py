@@ -16,7 +16,6 @@ the host side is pinned memory, so this is PCIe bandwidth and the time a 64k doc
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bie_trt.config import KVCacheConfig, ModelConfig
+from report import emit
 
 LLAMA3_8B = ModelConfig(architecture="LlamaForCausalLM", hidden_size=4096, intermediate_size=14336, num_layers=32,
                         num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
@@ -113,11 +113,7 @@ def main() -> None:
     if args.copy == bool(args.engine):
         sys.exit("error: give --engine DIR (engine mode) or --copy (copy mode).")
     result = bench_copy(args) if args.copy else bench_engine(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

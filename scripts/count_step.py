@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import os
 import re
 import sys
@@ -44,6 +43,7 @@ from bie_trt.kernels.triton_w4 import gemv_grid_for, sm_limits  # noqa: E402
 from bie_trt.kv.pool import allocate_pools  # noqa: E402
 from bie_trt.model.llama import LlamaModel, fused_linear_shapes  # noqa: E402
 from bie_trt.model.step_inputs import SeqInput, StepMetadata  # noqa: E402
+from report import emit  # noqa: E402
 from bie_trt.model.synthetic import llama3_8b, random_weights, tiny_llama  # noqa: E402
 from bie_trt.plan import kv_bytes_per_token, lm_head_bytes, linear_weight_bytes  # noqa: E402
 
@@ -277,11 +277,7 @@ def main() -> None:
     if args.tiny:
         tiny_kv = dataclasses.replace(kv, group_size=32, sink_tokens=4, window=16) if args.kv != "fp16" else kv
         result["tiny"] = count(tiny_llama(), tiny_kv, args.batch, 64, "cpu")
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out, indent=1)
 
 
 if __name__ == "__main__":
