@@ -8,6 +8,7 @@ import click
 from ..config import KV_DTYPES, KV_ROTATIONS, SpeculativeConfig
 from ..devices import DEVICE_HELP, check_device_name
 from ..errors import BieError
+from ..plan import DEFAULT_DRAFT_HEAD_BYTES, DEFAULT_DRAFT_REQUEST_VOCAB, MIB
 
 POSITIVE = click.IntRange(min=1)
 NON_NEGATIVE = click.IntRange(min=0)
@@ -70,3 +71,15 @@ speculative_config = click.option(
     help='Speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 5, '
          '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', {"method": "draft_model"} or {"method": "none"}. '
          "[default: the engine's]")
+
+
+# The draft's vocabulary options of `build` and `plan`, which must state the same rule.
+DRAFT_VOCAB_SIZE_HELP = (
+    "Token ids the draft's head covers (K), as a row count: the K most frequent by the tokenizer's merge "
+    "rank (the target still verifies over all). [default: the most frequent ids whose head weights fit "
+    f"{DEFAULT_DRAFT_HEAD_BYTES // MIB} MiB (int8: hidden_size bytes a row, fp16: twice that), at most the "
+    f"whole vocabulary: {DEFAULT_DRAFT_HEAD_BYTES // 2048:,} rows of a 2,048-wide int8 head (Llama-3.2-1B)]")
+DRAFT_REQUEST_VOCAB_HELP = (
+    "Head rows each sequence's draft gets for the ids of its own prompt and output outside the K "
+    "(the most recently seen kept; 0: off; none when the K cover the vocabulary). "
+    f"[default: {DEFAULT_DRAFT_REQUEST_VOCAB:,}]")
