@@ -57,7 +57,7 @@ class BuildOptions:
     force: bool = False
     # Speculative decoding's draft model (a checkpoint sharing the tokenizer), written to draft/.
     draft_checkpoint: str | None = None
-    draft_vocab_size: int | None = None     # None: DEFAULT_DRAFT_VOCAB_SIZE
+    draft_vocab_size: int | None = None     # None: the rows that fit DEFAULT_DRAFT_HEAD_BYTES
     draft_request_vocab: int | None = None  # None: DEFAULT_DRAFT_REQUEST_VOCAB
     draft_window_tokens: int = DEFAULT_DRAFT_WINDOW_TOKENS
     speculative: SpeculativeConfig | None = None   # the engine's default speculation (None: off, or its draft)

@@ -31,9 +31,11 @@ MIN_MARGIN_BYTES = 64 * MIB
 # The draft's bounded cache (sinks + a sliding window) and its reduced vocabulary (spec_decode/draft.py).
 DEFAULT_DRAFT_SINK_TOKENS = 8
 DEFAULT_DRAFT_WINDOW_TOKENS = 1024
-# The draft's head covers only the K most frequent token ids: on Llama-3 vocabularies (128,256)
-# this cuts a 1B draft's int8 head from 251 MiB to 32 MiB, what an 8B + 1B pair needs to fit 8 GB.
-DEFAULT_DRAFT_VOCAB_SIZE = 16384
+# By default the draft's head covers the most frequent token ids whose weights fit this many bytes
+# (int8: hidden_size bytes a row, fp16: twice that; int8's per-row scales come on top), at most the
+# whole vocabulary. Bytes rather than rows because what an 8B + 1B pair can spare on 8 GB is bytes:
+# a Llama-3.2-1B int8 head gets 32,768 of its 128,256 rows, SmolLM2 (49,152 x 576) all of its own.
+DEFAULT_DRAFT_HEAD_BYTES = 64 * MIB
 # Besides them, each sequence gets up to this many rows of the draft's full head for the ids of its
 # own prompt and output (a document's names, identifiers and jargon): 8 MiB a sequence for a 1B int8 head.
 DEFAULT_DRAFT_REQUEST_VOCAB = 4096
@@ -194,17 +196,22 @@ def default_weight_group_size(model: ModelConfig) -> int:
     )
 
 
+def head_row_weight_bytes(model: ModelConfig, dtype: str) -> int:
+    """The weights of one output-head row (one vocabulary entry): int8 one byte a weight, fp16 two."""
+    return model.hidden_size * (1 if dtype == "int8" else FP16)
+
+
 def lm_head_bytes(model: ModelConfig, dtype: str, rows: int | None = None) -> int:
     """The output head over `rows` vocabulary entries (all of them by default)."""
     rows = model.vocab_size if rows is None else rows
-    weights = rows * model.hidden_size
-    # int8: one byte a weight plus a per-row (per vocab entry) fp16 scale.
-    return weights + rows * FP16 if dtype == "int8" else weights * FP16
+    scale = FP16 if dtype == "int8" else 0   # int8: a per-row (per vocab entry) fp16 scale
+    return rows * (head_row_weight_bytes(model, dtype) + scale)
 
 
 def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding: str,
-             head_rows: int | None = None) -> list[PlanItem]:
-    """The weight items; `head_rows` < vocab_size: a head over a reduced vocabulary (a draft's)."""
+             head_rows: int | None = None, head_choice: str = "") -> list[PlanItem]:
+    """The weight items; `head_rows` < vocab_size: a head over a reduced vocabulary (a draft's),
+    whose rows `head_choice` explains."""
     h, v = model.hidden_size, model.vocab_size
     reduced = head_rows is not None and head_rows < v
     items = [PlanItem(
@@ -213,15 +220,15 @@ def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding:
     )]
     if model.qkv_bias:
         items.append(PlanItem("qkv_bias", model.num_layers * (model.q_size + 2 * model.kv_size) * FP16, "fp16"))
+    choice = f"; {head_choice}" if head_choice else ""
     if model.tie_word_embeddings and embedding == "gpu" and lm_head_dtype == "fp16" and not reduced:
-        items.append(PlanItem("lm_head", 0, "tied: shares the fp16 embedding table"))
+        items.append(PlanItem("lm_head", 0, f"tied: shares the fp16 embedding table{choice}"))
     else:
         copy = "those rows of the tied embedding" if reduced else "the tied embedding"
         tied = f"; a GPU copy of {copy}" if model.tie_word_embeddings else ""
         scale = " + per-row fp16 scale" if lm_head_dtype == "int8" else ""
-        rows = f", {head_rows:,} of {v:,} vocabulary rows" if reduced else ""
         items.append(PlanItem("lm_head", lm_head_bytes(model, lm_head_dtype, head_rows),
-                              f"{lm_head_dtype}{scale}{rows}{tied}"))
+                              f"{lm_head_dtype}{scale}{choice}{tied}"))
     if embedding == "host":
         items.append(PlanItem(
             "embedding", 0, f"pinned host memory ({format_bytes(v * h * FP16)}); "
@@ -294,10 +301,23 @@ def draft_kv_blocks(kv: KVCacheConfig, draft_window_tokens: int, max_num_seqs: i
     return max_num_seqs * draft_kv_blocks_per_seq(draft_sink_tokens, draft_window_tokens, kv.block_size)
 
 
-def draft_vocab_rows(draft: ModelConfig, draft_vocab_size: int | None) -> int:
-    """Rows of the draft's head: the reduced vocabulary, never more than the whole one."""
-    k = DEFAULT_DRAFT_VOCAB_SIZE if draft_vocab_size is None else draft_vocab_size
-    return min(k, draft.vocab_size)
+def draft_vocab_rows(draft: ModelConfig, lm_head_dtype: str, draft_vocab_size: int | None) -> int:
+    """Rows of the draft's static head (K): `draft_vocab_size` when given, else as many as fit
+    DEFAULT_DRAFT_HEAD_BYTES of head weights; never more than the whole vocabulary."""
+    if draft_vocab_size is None:
+        draft_vocab_size = DEFAULT_DRAFT_HEAD_BYTES // head_row_weight_bytes(draft, lm_head_dtype)
+    return min(draft_vocab_size, draft.vocab_size)
+
+
+def draft_vocab_choice(draft: ModelConfig, vocab_rows: int, draft_vocab_size: int | None) -> str:
+    """How the plan chose the draft head's rows, for its draft_lm_head line."""
+    whole = vocab_rows == draft.vocab_size
+    which = (f"all {vocab_rows:,} vocabulary rows" if whole
+             else f"the {vocab_rows:,} most frequent of {draft.vocab_size:,} vocabulary rows")
+    if draft_vocab_size is not None:
+        return f"{which} (--draft-vocab-size {draft_vocab_size:,})"
+    budget = format_bytes(DEFAULT_DRAFT_HEAD_BYTES)
+    return f"{which} ({'their weights fit' if whole else 'as many as fit'} the {budget} draft head budget)"
 
 
 def draft_request_rows(draft: ModelConfig, vocab_rows: int, request_vocab: int | None) -> int:
@@ -422,8 +442,8 @@ def solve_plan(
 
     Settings left as None take the profile's defaults. `num_speculative_tokens` defaults
     to the profile's when a draft is given, else 0 (pass it for n-gram speculation).
-    `draft_vocab_size` (K): the draft's head covers the K most frequent token ids
-    (DEFAULT_DRAFT_VOCAB_SIZE when None; the whole vocabulary when K >= it), and
+    `draft_vocab_size` (K): the draft's head covers the K most frequent token ids (when None,
+    as many as fit DEFAULT_DRAFT_HEAD_BYTES; the whole vocabulary when K >= it), and
     `draft_request_vocab` (R) more rows per sequence for the ids of its own text
     (DEFAULT_DRAFT_REQUEST_VOCAB when None). The draft's AWQ group size is the target's unless
     `draft_weight_group_size` says otherwise.
@@ -452,11 +472,12 @@ def solve_plan(
     # A step runs a prefill chunk and every sequence's decode (and proposals) in one forward.
     step = step_tokens(chunked_prefill_size, max_num_seqs, num_speculative_tokens)
     workspace = activation_workspace_bytes(model, step, block_size=kv.block_size)
-    vocab_rows = draft_vocab_rows(draft, draft_vocab_size) if draft is not None else None
+    vocab_rows = draft_vocab_rows(draft, lm_head_dtype, draft_vocab_size) if draft is not None else None
     request_rows = draft_request_rows(draft, vocab_rows, draft_request_vocab) if draft is not None else None
     if draft is not None:
         draft_items = _draft_items(draft, kv, draft_window_tokens, vocab_rows, request_rows,
-                                   max_num_seqs, num_speculative_tokens, draft_group, lm_head_dtype, embedding)
+                                   max_num_seqs, num_speculative_tokens, draft_group, lm_head_dtype, embedding,
+                                   draft_vocab_choice(draft, vocab_rows, draft_vocab_size))
         # Draft and target run one after the other and share the workspace.
         workspace = max(workspace, activation_workspace_bytes(draft, step, block_size=kv.block_size))
     captured = [s for s in graph_sizes if s <= max_num_seqs]  # a bigger batch never runs
@@ -517,12 +538,14 @@ def solve_plan(
 
 def _draft_items(
     draft: ModelConfig, kv: KVCacheConfig, window: int, vocab_rows: int, request_rows: int, max_num_seqs: int,
-    num_speculative_tokens: int, group_size: int, lm_head_dtype: str, embedding: str,
+    num_speculative_tokens: int, group_size: int, lm_head_dtype: str, embedding: str, vocab_choice: str,
 ) -> list[PlanItem]:
-    """The draft's own items, each named draft_*: its weights (head over `vocab_rows` ids, and
-    `request_rows` more per sequence), its bounded FP16 KV and the distributions it proposes from."""
+    """The draft's own items, each named draft_*: its weights (head over `vocab_rows` ids, chosen as
+    `vocab_choice` says, and `request_rows` more per sequence), its bounded FP16 KV and the
+    distributions it proposes from."""
     weights = [dataclasses.replace(it, name="draft_" + it.name)
-               for it in _weights(draft, group_size, lm_head_dtype, embedding, head_rows=vocab_rows)]
+               for it in _weights(draft, group_size, lm_head_dtype, embedding, head_rows=vocab_rows,
+                                  head_choice=vocab_choice)]
     if vocab_rows < draft.vocab_size:
         weights.append(PlanItem(
             "draft_request_head", lm_head_bytes(draft, lm_head_dtype, max_num_seqs * request_rows),

@@ -9,7 +9,8 @@ Self-draft part (`--self-draft DEFAULT FULL`): two engines built from one checkp
 the draft, one with the default draft settings and one with `--draft-vocab-size` covering the whole
 vocabulary. Greedy, on short and long English prose, source code and technical text: acceptance
 (accepted ÷ proposed) of each, side by side. A self-draft should accept nearly everything; what the
-default loses against the full vocabulary is what its reduced head costs.
+default loses against the full vocabulary is what its reduced head costs. Any two draft engines of
+one target compare the same way (each row records the draft's K, R and window).
 
 GPU part (`--gpu`): the verify cost T(γ+1) / T(1) of one sequence at 4k / 32k / 64k context for
 Llama-3-8B shapes with an INT4 KV cache (random AWQ-shaped weights), and the speedup that implies
@@ -111,6 +112,7 @@ def run_self_draft_part(args: argparse.Namespace) -> dict:
             s = out.spec_decode
             row["prompt_tokens"] = out.usage.prompt_tokens
             row[name] = {"draft_vocab_size": draft["vocab_size"], "request_vocab": draft.get("request_vocab", 0),
+                         "draft_window": draft["window"],
                          **s, "acceptance_rate": s["num_accepted_tokens"] / max(s["num_draft_tokens"], 1)}
             row.setdefault("tokens", out.token_ids)
             row[f"{name}_identical"] = out.token_ids == row["tokens"]

@@ -63,3 +63,15 @@ def test_kv_summary_names_what_each_format_uses():
                                "block 16)")
     assert _kv_summary(dict(kv, dtype="fp8")) == ("fp8 (sinks 8, window 128, rotation hadamard, "
                                                   "key centering off, block 16)")
+
+
+def test_build_and_plan_state_the_drafts_head_rule_and_budget():
+    """--draft-vocab-size reads the same in `build` and `plan`: a row count, and without it the rows whose
+    weights fit the byte budget, which the help names."""
+    from bie_trt.plan import DEFAULT_DRAFT_HEAD_BYTES
+
+    budget = f"fit {DEFAULT_DRAFT_HEAD_BYTES // 2**20} MiB"
+    for command in ("build", "plan"):
+        out = " ".join(CliRunner().invoke(main, [command, "--help"], terminal_width=200).output.split())
+        rule = out[out.index("--draft-vocab-size"):out.index("--draft-window-tokens")]
+        assert "as a row count" in rule and budget in rule and "at most the whole vocabulary" in rule, rule

@@ -109,3 +109,14 @@ def test_a_token_two_merges_make_ranks_by_the_first():
     bpe = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4, "abc": 5, "cc": 6},
                      "merges": ["b c", "a b", "ab c", "c c", "a bc"]}}
     assert frequency_order(bpe) == [0, 1, 2, 4, 3, 5, 6]    # abc (merge 2) before cc (merge 3)
+
+
+def test_by_default_a_narrow_drafts_head_keeps_the_whole_vocabulary(build, tiny_draft):
+    """The default head is the rows whose weights fit the byte budget: the tiny draft's 49,152 x 64 fp16 head
+    fits whole, so the engine has no request rows and no host copy of the head to gather them from."""
+    engine = build(checkpoint=str(tiny_draft), draft_checkpoint=str(tiny_draft))   # no --draft-vocab-size
+    d = json.loads((engine / "manifest.json").read_text())["draft"]
+    assert d["vocab_size"] == 49152 and d["request_vocab"] == 0
+    assert json.loads((engine / "draft" / "vocab.json").read_text())["ids"] == list(range(49152))
+    assert not (engine / "draft" / "head.safetensors").exists()
+    assert load_file(str(engine / "draft" / "weights.safetensors"))["lm_head"].shape == (49152, 64)

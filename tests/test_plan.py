@@ -13,7 +13,6 @@ from bie_trt.config import KVCacheConfig, ModelConfig
 from bie_trt.errors import PlanError
 from bie_trt.kv.pool import allocate_pools
 from bie_trt.plan import (
-    DEFAULT_DRAFT_VOCAB_SIZE,
     activation_workspace_bytes,
     draft_kv_blocks,
     draft_kv_blocks_per_seq,
@@ -69,6 +68,13 @@ LLAMA_32_1B = {
     "head_dim": 64,
     "tie_word_embeddings": True,
     "rope_scaling": {**LLAMA_31_8B["rope_scaling"], "factor": 32.0},
+}
+
+# HuggingFaceTB/SmolLM2-135M's shapes: a small vocabulary (49,152) and a narrow head (576).
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+    "max_position_embeddings": 8192, "rope_theta": 100000, "tie_word_embeddings": True,
 }
 
 
@@ -197,7 +203,7 @@ def test_draft_adds_weights_and_bounded_kv(llama, ti):
     assert longer.bytes_of("draft_kv") == plan.bytes_of("draft_kv")
     linears = 16 * (2048 * (2048 + 512 + 512) + 2048 * 2048 + 3 * 2048 * 8192)
     assert plan.bytes_of("draft_linear_weights") == linears * 133 // 256
-    k = DEFAULT_DRAFT_VOCAB_SIZE
+    k = 32768                                                       # the default byte budget's rows
     assert plan.bytes_of("draft_lm_head") == k * 2048 + k * 2      # int8 rows + fp16 scales, K rows only
     assert plan.bytes_of("draft_embedding") == 0                    # host
     assert plan.bytes_of("draft_norms") == 33 * 2048 * 2
@@ -229,7 +235,7 @@ def test_each_sequence_gets_its_request_rows_of_the_drafts_head(llama, ti):
     """R more rows of the draft's head per sequence (int8: H bytes + a 2-byte scale a row), never more
     rows than there are ids outside the K, none when the K cover the vocabulary; the inputs say how many."""
     draft = ModelConfig.from_hf(LLAMA_32_1B)
-    plan = plan64k(llama, ti, draft=draft)                        # defaults: K 16,384, R 4,096
+    plan = plan64k(llama, ti, draft=draft)                        # defaults: K 32,768, R 4,096
     assert plan.bytes_of("draft_request_head") == 4096 * (2048 + 2) and plan.inputs["draft_request_vocab"] == 4096
     three = solve_plan(llama, ti, max_model_len=8192, kv=kv_cfg(), max_num_seqs=3, draft=draft,
                        draft_request_vocab=1000)
@@ -248,14 +254,44 @@ def test_each_sequence_gets_its_request_rows_of_the_drafts_head(llama, ti):
 
 def test_8b_with_1b_draft_fits_64k_on_8gb_cards(llama):
     """The acceptance pair: Llama-3.1-8B + Llama-3.2-1B, 64k, INT4 KV, num_speculative_tokens 5, each 8 GB profile's
-    defaults, with at least 64 MiB to spare."""
+    defaults (the draft's head: 32,768 rows by the byte budget), with at least 32 MiB to spare beyond the margin."""
     draft = ModelConfig.from_hf(LLAMA_32_1B)
     for name in ("rtx4060ti-8gb", "rtx4060-8gb", "rtx3060-8gb", "rtx3070-8gb", "rtx4070-laptop-8gb"):
         p = load_profile(name)
         d = p.defaults
         plan = solve_plan(llama, p, max_model_len=65536, kv=d.kv_config(), max_num_seqs=d.max_num_seqs,
                           chunked_prefill_size=d.chunked_prefill_size, draft=draft, num_speculative_tokens=5)
-        assert plan.budget_bytes - plan.total_bytes >= 64 * MIB, plan.format_table()
+        assert plan.inputs["draft_vocab_size"] == 32768 and plan.inputs["draft_request_vocab"] == 4096
+        assert plan.budget_bytes - plan.total_bytes >= 32 * MIB, plan.format_table()
+
+
+def test_the_drafts_default_head_is_the_rows_that_fit_its_byte_budget(llama, ti):
+    """Without --draft-vocab-size the draft's head keeps the most frequent ids whose weights fit 64 MiB
+    (int8: hidden_size bytes a row, fp16 twice), at most the vocabulary; a given row count wins."""
+    one_b = ModelConfig.from_hf(LLAMA_32_1B)
+    plan = plan64k(llama, ti, draft=one_b)
+    assert plan.inputs["draft_vocab_size"] == 32768 == 64 * MIB // 2048
+    note = next(i.note for i in plan.items if i.name == "draft_lm_head")
+    assert "the 32,768 most frequent of 128,256 vocabulary rows (as many as fit the 64.0 MiB draft head budget)" in note
+    fp16 = plan64k(llama, ti, draft=one_b, lm_head_dtype="fp16", embedding_placement="gpu")
+    assert fp16.inputs["draft_vocab_size"] == 16384 and fp16.bytes_of("draft_lm_head") == 16384 * 2048 * 2
+    # a vocabulary just past the budget is cut to it, one just under it is kept whole
+    for vocab, rows in ((32769, 32768), (32767, 32767)):
+        small_target, small_draft = (ModelConfig.from_hf({**c, "vocab_size": vocab}) for c in (LLAMA_31_8B, LLAMA_32_1B))
+        assert plan64k(small_target, ti, draft=small_draft).inputs["draft_vocab_size"] == rows
+
+    smol = ModelConfig.from_hf(SMOLLM2_135M)
+    for profile in (ti, load_profile("cpu")):                     # an int8 head and an fp16 one
+        self_draft = solve_plan(smol, profile, max_model_len=8192, kv=kv_cfg(), weight_group_size=64, draft=smol)
+        assert self_draft.inputs["draft_vocab_size"] == 49152, profile.name   # the whole head: 27 or 54 MiB
+        assert self_draft.inputs["draft_request_vocab"] == 0 and self_draft.bytes_of("draft_request_head") == 0
+        note = next(i.note for i in self_draft.items if i.name == "draft_lm_head")
+        assert "all 49,152 vocabulary rows (their weights fit the 64.0 MiB draft head budget)" in note
+
+    given = plan64k(llama, ti, draft=one_b, draft_vocab_size=20000)
+    assert given.inputs["draft_vocab_size"] == 20000 and given.bytes_of("draft_lm_head") == 20000 * 2050
+    assert "(--draft-vocab-size 20,000)" in next(i.note for i in given.items if i.name == "draft_lm_head")
+    assert plan64k(llama, ti, draft=one_b, draft_vocab_size=10**6).inputs["draft_vocab_size"] == 128256
 
 
 def test_qkv_bias_and_tied_embeddings():
@@ -413,9 +449,9 @@ def test_cli_plan_with_draft_shows_each_draft_item():
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     items = {i["name"]: i["bytes"] for i in d["items"]}
-    assert d["budget_bytes"] - d["total_bytes"] >= 64 * MIB
-    assert items["draft_lm_head"] == 16384 * 2050 and items["draft_embedding"] == 0
-    assert d["inputs"]["draft_window_tokens"] == 1024 and d["inputs"]["draft_vocab_size"] == 16384
+    assert d["budget_bytes"] - d["total_bytes"] >= 32 * MIB
+    assert items["draft_lm_head"] == 32768 * 2050 and items["draft_embedding"] == 0
+    assert d["inputs"]["draft_window_tokens"] == 1024 and d["inputs"]["draft_vocab_size"] == 32768
     assert items["draft_request_head"] == 4096 * 2050 and d["inputs"]["draft_request_vocab"] == 4096
 
 
@@ -437,13 +473,13 @@ def test_activation_workspace_is_the_attention_phase_when_the_mlp_is_narrow():
 
 def test_the_activations_cover_a_whole_step_with_the_drafts_proposals(llama, ti):
     """A step runs a prefill chunk beside every sequence's decode and its num_speculative_tokens proposals: 256 + 1 x (1 + 4)
-    tokens on an 8 GB profile with a 1B draft, and the pair still fits 64k with 64 MiB to spare."""
+    tokens on an 8 GB profile with a 1B draft, and the pair still fits 64k with 32 MiB to spare."""
     d = ti.defaults
     plan = plan64k(llama, ti, draft=ModelConfig.from_hf(LLAMA_32_1B), chunked_prefill_size=d.chunked_prefill_size)
     step = d.chunked_prefill_size + d.max_num_seqs * (1 + d.num_speculative_tokens)
     assert step == 261
     assert plan.bytes_of("activations") == activation_workspace_bytes(llama, step, block_size=d.block_size)
-    assert plan.budget_bytes - plan.total_bytes >= 64 * MIB
+    assert plan.budget_bytes - plan.total_bytes >= 32 * MIB
 
 
 def test_planned_step_reads_the_older_chunk_key():

@@ -227,7 +227,8 @@ def test_bench_spec_self_draft_smoke(tiny_draft_engine, tmp_path):
     assert row["task"] == "prose_short" and row["full_vocab_identical"]
     for name in ("default", "full_vocab"):
         r = row[name]
-        assert r["draft_vocab_size"] == 4096 and r["request_vocab"] == 4096 and r["num_draft_tokens"] > 0
+        assert r["draft_vocab_size"] == 4096 and r["request_vocab"] == 4096 and r["draft_window"] == 64
+        assert r["num_draft_tokens"] > 0
         assert r["acceptance_rate"] == pytest.approx(r["num_accepted_tokens"] / r["num_draft_tokens"])
         assert result["acceptance_all_tasks"][name] == pytest.approx(r["acceptance_rate"])
     assert 0 <= row["first_uses_outside_static"] <= 6

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import click
 
 from . import main
-from .options import NON_NEGATIVE, POSITIVE, device_option, host_kv_cache_option, kv_options, speculative_config
+from .options import (DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, NON_NEGATIVE, POSITIVE, device_option,
+                      host_kv_cache_option, kv_options, speculative_config)
 from ..config import SamplingParams, StructuredOutputs, check_json_schema
 from ..plan import AWQ_GROUP_SIZES
 from ..profiles import profiles_epilog
@@ -57,14 +58,10 @@ def quantize(src: str, out: str, group_size: int | None, force: bool) -> None:
 @click.option("--draft-checkpoint", metavar="DIR|NAME",
               help="A draft model for speculative decoding (AWQ checkpoint sharing the tokenizer), "
                    "written to draft/ in the engine.")
-@click.option("--draft-vocab-size", type=POSITIVE,
-              help="Token ids the draft's head covers: the K most frequent by the tokenizer's merge rank "
-                   "(the target still verifies over all). [default: 16384]")
+@click.option("--draft-vocab-size", type=POSITIVE, help=DRAFT_VOCAB_SIZE_HELP)
 @click.option("--draft-window-tokens", type=POSITIVE, default=1024, show_default=True,
               help="Most recent tokens the draft's bounded cache keeps (besides its sinks).")
-@click.option("--draft-request-vocab", type=click.IntRange(min=0),
-              help="Head rows each sequence's draft gets for the ids of its own prompt and output outside "
-                   "the --draft-vocab-size ones (the most recently seen kept; 0: off). [default: 4096]")
+@click.option("--draft-request-vocab", type=click.IntRange(min=0), help=DRAFT_REQUEST_VOCAB_HELP)
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 @speculative_config
 def build(**kw) -> None:

@@ -8,7 +8,8 @@ import click
 from ..config import KV_DTYPES, KV_ROTATIONS, SpeculativeConfig
 from ..devices import DEVICE_HELP, check_device_name
 from ..errors import BieError
-from ..plan import DEFAULT_HOST_CAP_BYTES, DEFAULT_HOST_FRACTION
+from ..plan import (DEFAULT_DRAFT_HEAD_BYTES, DEFAULT_DRAFT_REQUEST_VOCAB, DEFAULT_HOST_CAP_BYTES, DEFAULT_HOST_FRACTION,
+                    MIB)
 
 POSITIVE = click.IntRange(min=1)
 NON_NEGATIVE = click.IntRange(min=0)
@@ -80,3 +81,15 @@ host_kv_cache_option = click.option(
          "recomputing them. 0 turns the host tier off. [default: "
          f"{DEFAULT_HOST_FRACTION:.0%} of the host memory available at start, at most "
          f"{DEFAULT_HOST_CAP_BYTES // 2**30} GiB]")
+
+
+# The draft's vocabulary options of `build` and `plan`, which must state the same rule.
+DRAFT_VOCAB_SIZE_HELP = (
+    "Token ids the draft's head covers (K), as a row count: the K most frequent by the tokenizer's merge "
+    "rank (the target still verifies over all). [default: the most frequent ids whose head weights fit "
+    f"{DEFAULT_DRAFT_HEAD_BYTES // MIB} MiB (int8: hidden_size bytes a row, fp16: twice that), at most the "
+    f"whole vocabulary: {DEFAULT_DRAFT_HEAD_BYTES // 2048:,} rows of a 2,048-wide int8 head (Llama-3.2-1B)]")
+DRAFT_REQUEST_VOCAB_HELP = (
+    "Head rows each sequence's draft gets for the ids of its own prompt and output outside the K "
+    "(the most recently seen kept; 0: off; none when the K cover the vocabulary). "
+    f"[default: {DEFAULT_DRAFT_REQUEST_VOCAB:,}]")

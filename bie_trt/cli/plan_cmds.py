@@ -13,10 +13,8 @@ from . import main
 from ..config import KV_DTYPES, KVCacheConfig, ModelConfig
 from ..errors import CheckpointError, PlanError
 from ..jsonio import read_json_object
-from .options import POSITIVE, host_kv_cache_option
+from .options import DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, POSITIVE, host_kv_cache_option
 from ..plan import (
-    DEFAULT_DRAFT_REQUEST_VOCAB,
-    DEFAULT_DRAFT_VOCAB_SIZE,
     DEFAULT_DRAFT_WINDOW_TOKENS,
     MemoryPlan,
     default_weight_group_size,
@@ -94,14 +92,10 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
 @click.option("--speculative-draft-config", type=click.Path(dir_okay=False, path_type=Path),
               help="config.json of a draft model (same vocabulary) for speculative decoding; adds its "
                    "weights and its bounded KV to the plan.")
-@click.option("--draft-vocab-size", type=int,
-              help=f"Token ids the draft's head covers: the K most frequent (the target still verifies over "
-                   f"all). [default: {DEFAULT_DRAFT_VOCAB_SIZE:,}]")
+@click.option("--draft-vocab-size", type=int, help=DRAFT_VOCAB_SIZE_HELP)
 @click.option("--draft-window-tokens", type=int, default=DEFAULT_DRAFT_WINDOW_TOKENS, show_default=True,
               help="Most recent tokens the draft's bounded cache keeps (besides its sinks).")
-@click.option("--draft-request-vocab", type=int,
-              help=f"Head rows per sequence for the ids of its own text outside the K (0: off). "
-                   f"[default: {DEFAULT_DRAFT_REQUEST_VOCAB:,}]")
+@click.option("--draft-request-vocab", type=int, help=DRAFT_REQUEST_VOCAB_HELP)
 @click.option("--num-speculative-tokens", type=int,
               help="Tokens proposed per step. [default: the profile's with a draft, else 0]")
 @host_kv_cache_option
