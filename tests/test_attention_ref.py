@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from bie_trt.config import KVCacheConfig, ModelConfig
-from bie_trt.kernels.attention_ref import dense_attention_ref, paged_attention_ref
+from bie_trt.kernels.attention_ref import dense_attention_ref, paged_attention_ref, paged_prefills_dense
 from bie_trt.kv.pool import KVPools, allocate_pools, encode_quant_block
 from bie_trt.kv.quant import dequantize_block, quantize_block
 from bie_trt.kv.rotation import rotate
@@ -193,3 +193,52 @@ def test_multi_block_tiles_compute_the_same_attention(tile: int) -> None:
     one = paged_attention_ref(q, pools, 1, table, pos, SCALE)
     tiled = paged_attention_ref(q, pools, 1, table, pos, SCALE, blocks_per_tile=tile)
     assert torch.isfinite(tiled).all() and (one - tiled).abs().max().item() <= 1e-5
+
+
+# --- the CPU path: dense masked attention over tiles of a step's chunks ------------------------
+
+def eval_like_step() -> tuple[KVPools, list[tuple[int, int, torch.Tensor]], torch.Tensor]:
+    """One text cut into chunks whose tables read more blocks quantised the later they start (eval's runs:
+    each block in FP16 and, once it left the window, as its quantised twin), then a second, unrelated
+    sequence. The last block of each sequence is partial: its stale slots are NaN."""
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, block_size=4)
+    pools = poisoned_pools(kv, fp_blocks=12, quant_blocks=8)
+    k, v = random_kv(30, seed=21)
+    fp = build_sequence(pools, k, v, set(), fp_ids=[9, 2, 7, 0, 5, 6, 3, 8], q_ids=[])
+    twins = {b: encode_quant_block(qb) for b, qb in zip(range(1, 6), [6, 1, 4, 0, 3])}
+    for b, entry in twins.items():
+        quantize_block(pools, None, fp[b], -entry - 1)
+    k2, v2 = random_kv(7, seed=22)
+    other = build_sequence(pools, k2, v2, set(), fp_ids=[10, 1], q_ids=[])
+    chunks = [(0, 12, 0), (12, 8, 3), (20, 4, 4), (24, 6, 6)]   # (first position, rows, quantised end)
+    prefills, positions, row = [], [], 0
+    for first, n, end in chunks:
+        table = [twins[b] if 1 <= b < end else e for b, e in enumerate(fp)]
+        prefills.append((row, n, torch.tensor(table, dtype=torch.int32)))
+        positions += range(first, first + n)
+        row += n
+    prefills.append((row, 7, torch.tensor(other, dtype=torch.int32)))
+    positions += range(7)
+    return pools, prefills, torch.tensor(positions)
+
+
+@pytest.mark.parametrize("tile_rows", [8, 24, 256])
+def test_dense_prefills_equal_the_paged_reference_chunk_by_chunk(tile_rows: int) -> None:
+    pools, prefills, pos = eval_like_step()
+    q, _ = queries(list(range(len(pos))), seed=23)
+    for layer in range(LAYERS):
+        dense = paged_prefills_dense(q, pools, layer, prefills, pos, SCALE, tile_rows=tile_rows)
+        for (s, n, table), out in zip(prefills, dense):
+            expected = paged_attention_ref(q[s:s + n], pools, layer, table, pos[s:s + n], SCALE)
+            assert out.shape == (n, HQ, D) and torch.isfinite(out).all()
+            assert (out - expected).abs().max().item() <= 1e-5, (layer, s)
+
+
+def test_dense_prefills_read_each_chunks_own_blocks() -> None:
+    # Quantising changes the values enough to see: a chunk given a later chunk's table would show it.
+    pools, prefills, pos = eval_like_step()
+    q, _ = queries(list(range(len(pos))), seed=24)
+    first, later = prefills[1], prefills[3]
+    mixed = paged_prefills_dense(q, pools, 0, [first, (later[0], later[1], first[2])], pos, SCALE)
+    own = paged_prefills_dense(q, pools, 0, [first, later], pos, SCALE)
+    assert (mixed[0] - own[0]).abs().max().item() <= 1e-5 and (mixed[1] - own[1]).abs().max().item() > 1e-3

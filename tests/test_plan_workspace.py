@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_leaves
 from bie_trt.config import EngineConfig
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.kernels import ops
+from bie_trt.kernels.attention_ref import paged_attention_ref
 from bie_trt.model.llama import SeqInput
 from bie_trt.plan import activation_workspace_bytes
 
@@ -53,8 +54,9 @@ class PeakTensorBytes(TorchDispatchMode):
 @pytest.mark.parametrize("chunk", [512])
 def test_activation_formula_matches_a_measured_chunk(smollm2_engine, monkeypatch, chunk):
     runner = ModelRunner(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_num_seqs=1))
-    # one KV block per softmax step, as the GPU kernel walks the cache (the CPU default folds 64)
-    monkeypatch.setattr(ops, "CPU_BLOCKS_PER_TILE", 1)
+    # one KV block per softmax step, as the GPU kernel walks the cache (the CPU runs dense tiles instead)
+    monkeypatch.setattr(ops, "paged_prefills_dense", lambda q, pools, layer, prefills, pos, scale: [
+        paged_attention_ref(q[s:s + n], pools, layer, table, pos[s:s + n], scale) for s, n, table in prefills])
     ids = torch.randint(0, 1000, (chunk,))
     table = list(range(chunk // 16 + 1))
     runner.forward([SeqInput(ids, 0, table)])          # warm-up: the reference keeps dequantised weights

@@ -8,10 +8,10 @@ the caller rotates q whenever the cached keys are rotated.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ..kv.pool import KVPools
 from ..kv.quant import dequantize_blocks
@@ -70,16 +70,73 @@ def paged_attention_ref(
     return out.transpose(0, 1).reshape(T, Hq, D).to(q.dtype)
 
 
-def stage_blocks(pools: KVPools, layer: int, tables: list[torch.Tensor]) -> tuple[KVPools, list[torch.Tensor]]:
-    """One layer of every block the tables name, dequantised once into an fp32 pool of one layer, and the
-    tables renumbered into it. Sequences of one step that share a prefix (eval's chunks of one text) then
-    dequantise it once instead of once each; the values read are the same, so attention is too."""
-    entries = sorted({int(e) for table in tables for e in table.tolist()})
+def paged_prefills_dense(
+    q: torch.Tensor,
+    pools: KVPools,
+    layer: int,
+    prefills: list[tuple[int, int, torch.Tensor]],
+    positions: torch.Tensor,
+    scale: float,
+    tile_rows: int = 256,
+) -> list[torch.Tensor]:
+    """`paged_attention_ref` of each chunk (first row of q, rows, block table) of a step, computed as dense
+    masked attention over row tiles: the CPU path, one fused softmax per tile instead of a loop per block.
+
+    Every block the tables name is dequantised once. A tile of consecutive chunks reads the latest chunk's
+    table for each block ("base") plus, as extra columns, every other entry an earlier chunk of the tile
+    reads in its place (eval's runs see a few blocks in FP16 that later runs see quantised); the mask gives
+    each row exactly its own chunk's entries up to its position."""
+    H_kv, B = pools.k.shape[2], pools.k.shape[3]
+    pos = positions.to(device=q.device, dtype=torch.long)
+    chunks = [(s, n, torch.as_tensor(table).tolist()[:_blocks_read(pos[s:s + n], B, table)])
+              for s, n, table in prefills]
+    entries = sorted({e for _, _, table in chunks for e in table})
     index = {e: i for i, e in enumerate(entries)}
-    k, v = (side.unflatten(1, (len(entries), -1)).transpose(0, 1)[None]   # [1, n, H_kv, B, D]
-            for side in dequantize_blocks(pools, layer, entries))
-    staged = KVPools(dataclasses.replace(pools.cfg, dtype="fp16"), k, v)
-    return staged, [torch.tensor([index[int(e)] for e in table.tolist()]) for table in tables]
+    staged = [side.unflatten(1, (len(entries), B)) for side in dequantize_blocks(pools, layer, entries)]
+    out = []
+    for tile in _row_tiles(chunks, tile_rows):
+        base: dict[int, int] = {}
+        for _, _, table in tile:
+            base.update(enumerate(table))   # the latest chunk reading a block names its base entry
+        extra = sorted({(b, e) for _, _, table in tile for b, e in enumerate(table) if e != base[b]})
+        blocks = [b for b in range(len(base))] + [b for b, _ in extra]
+        col_pos = (torch.tensor(blocks, device=q.device)[:, None] * B + torch.arange(B, device=q.device)).flatten()
+        reads = torch.tensor([[table[b] == e if b < len(table) else False
+                               for b, e in list(base.items()) + extra] for _, _, table in tile], device=q.device)
+        rows = torch.cat([pos.new_full((n,), i) for i, (_, n, _) in enumerate(tile)])
+        row_pos = torch.cat([pos[s:s + n] for s, n, _ in tile])
+        visible = reads[rows].repeat_interleave(B, 1) & (col_pos[None, :] <= row_pos[:, None])
+        take = torch.tensor([index[e] for e in list(base.values()) + [e for _, e in extra]], device=q.device)
+        # Slots no row sees (past a sequence's end in its last block) may hold stale data, even NaN:
+        # zero them, as the kernel's masked loads never read them.
+        unseen = ~visible.any(0)
+        k, v = (side[:, take].flatten(1, 2).masked_fill(unseen[None, :, None], 0) for side in staged)
+        qt = torch.cat([q[s:s + n] for s, n, _ in tile]).float().transpose(0, 1)
+        o = F.scaled_dot_product_attention(qt[None], k[None], v[None], attn_mask=visible, scale=scale,
+                                           enable_gqa=H_kv != q.shape[1])
+        out += o[0].transpose(0, 1).to(q.dtype).split([n for _, n, _ in tile])
+    return out
+
+
+def _row_tiles(chunks: list[tuple[int, int, list[int]]], tile_rows: int) -> list[list[tuple[int, int, list[int]]]]:
+    """Consecutive chunks in tiles of at most tile_rows rows (a longer chunk alone)."""
+    tiles: list[list] = []
+    rows = tile_rows
+    for chunk in chunks:
+        if rows + chunk[1] > tile_rows:
+            tiles.append([])
+            rows = 0
+        tiles[-1].append(chunk)
+        rows += chunk[1]
+    return tiles
+
+
+def _blocks_read(pos: torch.Tensor, block_size: int, block_table: Sequence[int] | torch.Tensor) -> int:
+    """How many blocks of the table queries at `pos` read: up to the last query's."""
+    num_blocks = (int(pos.max()) + block_size) // block_size
+    if len(block_table) < num_blocks:
+        raise ValueError(f"block table has {len(block_table)} blocks; positions need {num_blocks}.")
+    return num_blocks
 
 
 def paged_decode_attention_ref(

@@ -14,7 +14,7 @@ import torch
 from ..kv import quant
 from ..kv.pool import KVPools
 from . import reference as ref
-from .attention_ref import paged_attention_ref, paged_decode_attention_ref, stage_blocks
+from .attention_ref import paged_decode_attention_ref, paged_prefills_dense
 from .int8_rows import Int8Rows
 from .w4_layout import W4Weight
 
@@ -151,20 +151,11 @@ def paged_decode_attention(q: torch.Tensor, pools: KVPools, layer: int, block_ta
 def paged_prefill_attentions(q: torch.Tensor, pools: KVPools, layer: int,
                              prefills: list[tuple[int, int, torch.Tensor]], positions: torch.Tensor,
                              scale: float) -> list[torch.Tensor]:
-    """Attention of each multi-token chunk of a step, (first row, tokens, table) each. On the CPU a
-    quantised cache read by several chunks is dequantised once per layer for all of them."""
-    if len(prefills) > 1 and pools.cfg.dtype != "fp16" and not use_triton(q):
-        pools, tables = stage_blocks(pools, layer, [table for _, _, table in prefills])
-        prefills, layer = [(s, n, t) for (s, n, _), t in zip(prefills, tables)], 0
-    return [paged_prefill_attention(q[s:s + n], pools, layer, table, positions[s:s + n], scale)
-            for s, n, table in prefills]
-
-
-def paged_prefill_attention(q: torch.Tensor, pools: KVPools, layer: int, block_table: torch.Tensor,
-                            positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence's chunk, q [T, H_q, D], over its cache (the chunk already written)."""
+    """Attention of each multi-token chunk of a step, (first row, tokens, table) each, q [T, H_q, D] (the
+    chunks already written). On the CPU, dense masked attention over tiles of the chunks' rows."""
     if use_triton(q):
         from .triton_attention import paged_prefill_attention as kernel
 
-        return kernel(q, pools, layer, block_table, positions, scale, config=attention_config())
-    return paged_attention_ref(q, pools, layer, block_table, positions, scale, blocks_per_tile=CPU_BLOCKS_PER_TILE)
+        return [kernel(q[s:s + n], pools, layer, table, positions[s:s + n], scale, config=attention_config())
+                for s, n, table in prefills]
+    return paged_prefills_dense(q, pools, layer, prefills, positions, scale)
