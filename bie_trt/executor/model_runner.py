@@ -56,7 +56,7 @@ def apply_moves(pools: KVPools, host: HostPool, moves: list[Move]) -> None:
         elif isinstance(move, Drop):
             host.drop(move.slot)
         else:
-            ops.quantize_block(pools, *move)
+            quantise_blocks(pools, [move])
 
 
 def copy_blocks(pools: KVPools, copies: list[Copy]) -> None:
