@@ -405,7 +405,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     response_format: dict | None = None
     logit_bias: dict[int, float] | None = None   # token id -> bias in [-100, 100], added to the logits
-    min_tokens: int = 0             # EOS and stop_token_ids are masked until this many tokens were generated
+    min_tokens: int = 0             # EOS and stop_token_ids masked, stop strings not searched, until this many tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

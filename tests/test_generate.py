@@ -157,3 +157,18 @@ def test_request_errors_name_the_problem_and_the_fix_and_leave_nothing_behind(en
         assert isinstance(e.value, RequestError) and str(e.value) == message
     stats = engine.stats()
     assert stats.running == stats.waiting == 0 and engine.blocks.num_free_fp == free
+
+
+def test_min_tokens_holds_stop_strings_back_as_vllm_does(engine):
+    """A stop string counts only once more than min_tokens tokens are out; one that appeared earlier is
+    not searched for again."""
+    prompt, params = "1, 2, 3, 4,", dict(temperature=0, max_tokens=12, ignore_eos=True)
+    full = engine.generate(prompt, SamplingParams(**params))
+    stop = ","
+    first = engine.generate(prompt, SamplingParams(stop=[stop], **params))
+    assert first.finish_reason == "stop" and len(first.token_ids) < 4   # the comma comes early
+    held = engine.generate(prompt, SamplingParams(stop=[stop], min_tokens=4, **params))
+    assert len(held.token_ids) > 4 and full.text.startswith(held.text)
+    # it stopped at the first comma of the text past the 4th token, not at an earlier one
+    cut = len(engine.tokenizer.decode(full.token_ids[:4], skip_special_tokens=True))
+    assert held.finish_reason == "stop" and held.text == full.text[:full.text.index(stop, cut - len(stop) + 1)]

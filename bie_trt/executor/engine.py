@@ -175,7 +175,7 @@ class BieEngine:
             request.events.put(error)
 
     def _submit(self, seqs: list[Sequence]) -> list[RequestStream]:
-        requests = [RequestState(seq, Detokenizer(self.tokenizer, seq.params.stop)) for seq in seqs]
+        requests = [RequestState(seq, Detokenizer(self.tokenizer, seq.params.stop, seq.params.min_tokens)) for seq in seqs]
         self._on_loop(lambda: self._add(requests))   # one call: all are admitted in the same step
         return [RequestStream(self._abort, r) for r in requests]
 

@@ -84,10 +84,12 @@ class Detokenizer:
     """Turns a growing id list into text deltas. Each step decodes only the new tokens, with the
     tokens of the step before as context (so spacing comes out as a whole decode gives it): a whole
     decode every step would cost O(n²) on the loop thread. Holds back a partial UTF-8 character and
-    any tail that could still become a stop string, so streamed text never has to be taken back."""
+    any tail that could still become a stop string, so streamed text never has to be taken back.
+    Stop strings count only once more than `min_tokens` tokens are out, as vLLM's do: text before that
+    is searched no more (a stop string ending past it still counts)."""
 
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
+        self.tokenizer, self.stop, self.min_tokens = tokenizer, stop, min_tokens
         self.text = ""                 # the decode of ids[:read]
         self.prefix = self.read = 0    # ids[prefix:read] are decoded again as context for the next ones
         self.searched = 0              # text[:searched] holds no stop string
@@ -106,7 +108,8 @@ class Detokenizer:
                 self.text += window[len(context):]
                 self.prefix, self.read = self.read, len(ids)
         text, hit = self.text, False
-        hits = [i for s in self.stop if (i := text.find(s, max(0, self.searched - len(s) + 1))) != -1]
+        stops = self.stop if len(seq.output_ids) > self.min_tokens else []
+        hits = [i for s in stops if (i := text.find(s, max(0, self.searched - len(s) + 1))) != -1]
         if hits:
             text, hit = text[:min(hits)], True
         self.searched = len(text)
