@@ -81,8 +81,10 @@ def test_parse_gives_a_pydantic_object(client, model):
 
 
 @pytest.mark.slow
-def test_json_schema_replies_validate(client, model):
+def test_json_schema_replies_validate(smollm2_client):
     """Every shape of tests/structured_cases.py, all at once (batched), at temperature 1."""
+    model, client = smollm2_client
+
     def ask(name: str, schema: dict):
         return lambda: client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": f"Give me an example of {name}."}],
@@ -153,8 +155,10 @@ def reassemble(chunks) -> tuple[str | None, list[tuple[str, str]], str]:
 
 
 @pytest.mark.slow
-def test_streamed_calls_reassemble_to_the_same_call(client, model):
+def test_streamed_calls_reassemble_to_the_same_call(smollm2_client):
     """For "required" and a named function (all four requests batched together)."""
+    model, client = smollm2_client
+
     def pair(tool_choice, seed):
         kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
                   seed=seed, temperature=1, max_tokens=40)
@@ -172,9 +176,10 @@ def test_streamed_calls_reassemble_to_the_same_call(client, model):
 
 
 @pytest.mark.slow
-def test_auto_parses_the_models_own_format(client, model):
+def test_auto_parses_the_models_own_format(smollm2_client):
     """tool_choice auto: a reply in Hermes tags (made certain here with a regex, since the 135M model seldom
     calls tools by itself) comes back as tool_calls, the prose before it as content, whole or streamed."""
+    model, client = smollm2_client
     regex = r'Sure\. <tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
     kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="auto", temperature=1, seed=3, max_tokens=40,
               extra_body={"structured_outputs": {"regex": regex}})
