@@ -185,10 +185,15 @@ def test_residual_behind(m: int, split: int, bias: bool) -> None:
     torch.testing.assert_close(y.cpu().double(), expected(x, w) + residual.cpu().double(), rtol=1e-4, atol=1e-4)
 
 
-def test_norm_in_front_fp16() -> None:
-    w = weight(64, 256, 64, bias=True, seed=5)
-    x = torch.randn(1, 256, device=DEVICE).half() * 4
-    nw = (torch.rand(256, device=DEVICE) + 0.5).half()
-    y = w4_linear_triton(x, w, {"SPLIT_K": 2}, norm_weight=nw, eps=1e-5)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_norm_in_front_fp16(seed: int) -> None:
     from bie_trt.kernels.reference import rms_norm_ref
-    torch.testing.assert_close(y, w4_linear_ref(rms_norm_ref(x, nw, 1e-5)[0], w), rtol=2e-3, atol=2e-3)
+
+    w = weight(64, 256, 64, bias=True, seed=5)
+    g = torch.Generator().manual_seed(seed)   # its own stream: the global one depends on test order
+    x = (torch.randn(1, 256, generator=g) * 4).half().to(DEVICE)
+    nw = (torch.rand(256, generator=g) + 0.5).half().to(DEVICE)
+    y = w4_linear_triton(x, w, {"SPLIT_K": 2}, norm_weight=nw, eps=1e-5)
+    # The kernel keeps the normed row in fp32 where the reference rounds it to fp16 first: a few fp16
+    # steps apart after 256 products.
+    torch.testing.assert_close(y, w4_linear_ref(rms_norm_ref(x, nw, 1e-5)[0], w), rtol=1e-2, atol=4e-3)
