@@ -33,7 +33,7 @@ from ..templates import load_tokenizer
 from ..tool_calls import ReplyParser, plan_tools, template_messages, template_renders_tools
 from .block_manager import BlockManager
 from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
-from .model_runner import ModelRunner, apply_moves
+from .model_runner import ModelRunner
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
 from .prompts import check_prompt, check_prompt_ids
 from .scheduler import Scheduler, check_progress, step_budget
@@ -175,7 +175,8 @@ class BieEngine:
             request.events.put(error)
 
     def _submit(self, seqs: list[Sequence]) -> list[RequestStream]:
-        requests = [RequestState(seq, Detokenizer(self.tokenizer, seq.params.stop, seq.params.min_tokens)) for seq in seqs]
+        requests = [RequestState(seq, Detokenizer(self.tokenizer, seq.params.stop, seq.params.min_tokens))
+                    for seq in seqs]
         self._on_loop(lambda: self._add(requests))   # one call: all are admitted in the same step
         return [RequestStream(self._abort, r) for r in requests]
 
@@ -396,7 +397,7 @@ class BieEngine:
         def reset() -> None:
             self.blocks.reset_prefix_cache()
             # the host tier's memory goes now, with the quantisations queued before it (in order)
-            apply_moves(self.runner.pools, self.runner.host_pool, self.scheduler.take_moves())
+            self.runner.launch_moves(self.scheduler.take_moves())
 
         self._run_on_loop(reset)
 
@@ -423,7 +424,7 @@ class BieEngine:
         """Copies of the blocks a request for `ids` would hit, from either tier (on the loop thread)."""
         seq = Sequence(ids, SamplingParams(), make_generator(SamplingParams(), 0))
         # the last step's compactions may have indexed twins their quantisations have not filled yet
-        apply_moves(self.runner.pools, self.runner.host_pool, self.scheduler.take_moves())
+        self.runner.launch_moves(self.scheduler.take_moves())
         if self.runner.device.type == "cuda":   # host-tier copies are asynchronous
             torch.cuda.synchronize(self.runner.device)
         blocks = []
@@ -461,7 +462,7 @@ class BieEngine:
                 taken += 1
             else:
                 self.runner.host_pool.drop(slot)
-        apply_moves(self.runner.pools, self.runner.host_pool, self.scheduler.take_moves())
+        self.runner.launch_moves(self.scheduler.take_moves())
         return taken
 
     def _run_on_loop(self, fn: Callable[[], None]) -> None:

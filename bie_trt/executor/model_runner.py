@@ -197,15 +197,19 @@ class ModelRunner:
             for seq in seqs[:batch]:
                 seq.output_ids.append(0)
             step([(seq, 1) for seq in seqs[:batch]])
-        apply_moves(self.pools, self.host_pool, scheduler.take_moves())
+        self.launch_moves(scheduler.take_moves())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def launch_moves(self, moves: list[Move]) -> None:
+        """The block manager's quantisations and host-tier moves, in order, on this runner's pools."""
+        apply_moves(self.pools, self.host_pool, moves)
 
     def execute(self, batch: ScheduledBatch, drafts: dict[Sequence, list[int]] | None = None) -> list[torch.Tensor]:
         """One scheduled step on the device: the block manager's quantisations and host-tier moves, then its
         copies (both read blocks that later writes may reuse), then the forward. -> each chunk's logits: [V],
         or [1 + k, V] for a decode followed by its k proposals in `drafts`."""
-        apply_moves(self.pools, self.host_pool, batch.moves)
+        self.launch_moves(batch.moves)
         copy_blocks(self.pools, batch.copies)
         inputs, num_runs, all_logits = self.prepare_inputs(batch, drafts or {})
         return join_runs(self.forward(inputs, batch.layer_quantisations), num_runs, all_logits)

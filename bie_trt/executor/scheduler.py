@@ -28,9 +28,9 @@ from ..errors import EngineError
 from ..plan import bounded_fp_blocks_per_seq, step_tokens
 from .block_manager import BlockManager, Copy, Quantisation, View
 from .host_cache import HostMove
+from .sequence import Sequence, Status
 
 Move = Quantisation | HostMove   # a block move launched before a step's copies and forward
-from .sequence import Sequence, Status
 
 
 @dataclass
