@@ -3,6 +3,7 @@ command runs on a fresh clone without downloading anything."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from .errors import BieError
@@ -54,3 +55,30 @@ def load_eval_text(source: str) -> str:
     except UnicodeDecodeError as e:
         raise BieError(f"{source}: not UTF-8 text (byte {e.start}); convert it, e.g. "
                        f"`iconv -t UTF-8 {source} > text.txt`.") from None
+
+
+# Tokenizer classes transformers runs from tokenizer.json as written; others (and add_bos/add_eos settings)
+# may rebuild its post-processor, so they go through transformers itself.
+_AS_WRITTEN = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+def tokenizer_json_as_written(tokenizer_config: dict) -> bool:
+    """Whether transformers tokenizes with tokenizer.json unchanged under this tokenizer_config.json."""
+    return (tokenizer_config.get("tokenizer_class") in _AS_WRITTEN
+            and "add_bos_token" not in tokenizer_config and "add_eos_token" not in tokenizer_config)
+
+
+def text_token_ids(engine_dir: str | Path, text: str) -> list[int]:
+    """The ids the engine's tokenizer gives `text`, special tokens included as for a prompt. Read with the
+    `tokenizers` library when that is what transformers would run: importing transformers costs a
+    one-window eval seconds."""
+    engine_dir = Path(engine_dir)
+    config_path = engine_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if (engine_dir / "tokenizer.json").is_file() and tokenizer_json_as_written(config):
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(engine_dir / "tokenizer.json")).encode(text).ids
+    from .templates import load_tokenizer
+
+    return load_tokenizer(str(engine_dir))(text)["input_ids"]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from bie_trt.config import KVCacheConfig, ModelConfig
-from bie_trt.kernels.attention_ref import dense_attention_ref, paged_attention_ref, paged_prefills_dense
+from bie_trt.kernels.attention_ref import DensePrefills, dense_attention_ref, paged_attention_ref, paged_prefills_dense
 from bie_trt.kv.pool import KVPools, allocate_pools, encode_quant_block
 from bie_trt.kv.quant import dequantize_block, quantize_block
 from bie_trt.kv.rotation import rotate
@@ -227,7 +227,8 @@ def test_dense_prefills_equal_the_paged_reference_chunk_by_chunk(tile_rows: int)
     pools, prefills, pos = eval_like_step()
     q, _ = queries(list(range(len(pos))), seed=23)
     for layer in range(LAYERS):
-        dense = paged_prefills_dense(q, pools, layer, prefills, pos, SCALE, tile_rows=tile_rows)
+        plan = DensePrefills.build(prefills, pos, pools.cfg.block_size, tile_rows)
+        dense = paged_prefills_dense(q, pools, layer, plan, SCALE)
         for (s, n, table), out in zip(prefills, dense):
             expected = paged_attention_ref(q[s:s + n], pools, layer, table, pos[s:s + n], SCALE)
             assert out.shape == (n, HQ, D) and torch.isfinite(out).all()
@@ -239,6 +240,7 @@ def test_dense_prefills_read_each_chunks_own_blocks() -> None:
     pools, prefills, pos = eval_like_step()
     q, _ = queries(list(range(len(pos))), seed=24)
     first, later = prefills[1], prefills[3]
-    mixed = paged_prefills_dense(q, pools, 0, [first, (later[0], later[1], first[2])], pos, SCALE)
-    own = paged_prefills_dense(q, pools, 0, [first, later], pos, SCALE)
+    B = pools.cfg.block_size
+    mixed = paged_prefills_dense(q, pools, 0, DensePrefills.build([first, (later[0], later[1], first[2])], pos, B), SCALE)
+    own = paged_prefills_dense(q, pools, 0, DensePrefills.build([first, later], pos, B), SCALE)
     assert (mixed[0] - own[0]).abs().max().item() <= 1e-5 and (mixed[1] - own[1]).abs().max().item() > 1e-3

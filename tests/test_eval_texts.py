@@ -53,3 +53,27 @@ def test_a_text_that_is_not_there_says_what_is(source, fragments):
         load_eval_text(source)
     for f in fragments:
         assert f in str(e.value)
+
+
+def test_eval_tokenizes_as_the_engines_own_tokenizer(smollm2_engine, tmp_path):
+    """Eval reads tokenizer.json with the `tokenizers` library where transformers would run it as written:
+    the ids must be the ones the engine's tokenizer (transformers) gives a prompt."""
+    from bie_trt.eval_texts import text_token_ids
+    from bie_trt.model.synthetic import write_word_tokenizer
+    from bie_trt.templates import load_tokenizer
+
+    text = load_eval_text("builtin:python-docs")[:20_000] + "\n\n  trailing  spaces and <|im_start|> a special token "
+    for tokenizer_dir in (smollm2_engine, write_word_tokenizer(tmp_path / "words")):
+        expected = load_tokenizer(str(tokenizer_dir))(text)["input_ids"]
+        assert text_token_ids(tokenizer_dir, text) == expected and len(expected) > 1000
+
+
+def test_only_plain_tokenizer_configs_skip_transformers():
+    from bie_trt.eval_texts import tokenizer_json_as_written
+
+    assert tokenizer_json_as_written({"tokenizer_class": "TokenizersBackend", "bos_token": "<s>"})
+    assert tokenizer_json_as_written({"tokenizer_class": "PreTrainedTokenizerFast"})
+    assert not tokenizer_json_as_written({"tokenizer_class": "LlamaTokenizerFast"})
+    assert not tokenizer_json_as_written({})
+    assert not tokenizer_json_as_written({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True})
+    assert not tokenizer_json_as_written({"tokenizer_class": "TokenizersBackend", "add_eos_token": False})

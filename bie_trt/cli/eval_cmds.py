@@ -9,7 +9,7 @@ import click
 from . import main
 from .options import NON_NEGATIVE, POSITIVE, kv_options
 from ..errors import BieError
-from ..eval_texts import BUILTIN_PREFIX, BUILTIN_TEXTS, load_eval_text
+from ..eval_texts import BUILTIN_PREFIX, BUILTIN_TEXTS, load_eval_text, text_token_ids
 
 
 @main.command("eval")
@@ -46,7 +46,6 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
     from ..config import EngineConfig, KVCacheConfig, ModelConfig
     from ..engine_format import read_manifest
     from ..evaluate import ablation_variants, evaluate
-    from transformers import AutoTokenizer
 
     text = load_eval_text(text_file)
     manifest = read_manifest(engine_dir)
@@ -62,7 +61,7 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
     except ValueError as e:
         raise BieError(str(e)) from None
     variants = ablation_variants(chosen) if ablations else {chosen.dtype: chosen}
-    ids = AutoTokenizer.from_pretrained(engine_dir)(text)["input_ids"]
+    ids = text_token_ids(engine_dir, text)
     results = evaluate(engine_dir, ids, context, variants, stride=stride, max_windows=max_windows,
                        first_window=first_window, progress=not as_json)
     base_ppl = results[0].ppl

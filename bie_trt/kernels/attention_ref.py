@@ -8,6 +8,7 @@ the caller rotates q whenever the cached keys are rotated.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -70,51 +71,86 @@ def paged_attention_ref(
     return out.transpose(0, 1).reshape(T, Hq, D).to(q.dtype)
 
 
-def paged_prefills_dense(
-    q: torch.Tensor,
-    pools: KVPools,
-    layer: int,
-    prefills: list[tuple[int, int, torch.Tensor]],
-    positions: torch.Tensor,
-    scale: float,
-    tile_rows: int = 256,
-) -> list[torch.Tensor]:
-    """`paged_attention_ref` of each chunk (first row of q, rows, block table) of a step, computed as dense
-    masked attention over row tiles: the CPU path, one fused softmax per tile instead of a loop per block.
+@dataclass
+class _Tile:
+    """Consecutive chunks of a step attended together: which cached entry each column block reads, and which
+    of them each chunk reads."""
+    rows: list[tuple[int, int]]     # (first row of q, rows) of each chunk
+    take: torch.Tensor              # [column blocks] index into the step's dequantised entries
+    col_pos: torch.Tensor           # [columns] position each column holds
+    row_chunk: torch.Tensor         # [rows] the tile's chunk each row belongs to
+    row_pos: torch.Tensor           # [rows] each row's position
+    reads: torch.Tensor             # [chunks, column blocks] bool: the chunk reads that column block's entry
+    unseen: torch.Tensor | None     # [columns] bool, columns no row sees (stale slots past an end), or None
 
-    Every block the tables name is dequantised once. A tile of consecutive chunks reads the latest chunk's
-    table for each block ("base") plus, as extra columns, every other entry an earlier chunk of the tile
-    reads in its place (eval's runs see a few blocks in FP16 that later runs see quantised); the mask gives
-    each row exactly its own chunk's entries up to its position."""
-    H_kv, B = pools.k.shape[2], pools.k.shape[3]
-    pos = positions.to(device=q.device, dtype=torch.long)
-    chunks = [(s, n, torch.as_tensor(table).tolist()[:_blocks_read(pos[s:s + n], B, table)])
-              for s, n, table in prefills]
-    entries = sorted({e for _, _, table in chunks for e in table})
-    index = {e: i for i, e in enumerate(entries)}
-    staged = [side.unflatten(1, (len(entries), B)) for side in dequantize_blocks(pools, layer, entries)]
+
+@dataclass
+class DensePrefills:
+    """How the CPU path attends a step's multi-token chunks, worked out once per step (every layer reads the
+    same blocks at the same positions): the entries to dequantise and the tiles of rows with their columns."""
+    entries: list[int]
+    tiles: list[_Tile]
+    block_size: int
+
+    @classmethod
+    def build(cls, prefills: list[tuple[int, int, torch.Tensor]], positions: torch.Tensor, block_size: int,
+              tile_rows: int = 256) -> "DensePrefills":
+        """A tile of consecutive chunks reads the latest chunk's table for each block ("base") plus, as extra
+        columns, every other entry an earlier chunk of the tile reads in its place (eval's runs see a few
+        blocks in FP16 that later runs see quantised)."""
+        B = block_size
+        pos = positions.to(dtype=torch.long)
+        device = pos.device
+        chunks = [(s, n, torch.as_tensor(table).tolist()[:_blocks_read(pos[s:s + n], B, table)])
+                  for s, n, table in prefills]
+        entries = sorted({e for _, _, table in chunks for e in table})
+        index = {e: i for i, e in enumerate(entries)}
+        tiles = []
+        for tile in _row_tiles(chunks, tile_rows):
+            base: dict[int, int] = {}
+            for _, _, table in tile:
+                base.update(enumerate(table))   # the latest chunk reading a block names its base entry
+            extra = sorted({(b, e) for _, _, table in tile for b, e in enumerate(table) if e != base[b]})
+            columns = list(base.items()) + extra
+            col_pos = (torch.tensor([b for b, _ in columns], device=device)[:, None] * B
+                       + torch.arange(B, device=device)).flatten()
+            reads = torch.tensor([[b < len(table) and table[b] == e for b, e in columns] for _, _, table in tile],
+                                 device=device)
+            row_chunk = torch.cat([pos.new_full((n,), i) for i, (_, n, _) in enumerate(tile)])
+            row_pos = torch.cat([pos[s:s + n] for s, n, _ in tile])
+            t = _Tile([(s, n) for s, n, _ in tile], torch.tensor([index[e] for _, e in columns], device=device),
+                      col_pos, row_chunk, row_pos, reads, None)
+            unseen = ~_visible(t, B).any(0)
+            t.unseen = unseen if bool(unseen.any()) else None
+            tiles.append(t)
+        return cls(entries, tiles, B)
+
+
+def _visible(tile: _Tile, block_size: int) -> torch.Tensor:
+    """[rows, columns] bool: a row sees its own chunk's entries up to its position."""
+    own = tile.reads[tile.row_chunk].repeat_interleave(block_size, 1)
+    return own & (tile.col_pos[None, :] <= tile.row_pos[:, None])
+
+
+def paged_prefills_dense(q: torch.Tensor, pools: KVPools, layer: int, plan: DensePrefills,
+                         scale: float) -> list[torch.Tensor]:
+    """`paged_attention_ref` of each chunk of a step (as `plan` lays them out), computed as dense masked
+    attention over row tiles: the CPU path, one fused softmax per tile instead of a loop per block. Every
+    block the tables name is dequantised once; the mask gives each row exactly its own chunk's entries up
+    to its position."""
+    H_kv, B = pools.k.shape[2], plan.block_size
+    staged = [side.unflatten(1, (len(plan.entries), B)) for side in dequantize_blocks(pools, layer, plan.entries)]
     out = []
-    for tile in _row_tiles(chunks, tile_rows):
-        base: dict[int, int] = {}
-        for _, _, table in tile:
-            base.update(enumerate(table))   # the latest chunk reading a block names its base entry
-        extra = sorted({(b, e) for _, _, table in tile for b, e in enumerate(table) if e != base[b]})
-        blocks = [b for b in range(len(base))] + [b for b, _ in extra]
-        col_pos = (torch.tensor(blocks, device=q.device)[:, None] * B + torch.arange(B, device=q.device)).flatten()
-        reads = torch.tensor([[table[b] == e if b < len(table) else False
-                               for b, e in list(base.items()) + extra] for _, _, table in tile], device=q.device)
-        rows = torch.cat([pos.new_full((n,), i) for i, (_, n, _) in enumerate(tile)])
-        row_pos = torch.cat([pos[s:s + n] for s, n, _ in tile])
-        visible = reads[rows].repeat_interleave(B, 1) & (col_pos[None, :] <= row_pos[:, None])
-        take = torch.tensor([index[e] for e in list(base.values()) + [e for _, e in extra]], device=q.device)
-        # Slots no row sees (past a sequence's end in its last block) may hold stale data, even NaN:
-        # zero them, as the kernel's masked loads never read them.
-        unseen = ~visible.any(0)
-        k, v = (side[:, take].flatten(1, 2).masked_fill(unseen[None, :, None], 0) for side in staged)
-        qt = torch.cat([q[s:s + n] for s, n, _ in tile]).float().transpose(0, 1)
-        o = F.scaled_dot_product_attention(qt[None], k[None], v[None], attn_mask=visible, scale=scale,
+    for tile in plan.tiles:
+        k, v = (side[:, tile.take].flatten(1, 2) for side in staged)
+        if tile.unseen is not None:
+            # Slots no row sees (past a sequence's end in its last block) may hold stale data, even NaN:
+            # zero them, as the kernel's masked loads never read them.
+            k, v = (side.masked_fill_(tile.unseen[None, :, None], 0) for side in (k, v))
+        qt = torch.cat([q[s:s + n] for s, n in tile.rows]).float().transpose(0, 1)
+        o = F.scaled_dot_product_attention(qt[None], k[None], v[None], attn_mask=_visible(tile, B), scale=scale,
                                            enable_gqa=H_kv != q.shape[1])
-        out += o[0].transpose(0, 1).to(q.dtype).split([n for _, n, _ in tile])
+        out += o[0].transpose(0, 1).to(q.dtype).split([n for _, n in tile.rows])
     return out
 
 

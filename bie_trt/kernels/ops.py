@@ -8,15 +8,19 @@ them on the CPU under TRITON_INTERPRET=1); `=reference` forces the twins everywh
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..kv import quant
 from ..kv.pool import KVPools
 from . import reference as ref
-from .attention_ref import paged_decode_attention_ref, paged_prefills_dense
+from .attention_ref import DensePrefills, paged_decode_attention_ref, paged_prefills_dense
 from .int8_rows import Int8Rows
 from .w4_layout import W4Weight
+
+if TYPE_CHECKING:
+    from ..model.step_inputs import StepMetadata
 
 # The CPU path folds 64 blocks (1,024 tokens) per online-softmax step: same algorithm as the
 # one-block oracle, far fewer Python iterations.
@@ -148,14 +152,16 @@ def paged_decode_attention(q: torch.Tensor, pools: KVPools, layer: int, block_ta
     return paged_decode_attention_ref(q, pools, layer, block_tables, context_lens, scale, CPU_BLOCKS_PER_TILE)
 
 
-def paged_prefill_attentions(q: torch.Tensor, pools: KVPools, layer: int,
-                             prefills: list[tuple[int, int, torch.Tensor]], positions: torch.Tensor,
+def paged_prefill_attentions(q: torch.Tensor, pools: KVPools, layer: int, meta: StepMetadata,
                              scale: float) -> list[torch.Tensor]:
-    """Attention of each multi-token chunk of a step, (first row, tokens, table) each, q [T, H_q, D] (the
-    chunks already written). On the CPU, dense masked attention over tiles of the chunks' rows."""
+    """Attention of each multi-token chunk of a step, meta.prefills' (first row, tokens, table) each, q [T, H_q, D]
+    (the chunks already written). On the CPU, dense masked attention over tiles of the chunks' rows, laid out
+    at the first layer and kept in `meta` for the others."""
     if use_triton(q):
         from .triton_attention import paged_prefill_attention as kernel
 
-        return [kernel(q[s:s + n], pools, layer, table, positions[s:s + n], scale, config=attention_config())
-                for s, n, table in prefills]
-    return paged_prefills_dense(q, pools, layer, prefills, positions, scale)
+        return [kernel(q[s:s + n], pools, layer, table, meta.positions[s:s + n], scale, config=attention_config())
+                for s, n, table in meta.prefills]
+    if meta.dense_prefills is None:
+        meta.dense_prefills = DensePrefills.build(meta.prefills, meta.positions, pools.cfg.block_size)
+    return paged_prefills_dense(q, pools, layer, meta.dense_prefills, scale)

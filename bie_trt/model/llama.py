@@ -158,7 +158,7 @@ class LlamaModel:
         if meta.decode_rows is not None:
             out[meta.decode_rows] = ops.paged_decode_attention(q[meta.decode_rows], pools, li, meta.decode_tables,
                                                                meta.decode_lens, self.scale)
-        chunks = ops.paged_prefill_attentions(q, pools, li, meta.prefills, meta.positions, self.scale)
+        chunks = ops.paged_prefill_attentions(q, pools, li, meta, self.scale)
         for (start, n, _), rows in zip(meta.prefills, chunks):
             out[start:start + n] = rows
         return out

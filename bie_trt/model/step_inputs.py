@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.attention_ref import DensePrefills
+
 
 @dataclass
 class SeqInput:
@@ -45,6 +47,7 @@ class StepMetadata:
     logit_counts: list[int]
     rope_positions: torch.Tensor             # [T] positions RoPE rotates by: `positions` + each rope_offset
     quantise: tuple[list[int], list[int]] | None = None   # FP16 blocks, and the quantised blocks they go to
+    dense_prefills: DensePrefills | None = None   # the CPU attention's layout of `prefills`, made at the first layer
 
     @property
     def all_decode(self) -> bool:
