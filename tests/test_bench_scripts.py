@@ -2,6 +2,7 @@
 paths on a tiny model, and the numbers it writes follow from the shapes by independent arithmetic."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -59,3 +60,24 @@ def test_random_awq_checkpoint_builds_and_generates(tmp_path):
     out = BieEngine(EngineConfig(engine_dir=str(engine), device="cpu")).generate(
         "the cat is on a mat", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_bench_eval_times_the_eval_command_and_the_reference(tmp_path, smollm2_engine):
+    from bie_trt.config import KVCacheConfig
+    from bie_trt.engine_format import read_manifest
+    from bie_trt.eval_texts import load_eval_text, text_token_ids
+    from bie_trt.evaluate import evaluate
+
+    out = tmp_path / "eval.json"
+    subprocess.run([sys.executable, "scripts/bench_eval.py", "--engine", str(smollm2_engine), "--context", "48",
+                    "--reference-runs", "1", "--out", str(out)], cwd=ROOT, check=True, timeout=300, capture_output=True)
+    result = json.loads(out.read_text())
+    # the numbers are the eval command's own: the same as the library's for that window
+    kv = dataclasses.replace(KVCacheConfig(**read_manifest(smollm2_engine)["kv"]), dtype="int4_asym")
+    ids = text_token_ids(smollm2_engine, load_eval_text("builtin:python-docs"))
+    expected = evaluate(smollm2_engine, ids, 48, {kv.dtype: kv}, max_windows=1, progress=False)
+    assert [(r["label"], r["ppl"], r["kld"]) for r in result["eval"]["rows"]] == [(r.label, r.ppl, r.kld)
+                                                                                   for r in expected]
+    assert result["eval"]["seconds"] > 0 and result["reference_fp32_forward"]["seconds"] > 0
+    assert result["ratio"] == round(result["eval"]["seconds"] / result["reference_fp32_forward"]["seconds"], 2)
