@@ -32,6 +32,7 @@ from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
 from ..templates import load_tokenizer
 from ..tool_calls import ReplyParser, plan_tools, template_messages, template_renders_tools
 from .block_manager import BlockManager
+from .cache_blocks import adopt, cache_identity, copy_out
 from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
 from .model_runner import ModelRunner
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
@@ -402,68 +403,28 @@ class BieEngine:
         self._run_on_loop(reset)
 
     # -- cache files -----------------------------------------------------------------------------
-    def _cache_identity(self) -> dict:
-        """What a cache file must match to be restored here: the engine (its manifest's digest) and the
-        KV layout this run stores blocks in (the format, and the activation dtype of its FP16 blocks)."""
-        return {"engine": self.runner.manifest_digest,
-                "kv_layout": {**dataclasses.asdict(self.runner.kv_config),
-                              "fp16_block_dtype": str(self.runner.pools.k.dtype).removeprefix("torch.")}}
-
     def save_cache(self, prompt: str | list[int] | list[dict], path: str | Path, chat: bool = False) -> dict:
         """Write the prompt's KV blocks to `path` (atomically), prefilling it first unless it is cached.
         -> {"file", "tokens" (prompt tokens the file covers), "blocks", "bytes"}."""
         ids = self.encode(prompt, chat)
         self.generate(ids, SamplingParams(max_tokens=1, temperature=0))   # a hit, or the prefill that caches it
-        snapshot: list = []
-        self._run_on_loop(lambda: snapshot.extend(self._snapshot(ids)))
-        size = write_cache_file(Path(path), self._cache_identity(), ids, snapshot)
-        return {"file": str(path), "tokens": len(snapshot) * self.blocks.block_size, "blocks": len(snapshot),
+        cached: list[CachedBlock] = []
+        self._run_on_loop(lambda: cached.extend(copy_out(self.blocks, self.runner, self.scheduler, ids)))
+        size = write_cache_file(Path(path), cache_identity(self.runner), ids, cached)
+        return {"file": str(path), "tokens": len(cached) * self.blocks.block_size, "blocks": len(cached),
                 "bytes": size}
-
-    def _snapshot(self, ids: list[int]) -> list[CachedBlock]:
-        """Copies of the blocks a request for `ids` would hit, from either tier (on the loop thread)."""
-        seq = Sequence(ids, SamplingParams(), make_generator(SamplingParams(), 0))
-        # the last step's compactions may have indexed twins their quantisations have not filled yet
-        self.runner.launch_moves(self.scheduler.take_moves())
-        if self.runner.device.type == "cuda":   # host-tier copies are asynchronous
-            torch.cuda.synchronize(self.runner.device)
-        blocks = []
-        for item in self.blocks.match(seq):
-            if isinstance(item, bytes):
-                slot, quantised = self.blocks.host.blocks[item]
-                k, v = self.runner.host_pool.slots[slot]
-                key = item
-            else:
-                k, v = self.runner.host_pool.read(item)
-                quantised, key = item < 0, self.blocks.cache.key_of[item]
-            blocks.append(CachedBlock(key, quantised, k.clone(), v.clone()))
-        return blocks
 
     def load_cache(self, path: str | Path, prompt: str | list[int] | list[dict] | None = None,
                    chat: bool = False) -> dict:
         """Put a cache file's blocks into the prefix cache (on the device while it has room), so that a
         request with its prompt hits them. CacheFileError (one line) for a file this engine cannot use, or
         one saved for another prompt than `prompt` when given. -> {"file", "tokens", "blocks"}."""
-        ids, blocks = read_cache_file(Path(path), self._cache_identity())
+        ids, cached = read_cache_file(Path(path), cache_identity(self.runner))
         if prompt is not None and self.encode(prompt, chat) != ids:
             raise CacheFileError(f"{path}: saved for another prompt ({len(ids)} tokens) than this one.")
-        loaded: list[int] = []
-        self._run_on_loop(lambda: loaded.append(self._adopt(blocks)))
-        return {"file": str(path), "tokens": loaded[0] * self.blocks.block_size, "blocks": loaded[0]}
-
-    def _adopt(self, blocks: list[CachedBlock]) -> int:
-        """The blocks into the device cache, last first (so the LRU keeps a prefix's start longest); each
-        copy is launched at once, in order with the moves queued before it. -> blocks taken."""
-        taken = 0
-        for block in reversed(blocks):
-            slot = self.blocks.new_slot()
-            self.runner.host_pool.put(slot, block.k, block.v)
-            if self.blocks.adopt(block.key, block.quantised, slot):
-                taken += 1
-            else:
-                self.runner.host_pool.drop(slot)
-        self.runner.launch_moves(self.scheduler.take_moves())
-        return taken
+        taken: list[int] = []
+        self._run_on_loop(lambda: taken.append(adopt(self.blocks, self.runner, self.scheduler, cached)))
+        return {"file": str(path), "tokens": taken[0] * self.blocks.block_size, "blocks": taken[0]}
 
     def _run_on_loop(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the loop thread between steps and wait for it; its exception is raised here."""
