@@ -241,6 +241,7 @@ def test_dense_prefills_read_each_chunks_own_blocks() -> None:
     q, _ = queries(list(range(len(pos))), seed=24)
     first, later = prefills[1], prefills[3]
     B = pools.cfg.block_size
-    mixed = paged_prefills_dense(q, pools, 0, DensePrefills.build([first, (later[0], later[1], first[2])], pos, B), SCALE)
+    swapped = (later[0], later[1], first[2])
+    mixed = paged_prefills_dense(q, pools, 0, DensePrefills.build([first, swapped], pos, B), SCALE)
     own = paged_prefills_dense(q, pools, 0, DensePrefills.build([first, later], pos, B), SCALE)
     assert (mixed[0] - own[0]).abs().max().item() <= 1e-5 and (mixed[1] - own[1]).abs().max().item() > 1e-3
