@@ -16,7 +16,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -26,6 +26,8 @@ MAGIC = b"BIEKVC"
 VERSION = 1
 _PREFIX = struct.Struct("<6sHQ")   # magic, version, header length
 _DIGEST = 32
+# what blocks are stored in: FP16-tier blocks in the activation dtype, quantised ones packed in bytes
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.uint8)}
 
 
 class CacheFileError(BieError):
@@ -72,7 +74,7 @@ def write_cache_file(path: Path, identity: dict[str, Any], token_ids: list[int],
 
 def _side_bytes(spec: dict) -> int:
     """Bytes of one side (K or V) of a block with the header's {"shape", "dtype"}."""
-    return torch.Size(spec["shape"]).numel() * torch.empty(0, dtype=getattr(torch, spec["dtype"])).element_size()
+    return torch.Size(spec["shape"]).numel() * _DTYPES[spec["dtype"]].itemsize
 
 
 def _expected_size(header_len: int, header: dict) -> int:
@@ -81,43 +83,59 @@ def _expected_size(header_len: int, header: dict) -> int:
 
 
 def read_cache_file(path: Path, identity: dict[str, Any]) -> tuple[list[int], list[CachedBlock]]:
-    """The prompt's token ids and its blocks, or CacheFileError naming why this engine cannot use the file."""
+    """The prompt's token ids and its blocks, or CacheFileError naming why this engine cannot use the file.
+    Read block by block into the blocks' own tensors, hashing as it goes: a 64k-token prompt's file is
+    gigabytes, and it is never held twice."""
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            return _read(f, os.fstat(f.fileno()).st_size, path, identity)
     except OSError as e:
         raise CacheFileError(f"{path}: cannot read it ({e.strerror}).") from None
-    if len(data) < _PREFIX.size + _DIGEST:
-        raise CacheFileError(f"{path}: truncated ({len(data)} bytes); save the cache again.")
-    magic, version, header_len = _PREFIX.unpack_from(data)
+
+
+def _read(f: BinaryIO, size: int, path: Path, identity: dict[str, Any]) -> tuple[list[int], list[CachedBlock]]:
+    if size < _PREFIX.size + _DIGEST:
+        raise CacheFileError(f"{path}: truncated ({size} bytes); save the cache again.")
+    prefix = f.read(_PREFIX.size)
+    magic, version, header_len = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise CacheFileError(f"{path}: not a bie-trt KV cache file.")
-    if _PREFIX.size + header_len + _DIGEST > len(data):
-        raise CacheFileError(f"{path}: truncated ({len(data):,} bytes, less than its header); save the cache again.")
-    header = None
-    try:
-        header = json.loads(data[_PREFIX.size:_PREFIX.size + header_len])
+    if _PREFIX.size + header_len + _DIGEST > size:
+        raise CacheFileError(f"{path}: truncated ({size:,} bytes, less than its header); save the cache again.")
+    raw_header = f.read(header_len)
+    try:   # a damaged header may not parse: the checksum below then says so
+        header = json.loads(raw_header)
         expected = _expected_size(header_len, header)
+        layout = [(bytes.fromhex(b["key"]), b["quantised"], header["tensors"][str(b["quantised"])])
+                  for b in header["blocks"]]
     except (ValueError, KeyError, TypeError, AttributeError):
         expected = None
-    if expected is not None and len(data) < expected:
-        raise CacheFileError(f"{path}: truncated ({len(data):,} of {expected:,} bytes); save the cache again.")
-    if hashlib.sha256(data[:-_DIGEST]).digest() != data[-_DIGEST:] or expected != len(data):
-        raise CacheFileError(f"{path}: checksum mismatch, the file is damaged; save the cache again.")
+    if expected is not None and size < expected:
+        raise CacheFileError(f"{path}: truncated ({size:,} of {expected:,} bytes); save the cache again.")
+    damaged = CacheFileError(f"{path}: checksum mismatch, the file is damaged; save the cache again.")
+    if expected != size:
+        raise damaged
+    digest = hashlib.sha256(prefix)
+    digest.update(raw_header)
+    blocks = []
+    for key, quantised, spec in layout:
+        sides = []
+        for _ in range(2):
+            raw = torch.empty(_side_bytes(spec), dtype=torch.uint8)
+            view = memoryview(raw.numpy())
+            if f.readinto(view) != len(view):
+                raise damaged   # (shorter than it was a moment ago)
+            digest.update(view)
+            sides.append(raw.view(_DTYPES[spec["dtype"]]).reshape(spec["shape"]))
+        blocks.append(CachedBlock(key, quantised, sides[0], sides[1]))
+    if digest.digest() != f.read(_DIGEST):
+        raise damaged
     if version != VERSION:
         raise CacheFileError(f"{path}: cache file format version {version}; this bie-trt reads version {VERSION}.")
     for name, want in identity.items():
         if header.get(name) != want:
             raise CacheFileError(f"{path}: saved by {_describe(name, header.get(name))}, but this engine has "
                                  f"{_describe(name, want)}; restore it into the engine that saved it.")
-    blocks, at = [], _PREFIX.size + header_len
-    for b in header["blocks"]:
-        spec = header["tensors"][str(b["quantised"])]
-        n, sides = _side_bytes(spec), []
-        for _ in range(2):
-            raw = torch.frombuffer(bytearray(data[at:at + n]), dtype=torch.uint8)
-            sides.append(raw.view(getattr(torch, spec["dtype"])).reshape(spec["shape"]))
-            at += n
-        blocks.append(CachedBlock(bytes.fromhex(b["key"]), b["quantised"], sides[0], sides[1]))
     return header["token_ids"], blocks
 
 
