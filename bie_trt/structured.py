@@ -218,6 +218,16 @@ class LogitsConstraint:
         """Advance the grammar with a proposed token if it allows it; False (and no change) if not."""
         return self.grammar is None or self.grammar.accept(token)
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar takes from its current state (which it keeps)."""
+        taken = 0
+        try:
+            while taken < len(tokens) and self.try_accept(tokens[taken]):
+                taken += 1
+        finally:
+            self.rollback(taken)
+        return taken
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens."""
         if self.grammar is not None:

@@ -57,7 +57,8 @@ def plain(tiny_engine) -> torch.Tensor:
     return histograms(tiny_engine, {"method": "none"})[0]
 
 
-def histograms(engine_dir: Path, speculative: dict | None) -> tuple[torch.Tensor, dict]:
+def histograms(engine_dir: Path, speculative: dict | None, logit_bias: dict[int, float] | None = None
+               ) -> tuple[torch.Tensor, dict]:
     engine = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu", max_num_seqs=64,
                                     speculative=speculative))
     # The model's own greedy chains from every token: lookup then proposes what the model finds likely, so
@@ -65,8 +66,8 @@ def histograms(engine_dir: Path, speculative: dict | None) -> tuple[torch.Tensor
     heads = [[t] for t in range(3, 48)]
     chains = engine.generate(heads, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     prompt = [t for head, out in zip(heads, chains) for t in head + out.token_ids]
-    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=POSITIONS, ignore_eos=True, seed=i)
-              for i in range(N)]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=POSITIONS, ignore_eos=True, seed=i,
+                             logit_bias=logit_bias) for i in range(N)]
     outs = engine.generate([prompt] * N, params)
     tokens = torch.tensor([o.token_ids for o in outs])   # [N, POSITIONS]
     vocab = engine.runner.model_config.vocab_size
@@ -97,6 +98,21 @@ def test_positions_1_to_4_have_the_same_distribution_with_and_without_speculatio
     spec, counters = histograms(tiny_engine, speculative)   # None: the engine's default, n-gram with num_speculative_tokens 3
     assert len(counters["accepted_by_position"]) == 3
     # Speculation ran and both outcomes happened often: proposals accepted and rejected.
+    assert counters["num_draft_tokens"] > N
+    assert 0.05 < counters["num_accepted_tokens"] / counters["num_draft_tokens"] < 0.95
+    p_values = [two_sample_p_value(plain[i], spec[i]) for i in range(POSITIONS)]
+    assert min(p_values) > 1e-3, p_values
+
+
+# Up on some of the likeliest tokens, down on others: the draft now proposes under the request's logit_bias
+# (as it does under its grammar), so its q is the biased one, and the target's p is biased too.
+BIAS = {5: 1.5, 9: -2.0, 17: 1.0, 30: -1.0}
+
+
+@pytest.mark.slow
+def test_a_draft_proposing_under_logit_bias_keeps_the_distribution(tiny_engine):
+    plain, _ = histograms(tiny_engine, {"method": "none"}, BIAS)
+    spec, counters = histograms(tiny_engine, {"method": "draft_model", "num_speculative_tokens": 3}, BIAS)
     assert counters["num_draft_tokens"] > N
     assert 0.05 < counters["num_accepted_tokens"] / counters["num_draft_tokens"] < 0.95
     p_values = [two_sample_p_value(plain[i], spec[i]) for i in range(POSITIONS)]

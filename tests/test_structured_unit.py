@@ -206,3 +206,16 @@ def test_verify_under_sampling_keeps_allowed_drafts_and_rolls_back(compiler, tok
     for t in tokens:   # the engine then advances the grammar with what was emitted
         c.accept(t)
     assert c.finished
+
+
+def test_allowed_prefix_counts_what_the_grammar_takes_and_keeps_its_state(compiler, tokenizer):
+    """What the engine cuts proposals with: a draft the grammar refuses, and all after it, are never verified."""
+    a, b = ids(tokenizer, "a")[0], ids(tokenizer, "b")[0]
+    c = constraint(compiler, StructuredOutputs(regex="ab|ba"))
+    assert c.allowed_prefix([a, b, EOS, a]) == 3   # nothing follows the stop token
+    assert c.allowed_prefix([a, a, b]) == 1
+    assert c.allowed_prefix([EOS]) == 0            # not before the grammar is complete
+    assert c.grammar.num_accepted == 0 and not c.finished
+    c.accept(b)
+    assert c.allowed_prefix([a, EOS]) == 2 and c.grammar.num_accepted == 1
+    assert constraint(compiler, logit_bias={a: -5.0}).allowed_prefix([a, b, a]) == 3   # no grammar: all of them

@@ -254,7 +254,8 @@ class BieEngine:
         return sample_next(logits, seq.params, generator, seq.prompt_ids, seq.output_ids, seq.constraint)
 
     def _propose(self, lookahead: dict[Sequence, int]) -> dict[Sequence, Proposal]:
-        """Proposals for the decodes the scheduler kept room for; empty ones are left out."""
+        """Proposals for the decodes the scheduler kept room for, each cut where its grammar refuses a token
+        (the target could never accept it: verifying it is wasted); empty ones are left out."""
         if not lookahead or self.proposer is None:
             return {}
         seqs = list(lookahead)
@@ -263,6 +264,10 @@ class BieEngine:
             if len(proposal.token_ids) > lookahead[seq]:
                 raise RuntimeError(f"the proposer returned {len(proposal.token_ids)} tokens where "
                                    f"{lookahead[seq]} fit (a proposer bug)")
+            if seq.constraint is not None and proposal.token_ids:
+                keep = seq.constraint.allowed_prefix(proposal.token_ids)
+                proposal.token_ids = proposal.token_ids[:keep]
+                proposal.probs = None if proposal.probs is None else proposal.probs[:keep]
         return {seq: p for seq, p in zip(seqs, proposals) if p.token_ids}
 
     def _count_spec(self, seq: Sequence, proposed: int, accepted: int) -> None:

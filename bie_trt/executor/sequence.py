@@ -73,7 +73,7 @@ class Sequence:
     def proposal_request(self, num_tokens: int) -> ProposalRequest:
         """What a proposer is asked for this sequence: its tokens, and up to `num_tokens` proposals."""
         return ProposalRequest(self, self.prompt_ids, self.output_ids, num_tokens, self.params,
-                               self.generator.initial_seed())
+                               self.generator.initial_seed(), self.constraint)
 
     @property
     def is_finished(self) -> bool:

@@ -32,9 +32,11 @@ from ..config import KVCacheConfig, ModelConfig
 from ..errors import EngineError
 from ..kernels.int8_rows import Int8Rows
 from ..kv.pool import allocate_pools
-from ..model.llama import LlamaModel, SeqInput
+from ..model.llama import LlamaModel
+from ..model.step_inputs import SeqInput
 from ..plan import draft_kv_blocks_per_seq
 from ..sampling import draw, process_logits
+from ..structured import GrammarError
 from .proposer import Proposal, ProposalRequest, TargetRuntime
 from .request_vocab import RequestVocab
 
@@ -103,6 +105,20 @@ class DraftModelProposer:
         proposals = [Proposal([], None) for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         feeds = {i: self._sync(r) for i, r in enumerate(requests) if r.num_tokens > 0}
+        try:
+            self._draft(requests, feeds, proposals, probs)
+        finally:   # the grammars back where they were: the target's verification walks them itself
+            for request, proposal in zip(requests, proposals):
+                if request.constraint is not None:
+                    request.constraint.rollback(len(proposal.token_ids))
+        for p, q in zip(proposals, probs):
+            p.probs = torch.stack(q) if q else None
+        return proposals
+
+    def _draft(self, requests: Seq[ProposalRequest], feeds: dict[int, list[tuple[int, int]]],
+               proposals: list[Proposal], probs: list[list[torch.Tensor]]) -> None:
+        """Run the draft over each request's unseen tokens, then one proposal after another; each proposal
+        advances its request's grammar."""
         while feeds:
             budget, inputs, fed = self.chunked_prefill_size, [], []
             for i, feed in feeds.items():
@@ -118,17 +134,19 @@ class DraftModelProposer:
                 if feeds[i]:
                     continue   # more of its context first
                 request, state = requests[i], self.seqs[requests[i].key]
-                token, q = self._sample(request, state, self._logits(state, row), proposals[i].token_ids)
+                drawn = self._sample(request, state, self._logits(state, row), proposals[i].token_ids)
+                if drawn is None:   # the grammar allows nothing the draft can say
+                    del feeds[i]
+                    continue
+                token, q = drawn
                 proposals[i].token_ids.append(token)
                 if q is not None:
                     probs[i].append(q)
-                if len(proposals[i].token_ids) < request.num_tokens:
+                done = request.constraint is not None and request.constraint.finished
+                if len(proposals[i].token_ids) < request.num_tokens and not done:
                     feeds[i] = [(state.pos[-1] + 1, token)]
                 else:
                     del feeds[i]
-        for p, q in zip(proposals, probs):
-            p.probs = torch.stack(q) if q else None
-        return proposals
 
     def free(self, key: Hashable) -> None:
         state = self.seqs.pop(key, None)
@@ -262,9 +280,19 @@ class DraftModelProposer:
 
     @staticmethod
     def _sample(request: ProposalRequest, state: _DraftSeq, full: torch.Tensor, proposed: list[int]
-                ) -> tuple[int, torch.Tensor | None]:
+                ) -> tuple[int, torch.Tensor | None] | None:
         """One proposal from the draft's logits (over the whole vocabulary, -inf outside its own),
-        processed as the target's are; returns q (None when greedy: q is one-hot)."""
-        full = process_logits(full, request.params, request.prompt_ids, request.output_ids + proposed)
+        processed as the target's are, its grammar's mask included, and taken by the grammar; returns q
+        (None when greedy: q is one-hot). None when the grammar leaves the draft nothing to propose."""
+        constraint = request.constraint
+        try:
+            full = process_logits(full, request.params, request.prompt_ids, request.output_ids + proposed,
+                                  constraint)
+        except GrammarError:   # the target's own step meets it and ends the request
+            return None
+        if constraint is not None and not bool(torch.isfinite(full).any()):
+            return None
         token, q = draw(full, request.params, state.generator)
+        if constraint is not None and not constraint.try_accept(int(token)):
+            return None
         return int(token), q

@@ -3,11 +3,14 @@ the target's runtime. Proposers see token arrays and sizes only, never the execu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Protocol, Sequence as Seq
+from typing import TYPE_CHECKING, Hashable, Protocol, Sequence as Seq
 
 import torch
 
 from ..config import KVCacheConfig, SamplingParams
+
+if TYPE_CHECKING:
+    from ..structured import LogitsConstraint
 
 
 @dataclass
@@ -20,6 +23,9 @@ class ProposalRequest:
     num_tokens: int          # at most this many proposals
     params: SamplingParams   # the target's sampling, which a draft's proposals follow
     seed: int                # the request's seed (a draft salts its own from it)
+    # What the target's sampling forbids or favours (logit_bias, min_tokens, the grammar at its current
+    # state): a draft proposes under it too, and leaves the grammar where it found it.
+    constraint: LogitsConstraint | None = None
 
     @property
     def num_total(self) -> int:
