@@ -57,15 +57,23 @@ def load_eval_text(source: str) -> str:
                        f"`iconv -t UTF-8 {source} > text.txt`.") from None
 
 
-# Tokenizer classes transformers runs from tokenizer.json as written; others (and add_bos/add_eos settings)
-# may rebuild its post-processor, so they go through transformers itself.
+# Tokenizer classes transformers runs from tokenizer.json as written. Config keys that rebuild its
+# post-processor or add tokens, and special tokens the file does not list, send a tokenizer through
+# transformers itself.
 _AS_WRITTEN = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+_REBUILDS = ("add_bos_token", "add_eos_token", "added_tokens_decoder", "additional_special_tokens",
+             "extra_special_tokens", "split_special_tokens")
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
-def tokenizer_json_as_written(tokenizer_config: dict) -> bool:
-    """Whether transformers tokenizes with tokenizer.json unchanged under this tokenizer_config.json."""
+def tokenizer_json_as_written(tokenizer_config: dict, added_tokens: set[str]) -> bool:
+    """Whether transformers tokenizes with tokenizer.json unchanged under this tokenizer_config.json, given the
+    file's added tokens: a class that runs the file as it is, no key that changes it, and every special token
+    the config names already one of the file's added tokens."""
+    specials = [tokenizer_config[k] for k in _SPECIAL if tokenizer_config.get(k) is not None]
     return (tokenizer_config.get("tokenizer_class") in _AS_WRITTEN
-            and "add_bos_token" not in tokenizer_config and "add_eos_token" not in tokenizer_config)
+            and not any(k in tokenizer_config for k in _REBUILDS)
+            and all(isinstance(t, str) and t in added_tokens for t in specials))
 
 
 def text_token_ids(engine_dir: str | Path, text: str) -> list[int]:
@@ -73,12 +81,17 @@ def text_token_ids(engine_dir: str | Path, text: str) -> list[int]:
     `tokenizers` library when that is what transformers would run: importing transformers costs a
     one-window eval seconds."""
     engine_dir = Path(engine_dir)
-    config_path = engine_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    if (engine_dir / "tokenizer.json").is_file() and tokenizer_json_as_written(config):
-        from tokenizers import Tokenizer
+    config_path, file = engine_dir / "tokenizer_config.json", engine_dir / "tokenizer.json"
+    if config_path.is_file() and file.is_file():
+        config = json.loads(config_path.read_text())
+        added = {t["content"] for t in json.loads(file.read_text()).get("added_tokens") or []}
+        if tokenizer_json_as_written(config, added):
+            from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(engine_dir / "tokenizer.json")).encode(text).ids
+            tokenizer = Tokenizer.from_file(str(file))
+            tokenizer.no_truncation()   # as transformers runs it for one text
+            tokenizer.no_padding()
+            return tokenizer.encode(text).ids
     from .templates import load_tokenizer
 
     return load_tokenizer(str(engine_dir))(text)["input_ids"]

@@ -28,8 +28,10 @@ def time_eval(engine: str, text: str, context: int) -> dict:
     cmd = [sys.executable, "-m", "bie_trt.cli", "eval", "--engine", engine, "--text", text, "--context", str(context),
            "--max-windows", "1", "--json"]
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - start
+    if done.returncode:
+        sys.exit(f"bench_eval: the eval command failed: {' '.join(cmd[1:])}\n{done.stderr.strip()}")
     result = json.loads(done.stdout)
     return {"seconds": round(seconds, 2), "command": " ".join(cmd[1:]),
             "rows": [{k: r[k] for k in ("label", "ppl", "kld")} for r in result["rows"]]}

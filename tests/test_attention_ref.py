@@ -226,8 +226,8 @@ def eval_like_step() -> tuple[KVPools, list[tuple[int, int, torch.Tensor]], torc
 def test_dense_prefills_equal_the_paged_reference_chunk_by_chunk(tile_rows: int) -> None:
     pools, prefills, pos = eval_like_step()
     q, _ = queries(list(range(len(pos))), seed=23)
+    plan = DensePrefills.build(prefills, pos, pools.cfg.block_size, tile_rows)   # once for every layer, as a step
     for layer in range(LAYERS):
-        plan = DensePrefills.build(prefills, pos, pools.cfg.block_size, tile_rows)
         dense = paged_prefills_dense(q, pools, layer, plan, SCALE)
         for (s, n, table), out in zip(prefills, dense):
             expected = paged_attention_ref(q[s:s + n], pools, layer, table, pos[s:s + n], SCALE)

@@ -51,7 +51,33 @@ def test_every_damaged_header_byte_and_a_damaged_block_are_refused_in_one_line(t
         path.write_bytes(bytes(flipped))
         with pytest.raises(CacheFileError) as e:
             read_cache_file(path, IDENTITY)
-        assert "\n" not in str(e.value) and str(path) in str(e.value), at
+        message = str(e.value)
+        assert "\n" not in message and message.startswith(f"{path}: "), at
+        # the magic is read first; a header length or block size past the end is truncation; all else, a checksum
+        causes = ["not a bie-trt KV cache file"] if at < 6 else ["truncated", "checksum mismatch"] if at < 16 \
+            else ["checksum mismatch", "truncated"] if at < header_end else ["checksum mismatch"]
+        assert any(c in message for c in causes), (at, message)
+
+
+def written(path: Path, header: dict, version: int = 1, payload: bytes = b"") -> Path:
+    """A file whose checksum holds over whatever header it is given."""
+    import hashlib
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    body = struct.pack("<6sHQ", b"BIEKVC", version, len(raw)) + raw + payload
+    path.write_bytes(body + hashlib.sha256(body).digest())
+    return path
+
+
+def test_a_whole_file_with_a_header_this_version_cannot_read_says_so(tmp_path):
+    no_ids = written(tmp_path / "no-ids.kvc", {**IDENTITY, "tensors": {}, "blocks": []})
+    with pytest.raises(CacheFileError, match="its header does not describe its blocks"):
+        read_cache_file(no_ids, IDENTITY)
+    later = written(tmp_path / "v2.kvc", {**IDENTITY, "token_ids": [1], "layers": [{"k": 4}]}, 2, b"\0" * 64)
+    with pytest.raises(CacheFileError, match="format version 2; this bie-trt reads version 1"):
+        read_cache_file(later, IDENTITY)
 
 
 def test_a_file_is_read_block_by_block(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -57,23 +58,42 @@ def test_a_text_that_is_not_there_says_what_is(source, fragments):
 
 def test_eval_tokenizes_as_the_engines_own_tokenizer(smollm2_engine, tmp_path):
     """Eval reads tokenizer.json with the `tokenizers` library where transformers would run it as written:
-    the ids must be the ones the engine's tokenizer (transformers) gives a prompt."""
+    the ids must be the ones the engine's tokenizer (transformers) gives a prompt, also where the file
+    carries truncation and padding and where the config names special tokens the file does not list."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
     from bie_trt.eval_texts import text_token_ids
     from bie_trt.model.synthetic import write_word_tokenizer
     from bie_trt.templates import load_tokenizer
 
-    text = load_eval_text("builtin:python-docs")[:20_000] + "\n\n  trailing  spaces and <|im_start|> a special token "
-    for tokenizer_dir in (smollm2_engine, write_word_tokenizer(tmp_path / "words")):
+    truncating = tmp_path / "truncating"
+    truncating.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(smollm2_engine) / name, truncating / name)
+    saved = Tokenizer.from_file(str(truncating / "tokenizer.json"))
+    saved.enable_truncation(8)
+    saved.enable_padding(length=64)
+    saved.save(str(truncating / "tokenizer.json"))
+    text = load_eval_text("builtin:python-docs")[:20_000] + "\n\n  trailing  spaces, <|im_start|> <s> the </s> a "
+    for tokenizer_dir in (smollm2_engine, truncating, write_word_tokenizer(tmp_path / "words")):
         expected = load_tokenizer(str(tokenizer_dir))(text)["input_ids"]
-        assert text_token_ids(tokenizer_dir, text) == expected and len(expected) > 1000
+        assert text_token_ids(tokenizer_dir, text) == expected and len(expected) > 1000, tokenizer_dir
 
 
 def test_only_plain_tokenizer_configs_skip_transformers():
     from bie_trt.eval_texts import tokenizer_json_as_written
 
-    assert tokenizer_json_as_written({"tokenizer_class": "TokenizersBackend", "bos_token": "<s>"})
-    assert tokenizer_json_as_written({"tokenizer_class": "PreTrainedTokenizerFast"})
-    assert not tokenizer_json_as_written({"tokenizer_class": "LlamaTokenizerFast"})
-    assert not tokenizer_json_as_written({})
-    assert not tokenizer_json_as_written({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True})
-    assert not tokenizer_json_as_written({"tokenizer_class": "TokenizersBackend", "add_eos_token": False})
+    added = {"<s>", "</s>"}
+    assert tokenizer_json_as_written({"tokenizer_class": "TokenizersBackend", "bos_token": "<s>"}, added)
+    assert tokenizer_json_as_written({"tokenizer_class": "PreTrainedTokenizerFast"}, set())
+    assert not tokenizer_json_as_written({"tokenizer_class": "LlamaTokenizerFast"}, added)
+    assert not tokenizer_json_as_written({}, added)
+    assert not tokenizer_json_as_written({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True}, added)
+    assert not tokenizer_json_as_written({"tokenizer_class": "TokenizersBackend", "add_eos_token": False}, added)
+    assert not tokenizer_json_as_written({"tokenizer_class": "TokenizersBackend", "unk_token": "<unk>"}, added)
+    assert not tokenizer_json_as_written({"tokenizer_class": "TokenizersBackend", "bos_token": {"content": "<s>"}},
+                                         added)
+    assert not tokenizer_json_as_written({"tokenizer_class": "TokenizersBackend", "extra_special_tokens": ["<x>"]},
+                                         added)

@@ -97,6 +97,8 @@ def _read(f: BinaryIO, size: int, path: Path, identity: dict[str, Any]) -> tuple
     if size < _PREFIX.size + _DIGEST:
         raise CacheFileError(f"{path}: truncated ({size} bytes); save the cache again.")
     prefix = f.read(_PREFIX.size)
+    if len(prefix) < _PREFIX.size:   # (shorter than it was a moment ago)
+        raise CacheFileError(f"{path}: truncated ({len(prefix)} bytes); save the cache again.")
     magic, version, header_len = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise CacheFileError(f"{path}: not a bie-trt KV cache file.")
@@ -108,15 +110,22 @@ def _read(f: BinaryIO, size: int, path: Path, identity: dict[str, Any]) -> tuple
         expected = _expected_size(header_len, header)
         layout = [(bytes.fromhex(b["key"]), b["quantised"], header["tensors"][str(b["quantised"])])
                   for b in header["blocks"]]
+        token_ids = [int(t) for t in header["token_ids"]]
     except (ValueError, KeyError, TypeError, AttributeError):
         expected = None
     if expected is not None and size < expected:
         raise CacheFileError(f"{path}: truncated ({size:,} of {expected:,} bytes); save the cache again.")
     damaged = CacheFileError(f"{path}: checksum mismatch, the file is damaged; save the cache again.")
-    if expected != size:
-        raise damaged
     digest = hashlib.sha256(prefix)
     digest.update(raw_header)
+    if expected != size:   # the header does not describe this file: damaged, or a layout this bie-trt cannot read
+        if not _rest_matches(f, digest, size - _PREFIX.size - header_len - _DIGEST):
+            raise damaged
+        if version != VERSION:
+            raise CacheFileError(f"{path}: cache file format version {version}; this bie-trt reads version "
+                                 f"{VERSION}.")
+        raise CacheFileError(f"{path}: its header does not describe its blocks (not written by bie-trt?); "
+                             f"save the cache again.")
     blocks = []
     for key, quantised, spec in layout:
         sides = []
@@ -136,7 +145,18 @@ def _read(f: BinaryIO, size: int, path: Path, identity: dict[str, Any]) -> tuple
         if header.get(name) != want:
             raise CacheFileError(f"{path}: saved by {_describe(name, header.get(name))}, but this engine has "
                                  f"{_describe(name, want)}; restore it into the engine that saved it.")
-    return header["token_ids"], blocks
+    return token_ids, blocks
+
+
+def _rest_matches(f: BinaryIO, digest: "hashlib._Hash", payload: int) -> bool:
+    """Whether the rest of the file (payload bytes, then the digest) hashes as written, read in pieces."""
+    while payload > 0:
+        piece = f.read(min(payload, 1 << 20))
+        if not piece:
+            return False
+        digest.update(piece)
+        payload -= len(piece)
+    return digest.digest() == f.read(_DIGEST)
 
 
 def _describe(name: str, value: Any) -> str:
