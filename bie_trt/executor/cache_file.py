@@ -105,7 +105,7 @@ def _read(f: BinaryIO, size: int, path: Path, identity: dict[str, Any]) -> tuple
     if _PREFIX.size + header_len + _DIGEST > size:
         raise CacheFileError(f"{path}: truncated ({size:,} bytes, less than its header); save the cache again.")
     raw_header = f.read(header_len)
-    try:   # a damaged header may not parse: the checksum below then says so
+    try:   # a header may not parse: the checksum below tells damage from a layout this version cannot read
         header = json.loads(raw_header)
         expected = _expected_size(header_len, header)
         layout = [(bytes.fromhex(b["key"]), b["quantised"], header["tensors"][str(b["quantised"])])
@@ -116,14 +116,15 @@ def _read(f: BinaryIO, size: int, path: Path, identity: dict[str, Any]) -> tuple
     if expected is not None and size < expected:
         raise CacheFileError(f"{path}: truncated ({size:,} of {expected:,} bytes); save the cache again.")
     damaged = CacheFileError(f"{path}: checksum mismatch, the file is damaged; save the cache again.")
+    other_version = CacheFileError(f"{path}: cache file format version {version}; this bie-trt reads version "
+                                   f"{VERSION}.")
     digest = hashlib.sha256(prefix)
     digest.update(raw_header)
     if expected != size:   # the header does not describe this file: damaged, or a layout this bie-trt cannot read
         if not _rest_matches(f, digest, size - _PREFIX.size - header_len - _DIGEST):
             raise damaged
         if version != VERSION:
-            raise CacheFileError(f"{path}: cache file format version {version}; this bie-trt reads version "
-                                 f"{VERSION}.")
+            raise other_version
         raise CacheFileError(f"{path}: its header does not describe its blocks (not written by bie-trt?); "
                              f"save the cache again.")
     blocks = []
@@ -140,7 +141,7 @@ def _read(f: BinaryIO, size: int, path: Path, identity: dict[str, Any]) -> tuple
     if digest.digest() != f.read(_DIGEST):
         raise damaged
     if version != VERSION:
-        raise CacheFileError(f"{path}: cache file format version {version}; this bie-trt reads version {VERSION}.")
+        raise other_version
     for name, want in identity.items():
         if header.get(name) != want:
             raise CacheFileError(f"{path}: saved by {_describe(name, header.get(name))}, but this engine has "
