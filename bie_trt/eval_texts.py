@@ -83,12 +83,11 @@ def text_token_ids(engine_dir: str | Path, text: str) -> list[int]:
     engine_dir = Path(engine_dir)
     config_path, file = engine_dir / "tokenizer_config.json", engine_dir / "tokenizer.json"
     if config_path.is_file() and file.is_file():
-        config = json.loads(config_path.read_text())
-        added = {t["content"] for t in json.loads(file.read_text()).get("added_tokens") or []}
-        if tokenizer_json_as_written(config, added):
-            from tokenizers import Tokenizer
+        from tokenizers import Tokenizer
 
-            tokenizer = Tokenizer.from_file(str(file))
+        tokenizer = Tokenizer.from_file(str(file))
+        added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+        if tokenizer_json_as_written(json.loads(config_path.read_text()), added):
             tokenizer.no_truncation()   # as transformers runs it for one text
             tokenizer.no_padding()
             return tokenizer.encode(text).ids
