@@ -30,9 +30,12 @@ from bie_trt.kernels.triton_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
+    paged_tile_attention,
+    paged_tile_attention_ref,
 )
 from bie_trt.kv.pool import KVPools, allocate_pools, encode_quant_block  # noqa: E402
 from bie_trt.kv.quant import quantize_block  # noqa: E402
+from bie_trt.model.step_inputs import StepTiles  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not available(), reason="triton is not importable (or no CUDA and no interpreter)")
 
@@ -226,6 +229,66 @@ def test_prefill_fp16_speculative_verify(variant: str) -> None:
     positions = torch.arange(48, 52, dtype=torch.int32, device=DEVICE)
     out = paged_prefill_attention(q, pools, 0, table, positions, SCALE, config={"variant": variant})
     assert_close(out, paged_attention_ref(q, pools, 0, table, positions, SCALE))
+
+
+def verify_step(dtype: str, group: int, act: torch.dtype = torch.float32, seed: int = 19
+                ) -> tuple[KVPools, list[tuple[list[int], list[int]]], torch.Tensor]:
+    """A tiled step's (table, positions) inputs and q: a verify of 6 rows (34..39) of a 40-token sequence
+    crossing a window block, so rows 34, 35 read block 1 in FP16 and rows 36.. read its quantised twin
+    (two views of one cache); a decode row beside it; and a 10-row verify, more than one query tile."""
+    pools = poisoned_pools(dtype, group, act)
+    cache = Cache(pools, seed)
+    crossing = cache.sequence(40, set())
+    twin = list(crossing)
+    if pools.k_q is not None:
+        qb = cache.q_free.pop()
+        quantize_block(pools, None, crossing[1], qb)
+        twin[1] = encode_quant_block(qb)
+    decode, long_verify = cache.sequence(21, {0}), cache.sequence(40, {1})
+    inputs = [(crossing, list(range(34, 36))), (twin, list(range(36, 40))), (decode, [20]),
+              (long_verify, list(range(30, 40)))]
+    rows = sum(len(p) for _, p in inputs)
+    q = torch.randn(rows, HQ, D, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, act)
+    return pools, inputs, q
+
+
+def tiled(inputs: list[tuple[list[int], list[int]]], pad_tiles: int = 0) -> tuple[torch.Tensor, ...]:
+    """(tiles, tables, positions) of `inputs` as `StepMetadata.build` lays them out, with `pad_tiles` empty
+    tiles after them (a CUDA graph's padding)."""
+    layout = StepTiles.layout([len(p) for _, p in inputs]) + [(0, 0, 0)] * pad_tiles
+    tiles = torch.tensor(layout, dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([p for _, pos in inputs for p in pos], dtype=torch.int32, device=DEVICE)
+    return tiles, padded([t for t, _ in inputs]), positions
+
+
+def per_input_ref(q: torch.Tensor, pools: KVPools, layer: int, inputs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """The oracle: each input's rows through `paged_attention_ref` over its own table."""
+    out, row = [], 0
+    for table, pos in inputs:
+        positions = torch.tensor(pos, device=DEVICE)
+        out.append(paged_attention_ref(q[row:row + len(pos)], pools, layer, table, positions, SCALE))
+        row += len(pos)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("variant,kind", VARIANT_KINDS)
+def test_tiled_verify_matches_reference(variant: str, kind: tuple[str, int]) -> None:
+    """One launch for every row of every sequence, each row through its own input's view: the crossing
+    verify's two views differ in block 1's precision, so a row reading the other view is off."""
+    pools, inputs, q = verify_step(*kind)
+    tiles, tables, positions = tiled(inputs, pad_tiles=2)
+    want = per_input_ref(q, pools, 1, inputs)
+    out = paged_tile_attention(q, pools, 1, tiles, tables, positions, SCALE, 8,
+                               config={"variant": variant, "num_partitions": 2})
+    assert_close(out, want)
+    assert_close(paged_tile_attention_ref(q, pools, 1, tiles, tables, positions, SCALE), want)
+
+
+def test_tiled_verify_fp16_default_config() -> None:
+    pools, inputs, q = verify_step("int4_asym", 32, act=torch.float16, seed=23)
+    tiles, tables, positions = tiled(inputs)
+    out = paged_tile_attention(q, pools, 0, tiles, tables, positions, SCALE, 8)
+    assert_close(out, per_input_ref(q, pools, 0, inputs))
 
 
 def test_rejects_bad_inputs() -> None:

@@ -175,6 +175,26 @@ def _blocks_read(pos: torch.Tensor, block_size: int, block_table: Sequence[int] 
     return num_blocks
 
 
+def tile_chunks(tiles: torch.Tensor, tables: torch.Tensor) -> list[tuple[int, int, list[int]]]:
+    """The (first row, rows, table) of each non-empty query tile of a tiled step (`paged_tile_attention`)."""
+    table_rows = tables.tolist()
+    return [(first, n, table_rows[row]) for first, n, row in tiles.tolist() if n > 0]
+
+
+def paged_tile_attention_ref(q: torch.Tensor, pools: KVPools, layer: int, tiles: torch.Tensor, tables: torch.Tensor,
+                             positions: torch.Tensor, scale: float, plan: DensePrefills | None = None) -> torch.Tensor:
+    """The twin of the tiled attention: each tile's rows attend through its table as `paged_attention_ref`
+    does (dense over row tiles, `paged_prefills_dense`; `plan` is that layout when the caller keeps it
+    across layers). Rows of no tile get zeros."""
+    if plan is None:
+        plan = DensePrefills.build(tile_chunks(tiles, tables), positions, pools.cfg.block_size)
+    out = torch.zeros_like(q)
+    spans = [span for tile in plan.tiles for span in tile.rows]
+    for (first, n), rows in zip(spans, paged_prefills_dense(q, pools, layer, plan, scale)):
+        out[first:first + n] = rows
+    return out
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor,
     pools: KVPools,

@@ -15,12 +15,13 @@ import torch
 from ..kv import quant
 from ..kv.pool import KVPools
 from . import reference as ref
-from .attention_ref import DensePrefills, paged_decode_attention_ref, paged_prefills_dense
+from .attention_ref import (DensePrefills, paged_decode_attention_ref, paged_prefills_dense, paged_tile_attention_ref,
+                            tile_chunks)
 from .int8_rows import Int8Rows
 from .w4_layout import W4Weight
 
 if TYPE_CHECKING:
-    from ..model.step_inputs import StepMetadata
+    from ..model.step_inputs import StepMetadata, StepTiles
 
 # The CPU path folds 64 blocks (1,024 tokens) per online-softmax step: same algorithm as the
 # one-block oracle, far fewer Python iterations.
@@ -165,3 +166,17 @@ def paged_prefill_attentions(q: torch.Tensor, pools: KVPools, layer: int, meta: 
     if meta.dense_prefills is None:
         meta.dense_prefills = DensePrefills.build(meta.prefills, meta.positions, pools.cfg.block_size)
     return paged_prefills_dense(q, pools, layer, meta.dense_prefills, scale)
+
+
+def paged_tile_attention(q: torch.Tensor, pools: KVPools, layer: int, tiles: StepTiles, scale: float) -> torch.Tensor:
+    """Every row of a tiled step (a speculative verify of many sequences, decodes beside it) in one launch,
+    each query tile through its own table (`StepTiles`), q [T, H_q, D]. On the CPU, dense masked
+    attention over the tiles, laid out at the first layer and kept in `tiles` for the others."""
+    if use_triton(q):
+        from .triton_attention import paged_tile_attention as kernel
+
+        return kernel(q, pools, layer, tiles.tiles, tiles.tables, tiles.positions, scale, tiles.block_m,
+                      config=attention_config())
+    if tiles.dense is None:
+        tiles.dense = DensePrefills.build(tile_chunks(tiles.tiles, tiles.tables), tiles.positions, pools.cfg.block_size)
+    return paged_tile_attention_ref(q, pools, layer, tiles.tiles, tiles.tables, tiles.positions, scale, tiles.dense)

@@ -37,7 +37,8 @@ import torch
 
 from ..kv.pool import KVPools
 from .arrival import arrival_counters
-from .attention_ref import paged_attention_ref, paged_decode_attention_ref  # noqa: F401 (the twins)
+from .attention_ref import (paged_attention_ref, paged_decode_attention_ref,  # noqa: F401 (the twins)
+                            paged_tile_attention_ref)
 
 try:
     import triton
@@ -480,7 +481,7 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
 
 @_jit(do_not_specialize=("num_queries", "num_partitions", "stride_table"))
 def _paged_attention_kernel(
-    q_ptr, pos_ptr, table_ptr,
+    q_ptr, pos_ptr, table_ptr, tile_ptr,
     k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
     m_ws_ptr, l_ws_ptr, acc_ws_ptr, cnt_ptr, out_ptr,
     num_queries, num_partitions, qk_scale,
@@ -491,20 +492,31 @@ def _paged_attention_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr,
-    LENGTHS: tl.constexpr, V2: tl.constexpr,
+    LENGTHS: tl.constexpr, V2: tl.constexpr, TILE_MAP: tl.constexpr,
 ):
     """pos_ptr: each query's position, or with LENGTHS each decode sequence's length (position + 1).
-    V2 picks `_partition_v2` for the tile loop (a quantised pool only), else `_partition_v1`."""
+    V2 picks `_partition_v2` for the tile loop (a quantised pool only), else `_partition_v1`.
+    TILE_MAP: query tile i is tile_ptr[i] = (first query, queries <= BLOCK_M, its row of table_ptr), so
+    the runs of many sequences (each with its own view of the cache) share one launch; a tile of 0
+    queries (a CUDA graph's padding) does nothing. Otherwise tile i is queries i·BLOCK_M.. on table row i."""
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
 
+    if TILE_MAP:
+        first = tl.load(tile_ptr + q_tile * 3)
+        count = tl.load(tile_ptr + q_tile * 3 + 1)
+        table_row = tl.load(tile_ptr + q_tile * 3 + 2).to(tl.int64)
+    else:
+        first = q_tile * BLOCK_M
+        count = BLOCK_M
+        table_row = q_tile
     # Row r of the score tile is query r // GROUP_PAD of the tile and query head r % GROUP_PAD of
     # the group; padding rows (tl.dot wants >= 16 rows, and aranges are powers of two) stay masked.
     r = tl.arange(0, ROWS)
-    qi = q_tile * BLOCK_M + r // GROUP_PAD
+    qi = first + r // GROUP_PAD
     q_head = kv_head * GROUP_HEADS + r % GROUP_PAD
-    row_ok = (r // GROUP_PAD < BLOCK_M) & (r % GROUP_PAD < GROUP_HEADS) & (qi < num_queries)
+    row_ok = (r // GROUP_PAD < count) & (r // GROUP_PAD < BLOCK_M) & (r % GROUP_PAD < GROUP_HEADS) & (qi < num_queries)
     q_off = qi * stride_q_tok + q_head * stride_q_head
     # A query at position p sees cached tokens 0..p; padding rows (and an empty decode slot, p = -1) see none.
     if LENGTHS:
@@ -518,7 +530,7 @@ def _paged_attention_kernel(
     tiles_per_part = tl.cdiv(num_tiles, num_partitions)
     tile_begin = part * tiles_per_part
     tile_end = tl.minimum(tile_begin + tiles_per_part, num_tiles)
-    table = table_ptr + q_tile * stride_table
+    table = table_ptr + table_row * stride_table
 
     if V2:
         m_i, l_i, acc_a, acc_b = _partition_v2(
@@ -641,15 +653,17 @@ def _check_inputs(q: torch.Tensor, pools: KVPools, table: torch.Tensor) -> None:
 
 def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.Tensor, stride_table: int,
                      table_width: int, positions: torch.Tensor, lengths: bool, scale: float, block_m: int,
-                     num_partitions: int | None, cfg: dict, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One launch over (query tiles, kv heads, partitions); `positions` holds lengths when `lengths`."""
+                     num_partitions: int | None, cfg: dict, out: torch.Tensor | None = None,
+                     tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch over (query tiles, kv heads, partitions); `positions` holds lengths when `lengths`;
+    `tiles` int32 [N, 3] lays the query tiles out (the kernel's TILE_MAP), else BLOCK_M queries each."""
     num_queries, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = pools.k.shape[2], pools.k.shape[3]
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     rows = max(16, block_m * group_pad)  # tl.dot wants at least 16 rows
     tile = cfg["tile_blocks"] * block_size
-    num_q_tiles = triton.cdiv(num_queries, block_m)
+    num_q_tiles = triton.cdiv(num_queries, block_m) if tiles is None else tiles.shape[0]
     max_tiles = triton.cdiv(table_width * block_size, tile)
     parts = num_partitions or cfg.get("num_partitions") or default_num_partitions(num_q_tiles * num_kv_heads,
                                                                                  max_tiles, sm_count(q.device))
@@ -673,7 +687,7 @@ def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.T
         raise ValueError(f"attention output {tuple(out.shape)} must have q's shape {tuple(q.shape)}, channels contiguous.")
     launch = {key: cfg[key] for key in ("num_warps", "num_stages") if key in cfg}
     _paged_attention_kernel[(num_q_tiles, num_kv_heads, parts)](
-        q, positions, table,
+        q, positions, table, table if tiles is None else tiles,
         k, v, kq, vq, ks, vs, kz, vz,
         m_ws, l_ws, acc_ws, arrival_counters(q.device, num_q_tiles * num_kv_heads), out,
         num_queries, parts, scale * math.log2(math.e),
@@ -684,7 +698,7 @@ def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.T
         NUM_Q_HEADS=num_q_heads, GROUP_HEADS=group, GROUP_PAD=group_pad, BLOCK_M=block_m, ROWS=rows,
         BLOCK_SIZE=block_size, TILE=tile, HEAD_DIM=head_dim, KV_MODE=mode,
         QUANT_GROUP=pools.cfg.group_size if mode == _INT4 else 1, DTYPE=_tl_dtype(q.dtype), LENGTHS=lengths,
-        V2=cfg["variant"] == "v2" and mode != _FP16_ONLY, **launch,
+        V2=cfg["variant"] == "v2" and mode != _FP16_ONLY, TILE_MAP=tiles is not None, **launch,
     )
     return out
 
@@ -738,3 +752,34 @@ def paged_prefill_attention(
     pos = positions.to(device=q.device, dtype=torch.int32)
     return _paged_attention(q, pools, layer, block_table, 0, block_table.shape[0], pos, False, scale,
                             cfg["block_m"], None, cfg)
+
+
+def paged_tile_attention(
+    q: torch.Tensor,
+    pools: KVPools,
+    layer: int,
+    tiles: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    block_m: int,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of every row of a step in one launch, q [T, H_q, D]: query tile i holds rows
+    tiles[i, 0] .. + tiles[i, 1] (at most `block_m`), which read the cache through tables[tiles[i, 2]];
+    a row at positions[t] sees cached tokens j <= positions[t]. Each sequence's run of rows (a
+    speculative verify, cut where the window's quantised end moves, a decode row beside it) is one or
+    more tiles over its own table, so each row reads the blocks plain decoding reads at its position.
+
+    tiles, tables, positions int32 on q's device; rows of no tile are left as they are in `out`
+    (uninitialised when it is not given). The twin is `paged_tile_attention_ref`.
+    """
+    _check_inputs(q, pools, tables)
+    if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 3:
+        raise TypeError(f"tiles must be int32 [N, 3] (first row, rows, table row), not {tiles.dtype} {tuple(tiles.shape)}.")
+    cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]),
+                          quantised_prefill=_kv_mode(pools) != _FP16_ONLY)
+    pos = positions.to(device=q.device, dtype=torch.int32)   # no copy when it already is
+    return _paged_attention(q, pools, layer, tables, tables.stride(0), tables.shape[1], pos, False, scale,
+                            block_m, None, cfg, out, tiles)

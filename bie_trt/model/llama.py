@@ -147,6 +147,8 @@ class LlamaModel:
             ops.quantize_layer_blocks(pools, li, *meta.quantise)
         if meta.all_decode:   # a decode-only step (the graphs'): no gather and scatter of rows
             out = ops.paged_decode_attention(q, pools, li, meta.decode_tables, meta.decode_lens, self.scale)
+        elif meta.tiles is not None:   # short inputs (a verify): one launch, each through its own table
+            out = ops.paged_tile_attention(q, pools, li, meta.tiles, self.scale)
         else:
             out = self._mixed_attention(li, q, meta, pools)
         if rotates_values(pools.cfg):

@@ -9,6 +9,11 @@ import torch
 
 from ..kernels.attention_ref import DensePrefills
 
+# A step whose sequences each bring at most TILED_INPUT_ROWS rows (a speculative verify, with decodes
+# beside it) attends all of them in one launch, in query tiles of at most TILE_ROWS rows of one input.
+TILE_ROWS = 8
+TILED_INPUT_ROWS = 16
+
 
 @dataclass
 class SeqInput:
@@ -33,6 +38,27 @@ def write_blocks(block_table: list[int], positions: list[int], block_size: int) 
 
 
 @dataclass
+class StepTiles:
+    """The one attention launch of a tiled step (`ops.paged_tile_attention`), as device tensors built once
+    per step: each input is one or more query tiles over its own block table (its view of the cache)."""
+
+    tiles: torch.Tensor                 # int32 [N, 3]: first row, rows (<= block_m), row of `tables`
+    tables: torch.Tensor                # int32 [inputs, max_blocks]
+    positions: torch.Tensor             # int32 [T]
+    block_m: int = TILE_ROWS
+    dense: DensePrefills | None = None  # the CPU twin's layout, made at the first layer
+
+    @staticmethod
+    def layout(lengths: list[int], block_m: int = TILE_ROWS) -> list[tuple[int, int, int]]:
+        """(first row, rows, input) of each tile, for inputs of `lengths` rows laid out one after another."""
+        out, row = [], 0
+        for i, n in enumerate(lengths):
+            out += [(row + k, min(block_m, n - k), i) for k in range(0, n, block_m)]
+            row += n
+        return out
+
+
+@dataclass
 class StepMetadata:
     """Where each token of a step lives, as device tensors built once per step (not per layer)."""
 
@@ -48,6 +74,7 @@ class StepMetadata:
     rope_positions: torch.Tensor             # [T] positions RoPE rotates by: `positions` + each rope_offset
     quantise: tuple[list[int], list[int]] | None = None   # FP16 blocks, and the quantised blocks they go to
     dense_prefills: DensePrefills | None = None   # the CPU attention's layout of `prefills`, made at the first layer
+    tiles: StepTiles | None = None   # set when the step attends in one tiled launch (short inputs, not all decodes)
 
     @property
     def all_decode(self) -> bool:
@@ -81,11 +108,18 @@ class StepMetadata:
         def t(values, dtype=torch.long):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        width = max((len(tb) for tb in decode_tables), default=0)
-        padded = [tb + [0] * (width - len(tb)) for tb in decode_tables]
+        def padded(tables: list[list[int]]) -> torch.Tensor:
+            width = max(len(tb) for tb in tables)
+            return t([tb + [0] * (width - len(tb)) for tb in tables], torch.int32)
+
+        lengths = [len(s.token_ids) for s in seqs]
+        tiles = None
+        if prefills and max(lengths) <= TILED_INPUT_ROWS:
+            tables = [s.block_table[: (s.start_pos + n - 1) // block_size + 1] for s, n in zip(seqs, lengths)]
+            tiles = StepTiles(t(StepTiles.layout(lengths), torch.int32), padded(tables), t(positions, torch.int32))
         return cls(t(positions), t(blocks), t(offsets),
                    t(decode_rows) if decode_rows else None,
-                   t(padded, torch.int32) if decode_rows else None,
+                   padded(decode_tables) if decode_rows else None,
                    t(decode_lens, torch.int32) if decode_rows else None,
                    prefills, t(logit_rows), counts,
-                   t(rope))
+                   t(rope), tiles=tiles)
