@@ -1,11 +1,13 @@
-"""Decode through the graphs' static buffers equals plain decode.
+"""Decode and speculative verify through the graphs' static buffers equal the eager forward.
 
 Two identical worlds (same weights, pools and block decisions) decode the same tokens: one through
 `DecodeGraphs`, one through `LlamaModel.forward`. Batches change size and order between steps, so
 graph rows are padded and rows are reassigned to other sequences; tables grow a block every 16
-tokens and blocks leave the window into the INT4 body, so a table row copied once goes stale. On
-the CPU the static step runs eagerly (the buffers and padding logic); on CUDA it is captured and
-replayed (the gpu test).
+tokens and blocks leave the window into the INT4 body, so a table row copied once goes stale. In
+the verify worlds each step verifies random proposals (γ = 3) and accepts a random prefix of them:
+rows cross window blocks (a sequence's rows in two runs, each with its own view), buckets change,
+and rejected rows are rolled back. On the CPU the static step runs eagerly (the buffers, tiles and
+padding logic); on CUDA it is captured and replayed (the gpu tests).
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import torch
 
 from bie_trt.config import KVCacheConfig, SamplingParams
 from bie_trt.executor.block_manager import BlockManager
-from bie_trt.executor.model_runner import quantise_blocks
 from bie_trt.executor.cuda_graphs import DecodeGraphs
+from bie_trt.executor.exact_rows import join_runs
+from bie_trt.executor.model_runner import ModelRunner, apply_moves, copy_blocks
+from bie_trt.executor.scheduler import Scheduler
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kernels import triton_ops
 from bie_trt.kv.pool import allocate_pools
@@ -29,40 +33,61 @@ KV = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=4, window=24)
 PROMPTS = (5, 20, 37)
 # Graph sizes 4 and 2: three rows pad one, a single row pads one, two fit exactly.
 BATCHES = ([0, 1, 2], [2, 0], [1])
-FP_BLOCKS, QUANT_BLOCKS, MAX_LEN = 12, 12, 128
+FP_BLOCKS, QUANT_BLOCKS, MAX_LEN = 16, 16, 160
+GAMMA = 3
 
 
 class World:
+    """Sequences stepped as the engine steps them (scheduler views, moves, copies, then the forward), through
+    the graphs or eagerly; `graph_steps` counts the steps a graph took and their runs per sequence."""
+
     def __init__(self, model: LlamaModel, graphs: bool, capture: bool):
         self.model = model
         self.pools = allocate_pools(CFG, KV, FP_BLOCKS, QUANT_BLOCKS, model.dtype, model.device, scratch_block=True)
         self.blocks = BlockManager(KV, FP_BLOCKS, QUANT_BLOCKS)
+        self.scheduler = Scheduler(self.blocks, len(PROMPTS), 256, 64, GAMMA)
         self.graphs = DecodeGraphs(model, self.pools, [4, 2], MAX_LEN, self.pools.scratch_block,
-                                   capture=capture) if graphs else None
+                                   capture=capture, verify_rows=[GAMMA + 1]) if graphs else None
+        self.graph_steps: list[list[int]] = []
         self.seqs = []
         for i, n in enumerate(PROMPTS):
             seq = Sequence(list(range(10 * i, 10 * i + n)), SamplingParams(), make_generator(SamplingParams(), 0))
-            self.step([(seq, n)])
+            self.step([(seq, n)], {})
+            self.scheduler.postprocess(seq, n, had_lookahead=False)
             self.seqs.append(seq)
 
-    def step(self, chunks: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
-        inputs = []
-        for seq, n in chunks:
-            self.blocks.grow(seq, seq.num_cached + n)
-            ids = torch.tensor(seq.token_ids[seq.num_cached:seq.num_cached + n])
-            inputs.append(SeqInput(ids, seq.num_cached, seq.block_table))   # the live list, as the engine passes
-        logits = self.graphs.run(inputs) if self.graphs and all(n == 1 for _, n in chunks) else None
+    def step(self, chunks: list[tuple[Sequence, int]], drafts: dict[Sequence, list[int]]) -> list[torch.Tensor]:
+        copies = [c for seq, n in chunks for c in self.blocks.grow(seq, seq.num_cached + n + len(drafts.get(seq, [])))]
+        batch = self.scheduler.batch(chunks, copies, {seq: len(d) for seq, d in drafts.items()})
+        apply_moves(self.pools, None, batch.moves)
+        copy_blocks(self.pools, batch.copies)
+        inputs, num_runs, all_logits = ModelRunner.prepare_inputs(batch, drafts)
+        logits = None
+        if self.graphs and not batch.layer_quantisations:   # as ModelRunner.forward decides
+            logits = self.graphs.run(inputs)
+            if logits is not None:
+                self.graph_steps.append(num_runs)
         if logits is None:
-            logits = self.model.forward(inputs, self.pools)
-        for seq, n in chunks:
-            seq.num_cached += n
-            quantise_blocks(self.pools, self.blocks.compact(seq))
-        return logits
+            logits = self.model.forward(inputs, self.pools, batch.layer_quantisations)
+        return join_runs(logits, num_runs, all_logits)
 
     def decode(self, rows: list[int], tokens: list[int]) -> list[torch.Tensor]:
         for r, t in zip(rows, tokens):
             self.seqs[r].output_ids.append(t)
-        return self.step([(self.seqs[r], 1) for r in rows])
+        chunks = [(self.seqs[r], 1) for r in rows]
+        logits = self.step(chunks, {})
+        for seq, n in chunks:
+            self.scheduler.postprocess(seq, n, had_lookahead=False)
+        return logits
+
+    def verify(self, rows: list[int], drafts: list[list[int]], accepted: list[int]) -> list[torch.Tensor]:
+        """Verify each row's drafts after its pending token, then keep `accepted` of them and a bonus token."""
+        chunks = [(self.seqs[r], 1) for r in rows]
+        logits = self.step(chunks, {self.seqs[r]: d for r, d in zip(rows, drafts) if d})
+        for (seq, _), d, a in zip(chunks, drafts, accepted):
+            seq.output_ids += d[:a] + [(d[-1] + 1) % CFG.vocab_size if d else 0]
+            self.scheduler.postprocess(seq, 1 + a, had_lookahead=bool(d))
+        return logits
 
 
 def decode_both(device: str, steps: int, capture: bool) -> tuple[World, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -76,6 +101,30 @@ def decode_both(device: str, steps: int, capture: bool) -> tuple[World, list[tup
         tokens = torch.randint(0, CFG.vocab_size, (len(rows),), generator=g).tolist()
         pairs += zip(static.decode(rows, tokens), eager.decode(rows, tokens))
     assert [s.block_table for s in static.seqs] == [s.block_table for s in eager.seqs]
+    return static, pairs
+
+
+def verify_both(device: str, steps: int, capture: bool) -> tuple[World, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """As `decode_both`, each step a verify: every row brings 0..γ random drafts (0: a decode beside the
+    verifies) and keeps a random prefix of them."""
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    model = LlamaModel(CFG, random_weights(CFG, group_size=32), torch.device(device), dtype)
+    static, eager = World(model, graphs=True, capture=capture), World(model, graphs=False, capture=False)
+    for seq in static.seqs + eager.seqs:   # each prompt's first generated token, pending
+        seq.output_ids.append(1)
+    g = torch.Generator().manual_seed(2)
+    pairs = []
+    for t in range(steps):
+        rows = BATCHES[t % len(BATCHES)]
+        counts = torch.randint(0, GAMMA + 1, (len(rows),), generator=g).tolist()
+        drafts = [torch.randint(0, CFG.vocab_size, (k,), generator=g).tolist() for k in counts]
+        accepted = [int(torch.randint(0, k + 1, (1,), generator=g)) for k in counts]
+        pairs += zip(static.verify(rows, drafts, accepted), eager.verify(rows, drafts, accepted))
+    assert [s.token_ids for s in static.seqs] == [s.token_ids for s in eager.seqs]
+    assert [s.block_table for s in static.seqs] == [s.block_table for s in eager.seqs]
+    # the graphs took verifies whose rows crossed a window block (two runs of one sequence)
+    assert any(n == 2 for runs in static.graph_steps for n in runs), static.graph_steps
+    assert len(static.graph_steps) >= steps // 2, f"{len(static.graph_steps)} of {steps} verify steps ran in a graph"
     return static, pairs
 
 
@@ -95,6 +144,22 @@ def test_static_decode_equals_eager_decode(kernels, steps, monkeypatch):
     monkeypatch.setenv("BIE_TRT_KERNELS", kernels)
     static, pairs = decode_both("cpu", steps, capture=False)
     check(static, pairs, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels,steps", [
+    ("reference", 40),
+    pytest.param("triton", 16, marks=[pytest.mark.slow, pytest.mark.skipif(
+        not triton_ops.available(), reason="triton not importable")])])
+def test_static_verify_equals_eager_verify(kernels, steps, monkeypatch):
+    monkeypatch.setenv("BIE_TRT_KERNELS", kernels)
+    static, pairs = verify_both("cpu", steps, capture=False)
+    check(static, pairs, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_verify_equals_eager_verify():
+    static, pairs = verify_both("cuda", 40, capture=True)
+    check(static, pairs, atol=5e-3)
 
 
 @pytest.mark.gpu

@@ -1,14 +1,18 @@
-"""Decode steps replayed from CUDA graphs, one per batch size of the profile, so Python and launch
-overhead do not show in the step time.
+"""Decode and speculative-verify steps replayed from CUDA graphs, so Python and launch overhead do
+not show in the step time: decode per batch size of the profile, verify per (batch, γ+1) bucket.
 
-A graph reads static buffers: the embedded rows, one [4, batch] buffer of positions, KV slots and
-context lengths (one asynchronous host-to-device copy a step, from pinned memory), and the block
-tables. A table row is copied only when its sequence's table changed since that row was last
-written (a new block every 16 tokens, a compaction), not every step: at 64k context a row is
-4,096 entries, and rebuilding them each step would cost more host time than the decode itself.
+A graph reads static buffers: the embedded rows, one buffer of positions, KV slots, RoPE positions
+and context lengths (and a verify's query tiles), copied host-to-device once a step without a sync,
+from pinned memory, and the block tables. A table row is copied only when the table it holds changed
+since that row was last written (a new block every 16 tokens, a compaction), not every step: at 64k
+context a row is 4,096 entries, and rebuilding them each step would cost more host time than the
+decode itself.
 
-A step takes the smallest graph that fits. Padding rows write their K/V into a scratch FP16 block
-no sequence owns and attend to nothing (length 0).
+A decode takes the smallest graph that fits; its rows attend through the batched decode attention. A
+verify (rows of each sequence: the pending token and its proposals, cut into runs where the window's
+quantised end moves, each run with its own table view) takes the smallest bucket whose rows, runs
+and query tiles hold it; all its rows attend in one tiled launch. Padding rows write their K/V into a
+scratch FP16 block no sequence owns and attend to nothing (length 0, or a tile of no rows).
 """
 from __future__ import annotations
 
@@ -16,33 +20,52 @@ import torch
 
 from ..kv.pool import KVPools
 from ..model.llama import LlamaModel
-from ..model.step_inputs import SeqInput, StepMetadata, write_blocks
+from ..model.step_inputs import TILE_ROWS, TILED_INPUT_ROWS, SeqInput, StepMetadata, StepTiles, write_blocks
+
+# The rows of the staged buffer: position, slot block, slot offset, RoPE position, context length.
+_POS, _SLOT, _OFFSET, _ROPE, _LEN = range(5)
+# A verify bucket's rows: the int8 head takes them in up to four 16-row launches (ops.norm_int8_rows_linear).
+MAX_VERIFY_ROWS = 64
 
 
 class _StaticStep:
-    """The buffers of one batch size and the decode step over them; `capture` records it as a CUDA
-    graph, otherwise `run` executes the same step eagerly (how the CPU tests check the buffers)."""
+    """The buffers of one bucket and the step over them: a decode of `batch` rows (`rows` = 1), or a
+    verify of up to `batch`·`rows` rows in at most 2·`batch` runs (each sequence's rows cross at most one
+    window block when `rows` <= a block). `capture` records it as a CUDA graph, otherwise `run` executes
+    the same step eagerly (how the CPU tests check the buffers). `head`: logits, else the hidden states
+    before the final norm (a draft applies its own heads)."""
 
     def __init__(self, model: LlamaModel, pools: KVPools, batch: int, max_blocks: int, scratch_block: int,
-                 capture: bool, pool_handle=None) -> None:
+                 capture: bool, pool_handle=None, rows: int = 1, head: bool = True) -> None:
         dev = model.device
-        self.model, self.pools, self.batch = model, pools, batch
+        self.model, self.pools, self.head = model, pools, head
         self.block_size, self.scratch_block = pools.cfg.block_size, scratch_block
-        self.h = torch.zeros(batch, model.cfg.hidden_size, dtype=model.dtype, device=dev)
-        self.small = torch.zeros(4, batch, dtype=torch.long, device=dev)   # positions, slot block, offset, length
+        self.capacity = batch * rows
+        self.max_inputs = batch if rows == 1 else 2 * batch
+        self.max_tiles = 0 if rows == 1 else batch * (-(-rows // TILE_ROWS) + 1)
+        self.rows = rows
+        self.h = torch.zeros(self.capacity, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+        staged = 5 * self.capacity + 3 * self.max_tiles
+        self.staged = torch.zeros(staged, dtype=torch.long, device=dev)
+        self.small = self.staged[:5 * self.capacity].view(5, self.capacity)
         # Staged in pinned memory and copied without a sync, so the host can prepare the next step
         # while the GPU runs this one; the event says when the staging buffer may be written again.
         on_gpu = dev.type == "cuda"
-        self.small_host = torch.zeros(4, batch, dtype=torch.long, pin_memory=on_gpu)
-        self.small_copied = torch.cuda.Event() if on_gpu else None
-        self.tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=dev)
-        self.rows_written: list[list[int] | None] = [None] * batch         # host copy of each table row
-        self.lens = torch.zeros(batch, dtype=torch.int32, device=dev)
-        rows = torch.arange(batch, device=dev)
-        self.meta = StepMetadata(
-            positions=self.small[0], slot_blocks=self.small[1], slot_offsets=self.small[2],
-            decode_rows=rows, decode_tables=self.tables, decode_lens=self.lens,
-            prefills=[], logit_rows=rows, logit_counts=[1] * batch, rope_positions=self.small[0])
+        self.staged_host = torch.zeros(staged, dtype=torch.long, pin_memory=on_gpu)
+        self.staged_copied = torch.cuda.Event() if on_gpu else None
+        self.tables = torch.zeros(self.max_inputs, max_blocks, dtype=torch.int32, device=dev)
+        self.rows_written: list[list[int] | None] = [None] * self.max_inputs   # host copy of each table row
+        every_row = torch.arange(self.capacity, device=dev)
+        common = dict(positions=self.small[_POS], slot_blocks=self.small[_SLOT], slot_offsets=self.small[_OFFSET],
+                      prefills=[], logit_rows=every_row, logit_counts=[1] * self.capacity,
+                      rope_positions=self.small[_ROPE])
+        if rows == 1:
+            self.lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+            self.meta = StepMetadata(decode_rows=every_row, decode_tables=self.tables, decode_lens=self.lens, **common)
+        else:
+            self.tiles = StepTiles(torch.zeros(self.max_tiles, 3, dtype=torch.int32, device=dev), self.tables,
+                                   torch.zeros(self.capacity, dtype=torch.int32, device=dev))
+            self.meta = StepMetadata(decode_rows=None, decode_tables=None, decode_lens=None, tiles=self.tiles, **common)
         self.graph = None
         if capture:
             side = torch.cuda.Stream()
@@ -52,49 +75,103 @@ class _StaticStep:
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool_handle):
-                self.logits = self._step()
+                self.out = self._step()
 
     def _step(self) -> torch.Tensor:
-        self.lens.copy_(self.small[3])   # the kernels take int32 lengths; the copy is part of the graph
-        return self.model.forward_hidden(self.h, self.meta, self.pools)
+        # The kernels take int32 lengths, positions and tiles; the casts are part of the graph.
+        if self.rows == 1:
+            self.lens.copy_(self.small[_LEN])
+        else:
+            self.tiles.tiles.copy_(self.staged[5 * self.capacity:].view(self.max_tiles, 3))
+            self.tiles.positions.copy_(self.small[_POS])
+            self.tiles.dense = None   # the CPU twin lays this step's tiles out afresh
+        return self.model.forward_hidden(self.h, self.meta, self.pools, head=self.head)
 
-    def run(self, seqs: list[SeqInput]) -> torch.Tensor:
-        n, pad = len(seqs), self.batch - len(seqs)
-        positions = [s.start_pos for s in seqs]
-        slots = [write_blocks(s.block_table, [p], self.block_size)[0] for s, p in zip(seqs, positions)]
-        small = (positions + [0] * pad + slots + [self.scratch_block] * pad
-                 + [p % self.block_size for p in positions] + [0] * pad + [p + 1 for p in positions] + [0] * pad)
-        if self.small_copied is not None:
-            self.small_copied.synchronize()   # the previous step's copy has read the staging buffer
-        self.small_host.copy_(torch.tensor(small).view(4, self.batch))
-        self.small.copy_(self.small_host, non_blocking=True)
-        if self.small_copied is not None:
-            self.small_copied.record()
+    def fits(self, seqs: list[SeqInput]) -> bool:
+        lengths = [len(s.token_ids) for s in seqs]
+        if self.rows == 1:
+            return len(seqs) <= self.capacity and max(lengths) == 1 and not any(s.all_logits for s in seqs)
+        return (len(seqs) <= self.max_inputs and max(lengths) <= self.rows and sum(lengths) <= self.capacity
+                and len(StepTiles.layout(lengths)) <= self.max_tiles)
+
+    def _stage(self, seqs: list[SeqInput]) -> None:
+        """This step's rows into the staged buffer and the changed table rows into theirs."""
+        cap = self.capacity
+        small = torch.zeros(5, cap, dtype=torch.long)
+        small[_SLOT] = self.scratch_block
+        row = 0
+        for s in seqs:
+            pos = list(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            span = slice(row, row + len(pos))
+            small[_POS, span] = torch.tensor(pos)
+            small[_SLOT, span] = torch.tensor(write_blocks(s.block_table, pos, self.block_size))
+            small[_OFFSET, span] = torch.tensor([p % self.block_size for p in pos])
+            small[_ROPE, span] = torch.tensor(pos) + s.rope_offset
+            row += len(pos)
+        small[_LEN, :len(seqs)] = torch.tensor([s.start_pos + len(s.token_ids) for s in seqs])
+        staged = [small.flatten()]
+        if self.rows > 1:
+            layout = StepTiles.layout([len(s.token_ids) for s in seqs])
+            tiles = torch.zeros(self.max_tiles, 3, dtype=torch.long)   # empty tiles after the step's own
+            tiles[:len(layout)] = torch.tensor(layout)
+            staged.append(tiles.flatten())
+        if self.staged_copied is not None:
+            self.staged_copied.synchronize()   # the previous step's copy has read the staging buffer
+        torch.cat(staged, out=self.staged_host)
+        self.staged.copy_(self.staged_host, non_blocking=True)
+        if self.staged_copied is not None:
+            self.staged_copied.record()
         for i, s in enumerate(seqs):
             if self.rows_written[i] != s.block_table:   # the table is a list the block manager edits in place
                 self.tables[i, :len(s.block_table)].copy_(torch.tensor(s.block_table, dtype=torch.int32))
                 self.rows_written[i] = list(s.block_table)
-        self.h[:n].copy_(self.model.embed_ids(torch.cat([s.token_ids for s in seqs])))
+
+    def run(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
+        """Each input's logits (or hidden states): [V] for its last row, [T, V] when all_logits."""
+        self._stage(seqs)
+        ids = torch.cat([s.token_ids for s in seqs])
+        self.h[:len(ids)].copy_(self.model.embed_ids(ids))
         if self.graph is None:
-            return self._step()[:n]
-        self.graph.replay()
-        return self.logits[:n]
+            out = self._step()
+        else:
+            self.graph.replay()
+            out = self.out
+        lengths = [len(s.token_ids) for s in seqs]
+        rows = out[:sum(lengths)].clone().split(lengths)
+        return [r if s.all_logits else r[-1] for r, s in zip(rows, seqs)]
 
 
 class DecodeGraphs:
+    """The static steps of an engine: decode at each of `batch_sizes`, and verify at each (batch, rows) of
+    `verify_rows` (γ+1 of the speculation, also added later by `add_verify`) whose rows the head takes in
+    a few launches."""
+
     def __init__(self, model: LlamaModel, pools: KVPools, batch_sizes: list[int], max_model_len: int,
-                 scratch_block: int, capture: bool = True) -> None:
+                 scratch_block: int, capture: bool = True, verify_rows: list[int] = (), head: bool = True) -> None:
+        self.model, self.pools, self.scratch_block, self.capture, self.head = model, pools, scratch_block, capture, head
+        self.batch_sizes = sorted(set(batch_sizes))
         self.max_blocks = -(-max_model_len // pools.cfg.block_size)
-        handle = torch.cuda.graph_pool_handle() if capture else None
+        self.handle = torch.cuda.graph_pool_handle() if capture else None
+        self.steps: dict[tuple[int, int], _StaticStep] = {}
+        self._add([(b, 1) for b in self.batch_sizes])
+        self.add_verify(verify_rows)
+
+    def add_verify(self, verify_rows: list[int]) -> None:
+        """Verify buckets of `verify_rows` rows a sequence at each batch size (as many rows as the head
+        takes in a few launches)."""
+        self._add([(b, r) for b in self.batch_sizes for r in set(verify_rows)
+                   if 1 < r <= TILED_INPUT_ROWS and b * r <= MAX_VERIFY_ROWS])
+
+    def _add(self, buckets: list[tuple[int, int]]) -> None:
         # Largest first: later, smaller captures reuse its memory from the shared pool.
-        self.steps = {b: _StaticStep(model, pools, b, self.max_blocks, scratch_block, capture, handle)
-                      for b in sorted(set(batch_sizes), reverse=True)}
+        for b, r in sorted(set(buckets) - set(self.steps), key=lambda br: (-br[0] * br[1], -br[1])):
+            self.steps[b, r] = _StaticStep(self.model, self.pools, b, self.max_blocks, self.scratch_block,
+                                           self.capture, self.handle, r, self.head)
 
     def run(self, seqs: list[SeqInput]) -> list[torch.Tensor] | None:
-        """Logits of a decode-only step, or None when no graph fits it (the caller runs eagerly)."""
-        if any(len(s.token_ids) != 1 or s.all_logits or s.rope_offset for s in seqs):
-            return None
-        fitting = [b for b in self.steps if b >= len(seqs)]
+        """Each input's logits of a decode or verify step, or None when no graph fits it (the caller runs
+        eagerly)."""
+        fitting = [(step.capacity, key) for key, step in self.steps.items() if step.fits(seqs)]
         if not fitting:
             return None
-        return list(self.steps[min(fitting)].run(seqs).clone())
+        return self.steps[min(fitting)[1]].run(seqs)

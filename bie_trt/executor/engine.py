@@ -54,6 +54,7 @@ class BieEngine:
         engine_dir = Path(self.config.engine_dir)
         self.speculative = resolve_speculative(self.config.speculative, self.runner.manifest, engine_dir)
         num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative.enabled else 0
+        self.runner.capture_verify_graphs(num_speculative_tokens)
         budget = step_budget(planned_step_tokens(self.runner.manifest["plan"]["inputs"]),
                              self.config.max_num_batched_tokens, chunked_prefill_size, max_num_seqs,
                              num_speculative_tokens)

@@ -201,6 +201,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def capture_verify_graphs(self, num_speculative_tokens: int) -> None:
+        """CUDA graphs of the speculative verify step (γ+1 rows a sequence) at the decode graphs' batch
+        sizes; nothing off the GPU or with --enforce-eager."""
+        if self.graphs is not None and num_speculative_tokens > 0:
+            self.graphs.add_verify([num_speculative_tokens + 1])
+            torch.cuda.synchronize(self.device)
+
     def launch_moves(self, moves: list[Move]) -> None:
         """The block manager's quantisations and host-tier moves, in order, on this runner's pools."""
         apply_moves(self.pools, self.host_pool, moves)
