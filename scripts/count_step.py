@@ -18,6 +18,7 @@ eagerly with the Triton kernels forced (`BIE_TRT_KERNELS=triton`):
     python scripts/count_step.py --out benchmarks/results/count_step.json          # 8B shapes, 64k, batch 1
     python scripts/count_step.py --batch 8 --context 8192 --tiny                     # also run the tiny model
     python scripts/count_step.py --verify-rows 6 --out benchmarks/results/count_verify_b1.json   # and a γ=5 verify
+    python scripts/count_step.py --spec --out benchmarks/results/count_spec.json   # verify γ=4,5 b=1,4 ± crossing; draft
 """
 from __future__ import annotations
 
@@ -42,10 +43,15 @@ from bie_trt.executor.exact_rows import runs  # noqa: E402
 from bie_trt.kernels.triton_w4 import gemv_grid_for, sm_limits  # noqa: E402
 from bie_trt.kv.pool import allocate_pools  # noqa: E402
 from bie_trt.model.llama import LlamaModel, fused_linear_shapes  # noqa: E402
-from bie_trt.model.step_inputs import SeqInput, StepMetadata  # noqa: E402
+from bie_trt.kernels.int8_rows import Int8Rows  # noqa: E402
+from bie_trt.model.step_inputs import SeqInput, StepTiles  # noqa: E402
 from report import emit  # noqa: E402
-from bie_trt.model.synthetic import llama3_8b, random_weights, tiny_llama  # noqa: E402
-from bie_trt.plan import kv_bytes_per_token, lm_head_bytes, linear_weight_bytes  # noqa: E402
+from bie_trt.model.synthetic import llama32_1b, llama3_8b, random_weights, tiny_llama  # noqa: E402
+from bie_trt.plan import (DEFAULT_DRAFT_SINK_TOKENS, DEFAULT_DRAFT_WINDOW_TOKENS, draft_kv_blocks_per_seq,  # noqa: E402
+                          draft_request_rows, draft_vocab_rows, kv_bytes_per_token, lm_head_bytes, linear_weight_bytes)
+
+# Where a counted draft step's tokens sit in the text: far past its cache (only the RoPE offset sees it).
+DRAFT_POSITION = 65536
 
 # Ops that allocate without touching memory, or only look at metadata.
 _NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
@@ -76,9 +82,9 @@ class StepShape:
 
     model: ModelConfig
     kv: KVCacheConfig
-    batch: int
+    rows: int              # rows the step writes K/V for
     context: int
-    attention_seqs: int    # sequences one attention launch reads: the whole batch in a decode, one in a verify
+    attention_reads: int   # contexts the attention launch reads: one a decode row, one a verify's query tile
 
 
 def _is_view(op: Any) -> bool:
@@ -125,9 +131,9 @@ def _triton_bytes(name: str, arg_names: list[str], args: tuple, shape: StepShape
             read += _nbytes(a)
     m, kv = shape.model, shape.kv
     if "attention" in name:
-        read += shape.attention_seqs * shape.context * kv_bytes_per_token(m, kv) // m.num_layers
+        read += shape.attention_reads * shape.context * kv_bytes_per_token(m, kv) // m.num_layers
     if "write_kv" in name:
-        written += shape.batch * 2 * m.num_kv_heads * m.head_dim * 2
+        written += shape.rows * 2 * m.num_kv_heads * m.head_dim * 2
     return read, written
 
 
@@ -152,11 +158,14 @@ def _triton_hook(sink: list[Launch], mode: _TorchOps, shape: StepShape, execute:
 
 
 def launches_of_step(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str,
-                     rows: int = 1) -> list[Launch]:
-    """Every launch of one step of `batch` sequences at `context` tokens each (shapes only on meta): the
-    graph-captured decode step (`rows` = 1), or a speculative verify of `rows` = γ+1 tokens a sequence,
-    which runs eagerly through the prefill path (its metadata built on the host before the count); a
-    verify that crosses a block boundary of the window is two slices a sequence."""
+                     rows: int = 1, draft_heads: tuple[int, int] | None = None) -> list[Launch]:
+    """Every launch of one step of `batch` sequences at `context` tokens each (shapes only on meta), as a
+    CUDA graph records it (`cuda_graphs._StaticStep`, its buffers filled on the host before the count):
+    a decode (`rows` = 1), or a speculative verify of `rows` = γ+1 tokens a sequence, whose rows are cut
+    into runs where they cross a window block, as the engine cuts them (each run reads its own block-table
+    view; which pool a block sits in changes no launch). `draft_heads` = (K, R): a draft's step instead, a
+    decode of its bounded cache (`context` tokens, kept at later original positions), its hidden states
+    then through its two int8 heads a sequence (K static rows, R rows of the sequence's own ids)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     dtype = torch.float16 if device == "meta" else torch.float32
@@ -165,26 +174,30 @@ def launches_of_step(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: i
     blocks_per_seq = -(-context // kv.block_size)
     num_blocks = batch * blocks_per_seq   # every block FP16: which pool a block sits in changes no launch
     pools = allocate_pools(cfg, kv, num_blocks, num_blocks, dtype, torch.device(device), scratch_block=True)
-    # A verify's rows are cut where they cross a window block boundary, as the engine cuts them (each
-    # run reads its own block-table view; which pool a block sits in changes no launch).
+    rope = 0 if draft_heads is None else DRAFT_POSITION - context
     seqs = [SeqInput(torch.arange(rows)[row:row + n] + 1 + i, context - rows + row,
-                     list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), all_logits=rows > 1)
+                     list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), all_logits=rows > 1, rope_offset=rope)
             for i in range(batch) for row, n, _ in runs(context - rows, rows, kv)]
-    if rows == 1:
-        step = _StaticStep(model, pools, batch, blocks_per_seq, pools.scratch_block, capture=False)
-        prepare, run = (lambda: step.run(seqs)), step._step
-    else:
-        meta = StepMetadata.build(seqs, kv.block_size, torch.device(device))
-        h = model.embed_ids(torch.cat([s.token_ids for s in seqs]))
-        prepare = run = lambda: model.forward_hidden(h, meta, pools)
+    step = _StaticStep(model, pools, batch, blocks_per_seq, pools.scratch_block, capture=False, rows=rows,
+                       head=draft_heads is None)
+    run = step._step
+    if draft_heads is not None:
+        heads = [Int8Rows(model.lm_head.q[:n], model.lm_head.scale[:n]) for n in draft_heads]
+
+        def run() -> None:   # as DraftModelProposer._logits: each sequence's row through both heads
+            for row in step._step()[:batch]:
+                for head in heads:
+                    model.head_logits(row[None], head)
+    tiles = batch if rows == 1 else len(StepTiles.layout([len(s.token_ids) for s in seqs]))
     sink: list[Launch] = []
     mode = _TorchOps(sink)
     real_run, kernels = InterpretedFunction.run, os.environ.get("BIE_TRT_KERNELS")
-    InterpretedFunction.run = _triton_hook(sink, mode, StepShape(cfg, kv, batch, context, batch if rows == 1 else 1), execute=device != "meta")
+    InterpretedFunction.run = _triton_hook(sink, mode, StepShape(cfg, kv, batch * rows, context, tiles),
+                                           execute=device != "meta")
     # The Triton kernels on CPU tensors, for this step only: an importer's other work keeps its kernels.
     os.environ["BIE_TRT_KERNELS"] = "triton"
     try:
-        prepare()   # fills the static buffers; compiles nothing on meta
+        step.run(seqs)   # fills the static buffers; compiles nothing on meta
         sink.clear()
         with mode:
             run()
@@ -205,16 +218,20 @@ def _bytes(launches: list[Launch]) -> tuple[int, int]:
     return sum(x.read for x in launches), sum(x.written for x in launches)
 
 
-def roofline_bytes(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, group_size: int = 128) -> int:
-    """What a step must read at least: every weight once (W4 layers, int8 lm_head) and each sequence's K/V."""
-    return (linear_weight_bytes(cfg, group_size) + lm_head_bytes(cfg, "int8")
-            + batch * context * kv_bytes_per_token(cfg, kv))
+def roofline_bytes(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, group_size: int = 128,
+                   draft_heads: tuple[int, int] | None = None) -> int:
+    """What a step must read at least: every weight once (W4 layers, int8 lm_head) and each sequence's K/V.
+    A draft's heads: its K static rows once and each sequence's own R rows (int8 and a scale a row)."""
+    head = (lm_head_bytes(cfg, "int8") if draft_heads is None
+            else (draft_heads[0] + batch * draft_heads[1]) * (cfg.hidden_size + 2))
+    return linear_weight_bytes(cfg, group_size) + head + batch * context * kv_bytes_per_token(cfg, kv)
 
 
-def split_layers(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str, rows: int = 1) -> dict:
+def split_layers(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str, rows: int = 1,
+                 draft_heads: tuple[int, int] | None = None) -> dict:
     """Launches of one layer (2-layer step minus 1-layer step) and outside the layers."""
-    one = launches_of_step(dataclasses.replace(cfg, num_layers=1), kv, batch, context, device, rows)
-    two = launches_of_step(dataclasses.replace(cfg, num_layers=2), kv, batch, context, device, rows)
+    one, two = (launches_of_step(dataclasses.replace(cfg, num_layers=n), kv, batch, context, device, rows, draft_heads)
+                for n in (1, 2))
     layer = _tally(two) - _tally(one)
     outside = _tally(one) - layer
     layer_bytes = [b - a for a, b in zip(_bytes(one), _bytes(two))]
@@ -226,24 +243,59 @@ def _listing(counts: collections.Counter) -> list[dict]:
     return [{"kind": kind, "name": name, "count": n} for (kind, name), n in sorted(counts.items())]
 
 
-def count(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str = "meta", rows: int = 1) -> dict:
+def count(cfg: ModelConfig, kv: KVCacheConfig, batch: int, context: int, device: str = "meta", rows: int = 1,
+          draft_heads: tuple[int, int] | None = None) -> dict:
     """The launch and byte accounting of one step (`launches_of_step`); bytes are judged against a decode's
-    roofline, which a verify step of the same batch shares (the weights and K/V are read once)."""
-    parts = split_layers(cfg, kv, batch, context, device, rows)
+    roofline, which a verify step of the same batch shares (the weights are read once; each query tile
+    reads its sequence's K/V, so a verify crossing a window block reads it twice)."""
+    parts = split_layers(cfg, kv, batch, context, device, rows, draft_heads)
     L = cfg.num_layers
     read = L * parts["layer_bytes"][0] + parts["outside_bytes"][0]
     written = L * parts["layer_bytes"][1] + parts["outside_bytes"][1]
-    roof = roofline_bytes(cfg, kv, batch, context)
+    roof = roofline_bytes(cfg, kv, batch, context, draft_heads=draft_heads)
     per_layer, outside = sum(parts["layer"].values()), sum(parts["outside"].values())
     return {
         "device": device, "batch": batch, "rows": rows, "context": context, "kv": dataclasses.asdict(kv),
-        "model": dataclasses.asdict(cfg),
+        "model": dataclasses.asdict(cfg), "draft_heads": draft_heads,
         "launches_per_layer": per_layer, "launches_outside": outside, "launches_total": L * per_layer + outside,
         "triton_per_layer": sum(n for (k, _), n in parts["layer"].items() if k == "triton"),
         "per_layer": _listing(parts["layer"]), "outside": _listing(parts["outside"]),
         "bytes_read": read, "bytes_written": written, "roofline_bytes": roof,
         "bytes_over_roofline": (read + written) / roof,
     }
+
+
+def verify_context(rows: int, crossing: bool, kv: KVCacheConfig, near: int = 65536) -> int:
+    """The first context from `near` on whose last `rows` positions do (or do not) cross a window block."""
+    context = near
+    while (len(runs(context - rows, rows, kv)) > 1) != crossing:
+        context += 1
+    return context
+
+
+def draft_step(batch: int, group_size: int = 128) -> dict:
+    """One step of the Llama-3.2-1B draft as built by default: its FP16 cache of sinks and window (the
+    plan's blocks a sequence, all of them read), its default static head and request rows."""
+    draft = llama32_1b()
+    kv = KVCacheConfig(dtype="fp16", sink_tokens=DEFAULT_DRAFT_SINK_TOKENS, window=DEFAULT_DRAFT_WINDOW_TOKENS)
+    tokens = draft_kv_blocks_per_seq(kv.sink_tokens, kv.window, kv.block_size) * kv.block_size
+    k = draft_vocab_rows(draft, "int8", None)
+    return count(draft, kv, batch, tokens, "meta", draft_heads=(k, draft_request_rows(draft, k, None)))
+
+
+def speculation(kv: KVCacheConfig) -> dict:
+    """Verify steps of the 8B at γ = 4, 5, batch 1 and 4, crossing a window block and not, near 64k; and
+    one draft step of the 1B at batch 1 and 4."""
+    out = {}
+    for gamma in (4, 5):
+        for batch in (1, 4):
+            for crossing in (False, True):
+                context = verify_context(gamma + 1, crossing, kv)
+                name = f"verify_g{gamma}_b{batch}{'_crossing' if crossing else ''}"
+                out[name] = count(llama3_8b(), kv, batch, context, "meta", gamma + 1)
+    for batch in (1, 4):
+        out[f"draft_b{batch}"] = draft_step(batch)
+    return out
 
 
 def gemv_grids(cfg: ModelConfig, group_size: int = 128) -> dict:
@@ -265,6 +317,9 @@ def main() -> None:
     ap.add_argument("--kv", default="int4_asym", choices=["int4_asym", "fp16", "fp8"])
     ap.add_argument("--verify-rows", type=int, default=0,
                     help="also count a speculative verify step of this many rows a sequence (γ+1)")
+    ap.add_argument("--spec", action="store_true",
+                    help="also count the speculative steps: 8B verify at γ = 4, 5, batch 1, 4, crossing a window block "
+                         "and not, and a Llama-3.2-1B draft step")
     ap.add_argument("--tiny", action="store_true",
                     help="also run the tiny model of the same structure through the interpreted kernels")
     ap.add_argument("--out", type=Path)
@@ -274,6 +329,8 @@ def main() -> None:
               "llama3_8b_w4_gemv_grids": gemv_grids(llama3_8b())}
     if args.verify_rows > 1:
         result["llama3_8b_verify"] = count(llama3_8b(), kv, args.batch, args.context, "meta", args.verify_rows)
+    if args.spec:
+        result["speculation"] = speculation(kv)
     if args.tiny:
         tiny_kv = dataclasses.replace(kv, group_size=32, sink_tokens=4, window=16) if args.kv != "fp16" else kv
         result["tiny"] = count(tiny_llama(), tiny_kv, args.batch, 64, "cpu")

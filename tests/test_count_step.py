@@ -12,6 +12,7 @@ import pytest
 from bie_trt.config import KVCacheConfig
 from bie_trt.kernels import triton_ops
 from bie_trt.model.synthetic import llama3_8b, tiny_llama
+from bie_trt.plan import kv_bytes_per_token
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import count_step  # noqa: E402
@@ -23,18 +24,14 @@ pytestmark = pytest.mark.skipif(not triton_ops.available(), reason="triton not i
 LAUNCHES_PER_LAYER = 6
 LAUNCHES_OUTSIDE = 3
 MAX_BYTES_OVER_ROOFLINE = 1.10
-# A speculative verify step (γ+1 = 6 rows a sequence) runs eagerly through the prefill path: per layer
-# the four W4 matmuls and the qkv epilogue, then per sequence its attention, the int32 cast of its
-# positions and the copy of its rows into the layer's output. Outside: the fp32 cast of the logits and
-# the norm + int8 head, one launch per 16 rows (then a concatenation).
+# A speculative verify step (γ+1 rows a sequence), as its CUDA graph records it, launches per layer what a
+# decode does, its attention one tiled launch for every row of every sequence, crossing a window block or
+# not. Outside: the int32 casts of its query tiles and positions, the fp32 cast of the logits, and the
+# norm + int8 head, one launch per 16 rows (then a concatenation).
 VERIFY_ROWS = 6
-VERIFY_LAUNCHES_OUTSIDE = {1: 2, 4: 4}   # batch 4: 24 rows, two head launches and the cat
-
-
-def verify_launches_per_layer(batch: int, slices: int = 1) -> int:
-    """`slices`: a verify whose rows cross a block boundary of the window is cut in two, each slice reading
-    the blocks plain decoding reads at its positions: one more attention, cast and copy per sequence."""
-    return 5 + 3 * batch * slices
+VERIFY_LAUNCHES_OUTSIDE = {1: 4, 4: 6}   # batch 4: 20 or 24 rows, two head launches and the cat
+# A draft step: the decode's launches a layer; outside, the staged copy and each sequence's two heads.
+DRAFT_LAUNCHES_OUTSIDE = {1: 3, 4: 9}
 KV = KVCacheConfig(dtype="int4_asym")
 
 
@@ -68,22 +65,34 @@ def test_bytes_against_the_roofline(llama_step):
     assert r["bytes_over_roofline"] <= MAX_BYTES_OVER_ROOFLINE
 
 
+@pytest.mark.parametrize("gamma", [4, 5])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_launch_counts_of_a_verify_step(batch):
-    r = count_step.count(llama3_8b(), KV, batch, 65536, rows=VERIFY_ROWS)
-    assert r["launches_per_layer"] == verify_launches_per_layer(batch)
-    assert sum(x["count"] for x in r["per_layer"] if x["name"] == "_paged_attention_kernel") == batch
+@pytest.mark.parametrize("crossing", [False, True], ids=["inside", "crossing"])
+def test_launch_counts_of_a_verify_step(gamma, batch, crossing):
+    context = count_step.verify_context(gamma + 1, crossing, KV)
+    assert context - 65536 < KV.block_size
+    r = count_step.count(llama3_8b(), KV, batch, context, rows=gamma + 1)
+    assert r["launches_per_layer"] == LAUNCHES_PER_LAYER
+    assert sum(x["count"] for x in r["per_layer"] if x["name"] == "_paged_attention_kernel") == 1
     assert r["launches_outside"] == VERIFY_LAUNCHES_OUTSIDE[batch]
-    # the rows of every sequence share one read of the weights; each sequence's K/V is read once
-    assert r["bytes_over_roofline"] <= MAX_BYTES_OVER_ROOFLINE
+    # the rows of every sequence share one read of the weights; each run of a sequence's rows (two when
+    # they cross a window block, each through its own view) reads its K/V once
+    extra = crossing * batch * context * kv_bytes_per_token(llama3_8b(), KV)
+    assert r["bytes_over_roofline"] <= MAX_BYTES_OVER_ROOFLINE * (r["roofline_bytes"] + extra) / r["roofline_bytes"]
 
 
-def test_launch_counts_of_a_verify_step_across_a_block_boundary():
-    # 65,536 - 128 is a multiple of the block size: rows at 65,533..65,538 cross the window's boundary
-    r = count_step.count(llama3_8b(), KV, 4, 65536 + 3, rows=VERIFY_ROWS)
-    assert r["launches_per_layer"] == verify_launches_per_layer(4, slices=2)
-    assert sum(x["count"] for x in r["per_layer"] if x["name"] == "_paged_attention_kernel") == 8
-    assert r["launches_outside"] == VERIFY_LAUNCHES_OUTSIDE[4]
+@pytest.mark.parametrize("batch", [1, 4])
+def test_launch_counts_of_a_draft_step(batch):
+    """The Llama-3.2-1B draft's step over its bounded FP16 cache, at later original positions, then its
+    static and per-request int8 heads."""
+    r = count_step.draft_step(batch)
+    assert r["model"]["num_layers"] == 16 and r["kv"]["dtype"] == "fp16"
+    assert r["launches_per_layer"] == LAUNCHES_PER_LAYER
+    assert r["launches_outside"] == DRAFT_LAUNCHES_OUTSIDE[batch]
+    # each sequence's logits take their own launch of the static head, which reads it again
+    k, hidden = r["draft_heads"][0], r["model"]["hidden_size"]
+    extra = (batch - 1) * k * (hidden + 2)
+    assert r["bytes_over_roofline"] <= MAX_BYTES_OVER_ROOFLINE * (r["roofline_bytes"] + extra) / r["roofline_bytes"]
 
 
 @pytest.mark.parametrize("rows", [1, pytest.param(VERIFY_ROWS, marks=pytest.mark.slow)])
@@ -97,7 +106,7 @@ def test_shape_only_accounting_equals_an_executed_step(rows):
     for part in ("layer", "outside"):
         assert {k: n for k, n in run[part].items() if k[1] != "_to_copy"} == \
                {k: n for k, n in meta[part].items() if k[1] != "_to_copy"}
-    assert run["layer"][("triton", "_paged_attention_kernel")] == (1 if rows == 1 else 2)
+    assert run["layer"][("triton", "_paged_attention_kernel")] == 1
 
 
 def test_the_report_lists_whole_wave_gemv_grids():

@@ -23,8 +23,19 @@ LLAMA3_8B_HF = {
                      "original_max_position_embeddings": 8192}}
 
 
+# Llama-3.2-1B's config.json: the draft of an 8B target (its tokenizer, 16 layers, a tied head).
+LLAMA32_1B_HF = {
+    **LLAMA3_8B_HF, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
+    "tie_word_embeddings": True,
+    "rope_scaling": {**LLAMA3_8B_HF["rope_scaling"], "factor": 32.0}}
+
+
 def llama3_8b() -> ModelConfig:
     return ModelConfig.from_hf(LLAMA3_8B_HF)
+
+
+def llama32_1b() -> ModelConfig:
+    return ModelConfig.from_hf(LLAMA32_1B_HF)
 
 
 def tiny_llama(hidden_size: int = 64, num_heads: int = 2, num_kv_heads: int = 1, num_layers: int = 2,
