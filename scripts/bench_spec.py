@@ -12,9 +12,12 @@ vocabulary. Greedy, on short and long English prose, source code and technical t
 default loses against the full vocabulary is what its reduced head costs. Any two draft engines of
 one target compare the same way (each row records the draft's K, R and window).
 
-GPU part (`--gpu`): the verify cost T(γ+1) / T(1) of one sequence at 4k / 32k / 64k context for
-Llama-3-8B shapes with an INT4 KV cache (random AWQ-shaped weights), and the speedup that implies
-at acceptance 0.6 / 0.7 / 0.8 with a free proposer. `--smoke` runs both parts small (a few
+GPU part (`--gpu`), under an 8 GiB cap: at 4k / 32k / 64k context for Llama-3-8B shapes with an INT4
+KV cache and a Llama-3.2-1B draft (random AWQ-shaped weights), each step replayed from its CUDA graph:
+the verify cost T(γ+1) / T(1) of one sequence (also eager, and crossing a window block), one draft
+proposal (its bounded-cache decode, its two heads, the logits to the host), a whole round of γ
+proposals and the verify timed together, and the tokens/s a round gives at acceptance 0.6 / 0.7 / 0.8
+against plain decoding's (the acceptance is assumed: random weights accept nothing). `--smoke` runs both parts small (a few
 tokens; tiny shapes for the GPU part, on the CPU when there is no GPU) so the tests run the script.
 
     python scripts/bench_spec.py --engine engines/smollm2 --out benchmarks/results/spec_cpu.json
@@ -30,18 +33,22 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
-from bie_trt.config import KVCacheConfig
+from bie_trt.config import KVCacheConfig, ModelConfig
+from bie_trt.executor.cuda_graphs import DecodeGraphs
+from bie_trt.kernels.int8_rows import Int8Rows
 from bie_trt.model.llama import LlamaModel, SeqInput
-from bie_trt.model.synthetic import llama3_8b, random_weights, tiny_llama
-from bie_trt.plan import kv_pool_blocks
+from bie_trt.model.synthetic import llama32_1b, llama3_8b, random_weights, tiny_llama
+from bie_trt.plan import (DEFAULT_DRAFT_SINK_TOKENS, DEFAULT_DRAFT_WINDOW_TOKENS, draft_kv_blocks_per_seq,
+                          draft_request_rows, draft_vocab_rows, kv_pool_blocks)
 from bie_trt.kv.pool import allocate_pools
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import fill_cache, sync  # noqa: E402
+from bench_decode import GiB, cuda_peak_gib, fill_cache, sync  # noqa: E402
 
 PASSAGE = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_background.txt"
 FALLBACK = ("The river rises in the hills above the old mill and runs south through three villages before it "
@@ -170,42 +177,100 @@ def expected_tokens_per_step(alpha: float, num_speculative_tokens: int) -> float
     return (1 - alpha ** (num_speculative_tokens + 1)) / (1 - alpha)
 
 
-def time_forward(model: LlamaModel, pools, table: list[int], start: int, tokens: int, steps: int) -> float:
-    step = [SeqInput(torch.ones(tokens, dtype=torch.long), start, table, all_logits=tokens > 1)]
+def timed(fn: Callable[[], object], steps: int, device: torch.device) -> float:
+    """Seconds a call of `fn` takes, after two untimed calls."""
     for _ in range(2):
-        model.forward(step, pools)
-    sync(model.device)
+        fn()
+    sync(device)
     begin = time.perf_counter()
     for _ in range(steps):
-        model.forward(step, pools)
-    sync(model.device)
+        fn()
+    sync(device)
     return (time.perf_counter() - begin) / steps
 
 
+class DraftStep:
+    """One proposal of a draft model as `DraftModelProposer` makes it, its forward replayed from a CUDA
+    graph: a decode of its bounded FP16 cache (sinks + window, at original positions past it), then its
+    static head (K rows) and a request's own rows (R) over the hidden state, the logits brought to the host
+    where the proposal is drawn."""
+
+    def __init__(self, cfg: ModelConfig, group: int, device: torch.device, dtype: torch.dtype, context: int) -> None:
+        self.model = LlamaModel(cfg, random_weights(cfg, group, seed=1, device=device), device, dtype,
+                                embedding_on_host=True)
+        kv = KVCacheConfig(dtype="fp16", sink_tokens=DEFAULT_DRAFT_SINK_TOKENS, window=DEFAULT_DRAFT_WINDOW_TOKENS)
+        blocks = draft_kv_blocks_per_seq(kv.sink_tokens, kv.window, kv.block_size)
+        self.pools = allocate_pools(cfg, kv, blocks, 0, dtype, device, scratch_block=True)
+        tokens = blocks * kv.block_size
+        self.graphs = DecodeGraphs(self.model, self.pools, [1], tokens, self.pools.scratch_block,
+                                   capture=device.type == "cuda", head=False)
+        self.step = [SeqInput(torch.ones(1, dtype=torch.long), tokens - 1, list(range(blocks)),
+                              rope_offset=context - tokens)]
+        k = draft_vocab_rows(cfg, "int8", None)
+        head = self.model.lm_head
+        self.heads = [Int8Rows(head.q[:n], head.scale[:n]) for n in (k, draft_request_rows(cfg, k, None))]
+
+    def __call__(self) -> torch.Tensor:
+        (row,) = self.graphs.run(self.step)
+        return torch.cat([self.model.head_logits(row[None], h)[0] for h in self.heads]).float().cpu()
+
+
 def run_verify_part(args: argparse.Namespace) -> dict:
+    """Decode, verify and a draft's proposal, each replayed from its CUDA graph (run eagerly off the GPU),
+    at each context; a whole round (γ proposals, then the verify) timed as one, and the tokens/s it gives
+    at acceptance 0.6 / 0.7 / 0.8 beside plain decoding's."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, group = (tiny_llama(hidden_size=128, num_heads=2, num_kv_heads=1), 64) if args.smoke else (llama3_8b(), 128)
+    gamma = args.num_speculative_tokens
+    if args.smoke:
+        cfg, draft_cfg, group = tiny_llama(hidden_size=128, num_heads=2, num_kv_heads=1), tiny_llama(), 64
+    else:
+        cfg, draft_cfg, group = llama3_8b(), llama32_1b(), 128
     dtype = torch.float16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
     model = LlamaModel(cfg, random_weights(cfg, group, device=device), device, dtype, embedding_on_host=True)
     kv = KVCacheConfig(dtype="int4_asym")
     rows = []
     for ctx in map(int, args.contexts.split(",")):
-        n_fp, n_q = kv_pool_blocks(cfg, kv, ctx + args.num_speculative_tokens + 1, 1, 512)
-        pools = allocate_pools(cfg, kv, n_fp, n_q, dtype, device)
-        table = fill_cache(pools, ctx + args.num_speculative_tokens + 1, kv)
-        t1 = time_forward(model, pools, table, ctx - 1, 1, args.steps)
-        tg = time_forward(model, pools, table, ctx - 1, args.num_speculative_tokens + 1, args.steps)
-        ratio = tg / t1
-        row = {"context": ctx, "kv": kv.dtype, "gamma": args.num_speculative_tokens, "ms_verify_1": 1e3 * t1,
-               f"ms_verify_{args.num_speculative_tokens + 1}": 1e3 * tg, "verify_cost_ratio": ratio,
-               "implied_speedup": {str(a): expected_tokens_per_step(a, args.num_speculative_tokens) / ratio for a in (0.6, 0.7, 0.8)}}
+        n_fp, n_q = kv_pool_blocks(cfg, kv, ctx + gamma + 1, 1, 512)
+        pools = allocate_pools(cfg, kv, n_fp, n_q, dtype, device, scratch_block=True)
+        table = fill_cache(pools, ctx + gamma + 1, kv)
+        graphs = DecodeGraphs(model, pools, [1], ctx + gamma + 1, pools.scratch_block, capture=device.type == "cuda",
+                              verify_rows=[gamma + 1])
+        decode = [SeqInput(torch.ones(1, dtype=torch.long), ctx - 1, table)]
+        verify = [SeqInput(torch.ones(gamma + 1, dtype=torch.long), ctx - 1, table, all_logits=True)]
+        # rows crossing a window block: two runs, each reading the context through its own view
+        crossing = [SeqInput(torch.ones(2, dtype=torch.long), ctx - 1, table, all_logits=True),
+                    SeqInput(torch.ones(gamma - 1, dtype=torch.long), ctx + 1, table, all_logits=True)]
+        draft = DraftStep(draft_cfg, group, device, dtype, ctx)
+
+        def speculative_round() -> None:
+            for _ in range(gamma):
+                draft()
+            graphs.run(verify)
+
+        t1 = timed(lambda: graphs.run(decode), args.steps, device)
+        tg = timed(lambda: graphs.run(verify), args.steps, device)
+        row = {"context": ctx, "kv": kv.dtype, "gamma": gamma, "ms_verify_1": 1e3 * t1,
+               f"ms_verify_{gamma + 1}": 1e3 * tg, "verify_cost_ratio": tg / t1,
+               "ms_verify_crossing": 1e3 * timed(lambda: graphs.run(crossing), args.steps, device),
+               f"ms_verify_{gamma + 1}_eager": 1e3 * timed(lambda: model.forward(verify, pools), args.steps, device),
+               "ms_draft_step": 1e3 * timed(draft, args.steps, device),
+               "ms_round": 1e3 * timed(speculative_round, max(1, args.steps // gamma), device),
+               "peak_memory_gib": cuda_peak_gib(device)}
+        row["tokens_per_s_plain"] = 1e3 / row["ms_verify_1"]
+        row["tokens_per_s_speculative"] = {str(a): 1e3 * expected_tokens_per_step(a, gamma) / row["ms_round"]
+                                           for a in (0.6, 0.7, 0.8)}
+        row["implied_speedup"] = {a: t / row["tokens_per_s_plain"] for a, t in row["tokens_per_s_speculative"].items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del pools
+        del pools, graphs, draft
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": cfg.to_dict(),
-            "weight_group_size": group, "eager": True, "rows": rows}
+            "draft": draft_cfg.to_dict(), "weight_group_size": group, "cap_gib": args.cap_gib,
+            "graphs": device.type == "cuda", "rows": rows}
 
 
 def main() -> None:
@@ -221,6 +286,7 @@ def main() -> None:
     ap.add_argument("--self-draft-chars", type=int, default=4000, help="characters of the long prose prompt")
     ap.add_argument("--gpu", action="store_true", help="also time T(γ+1)/T(1) at 8B shapes (needs a CUDA GPU)")
     ap.add_argument("--contexts", default="4096,32768,65536")
+    ap.add_argument("--cap-gib", type=float, default=8.0, help="emulate a card of this size (the GPU part)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="a few tokens and tiny shapes: checks the script end to end")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_cpu.json"))
