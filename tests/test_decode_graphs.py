@@ -168,3 +168,38 @@ def test_cuda_graph_decode_equals_eager_decode():
     # fp16: batched rows take the tensor-core W4 path, single rows the GEMV, so sums differ in order;
     # 5e-3 is 3% of these logits' spread (std 0.16), where a stale table or slot moves them by more
     check(static, pairs, atol=5e-3)
+
+
+def draft_both(device: str, steps: int, capture: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A draft's decode (`DraftModelProposer`): an FP16 cache whose slots hold tokens of later original
+    positions (a RoPE offset per sequence, growing as the window slides), hidden states out (its heads
+    follow), through the graphs and through `final_hidden`, in two copies of one cache."""
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    model = LlamaModel(CFG, random_weights(CFG, group_size=32), torch.device(device), dtype)
+    kv = KVCacheConfig(dtype="fp16")
+    pools = [allocate_pools(CFG, kv, 8, 0, dtype, model.device, scratch_block=True) for _ in range(2)]
+    graphs = DecodeGraphs(model, pools[0], [4, 2], 64, pools[0].scratch_block, capture=capture, head=False)
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    g = torch.Generator().manual_seed(3)
+    for p in pools:
+        p.k.copy_(torch.randn(p.k.shape, generator=g) * 0.1)   # the same cache in both (one seed, drawn twice)
+        p.v.copy_(torch.randn(p.v.shape, generator=g) * 0.1)
+        g.manual_seed(3)
+    pairs = []
+    for t in range(steps):
+        rows = ([0, 1], [1], [1, 0])[t % 3]   # graphs of 2 and 1 (padded) rows, rows reassigned
+        ids = torch.randint(0, CFG.vocab_size, (len(rows),), generator=g)
+        inputs = [SeqInput(ids[i:i + 1], 20 + t, tables[r], rope_offset=100 * r + 7 * t) for i, r in enumerate(rows)]
+        pairs += zip(graphs.run(inputs), model.final_hidden(inputs, pools[1]))
+    return pairs
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_static_draft_decode_equals_final_hidden(device):
+    pairs = draft_both(device, 12, capture=device == "cuda")
+    # hidden states, the residual stream (|h| up to ~150 here): padded batches sum in another order, which
+    # moves fp32 by ~1e-6 of the largest value (a position off by its RoPE offset moves it by 1)
+    tol = 1e-5 if device == "cpu" else 2e-3
+    for a, b in pairs:
+        assert torch.isfinite(a).all()
+        assert (a - b).abs().max() <= tol * b.abs().max()

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from .. import engine_format as ef
 from ..config import KVCacheConfig, ModelConfig
 from ..errors import EngineError
+from ..executor.cuda_graphs import DecodeGraphs
 from ..kernels.int8_rows import Int8Rows
 from ..kv.pool import allocate_pools
 from ..model.llama import LlamaModel
@@ -92,8 +93,14 @@ class DraftModelProposer:
         self.blocks_per_seq = draft_kv_blocks_per_seq(int(draft["sink_tokens"]), self.window, self.block_size)
         kv = KVCacheConfig(dtype="fp16", sink_tokens=int(draft["sink_tokens"]), window=self.window,
                            block_size=self.block_size)
+        sizes = runner.graph_batch_sizes
         self.pools = allocate_pools(self.cfg, kv, runner.max_num_seqs * self.blocks_per_seq, 0, runner.dtype,
-                                    runner.device)
+                                    runner.device, scratch_block=bool(sizes))
+        # Its decode steps (every proposal after the first of a round) replayed from CUDA graphs, at the
+        # target's batch sizes; the hidden states come out, its heads follow per sequence.
+        self.graphs = DecodeGraphs(self.model, self.pools, sizes, self.blocks_per_seq * self.block_size,
+                                   self.pools.scratch_block, head=False) if sizes else None
+        self.steps = {"graph": 0, "eager": 0}   # draft forwards by how they ran, for tests and benchmarks
         self.free_blocks = list(range(runner.max_num_seqs * self.blocks_per_seq))
         self.chunked_prefill_size = runner.chunked_prefill_size
         self.seqs: dict[Hashable, _DraftSeq] = {}   # request key -> its cache
@@ -129,7 +136,7 @@ class DraftModelProposer:
                 fed.append(i)
                 budget -= len(piece.token_ids)
             self.tokens_forwarded += sum(len(s.token_ids) for s in inputs)
-            hidden = self.model.final_hidden(inputs, self.pools)
+            hidden = self._hidden(inputs)
             for i, row in zip(fed, hidden):
                 if feeds[i]:
                     continue   # more of its context first
@@ -147,6 +154,12 @@ class DraftModelProposer:
                     feeds[i] = [(state.pos[-1] + 1, token)]
                 else:
                     del feeds[i]
+
+    def _hidden(self, inputs: list[SeqInput]) -> list[torch.Tensor] | torch.Tensor:
+        """Each input's last hidden state: from a graph when one fits (a decode step), else eagerly."""
+        rows = self.graphs.run(inputs) if self.graphs is not None else None
+        self.steps["eager" if rows is None else "graph"] += 1
+        return self.model.final_hidden(inputs, self.pools) if rows is None else rows
 
     def free(self, key: Hashable) -> None:
         state = self.seqs.pop(key, None)

@@ -65,3 +65,4 @@ class TargetRuntime(Protocol):
     manifest: dict
     max_num_seqs: int
     chunked_prefill_size: int
+    graph_batch_sizes: list[int]   # batch sizes decode steps are replayed from CUDA graphs at (none: eager)
