@@ -25,6 +25,10 @@ FP32 = 4
 # shapes (a few tokens) those are a few MiB, so a flat 16 MiB per captured batch size is a
 # generous bound rather than a measurement.
 CUDA_GRAPH_BYTES_PER_BATCH_SIZE = 16 * MIB
+# Speculative verify steps are captured per (batch, γ+1) bucket when each sequence's rows are at most a
+# block (the tiled attention's inputs) and the int8 head takes the bucket's rows in a few launches.
+TILED_INPUT_ROWS = 16
+MAX_VERIFY_GRAPH_ROWS = 64
 # Allocator fragmentation and small buffers nobody itemised (block tables, sampling state).
 MARGIN_FRACTION = 0.02
 MIN_MARGIN_BYTES = 64 * MIB
@@ -285,6 +289,21 @@ def kv_pool_bytes(model: ModelConfig, kv: KVCacheConfig, num_fp_blocks: int, num
     return fp, num_quant_blocks * b * quant_bytes_per_token_per_layer(model, kv) * model.num_layers
 
 
+def verify_graph_buckets(batch_sizes: Sequence[int], rows: int) -> list[tuple[int, int]]:
+    """The (batch, rows a sequence) of the verify graphs captured for γ+1 = `rows` at `batch_sizes`."""
+    return [(b, rows) for b in sorted(set(batch_sizes)) if 1 < rows <= TILED_INPUT_ROWS and b * rows <= MAX_VERIFY_GRAPH_ROWS]
+
+
+def cuda_graph_bytes(model: ModelConfig, batch_sizes: Sequence[int], num_speculative_tokens: int,
+                     max_num_seqs: int) -> int:
+    """The graphs' private pool: a bound per decode batch size (the target's; the draft's decodes capture
+    into the same pool), and each verify bucket's fp32 logits, which it holds as its output, beyond the
+    step's own `logits` item (at max_num_seqs 1 the one bucket's logits are that item)."""
+    verify = sum(b * r * model.vocab_size * FP32 for b, r in verify_graph_buckets(batch_sizes, num_speculative_tokens + 1))
+    step_logits = max_num_seqs * (1 + num_speculative_tokens) * model.vocab_size * FP32
+    return len(batch_sizes) * CUDA_GRAPH_BYTES_PER_BATCH_SIZE + max(0, verify - step_logits)
+
+
 def draft_kv_blocks_per_seq(sink_tokens: int, window: int, block_size: int) -> int:
     """FP16 blocks of one sequence's draft cache: bounded, never the whole context.
 
@@ -487,8 +506,11 @@ def solve_plan(
         PlanItem("logits", max_num_seqs * (1 + num_speculative_tokens) * model.vocab_size * FP32,
                  f"fp32, {max_num_seqs} seq(s) x {1 + num_speculative_tokens} position(s)"),
         *draft_items,
-        PlanItem("cuda_graphs", len(captured) * CUDA_GRAPH_BYTES_PER_BATCH_SIZE,
-                 f"decode graphs for batch sizes {captured}" if captured else "no CUDA graphs"),
+        PlanItem("cuda_graphs", cuda_graph_bytes(model, captured, num_speculative_tokens, max_num_seqs),
+                 (f"decode graphs for batch sizes {captured}"
+                  + (f", verify graphs of {num_speculative_tokens + 1} rows a sequence"
+                     if verify_graph_buckets(captured, num_speculative_tokens + 1) else "")) if captured
+                 else "no CUDA graphs"),
         PlanItem("cuda_context", profile.cuda_context_reserve_bytes, "CUDA context and library workspaces"),
         PlanItem("margin", max(int(MARGIN_FRACTION * budget), MIN_MARGIN_BYTES), "fragmentation and small buffers"),
     ]

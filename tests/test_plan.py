@@ -13,6 +13,7 @@ from bie_trt.config import KVCacheConfig, ModelConfig
 from bie_trt.errors import PlanError
 from bie_trt.kv.pool import allocate_pools
 from bie_trt.plan import (
+    verify_graph_buckets,
     activation_workspace_bytes,
     draft_kv_blocks,
     draft_kv_blocks_per_seq,
@@ -427,6 +428,22 @@ def test_decode_graphs_are_captured_up_to_and_including_max_num_seqs(llama, ti):
     plan = solve_plan(llama, ti, max_model_len=4096, kv=kv_cfg(), max_num_seqs=2, cuda_graph_batch_sizes=[1, 2, 4])
     assert plan.inputs["cuda_graph_batch_sizes"] == [1, 2]
     assert plan.bytes_of("cuda_graphs") == 2 * 16 * MIB
+
+
+def test_verify_graphs_hold_their_logits_beyond_the_steps_own(llama, ti):
+    """γ = 5 at batch sizes 1, 2, 4 (S = 4): three verify buckets of 6, 12 and 24 rows hold their fp32 logits
+    as graph outputs; the step's `logits` item already covers 24 rows. At S = 1 the one bucket is that item."""
+    row = llama.vocab_size * 4
+    plan = solve_plan(llama, ti, max_model_len=4096, kv=kv_cfg(), max_num_seqs=4, cuda_graph_batch_sizes=[1, 2, 4],
+                      num_speculative_tokens=5)
+    assert plan.bytes_of("logits") == 24 * row
+    assert plan.bytes_of("cuda_graphs") == 3 * 16 * MIB + (6 + 12 + 24 - 24) * row
+    one = solve_plan(llama, ti, max_model_len=4096, kv=kv_cfg(), max_num_seqs=1, cuda_graph_batch_sizes=[1, 2],
+                     num_speculative_tokens=5)
+    assert one.bytes_of("cuda_graphs") == 16 * MIB
+    # γ + 1 = 16 rows: buckets of batch 1 to 4 only (the head's 64 rows)
+    assert verify_graph_buckets([1, 2, 4, 8], 16) == [(1, 16), (2, 16), (4, 16)]
+    assert verify_graph_buckets([1, 2], 17) == []
 
 
 def test_the_whole_card_and_the_models_whole_length_are_allowed(ti):

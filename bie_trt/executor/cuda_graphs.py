@@ -20,12 +20,11 @@ import torch
 
 from ..kv.pool import KVPools
 from ..model.llama import LlamaModel
-from ..model.step_inputs import TILE_ROWS, TILED_INPUT_ROWS, SeqInput, StepMetadata, StepTiles, write_blocks
+from ..model.step_inputs import TILE_ROWS, SeqInput, StepMetadata, StepTiles, write_blocks
+from ..plan import verify_graph_buckets
 
 # The rows of the staged buffer: position, slot block, slot offset, RoPE position, context length.
 _POS, _SLOT, _OFFSET, _ROPE, _LEN = range(5)
-# A verify bucket's rows: the int8 head takes them in up to four 16-row launches (ops.norm_int8_rows_linear).
-MAX_VERIFY_ROWS = 64
 
 
 class _StaticStep:
@@ -147,20 +146,21 @@ class DecodeGraphs:
     a few launches."""
 
     def __init__(self, model: LlamaModel, pools: KVPools, batch_sizes: list[int], max_model_len: int,
-                 scratch_block: int, capture: bool = True, verify_rows: list[int] = (), head: bool = True) -> None:
+                 scratch_block: int, capture: bool = True, verify_rows: list[int] = (), head: bool = True,
+                 pool_handle=None) -> None:
+        """`pool_handle`: capture into another set of graphs' memory pool (a draft's beside its target's:
+        they never replay at once), else a new one."""
         self.model, self.pools, self.scratch_block, self.capture, self.head = model, pools, scratch_block, capture, head
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_blocks = -(-max_model_len // pools.cfg.block_size)
-        self.handle = torch.cuda.graph_pool_handle() if capture else None
+        self.handle = pool_handle if pool_handle is not None or not capture else torch.cuda.graph_pool_handle()
         self.steps: dict[tuple[int, int], _StaticStep] = {}
         self._add([(b, 1) for b in self.batch_sizes])
         self.add_verify(verify_rows)
 
     def add_verify(self, verify_rows: list[int]) -> None:
-        """Verify buckets of `verify_rows` rows a sequence at each batch size (as many rows as the head
-        takes in a few launches)."""
-        self._add([(b, r) for b in self.batch_sizes for r in set(verify_rows)
-                   if 1 < r <= TILED_INPUT_ROWS and b * r <= MAX_VERIFY_ROWS])
+        """Verify buckets of `verify_rows` rows a sequence at each batch size (`plan.verify_graph_buckets`)."""
+        self._add([bucket for r in set(verify_rows) for bucket in verify_graph_buckets(self.batch_sizes, r)])
 
     def _add(self, buckets: list[tuple[int, int]]) -> None:
         # Largest first: later, smaller captures reuse its memory from the shared pool.

@@ -129,12 +129,10 @@ class ModelRunner:
         self.host_pool = HostPool(self.pools)
         self.block_bytes = block_bytes(self.pools)
         self.graphs = None
-        self.graph_batch_sizes: list[int] = []
         if use_graphs:
             sizes = [b for b in self.manifest["profile"]["defaults"]["cuda_graph_batch_sizes"] if b <= self.max_num_seqs]
             if sizes:
                 self.graphs = DecodeGraphs(self.model, self.pools, sizes, self.max_model_len, self.pools.scratch_block)
-                self.graph_batch_sizes = sizes
         if self.device.type == "cuda":
             self.warm_up()
 

@@ -93,13 +93,14 @@ class DraftModelProposer:
         self.blocks_per_seq = draft_kv_blocks_per_seq(int(draft["sink_tokens"]), self.window, self.block_size)
         kv = KVCacheConfig(dtype="fp16", sink_tokens=int(draft["sink_tokens"]), window=self.window,
                            block_size=self.block_size)
-        sizes = runner.graph_batch_sizes
+        target_graphs = runner.graphs
         self.pools = allocate_pools(self.cfg, kv, runner.max_num_seqs * self.blocks_per_seq, 0, runner.dtype,
-                                    runner.device, scratch_block=bool(sizes))
-        # Its decode steps (every proposal after the first of a round) replayed from CUDA graphs, at the
-        # target's batch sizes; the hidden states come out, its heads follow per sequence.
-        self.graphs = DecodeGraphs(self.model, self.pools, sizes, self.blocks_per_seq * self.block_size,
-                                   self.pools.scratch_block, head=False) if sizes else None
+                                    runner.device, scratch_block=target_graphs is not None)
+        # Its decode steps (every proposal after the first of a round) replayed from CUDA graphs at the
+        # target's batch sizes, in the target's graph pool; hidden states come out, its heads follow.
+        self.graphs = None if target_graphs is None else DecodeGraphs(
+            self.model, self.pools, target_graphs.batch_sizes, self.blocks_per_seq * self.block_size,
+            self.pools.scratch_block, head=False, pool_handle=target_graphs.handle)
         self.steps = {"graph": 0, "eager": 0}   # draft forwards by how they ran, for tests and benchmarks
         self.free_blocks = list(range(runner.max_num_seqs * self.blocks_per_seq))
         self.chunked_prefill_size = runner.chunked_prefill_size

@@ -10,6 +10,7 @@ import torch
 from ..config import KVCacheConfig, SamplingParams
 
 if TYPE_CHECKING:
+    from ..executor.cuda_graphs import DecodeGraphs
     from ..structured import LogitsConstraint
 
 
@@ -65,4 +66,4 @@ class TargetRuntime(Protocol):
     manifest: dict
     max_num_seqs: int
     chunked_prefill_size: int
-    graph_batch_sizes: list[int]   # batch sizes decode steps are replayed from CUDA graphs at (none: eager)
+    graphs: DecodeGraphs | None    # the target's CUDA graphs (None: eager), whose batch sizes and pool a draft shares
