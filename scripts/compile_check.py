@@ -57,6 +57,7 @@ from bie_trt.kernels.int8_rows import Int8Rows
 from bie_trt.kernels.w4_layout import W4Weight
 from bie_trt.kv.pool import allocate_pools
 from bie_trt.model.llama import fused_linear_shapes
+from bie_trt.model.step_inputs import TILE_ROWS, StepTiles
 from bie_trt.model.synthetic import llama3_8b
 
 # Per-block limits by compute capability: the opt-in shared memory maximum (what Triton's
@@ -97,8 +98,11 @@ def record_launches(call: Callable[[], Any], variant: str, needs_fp8: bool = Fal
     return launches
 
 
+VERIFY_ROWS = 6         # γ + 1 of the verify launch
+
+
 def attention_launches() -> list[Launch]:
-    """Decode (batch 1 and 8) and a 512-token prefill chunk, for each KV cache dtype and, over a
+    """Decode (batch 1 and 8), a 512-token prefill chunk and a batch-4 verify's tiled launch, for each KV cache dtype and, over a
     quantised pool, each tile loop (v1, v2; over FP16 v2 runs v1's)."""
     model = dataclasses.replace(llama3_8b(), num_layers=1)
     scale = model.head_dim ** -0.5
@@ -132,6 +136,18 @@ def attention_launches() -> list[Launch]:
                 lambda: attn.paged_prefill_attention(q, pools, 0, torch.zeros(width, dtype=torch.int32), pos, scale,
                                                      config=config),
                 f"prefill {dtype}{tag} chunk {PREFILL_CHUNK}", needs_fp8=dtype == "fp8")
+            # a verify graph's tiled launch: batch 4, γ + 1 = 6 rows a sequence, a tile per sequence and
+            # one more each for rows crossing a window block (empty here)
+            tiles = torch.tensor(StepTiles.layout([VERIFY_ROWS] * 4) + [(0, 0, 0)] * 4, dtype=torch.int32)
+            q = torch.empty(4 * VERIFY_ROWS, model.num_heads, model.head_dim, dtype=torch.float16)
+            pos = torch.full((4 * VERIFY_ROWS,), CONTEXT - 1, dtype=torch.int32)
+            config = attn.default_config(True, group_pad, quantised_prefill=dtype != "fp16", variant=variant)
+            config["num_partitions"] = attn.default_num_partitions(len(tiles) * model.num_kv_heads,
+                                                                   width // config["tile_blocks"], H200_SMS)
+            out += record_launches(
+                lambda: attn.paged_tile_attention(q, pools, 0, tiles, torch.zeros(len(tiles), width, dtype=torch.int32),
+                                                  pos, scale, TILE_ROWS, config=config),
+                f"verify {dtype}{tag} batch 4 rows {VERIFY_ROWS}", needs_fp8=dtype == "fp8")
     return out
 
 
