@@ -135,36 +135,24 @@ def check(static: World, pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: f
         torch.testing.assert_close(a, b, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("kernels,steps", [
-    ("reference", 60),
-    # ~50 s in the interpreter; the gpu test below runs the same through the compiled kernels
-    pytest.param("triton", 30, marks=[pytest.mark.slow, pytest.mark.skipif(
-        not triton_ops.available(), reason="triton not importable")])])
-def test_static_decode_equals_eager_decode(kernels, steps, monkeypatch):
-    monkeypatch.setenv("BIE_TRT_KERNELS", kernels)
-    static, pairs = decode_both("cpu", steps, capture=False)
-    check(static, pairs, atol=1e-5)
+TRITON = [pytest.mark.slow, pytest.mark.skipif(not triton_ops.available(), reason="triton not importable")]
+STEPS = {"decode": decode_both, "verify": verify_both}
 
 
-@pytest.mark.parametrize("kernels,steps", [
-    ("reference", 40),
-    pytest.param("triton", 16, marks=[pytest.mark.slow, pytest.mark.skipif(
-        not triton_ops.available(), reason="triton not importable")])])
-def test_static_verify_equals_eager_verify(kernels, steps, monkeypatch):
+@pytest.mark.parametrize("step,kernels,steps", [
+    ("decode", "reference", 60), ("verify", "reference", 40),
+    # ~50 s each in the interpreter; the gpu test below runs the same through the compiled kernels
+    pytest.param("decode", "triton", 30, marks=TRITON), pytest.param("verify", "triton", 16, marks=TRITON)])
+def test_static_step_equals_eager_step(step, kernels, steps, monkeypatch):
     monkeypatch.setenv("BIE_TRT_KERNELS", kernels)
-    static, pairs = verify_both("cpu", steps, capture=False)
+    static, pairs = STEPS[step]("cpu", steps, capture=False)
     check(static, pairs, atol=1e-5)
 
 
 @pytest.mark.gpu
-def test_cuda_graph_verify_equals_eager_verify():
-    static, pairs = verify_both("cuda", 40, capture=True)
-    check(static, pairs, atol=5e-3)
-
-
-@pytest.mark.gpu
-def test_cuda_graph_decode_equals_eager_decode():
-    static, pairs = decode_both("cuda", 60, capture=True)
+@pytest.mark.parametrize("step,steps", [("decode", 60), ("verify", 40)])
+def test_cuda_graph_step_equals_eager_step(step, steps):
+    static, pairs = STEPS[step]("cuda", steps, capture=True)
     # fp16: batched rows take the tensor-core W4 path, single rows the GEMV, so sums differ in order;
     # 5e-3 is 3% of these logits' spread (std 0.16), where a stale table or slot moves them by more
     check(static, pairs, atol=5e-3)
