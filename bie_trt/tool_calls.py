@@ -58,16 +58,17 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     return schema
 
 
-def parse_required(text: str) -> list[ToolCall] | None:
+def parse_required(text: str, names: set[str] | None = None) -> list[ToolCall] | None:
     """The array `required_schema` constrains the reply to -> its calls; None when it does not parse
-    (a reply cut short by max_tokens)."""
+    (a reply cut short by max_tokens) or any item is not a call of one of `names` with object arguments:
+    a reply is its calls whole, never the valid part of them."""
     try:
         items = json.loads(text)
     except json.JSONDecodeError:
         return None
-    if not isinstance(items, list):
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
         return None
-    calls = [_call(item.get("name"), item.get("parameters")) for item in items if isinstance(item, dict)]
+    calls = [_call(item.get("name"), item.get("parameters"), names) for item in items]
     return None if not calls or None in calls else calls
 
 
@@ -240,7 +241,7 @@ class ReplyParser:
         if self.mode == "named":
             return None, [ToolCall(self.function, text, self._named_id or new_call_id())]
         if self.mode == "required":
-            calls = parse_required(text)
+            calls = parse_required(text, self.names)
             return (text, []) if calls is None else (None, calls)
         if self.mode == "auto":
             return parse_tool_calls(text, self.names)

@@ -2,6 +2,9 @@
 block by block (never held whole beside its blocks)."""
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
 import tracemalloc
 from pathlib import Path
 
@@ -61,10 +64,6 @@ def test_every_damaged_header_byte_and_a_damaged_block_are_refused_in_one_line(t
 
 def written(path: Path, header: dict, version: int = 1, payload: bytes = b"") -> Path:
     """A file whose checksum holds over whatever header it is given."""
-    import hashlib
-    import json
-    import struct
-
     raw = json.dumps(header).encode()
     body = struct.pack("<6sHQ", b"BIEKVC", version, len(raw)) + raw + payload
     path.write_bytes(body + hashlib.sha256(body).digest())
@@ -79,6 +78,19 @@ def test_a_whole_file_with_a_header_this_version_cannot_read_says_so(tmp_path):
     with pytest.raises(CacheFileError, match="format version 2; this bie-trt reads version 1"):
         read_cache_file(later, IDENTITY)
 
+
+
+def test_an_older_format_version_is_refused_by_name_when_all_else_holds(tmp_path):
+    """A file as this version writes it, stamped version 0 with its checksum made good: only the version
+    check can refuse it."""
+    path = tmp_path / "v0.kvc"
+    write_cache_file(path, IDENTITY, [1, 2, 3], blocks(3))
+    body = bytearray(path.read_bytes()[:-32])
+    body[6:8] = struct.pack("<H", 0)
+    path.write_bytes(bytes(body) + hashlib.sha256(body).digest())
+    with pytest.raises(CacheFileError, match="format version 0; this bie-trt reads version 1") as e:
+        read_cache_file(path, IDENTITY)
+    assert "\n" not in str(e.value)
 
 def test_a_file_is_read_block_by_block(tmp_path):
     path = tmp_path / "big.kvc"

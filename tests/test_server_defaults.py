@@ -62,19 +62,24 @@ def test_models_lists_when_the_server_started(small):
     assert before - 3600 < created <= before
 
 
+LIMIT = 2**20 + 64 * CONTEXT   # the default --max-request-bytes for this context
+
+
+def chunked(body: bytes):
+    """The body as a generator: httpx sends it chunked, without Content-Length, so it is counted as it arrives."""
+    for i in range(0, len(body), 65536):
+        yield body[i:i + 65536]
+
+
 def test_a_body_above_the_limit_is_refused_with_413_before_it_is_read(small):
-    limit = 2**20 + 64 * CONTEXT                      # the default for this context
+    limit = LIMIT
     body = b'{"prompt": "' + b"word " * (limit // 5) + b'", "max_tokens": 1}'
     r = httpx.post(small[1] + "/v1/completions", content=body, headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 413, r.text
     assert f"above this server's --max-request-bytes {limit:,}" in r.json()["error"]["message"]
 
-    def chunked():                                   # no Content-Length: counted as it arrives
-        for i in range(0, len(body), 65536):
-            yield body[i:i + 65536]
-
-    r = httpx.post(small[1] + "/v1/completions", content=chunked(), headers={"content-type": "application/json"},
+    r = httpx.post(small[1] + "/v1/completions", content=chunked(body), headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 413, r.text
     just_under = b'{"prompt": "Hi", "max_tokens": 1, "user": "' + b"x" * (limit - 100) + b'"}'
@@ -82,6 +87,16 @@ def test_a_body_above_the_limit_is_refused_with_413_before_it_is_read(small):
     assert httpx.post(small[1] + "/v1/completions", content=just_under,
                       headers={"content-type": "application/json"}, timeout=60).status_code == 200
 
+
+def test_a_body_of_exactly_the_limit_is_served_and_one_byte_more_is_413(small):
+    head = b'{"prompt": "Hi", "max_tokens": 1, "user": "'
+    for size, status in ((LIMIT, 200), (LIMIT + 1, 413)):
+        body = head + b"x" * (size - len(head) - 2) + b'"}'
+        assert len(body) == size
+        for content in (chunked(body), body):   # counted as it arrives, and declared by Content-Length
+            r = httpx.post(small[1] + "/v1/completions", content=content,
+                           headers={"content-type": "application/json"}, timeout=60)
+            assert r.status_code == status, (size, type(content).__name__, r.text[:200])
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_a_prompt_too_long_for_any_tokenisation_is_refused_before_tokenising(small, monkeypatch, route):
@@ -102,3 +117,20 @@ def test_a_prompt_too_long_for_any_tokenisation_is_refused_before_tokenising(sma
     error = r.json()["error"]
     assert error["code"] == "context_length_exceeded" and "(200,000 characters) holds at least" in error["message"]
     assert seen == []
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_the_prompt_bound_rounds_up_right_at_the_context_limit(small, route):
+    """A prompt of (CONTEXT - 1) longest tokens and one character more holds at least CONTEXT tokens (rounded
+    down, CONTEXT - 1 would let it through to the tokeniser); one character fewer must be tokenised to tell."""
+    engine, base, _ = small
+    longest = max(map(len, engine.tokenizer.get_vocab()))
+    assert longest > 1   # else every count is a multiple of it
+    url = f"{base}/v1/{'completions' if route == 'completions' else 'chat/completions'}"
+    for chars, bounded in ((longest * (CONTEXT - 1) + 1, True), (longest * (CONTEXT - 1), False)):
+        text = "x" * chars
+        body = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
+        r = httpx.post(url, json={**body, "max_tokens": 1}, timeout=60)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "maximum context length is 64 tokens" in message, r.text
+        assert (f"({chars:,} characters) holds at least {CONTEXT} tokens" in message) == bounded, message

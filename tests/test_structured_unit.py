@@ -156,6 +156,16 @@ def test_the_cache_returns_one_compiled_grammar_per_spec_and_each_request_its_ow
     assert torch.equal(b.allowed(), compiler.matcher(so).allowed())   # b did not move with a
 
 
+
+def test_a_grammar_reused_early_stays_cached_past_the_caches_capacity(tokenizer):
+    small = GrammarCompiler(tokenizer, len(tokenizer), [EOS], cache_size=2)
+    a, b, c = (StructuredOutputs(regex=r) for r in ("a+", "b+", "c+"))
+    first, first_b = small.compile(a), small.compile(b)
+    assert small.compile(a) is first   # a hit: a is now the most recently used
+    small.compile(c)                   # a third spec: the least recently used (b) makes room
+    assert small.compile(a) is first
+    assert small.compile(b) is not first_b
+
 # -- speculative verification ----------------------------------------------------------------------
 
 def grammar_rows(tokenizer, wanted: list[int]) -> torch.Tensor:
@@ -219,3 +229,15 @@ def test_allowed_prefix_counts_what_the_grammar_takes_and_keeps_its_state(compil
     c.accept(b)
     assert c.allowed_prefix([a, EOS]) == 2 and c.grammar.num_accepted == 1
     assert constraint(compiler, logit_bias={a: -5.0}).allowed_prefix([a, b, a]) == 3   # no grammar: all of them
+
+
+def test_a_finished_grammar_stays_finished_when_nothing_more_is_taken(compiler, tokenizer):
+    """allowed_prefix after the stop token takes nothing and rolls back zero tokens: the stop stays."""
+    a, b = ids(tokenizer, "a")[0], ids(tokenizer, "b")[0]
+    c = constraint(compiler, StructuredOutputs(regex="ab|ba"))
+    for t in (a, b, EOS):
+        c.accept(t)
+    assert c.allowed_prefix([a]) == 0 and c.allowed_prefix([EOS]) == 0
+    assert c.finished and c.grammar.num_accepted == 3 and c.grammar.allowed() is None
+    c.rollback(1)   # the stop token itself: the grammar is open again, complete
+    assert not c.finished and c.allowed_prefix([EOS]) == 1

@@ -76,6 +76,22 @@ def test_required_schema_validates_calls_and_parses():
     assert parse_required('[{"name": "get_weather", "parameters": {"ci') is None
 
 
+
+@pytest.mark.parametrize("bad", [
+    {"name": "launch_rockets", "parameters": {}},     # not one of the tools
+    {"name": "get_time", "parameters": 5},            # arguments that are no object
+    {"name": "get_time", "parameters": "[1, 2]"},     # a JSON string of no object
+    "get_time",                                       # no call at all
+])
+def test_required_refuses_a_call_array_with_any_bad_item(bad):
+    """Not quietly reduced to its valid calls: the reply stays content, as a reply cut short does."""
+    good = {"name": "get_weather", "parameters": {"city": "Oslo"}}
+    for items in ([bad], [good, bad], [bad, good]):
+        text = json.dumps(items)
+        assert parse_required(text, NAMES) is None, items
+        assert ReplyParser("required", NAMES).message(text) == (text, []), items
+    assert [c.name for c in parse_required(json.dumps([good, good]), NAMES)] == ["get_weather"] * 2
+
 def test_held_back_pauses_at_a_possible_call():
     assert held_back("Hello <tool_c") == len("Hello ")
     assert held_back("Hello <tool_call>{") == len("Hello ")

@@ -30,7 +30,20 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
     return JSONResponse(error_body(status, message, param, code), status, headers=headers)
 
 
+class ApiError(Exception):
+    """A request refused by a handler: rendered in the shape of the API the route belongs to."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _refused(_: Request, exc: ApiError) -> JSONResponse:
+        return openai_error(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()

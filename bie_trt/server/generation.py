@@ -1,0 +1,235 @@
+"""The request path every generating route shares: prompts checked against the context and the
+queue, started as engine requests (n per prompt), then waited for or streamed as server-sent events,
+with timeouts, engine faults and clients that leave handled once for all of them."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from typing import AsyncIterator, Callable
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from ..config import SamplingParams, StructuredOutputs
+from ..errors import BieError, RequestError
+from ..executor.outputs import RequestOutput, StreamEvent
+from ..executor.streams import RequestStream
+from .errors import ApiError, error_body
+from .metrics import Metrics
+from .protocol import SamplingRequest
+from .state import ServerState
+from .structured import ParamError, ToolPlan, error_param, output_constraint
+
+DISCONNECT_POLL_S = 0.1   # how often a non-streamed request checks that its client is still there
+RETRY_AFTER_S = 1         # what a 503 (queue full) asks the client to wait
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                    constraint: StructuredOutputs | None) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
+    return SamplingParams(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids,
+        seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs,
+        structured_outputs=constraint, logit_bias=bias, min_tokens=req.min_tokens)
+
+
+def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> str:
+    """The message OpenAI and vLLM send when prompt plus completion exceed the context."""
+    what = "messages" if chat else "prompt"
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {what}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {what} or completion.")
+
+
+def usage(outputs: list[RequestOutput], n: int) -> dict:
+    """Each prompt counted once (its n choices share it); the completion tokens of every choice; the
+    prompt tokens the prefix cache served (either tier) as OpenAI reports them."""
+    prompt = sum(out.usage.prompt_tokens for out in outputs[::n])
+    cached = sum(out.usage.cached_tokens for out in outputs[::n])
+    completion = sum(out.usage.completion_tokens for out in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def _iterate(events: RequestStream, metrics: Metrics, start: float,
+                   waiters: anyio.CapacityLimiter) -> AsyncIterator[StreamEvent]:
+    """Wait for the engine's events in worker threads (from their own pool, so that many long streams
+    do not starve other work of threads), timing them; always close the stream, so a client that goes
+    away mid-stream (the response is cancelled) aborts its request and frees its blocks."""
+    done, last = object(), None
+    try:
+        while (event := await anyio.to_thread.run_sync(next, events, done, abandon_on_cancel=True,
+                                                       limiter=waiters)) is not done:
+            now = time.perf_counter()
+            if event.token_ids:
+                if last is None:
+                    metrics.ttft.observe(now - start)
+                else:
+                    metrics.itl.observe((now - last) / len(event.token_ids))
+                last = now
+            if event.output is not None:
+                metrics.e2e.observe(now - start)
+            yield event
+    finally:
+        with anyio.CancelScope(shield=True):   # a cancelled response must still abort its request
+            await anyio.to_thread.run_sync(events.close)   # also wakes the abandoned next() above
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequest, max_tokens: int | None,
+                 logprobs: int | None, chat: bool, tools: ToolPlan | None = None) -> list[RequestStream]:
+    """Check every prompt against the context and the queue against its bound, then start n requests
+    per prompt (choice j seeded seed + j: reproducible and distinct). Nothing starts unless all can.
+    The engine compiles a grammar as a request starts, so requests start in a worker thread."""
+    engine = state.engine
+    param = "messages" if chat else "prompt"
+    try:
+        constraint, constraint_param = output_constraint(req, tools)
+    except ParamError as e:
+        raise ApiError(400, str(e), e.param) from None
+    vocab = engine.runner.model_config.vocab_size
+    if bad := [k for k in req.logit_bias or {} if int(k) >= vocab]:
+        raise ApiError(400, f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab}).", "logit_bias")
+    per_prompt = []
+    for ids in prompts:
+        wanted = max_tokens if max_tokens is not None else max(1, engine.max_model_len - len(ids))
+        if len(ids) + wanted > engine.max_model_len:
+            raise ApiError(400, context_error(engine.max_model_len, len(ids), wanted, chat), param,
+                           code="context_length_exceeded")
+        try:
+            per_prompt.append(sampling_params(req, wanted, logprobs, constraint))
+        except RequestError as e:
+            raise ApiError(400, str(e), error_param(str(e), set(type(req).model_fields), constraint_param)) from None
+    count = len(prompts) * req.n
+    if state.in_flight + count > state.capacity:
+        raise ApiError(503, f"the server is full ({state.in_flight} requests in flight, at most "
+                            f"{state.capacity}); retry after {RETRY_AFTER_S} s.",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+    state.in_flight += count   # held while the requests start, so that concurrent ones see them
+
+    def start() -> list[RequestStream] | tuple[int, BieError]:
+        streams: list[RequestStream] = []
+        for i, (ids, params) in enumerate(zip(prompts, per_prompt)):
+            try:
+                for j in range(req.n):
+                    seed = None if params.seed is None else params.seed + j
+                    streams.append(engine.stream(ids, dataclasses.replace(params, seed=seed)))
+            except BaseException as e:
+                for events in streams:
+                    events.close()
+                if isinstance(e, BieError):
+                    return i, e
+                raise
+        return streams
+
+    try:
+        started = await anyio.to_thread.run_sync(start)
+    except BaseException:
+        state.in_flight -= count
+        raise
+    if isinstance(started, tuple):
+        state.in_flight -= count
+        i, e = started
+        where = error_param(str(e), set(type(req).model_fields), constraint_param or param)
+        raise ApiError(400, f"{param}[{i}]: {e}" if len(prompts) > 1 and where == param else str(e), where)
+    state.live.update(started)
+    return started
+
+
+ChunkMaker = Callable[[StreamEvent, int, bool], list[dict]]
+BodyMaker = Callable[[list[RequestOutput]], dict]
+
+
+async def respond(state: ServerState, http: Request, streams: list[RequestStream], req: SamplingRequest, base: dict,
+                  make_chunk: ChunkMaker, make_body: BodyMaker) -> Response | dict:
+    """Wait for every choice (or stream them as they come), then free the queue slots. A fault in the
+    engine fails this request with 500, a timeout with 408, a client that leaves aborts it."""
+    start, n = time.perf_counter(), len(streams)
+    outputs: list[RequestOutput | None] = [None] * n
+    faults: list[Exception] = []
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    timeout = state.options.request_timeout
+
+    async def pump(i: int, events: RequestStream, group: anyio.CancelScope, send=None) -> None:
+        """Choice i's events into `outputs` (its last) and, when streaming, into `send`."""
+        async with send or contextlib.nullcontext():   # closing its end tells the reader this choice is done
+            try:
+                async for event in _iterate(events, state.metrics, start, state.waiters()):
+                    if event.output is not None:
+                        outputs[i] = event.output
+                    if send is not None:
+                        await send.send((i, event))
+            except Exception as e:   # a fault inside the engine's step: the whole request fails
+                faults.append(e)
+                group.cancel()
+
+    def fault_body() -> dict:
+        return error_body(500, f"the engine failed while serving this request: {faults[0]}")
+
+    def timeout_body() -> dict:
+        return error_body(408, f"the request did not finish within the server's --request-timeout of "
+                               f"{timeout} s; ask for fewer tokens or retry later.")
+
+    def release() -> None:
+        state.in_flight -= n
+        state.live.difference_update(streams)
+
+    if not req.stream:
+        try:
+            with anyio.move_on_after(timeout) as deadline:
+                async with anyio.create_task_group() as tasks:
+                    async def abort_when_client_leaves() -> None:
+                        # nothing is sent until the end, so only polling notices a client that went away;
+                        # cancelling the waits below closes the streams, which aborts the requests
+                        while not await http.is_disconnected():
+                            await anyio.sleep(DISCONNECT_POLL_S)
+                        tasks.cancel_scope.cancel()
+
+                    tasks.start_soon(abort_when_client_leaves)
+                    async with anyio.create_task_group() as choices:
+                        for i, events in enumerate(streams):
+                            choices.start_soon(pump, i, events, tasks.cancel_scope)
+                    tasks.cancel_scope.cancel()
+        finally:
+            release()
+        if faults:
+            return JSONResponse(fault_body(), 500)
+        if deadline.cancelled_caught:
+            return JSONResponse(timeout_body(), 408)
+        if any(out is None for out in outputs):   # the client left: nobody reads a reply
+            return PlainTextResponse("client disconnected", status_code=499)
+        return make_body(outputs)
+
+    async def sse() -> AsyncIterator[str]:
+        try:
+            send, receive = anyio.create_memory_object_stream(math.inf)
+            first = [True] * n
+            with anyio.move_on_after(timeout) as deadline:
+                async with anyio.create_task_group() as choices:
+                    async with send:
+                        for i, events in enumerate(streams):
+                            choices.start_soon(pump, i, events, choices.cancel_scope, send.clone())
+                    async with receive:
+                        async for i, event in receive:
+                            for chunk in make_chunk(event, i, first[i]):
+                                yield _sse(chunk)
+                            first[i] = False
+            if faults or deadline.cancelled_caught:   # the status is sent already: the error is an event
+                yield _sse(fault_body() if faults else timeout_body())
+            elif include_usage:
+                yield _sse(dict(base, choices=[], usage=usage(outputs, req.n)))
+            yield "data: [DONE]\n\n"
+        finally:
+            release()
+
+    return StreamingResponse(sse(), media_type="text/event-stream")

@@ -1,0 +1,35 @@
+"""The handlers of vLLM's POST /tokenize and /detokenize."""
+from __future__ import annotations
+
+import anyio
+import jinja2
+
+from ..errors import BieError
+from .errors import ApiError
+from .protocol import DetokenizeRequest, TokenizeRequest
+from .state import ServerState
+
+
+async def tokenize(state: ServerState, req: TokenizeRequest) -> dict:
+    """A prompt (or chat messages, through the template) -> its token ids."""
+    engine = state.engine
+    state.check_model(req.model)
+    try:
+        if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = await anyio.to_thread.run_sync(engine.encode_chat, [m.to_template() for m in req.messages], tools)
+        else:
+            ids = await anyio.to_thread.run_sync(
+                lambda: list(engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))
+    except (jinja2.TemplateError, BieError) as e:
+        raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
+    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+
+async def detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
+    """Token ids -> their text."""
+    state.check_model(req.model)
+    vocab = state.engine.runner.model_config.vocab_size
+    if (bad := next((t for t in req.tokens if not 0 <= t < vocab), None)) is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab}).", "tokens")
+    return {"prompt": await anyio.to_thread.run_sync(state.engine.tokenizer.decode, req.tokens)}
