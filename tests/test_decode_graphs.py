@@ -141,8 +141,9 @@ STEPS = {"decode": decode_both, "verify": verify_both}
 
 @pytest.mark.parametrize("step,kernels,steps", [
     ("decode", "reference", 60), ("verify", "reference", 40),
-    # ~50 s each in the interpreter; the gpu test below runs the same through the compiled kernels
-    pytest.param("decode", "triton", 30, marks=TRITON), pytest.param("verify", "triton", 16, marks=TRITON)])
+    # 1-2 min each in the interpreter (the verify crosses a window block at its 19th step); the gpu test
+    # below runs the same through the compiled kernels
+    pytest.param("decode", "triton", 30, marks=TRITON), pytest.param("verify", "triton", 20, marks=TRITON)])
 def test_static_step_equals_eager_step(step, kernels, steps, monkeypatch):
     monkeypatch.setenv("BIE_TRT_KERNELS", kernels)
     static, pairs = STEPS[step]("cpu", steps, capture=False)

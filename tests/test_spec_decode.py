@@ -212,6 +212,11 @@ def test_bench_spec_smoke(smollm2_engine, tmp_path):
         assert r["speedup"] == pytest.approx(r["tokens_per_s_ngram"] / r["tokens_per_s_off"])
     verify = result["verify"]["rows"][0]
     assert verify["verify_cost_ratio"] == pytest.approx(verify["ms_verify_6"] / verify["ms_verify_1"])
+    # a round of 5 proposals and the verify emits 1 + a + ... + a^5 tokens at acceptance a
+    for a, tokens_per_s in verify["tokens_per_s_speculative"].items():
+        emitted = sum(float(a) ** i for i in range(6))
+        assert tokens_per_s == pytest.approx(1e3 * emitted / verify["ms_round"])
+    assert verify["ms_draft_step"] > 0 and verify["ms_verify_crossing"] > 0
 
 
 @pytest.mark.slow
