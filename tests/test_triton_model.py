@@ -84,6 +84,7 @@ def test_the_triton_path_really_runs(runner, monkeypatch):
     counting(triton_w4, "w4_linear_triton", "w4")
     counting(triton_attention, "paged_decode_attention", "attn")
     counting(triton_attention, "paged_prefill_attention", "attn")
+    counting(triton_attention, "paged_tile_attention", "attn")   # a short prefill is one tiled launch
     counting(triton_ops, "rms_norm_triton", "norm")
     counting(triton_ops, "qkv_epilogue_triton", "kv")
     monkeypatch.setenv("BIE_TRT_KERNELS", "triton")
