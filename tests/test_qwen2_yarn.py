@@ -10,6 +10,7 @@ from bie_trt.checkpoint.loader import Checkpoint
 from bie_trt.config import EngineConfig, KVCacheConfig, SamplingParams
 from bie_trt.evaluate import evaluate
 from bie_trt.executor.engine import BieEngine
+from bie_trt.kernels import triton_ops
 from hf_reference import hf_model
 from test_model_vs_transformers import run_engine_logits
 from tiny_model import write_tiny_hf
@@ -79,3 +80,16 @@ def test_int4_kv_within_quality_bounds(qwen2_yarn, reference):
                                     kv_group_size=32, kv_window=16))
     out = int4.generate(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert sum(a == b for a, b in zip(out.token_ids, continuation)) >= NEW_TOKENS - 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not triton_ops.available(), reason="triton not importable")
+def test_triton_path_equals_transformers(qwen2_yarn, reference, monkeypatch):
+    """The same greedy tokens through the Triton kernels (interpreted here, ~30 s): the attention factor
+    reaches the fused qkv epilogue's path too."""
+    monkeypatch.setenv("BIE_TRT_KERNELS", "triton")
+    _, engine_dir = qwen2_yarn
+    ids, continuation, _ = reference
+    engine = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu"))
+    out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert out.token_ids == continuation
