@@ -60,6 +60,9 @@ class RopeScaling:
                            high_freq_factor=float(rope["high_freq_factor"]))
             factor = rope.get("factor")
             factor = float(factor) if factor is not None else max_position_embeddings / original
+            if factor < 1:
+                raise CheckpointError(f"{source}: YaRN's factor must be >= 1 (how many times the original context "
+                                      f"the model reads); got {factor:g}.")
 
             def number(key: str) -> float | None:
                 return None if rope.get(key) is None else float(rope[key])
@@ -150,9 +153,11 @@ class ModelConfig:
             )
         except KeyError as e:
             raise CheckpointError(f"{source}: required field {e.args[0]!r} is missing.") from None
-        # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
+        # transformers 5 moved rope_theta/rope_scaling into rope_parameters. A rope_scaling block added
+        # to such a config (as Qwen documents YaRN) replaces its type, whichever key spells it.
         rope = dict(hf.get("rope_parameters") or {})
-        rope.update(hf.get("rope_scaling") or {})
+        if hf.get("rope_scaling"):
+            rope = {k: v for k, v in rope.items() if k not in ("rope_type", "type")} | hf["rope_scaling"]
         theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         if rope_type not in ROPE_TYPES:

@@ -124,3 +124,17 @@ def test_unsupported_rope_types_are_named(kind: str) -> None:
 def test_yarn_without_a_factor_or_with_a_bad_one_is_named() -> None:
     with pytest.raises(CheckpointError, match="'yarn' has a value that is not a number"):
         ours(QWEN25_7B, {"type": "yarn", "factor": "four", "original_max_position_embeddings": 32768})
+
+
+def test_a_rope_scaling_block_replaces_the_type_of_rope_parameters() -> None:
+    """A transformers-5 config (rope_parameters) with Qwen's YaRN block added in its older spelling."""
+    hf = {**QWEN25_7B, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
+    del hf["rope_theta"]
+    cfg = ours(hf, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    assert cfg.rope_scaling.rope_type == "yarn" and cfg.rope_theta == 1000000.0
+    assert torch.equal(inverse_frequencies(cfg), inverse_frequencies(ours(*YARN_CASES["qwen2.5 x4"])))
+
+
+def test_a_yarn_factor_below_one_is_refused() -> None:
+    with pytest.raises(CheckpointError, match="YaRN's factor must be >= 1.*got 0.5"):
+        ours(QWEN25_7B, {"type": "yarn", "factor": 0.5, "original_max_position_embeddings": 32768})
