@@ -261,7 +261,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         kv.validate(ckpt.model.head_dim)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    max_len = opts.max_model_len or min(profile.defaults.max_model_len, ckpt.model.max_position_embeddings)
+    max_len = opts.max_model_len or min(profile.defaults.max_model_len, ckpt.model.max_positions)
     max_seqs = opts.max_num_seqs or profile.defaults.max_num_seqs
     chunk = opts.chunked_prefill_size or profile.defaults.chunked_prefill_size
     draft = open_draft(opts, ckpt)

@@ -23,14 +23,59 @@ KV_ROTATIONS = ("hadamard", "hadamard_kv", "none")   # keys only, keys and value
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
 
 
+ROPE_TYPES = ("default", "llama3", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1 style frequency scaling ("llama3"); `None` on ModelConfig means plain RoPE."""
+    """RoPE frequency scaling as config.json states it; `None` on ModelConfig means plain RoPE.
+
+    "llama3" (Llama-3.1) uses low/high_freq_factor; "yarn" uses beta_fast/beta_slow and an attention
+    factor on cos/sin, given directly or derived from factor, mscale and mscale_all_dim (model/rope.py).
+    None keeps a field unset, as transformers reads it."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
     original_max_position_embeddings: int
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    rope_type: str = "llama3"
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, rope: dict[str, Any], max_position_embeddings: int, source: str) -> "RopeScaling":
+        """config.json's rope_scaling (or rope_parameters) of type llama3 or yarn -> RopeScaling."""
+        kind = rope.get("rope_type") or rope.get("type")
+        # transformers' defaults: the original context is max_position_embeddings when unset, and
+        # a YaRN factor left null is the ratio of the two.
+        original = int(rope.get("original_max_position_embeddings") or max_position_embeddings)
+        try:
+            if kind == "llama3":
+                return cls(factor=float(rope["factor"]), original_max_position_embeddings=original,
+                           low_freq_factor=float(rope["low_freq_factor"]),
+                           high_freq_factor=float(rope["high_freq_factor"]))
+            factor = rope.get("factor")
+            factor = float(factor) if factor is not None else max_position_embeddings / original
+            if factor < 1:
+                raise CheckpointError(f"{source}: YaRN's factor must be >= 1 (how many times the original context "
+                                      f"the model reads); got {factor:g}.")
+
+            def number(key: str) -> float | None:
+                return None if rope.get(key) is None else float(rope[key])
+
+            return cls(factor=factor, original_max_position_embeddings=original, rope_type="yarn",
+                       beta_fast=number("beta_fast"), beta_slow=number("beta_slow"), mscale=number("mscale"),
+                       mscale_all_dim=number("mscale_all_dim"), attention_factor=number("attention_factor"),
+                       truncate=bool(rope.get("truncate", True)))
+        except KeyError as e:
+            raise CheckpointError(f"{source}: rope_scaling of type {kind!r} needs {e.args[0]!r}.") from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: rope_scaling of type {kind!r} has a value that is not a number "
+                                  f"({e}).") from None
 
 
 @dataclass(frozen=True)
@@ -59,6 +104,15 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_positions(self) -> int:
+        """The longest context the model's positions reach: YaRN stretches the original context by its
+        factor (vLLM derives the limit the same way); otherwise max_position_embeddings."""
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "yarn":
+            return max(self.max_position_embeddings, int(s.factor * s.original_max_position_embeddings))
+        return self.max_position_embeddings
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -99,23 +153,20 @@ class ModelConfig:
             )
         except KeyError as e:
             raise CheckpointError(f"{source}: required field {e.args[0]!r} is missing.") from None
-        # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
+        # transformers 5 moved rope_theta/rope_scaling into rope_parameters. A rope_scaling block added
+        # to such a config (as Qwen documents YaRN) replaces its type, whichever key spells it.
         rope = dict(hf.get("rope_parameters") or {})
-        rope.update(hf.get("rope_scaling") or {})
+        if hf.get("rope_scaling"):
+            rope = {k: v for k, v in rope.items() if k not in ("rope_type", "type")} | hf["rope_scaling"]
         theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        scaling = None
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            )
-        elif rope_type != "default":
+        if rope_type not in ROPE_TYPES:
             raise CheckpointError(
-                f"{source}: rope scaling type {rope_type!r} is not supported; supported: default, llama3."
+                f"{source}: rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}."
             )
+        scaling = None
+        if rope_type != "default":
+            scaling = RopeScaling.from_hf(rope, kwargs["max_position_embeddings"], source)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         cfg = cls(

@@ -83,8 +83,8 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
     runner = ModelRunner(EngineConfig(engine_dir=str(engine_dir), device=device, max_num_seqs=1,
                                       num_kv_blocks=1, kv_cache_dtype="fp16"))
     model_cfg = runner.model_config
-    if context > model_cfg.max_position_embeddings:
-        raise BieError(f"context {context} is beyond the model's {model_cfg.max_position_embeddings} positions.")
+    if context > model_cfg.max_positions:
+        raise BieError(f"context {context} is beyond the model's {model_cfg.max_positions} positions.")
     starts = _windows(len(token_ids), context, stride, first_window, max_windows)
     if not starts:
         raise BieError(f"the text has {len(token_ids)} tokens, fewer than one window of {context}; "

@@ -387,11 +387,12 @@ def activation_workspace_bytes(
 def _check_max_model_len(model: ModelConfig, max_model_len: int) -> None:
     if max_model_len <= 0:
         raise PlanError(f"max_model_len must be positive; got {max_model_len}.")
-    if max_model_len > model.max_position_embeddings:
+    if max_model_len > model.max_positions:
+        where = ("YaRN's factor x original_max_position_embeddings in config.json"
+                 if model.max_positions != model.max_position_embeddings else "max_position_embeddings in config.json")
         raise PlanError(
-            f"max_model_len {max_model_len:,} is beyond the model's limit of {model.max_position_embeddings:,} "
-            f"tokens (max_position_embeddings in config.json); use --max-model-len <= "
-            f"{model.max_position_embeddings:,}."
+            f"max_model_len {max_model_len:,} is beyond the model's limit of {model.max_positions:,} "
+            f"tokens ({where}); use --max-model-len <= {model.max_positions:,}."
         )
 
 
@@ -479,7 +480,7 @@ def solve_plan(
     draft_group = draft_weight_group_size or weight_group_size
     if draft is not None:
         check_draft_settings(draft_window_tokens, draft_vocab_size, draft_request_vocab)
-        _check_inputs(draft, kv, min(max_model_len, draft.max_position_embeddings), max_num_seqs, chunked_prefill_size,
+        _check_inputs(draft, kv, min(max_model_len, draft.max_positions), max_num_seqs, chunked_prefill_size,
                       draft_group, None, lm_head_dtype, embedding, utilisation)
     budget = int(profile.vram_bytes * utilisation)
 
@@ -551,7 +552,7 @@ def solve_plan(
         items=weights + kv_list + runtime,
         budget_bytes=budget,
         kv_bytes_per_token=kv_bytes_per_token(model, kv),
-        max_model_len_that_fits=_largest_fitting_len(model.max_position_embeddings, kv.block_size, fits),
+        max_model_len_that_fits=_largest_fitting_len(model.max_positions, kv.block_size, fits),
         num_fp_blocks=n_fp,
         num_quant_blocks=n_q,
         inputs=inputs,

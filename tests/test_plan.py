@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from bie_trt.cli import main
-from bie_trt.config import KVCacheConfig, ModelConfig
+from bie_trt.config import SUPPORTED_ARCHITECTURES, KVCacheConfig, ModelConfig
 from bie_trt.errors import PlanError
 from bie_trt.kv.pool import allocate_pools
 from bie_trt.plan import (
@@ -17,6 +18,7 @@ from bie_trt.plan import (
     activation_workspace_bytes,
     draft_kv_blocks,
     draft_kv_blocks_per_seq,
+    format_bytes,
     kv_pool_blocks,
     planned_step_tokens,
     solve_plan,
@@ -504,3 +506,72 @@ def test_planned_step_reads_the_older_chunk_key():
     new = {"chunked_prefill_size": 512, "max_num_seqs": 2, "num_speculative_tokens": 3}
     old = {"chunk_tokens": 512, "max_num_seqs": 2, "num_speculative_tokens": 3}
     assert planned_step_tokens(new) == planned_step_tokens(old) == 512 + 2 * (1 + 3)
+
+
+# --- the shipped configs plan as README.md and docs/memory-plan.md state ---------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "docs" / "examples"
+
+
+def cli_plan(config: str, *args: str) -> tuple[int, dict]:
+    """`bie-trt plan --model-config docs/examples/CONFIG.config.json --profile rtx4060ti-8gb ... --json`:
+    (exit status, the JSON plan, or {"error": ...} when it is refused)."""
+    r = CliRunner().invoke(main, ["plan", "--model-config", str(EXAMPLES / f"{config}.config.json"),
+                                  "--profile", "rtx4060ti-8gb", *args, "--json"])
+    return r.exit_code, json.loads(r.stdout)
+
+
+def readme_row(checkpoint: str) -> str:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    return next(line for line in lines if line.startswith(f"| `{checkpoint}` |"))
+
+
+@pytest.mark.parametrize("checkpoint,config", [
+    ("hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4", "llama-3.1-8b-instruct-awq"),
+    ("Qwen/Qwen2.5-7B-Instruct-AWQ", "qwen2.5-7b-instruct-awq"),
+])
+def test_the_readme_table_states_what_the_shipped_configs_plan(checkpoint, config):
+    status, plan = cli_plan(config, "--max-model-len", "65536")
+    assert status == 0 and plan["fits"]
+    row = readme_row(checkpoint)
+    total, budget = format_bytes(plan["total_bytes"]), format_bytes(plan["budget_bytes"])
+    assert f"`{config}.config.json`" in row
+    assert f"65,536 on `rtx4060ti-8gb`: {total.removesuffix(' GiB')} of {budget} planned" in row
+    assert f"up to {plan['max_model_len_that_fits']:,} fit" in row
+
+
+def test_qwen25_with_yarn_plans_as_the_memory_plan_doc_states():
+    # YaRN's limit is factor x original context: 131,072, where max_position_embeddings says 32,768
+    status, plan = cli_plan("qwen2.5-7b-instruct-awq", "--max-model-len", "131072")
+    assert status == 0 and format_bytes(plan["total_bytes"]) == "6.24 GiB"
+    status, err = cli_plan("qwen2.5-7b-instruct-awq", "--max-model-len", "131073")
+    assert status == 2 and "limit of 131,072 tokens (YaRN's factor" in err["error"]
+    # the KV table: bytes a token, total at 64k, the largest length that fits
+    for dtype, per_token, total, largest in [("int4_asym", 16128, "5.26 GiB", 131072), ("fp8", 29120, "6.05 GiB", 113760),
+                                             ("fp16", 57344, "7.75 GiB", 58176)]:
+        status, plan = cli_plan("qwen2.5-7b-instruct-awq", "--max-model-len", "65536", "--kv-cache-dtype", dtype)
+        assert status == (0 if dtype != "fp16" else 3)
+        assert (plan["kv_bytes_per_token"], format_bytes(plan["total_bytes"]), plan["max_model_len_that_fits"]) == \
+            (per_token, total, largest)
+
+
+def test_qwen25_without_its_rope_scaling_stops_at_32k():
+    hf = json.loads((EXAMPLES / "qwen2.5-7b-instruct-awq.config.json").read_text())
+    del hf["rope_scaling"]
+    assert ModelConfig.from_hf(hf).max_positions == 32768
+
+
+def test_qwen25_refuses_the_05b_draft_for_its_padded_vocabulary():
+    status, err = cli_plan("qwen2.5-7b-instruct-awq", "--max-model-len", "65536", "--speculative-draft-config",
+                           str(EXAMPLES / "qwen2.5-0.5b-instruct.config.json"))
+    assert status == 2 and "vocab_size 151936 differs from the target's 152064" in err["error"]
+
+
+@pytest.mark.skipif("Qwen3ForCausalLM" not in SUPPORTED_ARCHITECTURES, reason="Qwen3 is not a supported architecture")
+def test_qwen3_8b_with_yarn_fits_64k_and_its_06b_draft_does_not():
+    status, plan = cli_plan("qwen3-8b-awq", "--max-model-len", "65536")
+    assert status == 0 and plan["kv_bytes_per_token"] == 41472 and plan["max_model_len_that_fits"] == 72064
+    status, plan = cli_plan("qwen3-8b-awq", "--max-model-len", "65536", "--speculative-draft-config",
+                            str(EXAMPLES / "qwen3-0.6b.config.json"))
+    assert status == 3 and plan["max_model_len_that_fits"] == 61776

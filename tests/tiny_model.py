@@ -1,4 +1,4 @@
-"""A tiny random Llama checkpoint (real safetensors, the SmolLM2 tokenizer) for format and error tests."""
+"""A tiny random Llama (or, with its architecture, Qwen2) checkpoint (real safetensors, the SmolLM2 tokenizer)."""
 from __future__ import annotations
 
 import json
@@ -34,6 +34,9 @@ def write_tiny_hf(out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -
                   p + "mlp.down_proj.weight": rnd(h, i),
                   p + "input_layernorm.weight": torch.ones(h).half(),
                   p + "post_attention_layernorm.weight": torch.ones(h).half()})
+        if cfg.get("attention_bias", cfg["architectures"] == ["Qwen2ForCausalLM"]):   # Qwen2: q, k and v biased
+            t.update({p + "self_attn.q_proj.bias": rnd(h), p + "self_attn.k_proj.bias": rnd(kv),
+                      p + "self_attn.v_proj.bias": rnd(kv)})
     out.mkdir(parents=True, exist_ok=True)
     save_file(t, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(cfg))

@@ -145,7 +145,7 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
         draft = ModelConfig.from_hf(_read_json(speculative_draft_config), source=str(speculative_draft_config))
     settings = dict(
         # A model with a shorter limit than the profile's default gets its own limit.
-        max_model_len=max_model_len or min(d.max_model_len, model.max_position_embeddings),
+        max_model_len=max_model_len or min(d.max_model_len, model.max_positions),
         max_num_seqs=max_num_seqs or d.max_num_seqs,
         chunked_prefill_size=chunked_prefill_size or d.chunked_prefill_size,
         weight_group_size=_weight_group_size(hf, model),

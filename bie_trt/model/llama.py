@@ -82,7 +82,9 @@ class LlamaModel:
                     gemv_config=(gemv_configs or {}).get(name), keep_dense=keep_dense)
             self.layers.append(Layer(t(p + "attn_norm"), t(p + "mlp_norm"), lin))
         self.rope = Rope(cfg, device)
-        self.scale = cfg.head_dim ** -0.5
+        # YaRN multiplies cos and sin by its attention factor; rotation is linear, so every q·k grows by the
+        # factor squared: folded into the softmax scale, the same for the torch and Triton paths.
+        self.scale = cfg.head_dim ** -0.5 * self.rope.attention_factor ** 2
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], pools: KVPools,

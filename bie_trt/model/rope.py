@@ -1,17 +1,19 @@
-"""Rotary position embedding, including Llama-3.1's frequency scaling."""
+"""Rotary position embedding, with Llama-3.1's and YaRN's frequency scaling."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     s = cfg.rope_scaling
+    if s is not None and s.rope_type == "yarn":
+        return yarn_inverse_frequencies(d, cfg.rope_theta, s)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     if s is None:
         return inv.float()
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
@@ -25,6 +27,46 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(mid, blended, out).float()
 
 
+def yarn_inverse_frequencies(dim: int, base: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: dimensions turning more than beta_fast times over the original context keep their
+    frequency, those turning fewer than beta_slow times are divided by `factor`, and a linear ramp
+    blends the ones between. In fp32, in transformers' order of operations, so the tables agree
+    with it bit for bit."""
+    beta_fast = s.beta_fast or 32.0   # transformers treats 0 as unset too
+    beta_slow = s.beta_slow or 1.0
+
+    def dimension_of(rotations: float) -> float:
+        """The (fractional) dimension whose wavelength fits `rotations` times into the original context."""
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001   # a ramp of width zero would divide by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp   # 1: the frequency as trained (extrapolated), 0: divided by factor (interpolated)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    return (1.0 / (s.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def attention_factor(s: RopeScaling | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for other RoPE): the config's attention_factor, else
+    0.1·ln(factor) + 1, or the ratio of that with mscale over that with mscale_all_dim when both are set."""
+    if s is None or s.rope_type != "yarn":
+        return 1.0
+    if s.attention_factor is not None:
+        return s.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.mscale and s.mscale_all_dim:
+        return mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
+    return mscale(s.factor)
+
+
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, 1, D] cos and sin of each position's angles, computed in fp32 and rounded to dtype."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
@@ -35,6 +77,7 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype)
 class Rope:
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.inv_freq = inverse_frequencies(cfg).to(device)
+        self.attention_factor = attention_factor(cfg.rope_scaling)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
