@@ -236,7 +236,7 @@ def qkv_epilogue_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, po
         return q
     kc, vc = pools.k[layer], pools.v[layer]
     mean = key_mean if key_mean is not None else inv_freq   # never read without CENTRE
-    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (inv_freq, inv_freq, 0.0)   # never read without QK_NORM
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (None, None, 0.0)   # no pointers: nothing to read
     _qkv_epilogue_kernel[(T, num_heads + num_kv_heads)](
         qkv, positions, inv_freq, mean, q_norm, k_norm, q, kc, vc, slot_blocks, slot_offsets, eps,
         qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
