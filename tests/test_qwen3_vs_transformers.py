@@ -11,6 +11,7 @@ from bie_trt.checkpoint.loader import Checkpoint
 from bie_trt.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import EngineConfig, SamplingParams
 from bie_trt.executor.engine import BieEngine
+from bie_trt.kernels import triton_ops
 from bie_trt.kv.centering import CALIBRATION_TEXT
 from hf_reference import hf_model, run_engine_logits
 from tiny_model import TINY_QWEN3, write_tiny_hf
@@ -56,10 +57,16 @@ def test_greedy_tokens_equal_transformers(qwen3):
     assert out.token_ids == continuation
 
 
-@pytest.mark.parametrize("scatter, chunk", [(False, 512), (True, 48)], ids=["one-chunk", "chunks-scattered"])
-def test_logits_equal_transformers(qwen3, scatter, chunk):
+@pytest.mark.parametrize("scatter, chunk, kernels", [(False, 512, "reference"), (True, 48, "reference"),
+                                                    pytest.param(True, 48, "triton", marks=pytest.mark.slow)],
+                         ids=["one-chunk", "chunks-scattered", "chunks-scattered-triton"])
+def test_logits_equal_transformers(qwen3, scatter, chunk, kernels, monkeypatch):
     """Every prompt position and each decode step of the continuation; in chunks of 48 over scattered
-    blocks the prefill also reads K/V written by earlier chunks."""
+    blocks the prefill also reads K/V written by earlier chunks. "triton": the device kernels (the q/k
+    norms inside the qkv epilogue), interpreted on the CPU."""
+    if kernels == "triton" and not triton_ops.available():
+        pytest.skip("triton not importable")
+    monkeypatch.setenv("BIE_TRT_KERNELS", kernels)
     engine, ids, continuation, hf = qwen3
     ours = torch.cat(run_engine_logits(engine, ids, continuation, scatter, chunk))
     # ours[i] predicts position i + 1; the last continuation token is never fed in
