@@ -90,6 +90,9 @@ def _repack_layer(ckpt: Checkpoint, i: int) -> dict[str, torch.Tensor]:
         packed = [awq_to_w4(*(ckpt.tensor(p + part + s) for s in (".qweight", ".qzeros", ".scales"))) for part in parts]
         for key in ("qweight", "scales", "zeros"):
             out[f"layers.{i}.{fused}.{key}"] = torch.cat([t[key] for t in packed]).contiguous()
+    if m.qk_norm:
+        for x in "qk":
+            out[f"layers.{i}.{x}_norm"] = ckpt.tensor(p + f"self_attn.{x}_norm.weight").half()
     if m.qkv_bias:
         out[f"layers.{i}.qkv.bias"] = torch.cat(
             [ckpt.tensor(p + f"self_attn.{x}_proj.bias") for x in "qkv"]).half()

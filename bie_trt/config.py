@@ -15,7 +15,12 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+# Architectures with an RMSNorm over each q and k head (own weights, the model's eps) before RoPE.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+# transformers' Qwen3Config: head_dim is its own field, 128 when config.json leaves it out.
+DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 KV_DTYPES = ("fp16", "fp8", "int4_asym")
 KV_ROTATIONS = ("hadamard", "hadamard_kv", "none")   # keys only, keys and values, neither
 # Dividing (or multiplying) logits by a penalty further out overflows them to inf, and the softmax to NaN;
@@ -93,6 +98,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
+    qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -145,7 +151,7 @@ class ModelConfig:
                 num_layers=int(hf["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
+                head_dim=int(hf.get("head_dim") or DEFAULT_HEAD_DIM.get(arch, hidden // heads)),
                 vocab_size=int(hf["vocab_size"]),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
@@ -153,6 +159,7 @@ class ModelConfig:
             )
         except KeyError as e:
             raise CheckpointError(f"{source}: required field {e.args[0]!r} is missing.") from None
+        _refuse_sliding_window(hf, source)
         # transformers 5 moved rope_theta/rope_scaling into rope_parameters. A rope_scaling block added
         # to such a config (as Qwen documents YaRN) replaces its type, whichever key spells it.
         rope = dict(hf.get("rope_parameters") or {})
@@ -174,6 +181,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             qkv_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -183,6 +191,16 @@ class ModelConfig:
                 f"num_key_value_heads={cfg.num_kv_heads}."
             )
         return cfg
+
+
+def _refuse_sliding_window(hf: dict[str, Any], source: str) -> None:
+    """Qwen2/Qwen3 configs carry `sliding_window` but use it only with `use_sliding_window` (or sliding
+    layer_types); the engine attends over the whole context, so such a model would be read wrongly."""
+    sliding = bool(hf.get("use_sliding_window")) or "sliding_attention" in (hf.get("layer_types") or ())
+    if sliding and hf.get("sliding_window") is not None:
+        raise CheckpointError(
+            f"{source}: use_sliding_window is on (sliding_window={hf.get('sliding_window')}); bie-trt attends over "
+            f"the whole context in every layer. Set use_sliding_window to false (the published Qwen configs do).")
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from bie_trt.kernels import triton_int8 as int8
 from bie_trt.kernels import triton_ops as ops
 from bie_trt.kernels import triton_w4 as w4
 from bie_trt.kernels.int8_rows import Int8Rows
+from bie_trt.kernels.reference import QKNorm
 from bie_trt.kernels.w4_layout import W4Weight
 from bie_trt.kv.pool import allocate_pools
 from bie_trt.model.llama import fused_linear_shapes
@@ -214,11 +215,14 @@ def ops_launches() -> list[Launch]:
     inv_freq = torch.empty(model.head_dim // 2, dtype=torch.float32)
     mean = torch.empty(model.num_kv_heads, model.head_dim, dtype=torch.float16)
     long_slots = torch.zeros(PREFILL_CHUNK, dtype=torch.long)
-    for centre, rotate_v in ((False, False), (True, True)):
+    head_w = torch.empty(model.head_dim, dtype=torch.float16)
+    qk_norm = QKNorm(head_w, head_w, 1e-6)   # Qwen3-8B's epilogue: its heads are Llama-3-8B's
+    for centre, rotate_v, norms in ((False, False, None), (True, True, None), (False, False, qk_norm)):
         out += record_launches(lambda: ops.qkv_epilogue_triton(qkv, model.num_heads, model.num_kv_heads, long_slots,
                                                                inv_freq, mean if centre else None, True, rotate_v,
-                                                               fp16_pools, 0, long_slots, long_slots),
-                               f"qkv epilogue centre={centre} rotate_v={rotate_v}")
+                                                               fp16_pools, 0, long_slots, long_slots, norms),
+                               f"qkv epilogue centre={centre} rotate_v={rotate_v}"
+                               + (" qk_norm" if norms is not None else ""))
     for dtype in ("int4_asym", "fp8"):
         pools = allocate_pools(model, KVCacheConfig(dtype=dtype), num_fp_blocks=4, num_quant_blocks=4)
         # Writes raw bytes, no fp8 arithmetic: must compile on sm_86 too.

@@ -9,7 +9,7 @@ eagerly with the Triton kernels forced (`BIE_TRT_KERNELS=triton`):
   copies are not kernels, in-place and out-of-place math is);
 * **per layer / outside**: the step of a 1-layer and a 2-layer model of the same shapes; the
   difference is one layer, the rest is outside the layers;
-* **bytes** at the real shapes (Llama-3-8B by default) on the `meta` device, where nothing is
+* **bytes** at the real shapes (Llama-3-8B, and Qwen3-8B beside it) on the `meta` device, where nothing is
   computed or allocated and each Triton launch is recorded instead of run: a torch op moves its
   inputs and outputs; a Triton launch moves its tensor arguments, except the KV pools, of which
   an attention launch reads the context's K/V (`plan.kv_bytes_per_token` a layer) and write_kv
@@ -46,7 +46,7 @@ from bie_trt.model.llama import LlamaModel, fused_linear_shapes  # noqa: E402
 from bie_trt.kernels.int8_rows import Int8Rows  # noqa: E402
 from bie_trt.model.step_inputs import SeqInput, StepTiles  # noqa: E402
 from report import emit  # noqa: E402
-from bie_trt.model.synthetic import llama32_1b, llama3_8b, random_weights, tiny_llama  # noqa: E402
+from bie_trt.model.synthetic import llama32_1b, llama3_8b, qwen3_8b, random_weights, tiny_llama  # noqa: E402
 from bie_trt.plan import (DEFAULT_DRAFT_SINK_TOKENS, DEFAULT_DRAFT_WINDOW_TOKENS, draft_kv_blocks_per_seq,  # noqa: E402
                           draft_request_rows, draft_vocab_rows, kv_bytes_per_token, lm_head_bytes, linear_weight_bytes)
 
@@ -326,7 +326,9 @@ def main() -> None:
     args = ap.parse_args()
     kv = KVCacheConfig(dtype=args.kv)
     result = {"llama3_8b": count(llama3_8b(), kv, args.batch, args.context, "meta"),
-              "llama3_8b_w4_gemv_grids": gemv_grids(llama3_8b())}
+              "llama3_8b_w4_gemv_grids": gemv_grids(llama3_8b()),
+              # its q/k head norms ride in the qkv epilogue: the same launches a layer
+              "qwen3_8b": count(qwen3_8b(), kv, args.batch, args.context, "meta")}
     if args.verify_rows > 1:
         result["llama3_8b_verify"] = count(llama3_8b(), kv, args.batch, args.context, "meta", args.verify_rows)
     if args.spec:

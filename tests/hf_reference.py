@@ -1,21 +1,35 @@
-"""transformers' own model class (LlamaForCausalLM, Qwen2ForCausalLM) on a checkpoint's dequantised weights:
-the independent reference model."""
+"""transformers' own model class (LlamaForCausalLM, Qwen3ForCausalLM, ...) on a checkpoint's dequantised
+weights: the independent reference model; and the engine's logits of a prompt and a continuation."""
 from __future__ import annotations
+
+import random
+from collections import deque
+
+import torch
 
 from bie_trt.checkpoint.awq import awq_dequantize
 from bie_trt.checkpoint.loader import Checkpoint
+from bie_trt.config import SamplingParams
+from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.engine import BieEngine
+from bie_trt.executor.model_runner import ModelRunner
+from bie_trt.executor.sequence import Sequence
+from bie_trt.model.step_inputs import SeqInput
+from bie_trt.sampling import make_generator
 
 
 def hf_model(ckpt: Checkpoint):
-    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    arch = ckpt.model.architecture   # LlamaForCausalLM, Qwen2ForCausalLM, ...
-    config_cls = getattr(transformers, arch.removesuffix("ForCausalLM") + "Config")
     cfg = {k: v for k, v in ckpt.hf_config.items() if k != "quantization_config"}
-    model = getattr(transformers, arch)(config_cls(**cfg, attn_implementation="eager")).float().eval()
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     sd = {"model.embed_tokens.weight": ckpt.tensor("model.embed_tokens.weight").float(),
           "model.norm.weight": ckpt.tensor("model.norm.weight").float()}
     G = ckpt.quant.group_size
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if ckpt.model.qk_norm:
+        norms += ["self_attn.q_norm", "self_attn.k_norm"]
     for i in range(ckpt.model.num_layers):
         p = f"model.layers.{i}."
         for sub in ckpt.linear_shapes():
@@ -23,10 +37,36 @@ def hf_model(ckpt: Checkpoint):
             sd[p + sub + ".weight"] = awq_dequantize(*t, G).t().contiguous()
             if ckpt.model.qkv_bias and sub in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 sd[p + sub + ".bias"] = ckpt.tensor(p + sub + ".bias").float()
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in norms:
             sd[p + norm + ".weight"] = ckpt.tensor(p + norm + ".weight").float()
     if not ckpt.model.tie_word_embeddings:
         sd["lm_head.weight"] = ckpt.tensor("lm_head.weight").float()
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     return model
+
+
+def run_engine_logits(engine: BieEngine, ids: list[int], continuation: list[int], scatter: bool,
+                      chunk: int) -> list[torch.Tensor]:
+    """Prefill `ids` in chunks (logits for every position), then decode the given continuation."""
+    runner: ModelRunner = engine.runner
+    blocks = BlockManager(runner.kv_config, runner.pools.num_fp_blocks, runner.pools.num_quant_blocks)
+    if scatter:
+        order = list(blocks.free_fp)
+        random.Random(0).shuffle(order)
+        blocks.free_fp = deque(order)
+    seq = Sequence(list(ids), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
+    rows = []
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        blocks.grow(seq, start + len(part))
+        rows.append(runner.forward([SeqInput(torch.tensor(part), start, seq.block_table, all_logits=True)])[0])
+        seq.num_cached = start + len(part)
+    for t in continuation:
+        blocks.grow(seq, seq.num_cached + 1)
+        rows.append(runner.forward([SeqInput(torch.tensor([t]), seq.num_cached, seq.block_table)])[0][None])
+        seq.num_cached += 1
+    if scatter:
+        assert seq.block_table != sorted(seq.block_table)
+    blocks.free(seq)
+    return rows

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from bie_trt.checkpoint.loader import Checkpoint
 from bie_trt.checkpoint.quantize import quantize_checkpoint
 from bie_trt.errors import CheckpointError
-from tiny_model import write_tiny_hf
+from bie_trt.config import ModelConfig
+from tiny_model import TINY, TINY_QWEN3, write_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,52 @@ def test_missing_tensor(ckpt):
 
 def test_unsupported_architecture(ckpt):
     edit_config(ckpt, architectures=["GPT2LMHeadModel"])
-    expect(ckpt, "unsupported architecture", "GPT2LMHeadModel", "LlamaForCausalLM")
+    expect(ckpt, "unsupported architecture", "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM")
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint(ckpt)
+    assert "\n" not in str(e.value)   # one line
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_awq(tmp_path_factory, smollm2_checkpoint):
+    root = tmp_path_factory.mktemp("tiny-qwen3")
+    return quantize_checkpoint(write_tiny_hf(root / "hf", smollm2_checkpoint, **TINY_QWEN3), root / "awq",
+                               group_size=32)
+
+
+@pytest.fixture
+def qwen3_ckpt(tiny_qwen3_awq, tmp_path):
+    return shutil.copytree(tiny_qwen3_awq, tmp_path / "qwen3")
+
+
+def test_qwen3_checkpoint_loads(qwen3_ckpt):
+    m = Checkpoint(qwen3_ckpt).model
+    assert m.qk_norm and (m.head_dim, m.q_size, m.hidden_size) == (32, 128, 64)
+
+
+def test_qwen3_without_its_k_norm(qwen3_ckpt):
+    edit_tensor(qwen3_ckpt, "model.layers.1.self_attn.k_norm.weight", None)
+    expect(qwen3_ckpt, "model.layers.1.self_attn.k_norm.weight", "missing", "[32]")
+
+
+def test_qwen3_q_norm_over_the_wrong_size(qwen3_ckpt):
+    edit_tensor(qwen3_ckpt, "model.layers.0.self_attn.q_norm.weight", torch.ones(64, dtype=torch.float16))
+    expect(qwen3_ckpt, "model.layers.0.self_attn.q_norm.weight", "expected shape [32]", "found [64]")
+
+
+def test_sliding_window_attention_is_refused(qwen3_ckpt):
+    edit_config(qwen3_ckpt, use_sliding_window=True, sliding_window=32)
+    expect(qwen3_ckpt, "use_sliding_window", "sliding_window=32", "false")
+
+
+def test_qwen3_head_dim_defaults_as_transformers_does():
+    """A Qwen3 config.json without head_dim: transformers' Qwen3Config default, not hidden / heads."""
+    from transformers import Qwen3Config
+
+    hf = {**TINY, **TINY_QWEN3}
+    del hf["head_dim"]
+    assert ModelConfig.from_hf(hf).head_dim == Qwen3Config(**hf).head_dim != hf["hidden_size"] // hf["num_attention_heads"]
+    assert ModelConfig.from_hf(TINY).head_dim == TINY["hidden_size"] // TINY["num_attention_heads"]
 
 
 def test_sharded_index_with_missing_shard(ckpt):

@@ -11,7 +11,7 @@ import pytest
 
 from bie_trt.config import KVCacheConfig
 from bie_trt.kernels import triton_ops
-from bie_trt.model.synthetic import llama3_8b, tiny_llama
+from bie_trt.model.synthetic import llama3_8b, qwen3_8b, tiny_llama, tiny_qwen3
 from bie_trt.plan import kv_bytes_per_token
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -65,6 +65,16 @@ def test_bytes_against_the_roofline(llama_step):
     assert r["bytes_over_roofline"] <= MAX_BYTES_OVER_ROOFLINE
 
 
+def test_a_qwen3_step_launches_what_a_llama_step_does():
+    """Qwen3-8B (36 layers, q/k head norms): the norms ride in the qkv epilogue, no launch of their own."""
+    r = count_step.count(qwen3_8b(), KV, 1, 65536)
+    assert r["model"]["qk_norm"] and r["model"]["num_layers"] == 36
+    assert (r["launches_per_layer"], r["launches_outside"]) == (LAUNCHES_PER_LAYER, LAUNCHES_OUTSIDE)
+    assert r["triton_per_layer"] == LAUNCHES_PER_LAYER
+    assert {x["name"]: x["count"] for x in r["per_layer"]}["_qkv_epilogue_kernel"] == 1
+    assert r["bytes_over_roofline"] <= MAX_BYTES_OVER_ROOFLINE
+
+
 @pytest.mark.parametrize("gamma", [4, 5])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("crossing", [False, True], ids=["inside", "crossing"])
@@ -95,13 +105,14 @@ def test_launch_counts_of_a_draft_step(batch):
     assert r["bytes_over_roofline"] <= MAX_BYTES_OVER_ROOFLINE * (r["roofline_bytes"] + extra) / r["roofline_bytes"]
 
 
-@pytest.mark.parametrize("rows", [1, pytest.param(VERIFY_ROWS, marks=pytest.mark.slow)])
-def test_shape_only_accounting_equals_an_executed_step(rows):
+@pytest.mark.parametrize("rows, tiny", [(1, tiny_llama), (1, tiny_qwen3),
+                                        pytest.param(VERIFY_ROWS, tiny_llama, marks=pytest.mark.slow)])
+def test_shape_only_accounting_equals_an_executed_step(rows, tiny):
     """The tiny model of the same structure with its kernels really run (interpreter) launches what
     the shape-only (meta) accounting of the same model counts."""
     tiny_kv = dataclasses.replace(KV, group_size=32, sink_tokens=4, window=16)
-    run = count_step.split_layers(tiny_llama(), tiny_kv, 2, 48, "cpu", rows)
-    meta = count_step.split_layers(tiny_llama(), tiny_kv, 2, 48, "meta", rows)
+    run = count_step.split_layers(tiny(), tiny_kv, 2, 48, "cpu", rows)
+    meta = count_step.split_layers(tiny(), tiny_kv, 2, 48, "meta", rows)
     # fp32 on the CPU has no dtype casts around the fp32 Hadamard product; everything else matches
     for part in ("layer", "outside"):
         assert {k: n for k, n in run[part].items() if k[1] != "_to_copy"} == \

@@ -1,8 +1,6 @@
 """The engine's logits equal transformers' LlamaForCausalLM on the same dequantised weights."""
 from __future__ import annotations
 
-import random
-from collections import deque
 from pathlib import Path
 
 import pytest
@@ -10,13 +8,8 @@ import torch
 
 from bie_trt.checkpoint.loader import Checkpoint
 from bie_trt.config import EngineConfig, SamplingParams
-from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.engine import BieEngine
-from bie_trt.executor.model_runner import ModelRunner
-from bie_trt.executor.sequence import Sequence
-from bie_trt.model.llama import SeqInput
-from bie_trt.sampling import make_generator
-from hf_reference import hf_model
+from hf_reference import hf_model, run_engine_logits
 
 DECODE_STEPS = 32
 
@@ -41,36 +34,10 @@ def reference(smollm2_checkpoint, smollm2_engine, lee_text):
     return engine, ids, full[len(ids):], logits
 
 
-def run_engine_logits(engine: BieEngine, ids: list[int], continuation: list[int], scatter: bool,
-                      chunk: int) -> list[torch.Tensor]:
-    """Prefill `ids` in chunks (logits for every position), then decode the given continuation."""
-    runner: ModelRunner = engine.runner
-    blocks = BlockManager(runner.kv_config, runner.pools.num_fp_blocks, runner.pools.num_quant_blocks)
-    if scatter:
-        order = list(blocks.free_fp)
-        random.Random(0).shuffle(order)
-        blocks.free_fp = deque(order)
-    seq = Sequence(list(ids), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
-    rows = []
-    for start in range(0, len(ids), chunk):
-        part = ids[start:start + chunk]
-        blocks.grow(seq, start + len(part))
-        rows.append(runner.forward([SeqInput(torch.tensor(part), start, seq.block_table, all_logits=True)])[0])
-        seq.num_cached = start + len(part)
-    for t in continuation[:DECODE_STEPS]:
-        blocks.grow(seq, seq.num_cached + 1)
-        rows.append(runner.forward([SeqInput(torch.tensor([t]), seq.num_cached, seq.block_table)])[0][None])
-        seq.num_cached += 1
-    if scatter:
-        assert seq.block_table != sorted(seq.block_table)
-    blocks.free(seq)
-    return rows
-
-
 @pytest.mark.parametrize("scatter,chunk", [pytest.param(False, 512, marks=pytest.mark.slow), pytest.param(True, 100, marks=pytest.mark.slow)])
 def test_logits_match_transformers(reference, scatter, chunk):
     engine, ids, continuation, hf_logits = reference
-    ours = torch.cat(run_engine_logits(engine, ids, continuation, scatter, chunk))
+    ours = torch.cat(run_engine_logits(engine, ids, continuation[:DECODE_STEPS], scatter, chunk))
     # ours[i] predicts position i+1; hf_logits covers prompt + 32 decode inputs
     hf = hf_logits[: len(ids) + DECODE_STEPS]
     assert ours.shape == hf.shape

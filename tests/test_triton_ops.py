@@ -184,13 +184,16 @@ def test_quantize_block_refuses_what_it_does_not_implement() -> None:
 
 # --- the qkv epilogue -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype, centre, rotate_k, rotate_v", [
-    (torch.float32, False, True, False), (torch.float32, True, True, True), (torch.float32, False, False, False),
-    (torch.float16, True, True, False)])
-def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v: bool) -> None:
-    """RoPE, centering, Hadamard rotation and the K/V write in one launch, against the torch twin and
-    against math written here (rotation as an explicit matrix, RoPE as the complex rotation of pairs)."""
-    from bie_trt.kernels.reference import qkv_epilogue_ref
+@pytest.mark.parametrize("dtype, centre, rotate_k, rotate_v, qk_norm", [
+    (torch.float32, False, True, False, False), (torch.float32, True, True, True, False),
+    (torch.float32, False, False, False, False), (torch.float16, True, True, False, False),
+    (torch.float32, False, False, False, True), (torch.float32, True, True, True, True),
+    (torch.float16, False, True, False, True)])
+def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v: bool, qk_norm: bool) -> None:
+    """Qwen3's per-head q/k norms, RoPE, centering, Hadamard rotation and the K/V write in one launch,
+    against the torch twin and against math written here (each head's RMS over its own channels,
+    rotation as an explicit matrix, RoPE as the complex rotation of pairs)."""
+    from bie_trt.kernels.reference import QKNorm, qkv_epilogue_ref
     from bie_trt.kernels.triton_ops import qkv_epilogue_triton
     from bie_trt.model.rope import inverse_frequencies
     from bie_trt.kv.rotation import hadamard_matrix
@@ -207,9 +210,12 @@ def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(DEVICE, dtype)
     mean = torch.randn(Hkv, D, generator=g).to(DEVICE, dtype) if centre else None
     inv_freq = inverse_frequencies(mc).to(DEVICE)
+    # A large eps (0.05 against mean squares near 1) so that the eps in the wrong place shows.
+    norms = QKNorm((1 + torch.rand(D, generator=g)).to(DEVICE, dtype), (1 + torch.rand(D, generator=g)).to(DEVICE, dtype),
+                   0.05) if qk_norm else None
     args = (Hq, Hkv, positions, inv_freq, mean, rotate_k, rotate_v)
-    q = qkv_epilogue_triton(qkv, *args, pools, 1, blocks, offsets)
-    q_ref = qkv_epilogue_ref(qkv, *args, ref_pools, 1, blocks, offsets)
+    q = qkv_epilogue_triton(qkv, *args, pools, 1, blocks, offsets, norms)
+    q_ref = qkv_epilogue_ref(qkv, *args, ref_pools, 1, blocks, offsets, norms)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(q, q_ref, rtol=tol, atol=tol)
     torch.testing.assert_close(pools.k, ref_pools.k, rtol=tol, atol=tol)
@@ -217,6 +223,8 @@ def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v
 
     # Independent float64 math for the keys: pair (d, d + D/2) turned by angle pos·inv_freq[d].
     x = qkv.double().cpu()[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+    if qk_norm:
+        x = x / (x.pow(2).mean(-1, keepdim=True) + norms.eps).sqrt() * norms.k.double().cpu()
     ang = positions.double().cpu()[:, None] * inv_freq.double().cpu()[None, :]
     c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
     a, b = x[..., :D // 2], x[..., D // 2:]

@@ -1,4 +1,4 @@
-"""A tiny random Llama (or, with its architecture, Qwen2) checkpoint (real safetensors, the SmolLM2 tokenizer)."""
+"""A tiny random Llama (or, with its architecture, Qwen2 or Qwen3) checkpoint (real safetensors, the SmolLM2 tokenizer)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,10 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=49152, max_position_embeddings=1024, rms_norm_eps=1e-5,
             rope_theta=10000.0, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
             model_type="llama", bos_token_id=1, eos_token_id=2)
+# Qwen3's structure: q/k head norms, head_dim 32 with hidden 64 over 4 heads (q_size 128 != hidden), no qkv
+# bias; an eps large against the heads' mean squares (~0.2), so that where it goes changes the logits.
+TINY_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, attention_bias=False,
+                  rms_norm_eps=0.02, use_sliding_window=False, sliding_window=None)
 
 
 def write_tiny_hf(out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
@@ -19,7 +23,8 @@ def write_tiny_hf(out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -
     cfg = {**TINY, **overrides}
     g = torch.Generator().manual_seed(seed)
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
-    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
 
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * 0.05).half()
@@ -28,15 +33,17 @@ def write_tiny_hf(out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -
          "lm_head.weight": rnd(cfg["vocab_size"], h)}
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
-        t.update({p + "self_attn.q_proj.weight": rnd(h, h), p + "self_attn.k_proj.weight": rnd(kv, h),
-                  p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, h),
+        t.update({p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                  p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
                   p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
                   p + "mlp.down_proj.weight": rnd(h, i),
                   p + "input_layernorm.weight": torch.ones(h).half(),
                   p + "post_attention_layernorm.weight": torch.ones(h).half()})
         if cfg.get("attention_bias", cfg["architectures"] == ["Qwen2ForCausalLM"]):   # Qwen2: q, k and v biased
-            t.update({p + "self_attn.q_proj.bias": rnd(h), p + "self_attn.k_proj.bias": rnd(kv),
+            t.update({p + "self_attn.q_proj.bias": rnd(q), p + "self_attn.k_proj.bias": rnd(kv),
                       p + "self_attn.v_proj.bias": rnd(kv)})
+        if cfg["architectures"] == ["Qwen3ForCausalLM"]:   # distinct weights: a q/k swap must show
+            t.update({p + f"self_attn.{x}_norm.weight": (1 + rnd(d) * 6).half() for x in "qk"})
     out.mkdir(parents=True, exist_ok=True)
     save_file(t, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(cfg))

@@ -171,6 +171,9 @@ class Checkpoint:
             if m.qkv_bias:
                 for sub, n in (("q_proj", m.q_size), ("k_proj", m.kv_size), ("v_proj", m.kv_size)):
                     self._expect(p + f"self_attn.{sub}.bias", floats, (n,))
+            if m.qk_norm:
+                for sub in ("q_norm", "k_norm"):
+                    self._expect(p + f"self_attn.{sub}.weight", floats, (m.head_dim,))
             self._expect(p + "input_layernorm.weight", floats, (m.hidden_size,))
             self._expect(p + "post_attention_layernorm.weight", floats, (m.hidden_size,))
         self._expect("model.embed_tokens.weight", floats, (m.vocab_size, m.hidden_size))

@@ -1,6 +1,8 @@
 """Plain-torch reference twins of the small kernels: the CPU path and the oracle for Triton."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -36,19 +38,32 @@ def write_kv_ref(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,
     pools.v[layer, slot_blocks, :, slot_offsets] = v.to(pools.v.dtype)
 
 
+class QKNorm(NamedTuple):
+    """Qwen3's RMSNorm of every q and k head over head_dim: weights [D] each, and its eps."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    eps: float
+
+
 def qkv_epilogue_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
                      inv_freq: torch.Tensor, key_mean: torch.Tensor | None, rotate_keys: bool, rotate_values: bool,
-                     pools: KVPools, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> torch.Tensor:
+                     pools: KVPools, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+                     qk_norm: QKNorm | None = None) -> torch.Tensor:
     """The qkv projection's rows [T, (H_q + 2 H_kv) D] -> attention's q [T, H_q, D]; K and V into the cache.
 
-    RoPE on q and k (rotate-half convention, cos and sin rounded to the activation dtype), the
-    calibrated mean key subtracted (key_mean [H_kv, D], or None), then the Hadamard rotation of q
-    and k (and of v with rotate_values), and K/V written to their FP16-tail slots."""
+    With qk_norm, each q and k head RMS-normalised first; then RoPE on q and k (rotate-half convention,
+    cos and sin rounded to the activation dtype), the calibrated mean key subtracted (key_mean [H_kv, D],
+    or None), then the Hadamard rotation of q and k (and of v with rotate_values), and K/V written to
+    their FP16-tail slots."""
     D = pools.k.shape[-1]
     T = qkv.shape[0]
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    q, k = q.reshape(T, num_heads, D), k.reshape(T, num_kv_heads, D)
+    if qk_norm is not None:
+        q, k = rms_norm_ref(q, qk_norm.q, qk_norm.eps)[0], rms_norm_ref(k, qk_norm.k, qk_norm.eps)[0]
     cos, sin = cos_sin(positions, inv_freq, qkv.dtype)
-    q, k = Rope.apply(q.view(T, num_heads, D), cos, sin), Rope.apply(k.view(T, num_kv_heads, D), cos, sin)
+    q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
     v = v.view(T, num_kv_heads, D)
     if key_mean is not None:   # every score of a query shifts by q·m: softmax is unchanged
         k = k - key_mean

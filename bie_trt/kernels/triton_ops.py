@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..kv.pool import KVPools
+from .reference import QKNorm
 
 # The smallest normal fp16 (2^-14): quant.py's floor for scales. Globals a kernel reads must be constexpr.
 _MIN_SCALE = tl.constexpr(6.103515625e-05)
@@ -165,11 +166,23 @@ def _rope(x, cos, sin, D: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, q_out_ptr, kc_ptr, vc_ptr, blocks_ptr, offsets_ptr,
+def _head_norm(x, w_ptr, eps, D: tl.constexpr, DTYPE: tl.constexpr):
+    """RMSNorm of one head x [D] fp32 over its D channels, times weight [D], rounded to the activation dtype
+    as `rms_norm_ref` hands it on (to RoPE)."""
+    d = tl.arange(0, D)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    return (x * rstd * tl.load(w_ptr + d).to(tl.float32)).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, qn_ptr, kn_ptr, q_out_ptr, kc_ptr, vc_ptr,
+                         blocks_ptr, offsets_ptr, eps,
                          stride_qkv, stride_qo, stride_cb, stride_ch, stride_cs,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr,
-                         CENTRE: tl.constexpr, ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr):
-    """One program per (token, head): a query head, or a kv head's K and V."""
+                         CENTRE: tl.constexpr, ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr,
+                         QK_NORM: tl.constexpr):
+    """One program per (token, head): a query head, or a kv head's K and V. A program holds its whole
+    head, so Qwen3's per-head q/k norm costs no extra pass (and nothing when QK_NORM is off)."""
     t = tl.program_id(0)
     head = tl.program_id(1)
     DTYPE = q_out_ptr.dtype.element_ty
@@ -181,13 +194,19 @@ def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, q_out_ptr, kc
     sin = tl.sin(freq).to(DTYPE).to(tl.float32)
     row = qkv_ptr + t * stride_qkv
     if head < NUM_HEADS:
-        q = _rope(tl.load(row + head * D + d).to(tl.float32), cos, sin, D, DTYPE)
+        q = tl.load(row + head * D + d).to(tl.float32)
+        if QK_NORM:
+            q = _head_norm(q, qn_ptr, eps, D, DTYPE)
+        q = _rope(q, cos, sin, D, DTYPE)
         if ROTATE_K:
             q = _hadamard(q, D, LOG2_D)
         tl.store(q_out_ptr + t * stride_qo + head * D + d, q.to(DTYPE))
     else:
         kv_head = head - NUM_HEADS
-        k = _rope(tl.load(row + (NUM_HEADS + kv_head) * D + d).to(tl.float32), cos, sin, D, DTYPE)
+        k = tl.load(row + (NUM_HEADS + kv_head) * D + d).to(tl.float32)
+        if QK_NORM:
+            k = _head_norm(k, kn_ptr, eps, D, DTYPE)
+        k = _rope(k, cos, sin, D, DTYPE)
         if CENTRE:
             k = (k - tl.load(mean_ptr + kv_head * D + d).to(tl.float32)).to(DTYPE).to(tl.float32)
         if ROTATE_K:
@@ -204,7 +223,7 @@ def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, q_out_ptr, kc
 def qkv_epilogue_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
                         inv_freq: torch.Tensor, key_mean: torch.Tensor | None, rotate_keys: bool, rotate_values: bool,
                         pools: KVPools, layer: int, slot_blocks: torch.Tensor,
-                        slot_offsets: torch.Tensor) -> torch.Tensor:
+                        slot_offsets: torch.Tensor, qk_norm: QKNorm | None = None) -> torch.Tensor:
     """One launch for everything between the qkv projection and attention; twin of `qkv_epilogue_ref`."""
     T = qkv.shape[0]
     D = pools.k.shape[-1]
@@ -217,11 +236,12 @@ def qkv_epilogue_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, po
         return q
     kc, vc = pools.k[layer], pools.v[layer]
     mean = key_mean if key_mean is not None else inv_freq   # never read without CENTRE
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (None, None, 0.0)   # no pointers: nothing to read
     _qkv_epilogue_kernel[(T, num_heads + num_kv_heads)](
-        qkv, positions, inv_freq, mean, q, kc, vc, slot_blocks, slot_offsets,
+        qkv, positions, inv_freq, mean, q_norm, k_norm, q, kc, vc, slot_blocks, slot_offsets, eps,
         qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=D, LOG2_D=D.bit_length() - 1, CENTRE=key_mean is not None,
-        ROTATE_K=rotate_keys, ROTATE_V=rotate_values, num_warps=1 if D <= 64 else 2)
+        ROTATE_K=rotate_keys, ROTATE_V=rotate_values, QK_NORM=qk_norm is not None, num_warps=1 if D <= 64 else 2)
     return q
 
 

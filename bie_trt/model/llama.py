@@ -1,4 +1,4 @@
-"""Llama-family forward over the paged KV cache, written against `kernels.ops`."""
+"""Llama-family forward (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache, written against `kernels.ops`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from ..config import KVCacheConfig, ModelConfig
 from ..kernels import ops
 from ..kernels.int8_rows import Int8Rows
+from ..kernels.reference import QKNorm
 from ..kernels.w4_layout import W4Weight
 from ..kv.pool import KVPools
 from ..kv.rotation import rotate
@@ -44,6 +45,7 @@ class Layer:
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
     linears: dict[str, W4Weight] = field(default_factory=dict)
+    qk_norm: QKNorm | None = None   # Qwen3's per-head q/k RMSNorm (in the qkv epilogue)
 
 
 class LlamaModel:
@@ -80,7 +82,8 @@ class LlamaModel:
                     zeros=weights[q + "zeros"].to(device),
                     bias=weights[q + "bias"].to(device=device, dtype=dtype) if q + "bias" in weights else None,
                     gemv_config=(gemv_configs or {}).get(name), keep_dense=keep_dense)
-            self.layers.append(Layer(t(p + "attn_norm"), t(p + "mlp_norm"), lin))
+            qk_norm = QKNorm(t(p + "q_norm"), t(p + "k_norm"), cfg.rms_norm_eps) if cfg.qk_norm else None
+            self.layers.append(Layer(t(p + "attn_norm"), t(p + "mlp_norm"), lin, qk_norm))
         self.rope = Rope(cfg, device)
         # YaRN multiplies cos and sin by its attention factor; rotation is linear, so every q·k grows by the
         # factor squared: folded into the softmax scale, the same for the torch and Triton paths.
@@ -140,11 +143,12 @@ class LlamaModel:
         """h + o_proj(attention(norm(h))): the residual stream after the attention sub-block."""
         cfg = self.cfg
         qkv = ops.norm_linear(h, layer.attn_norm, cfg.rms_norm_eps, layer.linears["qkv"])
-        # RoPE, the calibrated key centering and the Hadamard rotation of q and k (v too with
-        # hadamard_kv), K/V into the FP16 tail: one launch (the runner checked key_mean exists).
+        # The q/k head norms (Qwen3), RoPE, the calibrated key centering and the Hadamard rotation of q and
+        # k (v too with hadamard_kv), K/V into the FP16 tail: one launch (the runner checked key_mean exists).
         q = ops.qkv_epilogue(qkv, cfg.num_heads, cfg.num_kv_heads, meta.rope_positions, self.rope.inv_freq,
                              self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
-                             rotates_values(pools.cfg), pools, li, meta.slot_blocks, meta.slot_offsets)
+                             rotates_values(pools.cfg), pools, li, meta.slot_blocks, meta.slot_offsets,
+                             layer.qk_norm)
         if meta.quantise:
             ops.quantize_layer_blocks(pools, li, *meta.quantise)
         if meta.all_decode:   # a decode-only step (the graphs'): no gather and scatter of rows

@@ -4,6 +4,7 @@ checkpoint. Any int32 is a valid word of eight 4-bit codes, so packed weights ar
 (8× less work than drawing codes and packing them)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -30,12 +31,24 @@ LLAMA32_1B_HF = {
     "rope_scaling": {**LLAMA3_8B_HF["rope_scaling"], "factor": 32.0}}
 
 
+# Qwen3-8B's config.json: per-head q/k norms, head_dim its own field, 36 layers, 32k native context.
+QWEN3_8B_HF = {
+    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "attention_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 36}
+
+
 def llama3_8b() -> ModelConfig:
     return ModelConfig.from_hf(LLAMA3_8B_HF)
 
 
 def llama32_1b() -> ModelConfig:
     return ModelConfig.from_hf(LLAMA32_1B_HF)
+
+
+def qwen3_8b() -> ModelConfig:
+    return ModelConfig.from_hf(QWEN3_8B_HF)
 
 
 def tiny_llama(hidden_size: int = 64, num_heads: int = 2, num_kv_heads: int = 1, num_layers: int = 2,
@@ -46,6 +59,12 @@ def tiny_llama(hidden_size: int = 64, num_heads: int = 2, num_kv_heads: int = 1,
         "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
         "vocab_size": vocab_size, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": False})
+
+
+def tiny_qwen3() -> ModelConfig:
+    """Qwen3-8B's structure (q/k head norms, a head_dim other than hidden / heads) at the tiny sizes."""
+    return dataclasses.replace(tiny_llama(), architecture="Qwen3ForCausalLM", qk_norm=True, head_dim=64,
+                               rms_norm_eps=1e-6)
 
 
 def random_weights(cfg: ModelConfig, group_size: int = 128, seed: int = 0,
@@ -73,6 +92,8 @@ def random_weights(cfg: ModelConfig, group_size: int = 128, seed: int = 0,
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         w[p + "attn_norm"], w[p + "mlp_norm"] = ones, ones
+        if cfg.qk_norm:
+            w[p + "q_norm"] = w[p + "k_norm"] = torch.ones(cfg.head_dim, dtype=torch.float16)
         for name, (n, k) in fused_linear_shapes(cfg).items():
             w[p + name + ".qweight"] = randint(-2**31, 2**31 - 1, (n, k // 8), torch.int32)
             w[p + name + ".scales"] = ((rand(n, k // group_size) + 0.5) * (0.5 / math.sqrt(k))).half()
