@@ -54,16 +54,25 @@ def ask(client, **kw):
                                           temperature=0, max_tokens=80, **kw)
 
 
+@pytest.fixture(scope="module")
+def reference(served):
+    """The SDK's greedy reply to the run, thinking on: (prompt ids, output)."""
+    return sdk_reply(served[0])
+
+
+@pytest.fixture(scope="module")
+def reply(served):
+    return ask(served[2])
+
+
 def calls(tool_calls) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls or []]
 
 
-def test_reasoning_content_apart_and_the_call_after_it(served):
-    engine, _, client = served
-    ids, sdk = sdk_reply(engine)
+def test_reasoning_content_apart_and_the_call_after_it(reference, reply):
+    ids, sdk = reference
     reasoning, content = split_reasoning(sdk.text)
     assert reasoning == "I need the weather in Berlin."     # the model's own block, closed by the model
-    reply = ask(client)
     message = reply.choices[0].message
     assert message.reasoning_content == reasoning
     assert calls(message.tool_calls) == [("get_weather", {"city": "Berlin"})]
@@ -72,9 +81,8 @@ def test_reasoning_content_apart_and_the_call_after_it(served):
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(sdk.token_ids))
 
 
-def test_the_stream_carries_reasoning_deltas(served):
-    engine, _, client = served
-    whole = ask(client).choices[0].message
+def test_the_stream_carries_reasoning_deltas(served, reply):
+    client, whole = served[2], reply.choices[0].message
     reasoning, content, arguments, names = [], [], [], []
     for chunk in ask(client, stream=True):
         for choice in chunk.choices:
@@ -91,10 +99,10 @@ def test_the_stream_carries_reasoning_deltas(served):
     assert (names, json.loads("".join(arguments))) == (["get_weather"], {"city": "Berlin"})
 
 
-def test_enable_thinking_false_changes_the_prompt_and_the_reply(served):
+def test_enable_thinking_false_changes_the_prompt_and_the_reply(served, reference):
     engine, base, client = served
     empty_block = engine.tokenizer(EMPTY_BLOCK, add_special_tokens=False)["input_ids"]
-    thinking, _ = sdk_reply(engine)
+    thinking = reference[0]
     plain_ids, plain = sdk_reply(engine, NO_THINKING["chat_template_kwargs"])
     assert plain_ids == thinking + empty_block
     tokenized = httpx.post(base + "/tokenize", json={"messages": RUN, "tools": [WEATHER], **NO_THINKING}).json()
