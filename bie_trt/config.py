@@ -317,6 +317,9 @@ class EngineConfig:
     enforce_eager: bool = False       # True: no CUDA graphs (debugging)
     skip_verify: bool = False         # True: serve without checking each file's sha256 against the manifest
     chat_template: str | None = None  # a jinja2 chat template file replacing the checkpoint's own
+    # extra variables for every chat template render ({"enable_thinking": False}); a request's own override
+    # them key by key
+    chat_template_kwargs: dict[str, Any] | None = None
     seed: int | None = None         # None: each unseeded request draws fresh entropy; an int: they repeat per run
     # KV-cache overrides (None: the engine's). Used by `bie-trt eval` for ablations; a larger
     # format than the engine was planned for may not fit the GPU budget.

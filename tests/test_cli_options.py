@@ -66,6 +66,16 @@ def test_chat_template_without_chat_is_an_error(smollm2_engine, tmp_path):
 
 
 @pytest.mark.slow
+def test_generate_takes_template_variables(smollm2_engine, tokenizer):
+    base = ["generate", "--engine", smollm2_engine, "--prompt", "hi", "--chat", "--chat-template", "qwen3",
+            "--temperature", "0", "--max-tokens", "1", "--json"]
+    thinking = json.loads(invoke(*base).stdout)["prompt_token_ids"]
+    plain = json.loads(invoke(*base, "--chat-template-kwargs", '{"enable_thinking": false}').stdout)["prompt_token_ids"]
+    assert plain == thinking + tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    r = invoke("generate", "--engine", smollm2_engine, "--prompt", "hi", "--chat-template-kwargs", "{}")
+    assert r.exit_code == 2 and "--chat-template-kwargs applies only with --chat" in r.output
+
+
 def test_eval_without_a_kv_flag_compares_int4_against_fp16(smollm2_engine, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The cat sat on the mat and looked at the dog across the room. " * 20)

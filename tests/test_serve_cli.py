@@ -92,6 +92,25 @@ def test_chat_template_and_skip_verify_reach_the_engine(smollm2_engine, monkeypa
     assert [(c.chat_template, c.skip_verify) for c in loaded] == [(str(template), True), (None, False)]
 
 
+def test_template_variables_and_reasoning_parser_reach_the_server(smollm2_engine, monkeypatch):
+    """--chat-template by a shipped name, --chat-template-kwargs into the engine, --reasoning-parser into the
+    server's options; a bad JSON object is refused before anything loads."""
+    seen = []
+
+    def stop_at_app(engine, options):
+        seen.append((engine.config.chat_template, engine.config.chat_template_kwargs, options.reasoning_parser))
+        raise KeyboardInterrupt   # ends the command before any server starts
+
+    monkeypatch.setattr("bie_trt.BieEngine", lambda config: type("Engine", (), {"config": config})())
+    monkeypatch.setattr("bie_trt.server.app.create_app", stop_at_app)
+    CliRunner().invoke(main, ["serve", str(smollm2_engine), "--chat-template", "qwen3", "--chat-template-kwargs",
+                              '{"enable_thinking": false}', "--reasoning-parser", "deepseek_r1", "--port", free_port()])
+    CliRunner().invoke(main, ["serve", str(smollm2_engine), "--port", free_port()])
+    assert seen == [("qwen3", {"enable_thinking": False}, "deepseek_r1"), (None, None, "auto")]
+    r = CliRunner().invoke(main, ["serve", str(smollm2_engine), "--chat-template-kwargs", '"x"', "--port", free_port()])
+    assert r.exit_code == 2 and "'--chat-template-kwargs': must be a JSON object of chat template variables" in r.output
+
+
 def test_a_port_in_use_is_refused_before_the_engine_loads(smollm2_engine, monkeypatch):
     def no_load(*a, **k):
         raise AssertionError("the engine was loaded before the port was taken")

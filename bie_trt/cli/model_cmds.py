@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import click
 
 from . import main
-from .options import (DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, NON_NEGATIVE, POSITIVE, device_option,
-                      host_kv_cache_option, kv_options, speculative_config)
+from .options import (DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, NON_NEGATIVE, POSITIVE,
+                      chat_template_kwargs_option, chat_template_option, device_option, host_kv_cache_option,
+                      kv_options, speculative_config)
 from ..config import SamplingParams, StructuredOutputs, check_json_schema
 from ..plan import AWQ_GROUP_SIZES
 from ..profiles import profiles_epilog
@@ -187,8 +188,8 @@ _SAMPLING = SamplingParams.__dataclass_fields__   # one set of defaults: the SDK
               help="Engine directory made by `bie-trt build`.")
 @click.option("--prompt", required=True, help="Prompt text, tokenised exactly as tokenizer(prompt) does.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message with the chat template.")
-@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False),
-              help="A jinja2 chat template file used instead of the checkpoint's own (with --chat).")
+@chat_template_option("The chat template used instead of the checkpoint's own (with --chat).")
+@chat_template_kwargs_option
 @click.option("--echo", is_flag=True, help="Print the prompt before the completion (JSON: text starts with it).")
 @click.option("--max-tokens", default=_SAMPLING["max_tokens"].default, show_default=True, type=POSITIVE,
               help="Tokens to generate at most; the prompt plus these must fit the engine's context.")
@@ -217,7 +218,8 @@ _SAMPLING = SamplingParams.__dataclass_fields__   # one set of defaults: the SDK
 @click.option("--save-cache", type=click.Path(dir_okay=False),
               help="After generating, save the prompt's KV cache to this file (written atomically).")
 @speculative_config
-def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None, echo: bool, max_tokens: int,
+def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None, chat_template_kwargs: dict | None,
+             echo: bool, max_tokens: int,
              temperature: float, top_p: float, top_k: int, seed: int | None, json_schema: str | None,
              regex: str | None, min_tokens: int, device: str, skip_verify: bool, as_json: bool,
              host_kv_cache_gb: float | None, load_cache: str | None, save_cache: str | None, speculative) -> None:
@@ -230,13 +232,15 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
 
     if not prompt.strip():
         raise RequestError("--prompt is empty or only whitespace; give the text to continue or answer.")
-    if chat_template is not None and not chat:
-        raise click.UsageError("--chat-template applies only with --chat (the prompt is otherwise tokenised as "
-                               "plain text); add --chat or drop --chat-template.")
+    for flag, value in (("--chat-template", chat_template), ("--chat-template-kwargs", chat_template_kwargs)):
+        if value is not None and not chat:
+            raise click.UsageError(f"{flag} applies only with --chat (the prompt is otherwise tokenised as "
+                                   f"plain text); add --chat or drop {flag}.")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             min_tokens=min_tokens, structured_outputs=_structured_option(json_schema, regex))
     engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, skip_verify=skip_verify,
-                                    chat_template=chat_template, speculative=speculative,
+                                    chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                    speculative=speculative,
                                     host_kv_cache_gb=host_kv_cache_gb))
     prompt_ids = engine.encode(prompt, chat=chat)
     # a prompt that leaves no room at all gets the SDK's advice (shorten it, or rebuild) from stream() below

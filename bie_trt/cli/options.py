@@ -6,6 +6,8 @@ from typing import Callable
 import click
 
 from ..config import KV_DTYPES, KV_ROTATIONS, SpeculativeConfig
+from ..reasoning import PARSERS
+from ..templates import parse_template_kwargs, read_chat_template, shipped_chat_templates
 from ..devices import DEVICE_HELP, check_device_name
 from ..errors import BieError
 from ..plan import (DEFAULT_DRAFT_HEAD_BYTES, DEFAULT_DRAFT_REQUEST_VOCAB, DEFAULT_HOST_CAP_BYTES, DEFAULT_HOST_FRACTION,
@@ -93,3 +95,39 @@ DRAFT_REQUEST_VOCAB_HELP = (
     "Head rows each sequence's draft gets for the ids of its own prompt and output outside the K "
     "(the most recently seen kept; 0: off; none when the K cover the vocabulary). "
     f"[default: {DEFAULT_DRAFT_REQUEST_VOCAB:,}]")
+
+
+def _check_chat_template(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        read_chat_template(value)   # a missing file or a syntax error fails now, before the engine loads
+    return value
+
+
+def chat_template_option(help_text: str) -> Callable[[Callable], Callable]:
+    return click.option("--chat-template", metavar="FILE|NAME", callback=_check_chat_template,
+                        help=f"{help_text} A jinja2 file, or a shipped template by name: "
+                             f"{', '.join(shipped_chat_templates())}.")
+
+
+def _parse_template_kwargs(ctx: click.Context, param: click.Parameter, value: str | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        return parse_template_kwargs(value, "--chat-template-kwargs")
+    except BieError as e:
+        raise click.BadParameter(str(e).removeprefix("--chat-template-kwargs ")) from None
+
+
+chat_template_kwargs_option = click.option(
+    "--chat-template-kwargs", "chat_template_kwargs", callback=_parse_template_kwargs, metavar="JSON",
+    help='Extra variables for the chat template, as vLLM spells them: \'{"enable_thinking": false}\' turns '
+         "Qwen3's thinking off. [default: none]")
+
+
+reasoning_parser_option = click.option(
+    "--reasoning-parser", type=click.Choice(PARSERS), default="auto", show_default=True,
+    help="Return a chat reply's <think> block apart from the answer, as message.reasoning_content (streamed "
+         "as delta.reasoning_content). qwen3: the reply may open the block; deepseek_r1: the reply starts "
+         "inside it; either way a prompt that ends inside an open block starts the reply inside it, and one "
+         "that closed it (thinking switched off) is not split. auto: qwen3's when the chat template "
+         "mentions <think>, else none.")

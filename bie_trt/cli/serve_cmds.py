@@ -6,7 +6,8 @@ import copy
 import click
 
 from . import main
-from .options import device_option, host_kv_cache_option, speculative_config
+from .options import (chat_template_kwargs_option, chat_template_option, device_option, host_kv_cache_option,
+                      reasoning_parser_option, speculative_config)
 
 
 def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_len: int | None,
@@ -63,8 +64,9 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
                    "(default: 1 MiB plus 64 bytes a token of --max-model-len).")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="On SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted.")
-@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False),
-              help="A jinja2 chat template file for /v1/chat/completions instead of the checkpoint's own.")
+@chat_template_option("The chat template of /v1/chat/completions instead of the checkpoint's own.")
+@chat_template_kwargs_option
+@reasoning_parser_option
 @click.option("--skip-verify", is_flag=True,
               help="Do not check each file's sha256 against the manifest before loading (it is remembered "
                    "per file once checked, so only the first load after a change pays for it).")
@@ -79,7 +81,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int | None,
           gpu_memory_utilization: float | None, api_key: str | None, max_waiting: int | None,
           request_timeout: float | None, max_request_bytes: int | None, shutdown_timeout: float,
-          chat_template: str | None, skip_verify: bool,
+          chat_template: str | None, chat_template_kwargs: dict | None, reasoning_parser: str, skip_verify: bool,
           log_level: str, host_kv_cache_gb: float | None, kv_cache_dir: str | None, speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
@@ -109,10 +111,12 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
         seqs = max_num_seqs or int(manifest["max_num_seqs"])
         bie = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
                                      max_num_seqs=seqs, speculative=speculative, chat_template=chat_template,
+                                     chat_template_kwargs=chat_template_kwargs,
                                      skip_verify=skip_verify, host_kv_cache_gb=host_kv_cache_gb))
         app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
                                             max_waiting=max_waiting, request_timeout=request_timeout,
-                                            max_request_bytes=max_request_bytes, kv_cache_dir=kv_cache_dir))
+                                            max_request_bytes=max_request_bytes, kv_cache_dir=kv_cache_dir,
+                                            reasoning_parser=reasoning_parser))
         name = served_model_name or bie.model_name
         click.echo(f"serving {name} (max_model_len {bie.max_model_len}, max_num_seqs {bie.runner.max_num_seqs}) "
                    f"on http://{host}:{port}", err=True)

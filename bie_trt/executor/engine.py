@@ -93,23 +93,30 @@ class BieEngine:
             return self._apply_template(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def _apply_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def _apply_template(self, messages: list[dict], tools: list[dict] | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
         if not self.tokenizer.chat_template:
             raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        variables = {**(self.config.chat_template_kwargs or {}), **(template_kwargs or {})}
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                 **variables)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Chat messages and OpenAI tools through the chat template. A template that does not render tools
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        """Chat messages and OpenAI tools through the chat template, with the engine's extra template
+        variables overridden key by key by `template_kwargs`. A template that does not render tools
         gets them as a system prompt, and assistant tool calls and tool results as text it can render."""
         uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
         if not uses_tools:
-            return self.encode(messages, chat=True)
+            check_prompt(messages)
+            return self._apply_template(messages, None, template_kwargs)
         check_prompt(messages, "messages")
         if self._template_renders_tools is None and self.tokenizer.chat_template:
             self._template_renders_tools = template_renders_tools(self.tokenizer)
         native = bool(self._template_renders_tools)
-        return self._apply_template(template_messages(messages, tools, native), tools if native else None)
+        return self._apply_template(template_messages(messages, tools, native), tools if native else None,
+                                    template_kwargs)
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         params.validate()

@@ -15,11 +15,12 @@ from fastapi.responses import Response
 from ..errors import BieError
 from ..executor.outputs import RequestOutput, StreamEvent
 from ..executor.prompts import check_prompt
+from ..reasoning import PROMPT_TAIL_TOKENS, ReasoningStream, split_reasoning, starts_inside
 from .errors import ApiError
 from .generation import respond, submit, usage
 from .protocol import ChatRequest, CompletionRequest
 from .state import ServerState
-from .structured import ParamError, tool_plan
+from .structured import ParamError, ToolPlan, tool_plan
 
 MAX_REQUESTS = 64         # prompts x n in one HTTP request: each is a request on the loop
 
@@ -102,6 +103,15 @@ async def completions(state: ServerState, req: CompletionRequest, http: Request)
     return await respond(state, http, streams, req, base, make_chunk, make_body)
 
 
+def reasoning_start(state: ServerState, prompt_ids: list[int], req: ChatRequest, tools: ToolPlan) -> bool | None:
+    """Where this reply starts for the reasoning parser (inside a block or not), from its prompt's end;
+    None: the reply is not split (no parser, the prompt closed the block, or an output constraint or
+    tool_choice shapes the whole reply)."""
+    if state.reasoning_parser == "none" or tools.mode not in ("none", "auto") or req.constraints():
+        return None
+    return starts_inside(state.reasoning_parser, state.engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+
+
 async def chat_completions(state: ServerState, req: ChatRequest, http: Request) -> Response | dict:
     state.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
@@ -114,21 +124,27 @@ async def chat_completions(state: ServerState, req: ChatRequest, http: Request) 
     except ParamError as e:
         raise ApiError(400, str(e), e.param) from None
     try:
-        ids = await anyio.to_thread.run_sync(state.engine.encode_chat, messages, tools.tools)
+        ids = await anyio.to_thread.run_sync(state.engine.encode_chat, messages, tools.tools,
+                                             req.chat_template_kwargs)
     except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
         raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     streams = await submit(state, [ids], req, max_tokens, top_n, chat=True, tools=tools)
     parsers = [tools.parser() for _ in streams]
+    inside = reasoning_start(state, ids, req, tools)
+    splitters = [None if inside is None else ReasoningStream(inside) for _ in streams]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_id}
 
     def make_chunk(event: StreamEvent, i: int, first: bool) -> list[dict]:
-        """The choice's deltas: prose as it comes, tool calls as they complete (a named function's
-        arguments as they come); the event's logprobs and finish reason ride on the last."""
-        parser = parsers[i]
-        deltas = parser.feed(event.delta)
-        if event.finish_reason is not None:
+        """The choice's deltas: reasoning and prose as they come, tool calls as they complete (a named
+        function's arguments as they come); the event's logprobs and finish reason ride on the last."""
+        parser, splitter, ended = parsers[i], splitters[i], event.finish_reason is not None
+        reasoning, content = ("", event.delta) if splitter is None else splitter.feed(event.delta)
+        if ended and splitter is not None:
+            reasoning, content = (a + b for a, b in zip((reasoning, content), splitter.finish()))
+        deltas = ([{"reasoning_content": reasoning}] if reasoning else []) + parser.feed(content)
+        if ended:
             deltas += parser.finish()
         chunks = [dict(base, choices=[{"index": i, "delta": d, "finish_reason": None}]) for d in deltas or [{}]]
         if first:
@@ -144,8 +160,11 @@ async def chat_completions(state: ServerState, req: ChatRequest, http: Request) 
     def make_body(outputs: list[RequestOutput]) -> dict:
         choices = []
         for i, out in enumerate(outputs):
-            content, calls = parsers[i].message(out.text)
+            reasoning, text = (None, out.text) if inside is None else split_reasoning(out.text, inside)
+            content, calls = (None, []) if text is None else parsers[i].message(text)
             message = {"role": "assistant", "content": content}
+            if state.reasoning_parser != "none":
+                message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
             choice = {"index": i, "message": message,

@@ -4,18 +4,18 @@ server does not know is refused with its name, since it might have changed the o
 never do (user, metadata, store, service_tier, ...) are accepted and ignored, as clients send them."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from ..config import LOGIT_BIAS_RANGE
-
-from ..config import REPETITION_PENALTY_RANGE
+from ..config import LOGIT_BIAS_RANGE, REPETITION_PENALTY_RANGE
+from ..templates import template_kwargs_problem
 
 MAX_CHOICES = 16                      # n per request: each choice is a request on the loop
 SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1 - MAX_CHOICES)   # choice i uses seed + i; torch takes 64-bit seeds
 # message field -> (the one role that may carry it, the verb its error needs)
-ROLE_OF_FIELD = {"tool_calls": ("assistant", "are"), "tool_call_id": ("tool", "is")}
+ROLE_OF_FIELD = {"tool_calls": ("assistant", "are"), "tool_call_id": ("tool", "is"),
+                 "reasoning_content": ("assistant", "is")}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Union fields get one message naming every accepted shape (pydantic reports one error per branch).
@@ -34,12 +34,23 @@ REFUSED = {
     "modalities": "this server generates text only",
     "prediction": "predicted outputs are not implemented",
     "web_search_options": "this server has no web search",
-    "reasoning_effort": "this model does not reason in a separate channel",
+    "reasoning_effort": "effort levels are not implemented; a chat template's thinking switch is set through "
+                        "chat_template_kwargs (e.g. {\"enable_thinking\": false})",
     "verbosity": "answer-length levels are not implemented; use max_tokens",
     "use_beam_search": "beam search is not implemented",
     "prompt_logprobs": "prompt log-probabilities are not computed",
 }
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule for function names
+
+
+def _template_variables(value: Any) -> Any:
+    if value is not None and (problem := template_kwargs_problem(value)):
+        raise ValueError(problem)
+    return value
+
+
+# vLLM's chat_template_kwargs: extra variables for the chat template ({"enable_thinking": false})
+TemplateKwargs = Annotated[dict[str, Any] | None, BeforeValidator(_template_variables)]
 
 
 class _Strict(BaseModel):
@@ -227,6 +238,7 @@ class ChatMessage(_Strict):
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None             # sent back by clients that replay a reply; not shown to the model
+    reasoning_content: str | None = None   # a reply's reasoning, replayed: the chat template decides if it is shown
 
     @field_validator("content")
     @classmethod
@@ -236,7 +248,7 @@ class ChatMessage(_Strict):
             raise ValueError(f"must not be null in a {role} message")
         return content
 
-    @field_validator("tool_calls", "tool_call_id")
+    @field_validator("tool_calls", "tool_call_id", "reasoning_content")
     @classmethod
     def _only_in_its_role(cls, value: Any, info: ValidationInfo) -> Any:
         role, verb = ROLE_OF_FIELD[info.field_name]
@@ -250,7 +262,7 @@ class ChatMessage(_Strict):
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        for key in ("name", "tool_call_id"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -270,6 +282,7 @@ class ChatRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: TemplateKwargs = None
 
     @field_validator("messages")
     @classmethod
@@ -302,6 +315,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = Field(None, validate_default=True)
     tools: list[Tool] | None = None
     add_special_tokens: bool = True
+    chat_template_kwargs: TemplateKwargs = None
 
     @field_validator("messages")
     @classmethod

@@ -11,6 +11,7 @@ import anyio
 
 from ..executor.engine import BieEngine
 from ..executor.streams import RequestStream
+from ..reasoning import resolve_parser
 from .errors import ApiError
 from .limits import longest_token_chars, min_tokens
 from .metrics import Metrics
@@ -26,6 +27,7 @@ class ServerOptions:
     request_timeout: float | None = None   # seconds a request may take before it is aborted; None: no limit
     max_request_bytes: int | None = None   # larger bodies get 413 unread; None: from the context length
     kv_cache_dir: str | None = None        # where /v1/cache/save and /restore keep files; None: those routes are off
+    reasoning_parser: str = "auto"         # how chat replies' <think> blocks are split off (reasoning.PARSERS)
 
 
 class ServerState:
@@ -33,6 +35,7 @@ class ServerState:
         self.engine = engine
         self.options = options or ServerOptions()
         self.model_id = self.options.served_model_name or engine.model_name
+        self.reasoning_parser = resolve_parser(self.options.reasoning_parser, str(engine.tokenizer.chat_template or ""))
         self.started = int(time.time())   # /v1/models' "created": when this server made the model available
         self.longest_token = longest_token_chars(engine.tokenizer.get_vocab())
         self.metrics = Metrics(engine.stats)

@@ -17,7 +17,8 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict:
     try:
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = await anyio.to_thread.run_sync(engine.encode_chat, [m.to_template() for m in req.messages], tools)
+            ids = await anyio.to_thread.run_sync(engine.encode_chat, [m.to_template() for m in req.messages], tools,
+                                                 req.chat_template_kwargs)
         else:
             ids = await anyio.to_thread.run_sync(
                 lambda: list(engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))

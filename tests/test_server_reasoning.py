@@ -1,0 +1,181 @@
+"""A thinking chat template over the real `openai` client: chat_template_kwargs reaches the template (the
+prompt the model gets changes), and the reply's <think> block comes back as reasoning_content, whole and
+streamed, with Hermes tool calls after it still parsed.
+
+How the model is made to think, honestly: SmolLM2-135M was never trained to think, but it copies what
+its context shows. The conversation is a tool-calling run in progress under the shipped Qwen3 template,
+which keeps the reasoning of the assistant turns after the last user message: three turns of
+"<think>I need the weather in X.</think> Checking X. <tool_call>...". Greedy, the model writes the
+fourth turn the same way, block, close tag and call included, so every tag the server splits on is
+one the model generated. The SDK's greedy text for the same prompt ids is the reference."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from bie_trt import BieEngine, EngineConfig, SamplingParams
+from bie_trt.reasoning import split_reasoning
+from bie_trt.server.app import ServerOptions
+from bie_trt.tool_calls import parse_tool_calls
+from test_server import serving
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CITIES = ("Oslo", "Rome", "Paris")
+RUN = [{"role": "user", "content": "Weather in Oslo, Rome, Paris and Berlin?"}]
+for _i, _city in enumerate(CITIES):
+    RUN += [{"role": "assistant", "content": f"Checking {_city}.", "reasoning_content": f"I need the weather in {_city}.",
+             "tool_calls": [{"id": f"call_{_i}", "type": "function",
+                             "function": {"name": "get_weather", "arguments": json.dumps({"city": _city})}}]},
+            {"role": "tool", "tool_call_id": f"call_{_i}", "content": "sunny"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+EMPTY_BLOCK = "<think>\n\n</think>\n\n"
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_engine):
+    engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=1024,
+                                    chat_template="qwen3"))
+    with serving(engine) as base:
+        yield engine, base, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def sdk_reply(engine: BieEngine, template_kwargs: dict | None = None):
+    ids = engine.encode_chat(RUN, [WEATHER], template_kwargs)
+    return ids, engine.generate(ids, SamplingParams(temperature=0, max_tokens=80))
+
+
+def ask(client, **kw):
+    return client.chat.completions.create(model=client.models.list().data[0].id, messages=RUN, tools=[WEATHER],
+                                          temperature=0, max_tokens=80, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    """The SDK's greedy reply to the run, thinking on: (prompt ids, output)."""
+    return sdk_reply(served[0])
+
+
+@pytest.fixture(scope="module")
+def reply(served):
+    return ask(served[2])
+
+
+def calls(tool_calls) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls or []]
+
+
+def test_reasoning_content_apart_and_the_call_after_it(reference, reply):
+    ids, sdk = reference
+    reasoning, content = split_reasoning(sdk.text)
+    assert reasoning == "I need the weather in Berlin."     # the model's own block, closed by the model
+    message = reply.choices[0].message
+    assert message.reasoning_content == reasoning
+    assert calls(message.tool_calls) == [("get_weather", {"city": "Berlin"})]
+    assert message.content == parse_tool_calls(content, {"get_weather"})[0] == "Checking Berlin.\n"
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(sdk.token_ids))
+
+
+def test_the_stream_carries_reasoning_deltas(served, reply):
+    client, whole = served[2], reply.choices[0].message
+    reasoning, content, arguments, names = [], [], [], []
+    for chunk in ask(client, stream=True):
+        for choice in chunk.choices:
+            delta = choice.delta
+            reasoning += [getattr(delta, "reasoning_content", None) or ""]
+            content += [delta.content or ""]
+            for call in delta.tool_calls or []:
+                names += [call.function.name] if call.function.name else []
+                arguments += [call.function.arguments or ""]
+    assert "".join(reasoning) == whole.reasoning_content
+    assert "".join(content) == whole.content
+    assert not any("think" in piece for piece in content)     # no piece of a tag reaches the content
+    assert sum(1 for piece in reasoning if piece) > 1        # reasoning streamed as it came, not at the end
+    assert (names, json.loads("".join(arguments))) == (["get_weather"], {"city": "Berlin"})
+
+
+def test_enable_thinking_false_changes_the_prompt_and_the_reply(served, reference):
+    engine, base, client = served
+    empty_block = engine.tokenizer(EMPTY_BLOCK, add_special_tokens=False)["input_ids"]
+    thinking = reference[0]
+    plain_ids, plain = sdk_reply(engine, NO_THINKING["chat_template_kwargs"])
+    assert plain_ids == thinking + empty_block
+    tokenized = httpx.post(base + "/tokenize", json={"messages": RUN, "tools": [WEATHER], **NO_THINKING}).json()
+    assert tokenized["tokens"] == plain_ids
+    reply = ask(client, extra_body=NO_THINKING)
+    assert reply.usage.prompt_tokens == len(thinking) + len(empty_block)
+    message = reply.choices[0].message
+    # the prompt closed the block: nothing the model writes is reasoning
+    assert message.reasoning_content is None
+    prose, expected_calls = parse_tool_calls(plain.text, {"get_weather"})
+    assert (message.content, calls(message.tool_calls)) == (prose, [(c.name, json.loads(c.arguments))
+                                                                    for c in expected_calls])
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("enable_thinking", "chat_template_kwargs: must be a JSON object of chat template variables"),
+    ([{"enable_thinking": False}], "chat_template_kwargs: must be a JSON object"),
+    ({"add_generation_prompt": False}, "chat_template_kwargs: sets add_generation_prompt, which the engine sets"),
+])
+def test_bad_chat_template_kwargs_are_400_naming_the_field(served, value, fragment):
+    _, base, client = served
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, extra_body={"chat_template_kwargs": value})
+    assert e.value.body["param"] == "chat_template_kwargs" and fragment in e.value.body["message"]
+    r = httpx.post(base + "/tokenize", json={"messages": RUN, "chat_template_kwargs": value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_replayed_reasoning_is_only_for_assistant_turns(served):
+    _, base, _ = served
+    r = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "hi", "reasoning_content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].reasoning_content"
+
+
+@pytest.fixture(scope="module")
+def tiny_served(tiny_engine):
+    """The tiny model under the shipped template with thinking off by default (the server's
+    --chat-template-kwargs), and a DeepSeek-R1 parser: the reply starts inside the block."""
+    engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=256,
+                                    chat_template="qwen3", chat_template_kwargs={"enable_thinking": False}))
+    with serving(engine, ServerOptions(reasoning_parser="deepseek_r1")) as base:
+        yield engine, base, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def test_request_kwargs_override_the_servers_key_by_key(tiny_served):
+    engine, base, _ = tiny_served
+    hi = [{"role": "user", "content": "hi"}]
+
+    def prompt(**kw) -> str:
+        r = httpx.post(base + "/tokenize", json={"messages": hi, **kw})
+        assert r.status_code == 200, r.text
+        return engine.tokenizer.decode(r.json()["tokens"])
+
+    assert prompt().endswith("assistant\n" + EMPTY_BLOCK)                         # the server's default
+    assert prompt(chat_template_kwargs={"other": 1}).endswith(EMPTY_BLOCK)        # other keys keep it
+    assert prompt(chat_template_kwargs={"enable_thinking": True}).endswith("assistant\n")
+
+
+def test_a_deepseek_r1_reply_is_reasoning_until_it_closes(tiny_served):
+    """The tiny random model never writes </think>: under deepseek_r1 with thinking on, all of its reply is
+    reasoning (cut short by max_tokens); with the server's default (the prompt closed the block), all content."""
+    engine, _, client = tiny_served
+    hi = [{"role": "user", "content": "hi"}]
+    model = client.models.list().data[0].id
+    on = client.chat.completions.create(model=model, messages=hi, temperature=0, max_tokens=8,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    off = client.chat.completions.create(model=model, messages=hi, temperature=0, max_tokens=8)
+    text = engine.generate(engine.encode_chat(hi, None, {"enable_thinking": True}),
+                           SamplingParams(temperature=0, max_tokens=8)).text
+    assert (on.choices[0].message.reasoning_content, on.choices[0].message.content) == (text.strip(), None)
+    assert off.choices[0].message.reasoning_content is None and off.choices[0].message.content
+    streamed = client.chat.completions.create(model=model, messages=hi, temperature=0, max_tokens=8, stream=True,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    pieces = [(getattr(c.choices[0].delta, "reasoning_content", None) or "", c.choices[0].delta.content or "")
+              for c in streamed if c.choices]
+    assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == (text.strip(), "")
