@@ -15,6 +15,7 @@ import pytest
 
 from bie_trt import BieEngine, EngineConfig
 from bie_trt.server.app import ServerOptions
+from bie_trt.server.response_store import ResponseStore, StoredResponse
 from test_server import serving
 
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -284,3 +285,16 @@ def test_bad_response_bodies_get_openai_errors(oai, model, body, param):
                  cast_to=httpx.Response)
     error = caught.value.body
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+
+
+def test_the_response_store_is_bounded():
+    store = ResponseStore(capacity=2)
+    for i in range(3):
+        store.put(f"resp_{i}", StoredResponse({"id": f"resp_{i}"}, []))
+    assert len(store) == 2 and store.get("resp_0") is None and store.get("resp_2").body == {"id": "resp_2"}
+    store.put("resp_1", StoredResponse({"id": "resp_1"}, []))   # stored again: now the newest
+    store.put("resp_3", StoredResponse({"id": "resp_3"}, []))
+    assert store.get("resp_2") is None and store.get("resp_1") is not None
+    assert store.delete("resp_1") and not store.delete("resp_1")
+    with pytest.raises(ValueError, match="capacity"):
+        ResponseStore(capacity=0)
