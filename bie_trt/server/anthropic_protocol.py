@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from .protocol import NAME_PATTERN, _Strict
+from .protocol import NAME_PATTERN, _Strict, text_shorthand
 
 CacheControl = dict[str, Any] | None   # accepted everywhere: the prefix cache reuses every prompt on its own
 # Anthropic's union fields (the ones a body's own union, not a tagged list, carries) and what they accept.
@@ -19,12 +19,7 @@ SHAPES = {"tool_choice": "{\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": 
 
 
 def _as_text_blocks(value: Any, what: str) -> Any:
-    """Anthropic's shorthand: a string stands for one text block."""
-    if isinstance(value, str):
-        return [{"type": "text", "text": value}]
-    if not isinstance(value, list):
-        raise ValueError(f"must be a string or a list of {what}")
-    return value
+    return text_shorthand(value, "text", what)
 
 
 class TextBlock(_Strict):

@@ -42,6 +42,16 @@ REFUSED = {
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule for function names
 
 
+def text_shorthand(value: Any, part_type: str, what: str) -> Any:
+    """Content where a string stands for one text part of `part_type` (Anthropic's and the Responses
+    API's shorthand), as the list it stands for."""
+    if isinstance(value, str):
+        return [{"type": part_type, "text": value}]
+    if not isinstance(value, list):
+        raise ValueError(f"must be a string or a list of {what}")
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
 

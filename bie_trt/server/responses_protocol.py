@@ -8,10 +8,20 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from .protocol import NAME_PATTERN, _Strict
+from .protocol import NAME_PATTERN, _Strict, text_shorthand
 
 # The Responses API's union fields and what they accept.
 SHAPES = {"tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...}"}
+
+
+# Fields refused unless they are left out or empty, with why.
+REFUSED_WHEN_SET = {
+    "include": "no extra output data (logprobs, encrypted reasoning, sources) is produced",
+    "top_logprobs": "the Responses route returns no log-probabilities; use /v1/chat/completions",
+    "reasoning": "this server does not split the model's reasoning from its reply yet",
+    "background": "background responses are not implemented; stream instead",
+    "max_tool_calls": "it is not implemented; set parallel_tool_calls to false for at most one call",
+}
 
 
 def _refuse_set(value: Any, why: str) -> Any:
@@ -54,11 +64,7 @@ class MessageItem(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [{"type": "input_text", "text": value}]
-        if not isinstance(value, list):
-            raise ValueError("must be a string or a list of input_text parts")
-        return value
+        return text_shorthand(value, "input_text", "input_text parts")
 
     def text(self) -> str:
         return "".join(p.text for p in self.content if p.type != "refusal")
@@ -83,11 +89,7 @@ class FunctionCallOutputItem(_Strict):
     @field_validator("output", mode="before")
     @classmethod
     def _output(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [{"type": "input_text", "text": value}]
-        if not isinstance(value, list):
-            raise ValueError("must be a string or a list of input_text parts")
-        return value
+        return text_shorthand(value, "input_text", "input_text parts")
 
 
 class RefusedItem(_Strict):
@@ -220,31 +222,12 @@ class ResponsesRequest(_Strict):
         return [{"type": "message", **item} if isinstance(item, dict) and "role" in item and "type" not in item
                 else item for item in value]
 
-    @field_validator("include")
+    @field_validator(*REFUSED_WHEN_SET)
     @classmethod
-    def _no_include(cls, value: Any) -> Any:
-        return _refuse_set(value, "no extra output data (logprobs, encrypted reasoning, sources) is produced")
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: Any) -> Any:
-        return _refuse_set(value, "the Responses route returns no log-probabilities; use /v1/chat/completions")
-
-    @field_validator("reasoning")
-    @classmethod
-    def _no_reasoning(cls, value: Any) -> Any:
-        return _refuse_set({k: v for k, v in (value or {}).items() if v is not None},
-                           "this server does not split the model's reasoning from its reply yet")
-
-    @field_validator("background")
-    @classmethod
-    def _no_background(cls, value: Any) -> Any:
-        return _refuse_set(value, "background responses are not implemented; stream instead")
-
-    @field_validator("max_tool_calls")
-    @classmethod
-    def _no_max_tool_calls(cls, value: Any) -> Any:
-        return _refuse_set(value, "it is not implemented; set parallel_tool_calls to false for at most one call")
+    def _refused_when_set(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name == "reasoning":   # {"effort": null} asks for nothing
+            value = {k: v for k, v in (value or {}).items() if v is not None}
+        return _refuse_set(value, REFUSED_WHEN_SET[info.field_name])
 
     @field_validator("tool_choice")
     @classmethod
