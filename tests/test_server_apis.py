@@ -156,6 +156,8 @@ def test_tool_result_round_trip_and_count_tokens(server, claude, model):
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]},
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]},
+     "prefilled"),
 ])
 def test_bad_message_bodies_get_anthropic_errors(claude, model, body, fragment):
     full = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], **body}

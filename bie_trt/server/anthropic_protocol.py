@@ -182,6 +182,14 @@ class _MessagesBody(_Strict):
     output_config: OutputConfig | None = None
     cache_control: CacheControl = None
 
+    @field_validator("messages")
+    @classmethod
+    def _ends_with_the_user(cls, messages: list[AnthropicMessage]) -> list[AnthropicMessage]:
+        if messages and messages[-1].role == "assistant":
+            raise ValueError(f"[{len(messages) - 1}] is an assistant turn: a reply prefilled by the client is not "
+                             f"supported (the template opens a new assistant turn); end with a user turn")
+        return messages
+
     @field_validator("system", mode="before")
     @classmethod
     def _system(cls, value: Any) -> Any:
