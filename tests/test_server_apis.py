@@ -5,6 +5,7 @@ are conversions onto its request path."""
 from __future__ import annotations
 
 import json
+from typing import Annotated, Literal
 
 import anthropic
 import httpx
@@ -300,3 +301,34 @@ def test_the_response_store_is_bounded():
     assert store.delete("resp_1") and not store.delete("resp_1")
     with pytest.raises(ValueError, match="capacity"):
         ResponseStore(capacity=0)
+
+
+def test_an_openai_agents_run_calls_its_tool_and_answers(server, model):
+    """openai-agents speaks the Responses API by default: a run with a forced function tool gets a call
+    whose arguments validate, runs the tool, sends its output back, and ends on the model's reply."""
+    import agents
+
+    agents.set_tracing_disabled(True)
+    seen = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, pydantic.Field(max_length=12)], unit: Literal["celsius", "fahrenheit"]) -> str:
+        """Current weather in a city."""
+        seen.append((city, unit))
+        return "12 degrees, rain"
+
+    class Report(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=10)
+        degrees: int = pydantic.Field(ge=-40, le=40)
+
+    client = openai.AsyncOpenAI(base_url=server[1] + "/v1", api_key="k3y", max_retries=0, timeout=120)
+    agent = agents.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], output_type=Report,
+                         model=agents.OpenAIResponsesModel(model, openai_client=client),
+                         model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=40, temperature=0))
+    result = agents.Runner.run_sync(agent, ASK, max_turns=3)
+    assert len(seen) == 1
+    calls = [item for item in result.new_items if item.type == "tool_call_item"]
+    outputs = [item for item in result.new_items if item.type == "tool_call_output_item"]
+    assert len(calls) == 1 and outputs[0].output == "12 degrees, rain"
+    # the forced turn is the call alone; the next one answers in the agent's output type
+    assert isinstance(result.final_output, Report) and len(result.raw_responses) == 2

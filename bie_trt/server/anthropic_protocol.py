@@ -226,7 +226,9 @@ class _MessagesBody(_Strict):
                 "type": "function", "function": {"name": choice.name}}
             if getattr(choice, "disable_parallel_tool_use", False):
                 fields["parallel_tool_calls"] = False
-        if self.output_config is not None and self.output_config.format is not None:
+        forced = choice is not None and choice.type in ("any", "tool")
+        if self.output_config is not None and self.output_config.format is not None and not forced:
+            # a forced call is the whole reply: no text for the format to shape on this turn
             fields["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": self.output_config.format.schema_}}
         return fields
