@@ -254,7 +254,9 @@ class ResponsesRequest(_Strict):
             fields["tool_choice"] = self.tool_choice
         if self.parallel_tool_calls is not None:
             fields["parallel_tool_calls"] = self.parallel_tool_calls
-        if self.text is not None and self.text.format is not None:
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, ToolChoiceFunction)
+        if self.text is not None and self.text.format is not None and not forced:
+            # a forced call is the whole reply: no message for the format to shape on this turn
             fields["response_format"] = self.text.format.response_format()
         return fields
 
