@@ -118,6 +118,21 @@ def test_forced_tool_input_validates(claude, model, streamed):
     jsonschema.validate(call.input, WEATHER_SCHEMA)
 
 
+def test_output_format_shapes_text_turns_only(claude, model):
+    """output_config.format: a text reply matches the schema; a forced call's turn is the call alone."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "rain": {"type": "boolean"}},
+              "required": ["city", "rain"], "additionalProperties": False}
+    kw = dict(model=model, max_tokens=40, messages=[{"role": "user", "content": ASK}], extra_body=GREEDY,
+              output_config={"format": {"type": "json_schema", "schema": schema}})
+    r = claude.messages.create(**kw)
+    assert r.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(r.content[0].text), schema)
+    forced = claude.messages.create(**kw, tools=[CLAUDE_TOOL], tool_choice={"type": "tool", "name": "get_weather"})
+    assert forced.stop_reason == "tool_use"
+    jsonschema.validate(forced.content[0].input, WEATHER_SCHEMA)
+
+
 def test_tool_result_round_trip_and_count_tokens(server, claude, model):
     """The forced call, then its result: both reach the prompt as the chat route renders them (count_tokens
     equals /tokenize of the same chat history), and the reply's usage counts that prompt."""
