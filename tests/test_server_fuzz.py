@@ -64,9 +64,12 @@ def from_schema(schema: dict, defs: dict) -> st.SearchStrategy:
 
 
 def body_strategy(schema: dict, defs: dict) -> st.SearchStrategy:
-    """A valid body (one token unless it asks for more), or one with one field (or an unknown one) set to
-    an edge value: every field is then tested on its own, with the rest valid."""
-    valid = from_schema(schema, defs).map(lambda body: {"max_tokens": 1, **body})
+    """A valid body (one token unless it asks for more, under the route's name for a token limit), or one
+    with one field (or an unknown one) set to an edge value: every field is then tested on its own, with
+    the rest valid."""
+    limit = next((name for name in ("max_tokens", "max_output_tokens") if name in schema.get("properties", {})),
+                 None)
+    valid = from_schema(schema, defs).map(lambda body: {limit: 1, **body} if limit else body)
 
     def mutate(body: dict, key: str, value) -> dict:
         return {**body, key: value}
@@ -95,7 +98,17 @@ def _routes(schema: dict) -> list[tuple[str, dict]]:
 
 def test_the_schema_lists_every_body_route(fuzz_server):
     assert sorted(path for path, _ in _routes(fuzz_server[2])) == sorted([
-        "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/cache/save", "/v1/cache/restore"])
+        "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/cache/save", "/v1/cache/restore",
+        "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"])
+
+
+def assert_error_shape(path: str, r: httpx.Response) -> None:
+    """Anthropic's shape on its routes, OpenAI's on the others."""
+    body = r.json()
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, (path, body)
+    else:
+        assert set(body["error"]) == {"message", "type", "param", "code"}, (path, body)
 
 
 def post_a_drawn_body(fuzz_server, data) -> None:
@@ -105,7 +118,7 @@ def post_a_drawn_body(fuzz_server, data) -> None:
     r = httpx.post(base + path, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert_error_shape(path, r)
 
 
 # Each valid body generates up to n x max_tokens tokens: 12 draws by default (the field-by-field sweep
@@ -140,23 +153,34 @@ def test_no_method_path_or_raw_body_makes_a_5xx(fuzz_server, method, path, raw, 
 INT_EDGES = [-1, 2 ** 63, 10 ** 20, 1e308, "4", True]   # None, lists and objects: the hypothesis draws
 
 
-@pytest.mark.parametrize("route", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["completions", "chat"])
-def test_every_field_at_every_edge_with_the_rest_valid(fuzz_server, route):
+HI = [{"role": "user", "content": "Hi"}]
+# a valid one-token body of each route, and numeric fields its schema must list
+SWEEPS = {"/v1/completions": ({"max_tokens": 1, "prompt": "Hi"}, {"max_tokens", "seed", "temperature", "n", "logprobs"}),
+          "/v1/chat/completions": ({"max_tokens": 1, "messages": HI}, {"max_tokens", "seed", "n", "top_logprobs"}),
+          "/v1/messages": ({"max_tokens": 1, "messages": HI}, {"max_tokens", "temperature", "top_p", "top_k"}),
+          "/v1/responses": ({"max_output_tokens": 1, "input": "Hi"}, {"max_output_tokens", "temperature", "top_p"})}
+
+
+@pytest.mark.parametrize("path", [pytest.param(path, marks=[pytest.mark.slow] if path == "/v1/chat/completions" else [])
+                                  for path in SWEEPS])
+def test_every_field_at_every_edge_with_the_rest_valid(fuzz_server, path):
     """Each numeric field of the schema in turn set to each edge value, on an otherwise valid one-token
     body: the sweep hypothesis might need thousands of draws to stumble on."""
     engine, base, schema = fuzz_server
-    path, request_schema = _routes(schema)[route]
-    valid = {"max_tokens": 1, **({"messages": [{"role": "user", "content": "Hi"}]} if route else {"prompt": "Hi"})}
+    request_schema = dict(_routes(schema))[path]
+    valid, expected = SWEEPS[path]
     failures = []
     numeric = [name for name, sub in request_schema["properties"].items()
                if {"integer", "number"} & {s.get("type") for s in sub.get("anyOf", [sub])}]
-    assert {"max_tokens", "seed", "temperature", "n", "logprobs" if route == 0 else "top_logprobs"} <= set(numeric)
+    assert expected <= set(numeric)
     for name in sorted(numeric):
         for value in INT_EDGES:
             body = {**valid, name: value}
             r = httpx.post(base + path, json=body, timeout=60)
             if r.status_code >= 500:
                 failures.append((name, value, r.status_code, r.text[:200]))
+            elif r.status_code >= 400:
+                assert_error_shape(path, r)
     assert not failures
 
 

@@ -76,18 +76,23 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
 @click.option("--kv-cache-dir", type=click.Path(file_okay=False),
               help="Directory for POST /v1/cache/save and /v1/cache/restore, which write a prompt's KV cache to "
                    "a file there and load it back (into this engine only). Without it those routes are off.")
+@click.option("--response-store-size", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Responses API responses kept in memory (this process only, the oldest dropped first) for "
+                   "previous_response_id and GET /v1/responses/{id}.")
 @speculative_config
 def serve(engine: str | None, engine_opt: str | None, host: str, port: int, device: str,
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int | None,
           gpu_memory_utilization: float | None, api_key: str | None, max_waiting: int | None,
           request_timeout: float | None, max_request_bytes: int | None, shutdown_timeout: float,
           chat_template: str | None, chat_template_kwargs: dict | None, reasoning_parser: str, skip_verify: bool,
-          log_level: str, host_kv_cache_gb: float | None, kv_cache_dir: str | None, speculative) -> None:
+          log_level: str, host_kv_cache_gb: float | None, kv_cache_dir: str | None, response_store_size: int,
+          speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
     \b
     Routes: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
-    POST /v1/chat/completions (add "stream": true for server-sent events). Without max_tokens, a
+    POST /v1/chat/completions, Anthropic's POST /v1/messages (and /v1/messages/count_tokens), OpenAI's
+    POST /v1/responses (add "stream": true for server-sent events). Without max_tokens, a
     chat reply runs to the end of the context or the end-of-sequence token, a completion to 16 tokens
     (OpenAI's legacy default). Try:
       bie-trt serve engines/smollm2 --port 8080
@@ -116,7 +121,8 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
         app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
                                             max_waiting=max_waiting, request_timeout=request_timeout,
                                             max_request_bytes=max_request_bytes, kv_cache_dir=kv_cache_dir,
-                                            reasoning_parser=reasoning_parser))
+                                            reasoning_parser=reasoning_parser,
+                                            response_store_size=response_store_size))
         name = served_model_name or bie.model_name
         click.echo(f"serving {name} (max_model_len {bie.max_model_len}, max_num_seqs {bie.runner.max_num_seqs}) "
                    f"on http://{host}:{port}", err=True)

@@ -3,9 +3,10 @@
 Routes: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions (each streamed as server-sent events ending in `data: [DONE]` when
 `stream` is true; `logprobs` in the shape of each API; `n` choices; a list of prompts; output
-constraints and tool calls), POST /tokenize and /detokenize (vLLM's), POST /v1/cache/save and
+constraints and tool calls), Anthropic's POST /v1/messages and /v1/messages/count_tokens, OpenAI's
+POST /v1/responses (and GET / DELETE /v1/responses/{id}) on the same request path, POST /tokenize and /detokenize (vLLM's), POST /v1/cache/save and
 /v1/cache/restore (a prompt's KV cache to and from a file under --kv-cache-dir). Every error
-has OpenAI's shape (errors.py) and a client's mistake is never a 5xx. Every request runs on the
+has the shape of its route's API (errors.py) and a client's mistake is never a 5xx. Every request runs on the
 engine's one loop, batched with the others in flight; a client that leaves aborts its requests.
 
 The handlers live in their own modules and take a ServerState; this module only wires them to
@@ -21,12 +22,14 @@ import anyio
 from fastapi import FastAPI, Request
 
 from ..executor.engine import BieEngine
-from . import cache_routes, completions, info, tokens
+from . import cache_routes, completions, info, messages, responses, tokens
+from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .auth import ApiKeyMiddleware
 from .errors import install_error_handlers
 from .file_check import BackgroundFileCheck, DamagedEngineMiddleware
 from .limits import BodySizeLimit, default_max_request_bytes
 from .protocol import CacheRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .responses_protocol import ResponsesRequest
 from .state import ServerOptions, ServerState
 
 __all__ = ["ServerOptions", "ServerState", "create_app", "install_routes"]
@@ -55,6 +58,26 @@ def install_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_route(req: ChatRequest, http: Request):
         return await completions.chat_completions(state, req, http)
+
+    @app.post("/v1/messages")
+    async def messages_route(req: MessagesRequest, http: Request):
+        return await messages.messages(state, req, http)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens_route(req: CountTokensRequest):
+        return await messages.count_tokens(state, req)
+
+    @app.post("/v1/responses")
+    async def responses_route(req: ResponsesRequest, http: Request):
+        return await responses.create_response(state, req, http)
+
+    @app.get("/v1/responses/{response_id}")
+    async def response_get(response_id: str):
+        return await responses.get_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def response_delete(response_id: str):
+        return await responses.delete_response(state, response_id)
 
     @app.post("/tokenize")
     async def tokenize_route(req: TokenizeRequest):

@@ -9,16 +9,18 @@ from typing import Any, Callable
 
 import anyio
 import jinja2
+import pydantic
 from fastapi import Request
 from fastapi.responses import Response
 
 from ..errors import BieError
 from ..executor.outputs import RequestOutput, StreamEvent
+from ..executor.streams import RequestStream
 from ..executor.prompts import check_prompt
 from ..reasoning import PROMPT_TAIL_TOKENS, ReasoningStream, split_reasoning, starts_inside
 from .errors import ApiError
 from .generation import respond, submit, usage
-from .protocol import ChatRequest, CompletionRequest
+from .protocol import ChatRequest, CompletionRequest, describe_error
 from .state import ServerState
 from .structured import ParamError, ToolPlan, tool_plan
 
@@ -112,11 +114,20 @@ def reasoning_start(state: ServerState, prompt_ids: list[int], req: ChatRequest,
     return starts_inside(state.reasoning_parser, state.engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
 
 
-async def chat_completions(state: ServerState, req: ChatRequest, http: Request) -> Response | dict:
+def as_chat_request(fields: dict[str, Any]) -> ChatRequest:
+    """Another API's body, converted to chat fields, as the chat body it stands for. The conversion
+    only writes what the other API's own checks let through, so a failure here is still the client's."""
+    try:
+        return ChatRequest.model_validate(fields)
+    except pydantic.ValidationError as e:
+        message, param = describe_error(e.errors()[0])
+        raise ApiError(400, message, param) from None
+
+
+async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], ToolPlan]:
+    """A chat body's prompt through the chat template (tools rendered), and how its tools shape the reply.
+    Every API that speaks in messages (chat, Anthropic's Messages, the Responses API) comes through here."""
     state.check_model(req.model)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
-    top_n = (req.top_logprobs or 0) if req.logprobs else None
     messages = [m.to_template() for m in req.messages]
     state.check_fits([m["content"] for m in messages], chat=True)
     try:
@@ -128,8 +139,23 @@ async def chat_completions(state: ServerState, req: ChatRequest, http: Request) 
                                              req.chat_template_kwargs)
     except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
         raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
+    return ids, tools
+
+
+async def start_chat(state: ServerState, req: ChatRequest, top_n: int | None = None
+                     ) -> tuple[list[RequestStream], ToolPlan, list[int]]:
+    """A chat body started on the engine: its n streams, its tool plan (each stream's ReplyParser comes
+    from it) and its prompt."""
+    ids, tools = await chat_prompt(state, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    streams = await submit(state, [ids], req, max_tokens, top_n, chat=True, tools=tools)
+    return await submit(state, [ids], req, max_tokens, top_n, chat=True, tools=tools), tools, ids
+
+
+async def chat_completions(state: ServerState, req: ChatRequest, http: Request) -> Response | dict:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+    top_n = (req.top_logprobs or 0) if req.logprobs else None
+    streams, tools, ids = await start_chat(state, req, top_n)
     parsers = [tools.parser() for _ in streams]
     inside = reasoning_start(state, ids, req, tools)
     splitters = [None if inside is None else ReasoningStream(inside) for _ in streams]

@@ -9,7 +9,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine_format import read_manifest
 from ..integrity import recheck_engine_files
-from .errors import log, openai_error
+from .errors import log, error_response
 
 
 class BackgroundFileCheck:
@@ -42,6 +42,6 @@ class DamagedEngineMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.check.problem is not None and scope["path"] != "/metrics":
-            await openai_error(503, self.check.problem, code="engine_damaged")(scope, receive, send)
+            await error_response(503, self.check.problem, code="engine_damaged", path=scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)

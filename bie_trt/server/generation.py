@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from dataclasses import dataclass
 import json
 import math
 import time
@@ -86,6 +87,25 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+def typed_sse(obj: dict) -> str:
+    """An event named by its `type`, as Anthropic's and the Responses API's streams send them."""
+    return f"event: {obj['type']}\ndata: {json.dumps(obj)}\n\n"
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How a route's API frames its stream and shapes its errors: `frame` writes one event, `done` ends
+    the stream (OpenAI's `data: [DONE]`, nothing for typed streams), `error` is the body of a failure
+    (as a response, or as the stream's last event once the status is sent)."""
+
+    frame: Callable[[dict], str] = _sse
+    done: str = "data: [DONE]\n\n"
+    error: Callable[[int, str], dict] = error_body
+
+
+OPENAI_WIRE = Wire()
+
+
 async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequest, max_tokens: int | None,
                  logprobs: int | None, chat: bool, tools: ToolPlan | None = None) -> list[RequestStream]:
     """Check every prompt against the context and the queue against its bound, then start n requests
@@ -151,7 +171,7 @@ BodyMaker = Callable[[list[RequestOutput]], dict]
 
 
 async def respond(state: ServerState, http: Request, streams: list[RequestStream], req: SamplingRequest, base: dict,
-                  make_chunk: ChunkMaker, make_body: BodyMaker) -> Response | dict:
+                  make_chunk: ChunkMaker, make_body: BodyMaker, wire: Wire = OPENAI_WIRE) -> Response | dict:
     """Wait for every choice (or stream them as they come), then free the queue slots. A fault in the
     engine fails this request with 500, a timeout with 408, a client that leaves aborts it."""
     start, n = time.perf_counter(), len(streams)
@@ -174,10 +194,10 @@ async def respond(state: ServerState, http: Request, streams: list[RequestStream
                 group.cancel()
 
     def fault_body() -> dict:
-        return error_body(500, f"the engine failed while serving this request: {faults[0]}")
+        return wire.error(500, f"the engine failed while serving this request: {faults[0]}")
 
     def timeout_body() -> dict:
-        return error_body(408, f"the request did not finish within the server's --request-timeout of "
+        return wire.error(408, f"the request did not finish within the server's --request-timeout of "
                                f"{timeout} s; ask for fewer tokens or retry later.")
 
     def release() -> None:
@@ -222,13 +242,13 @@ async def respond(state: ServerState, http: Request, streams: list[RequestStream
                     async with receive:
                         async for i, event in receive:
                             for chunk in make_chunk(event, i, first[i]):
-                                yield _sse(chunk)
+                                yield wire.frame(chunk)
                             first[i] = False
             if faults or deadline.cancelled_caught:   # the status is sent already: the error is an event
-                yield _sse(fault_body() if faults else timeout_body())
+                yield wire.frame(fault_body() if faults else timeout_body())
             elif include_usage:
-                yield _sse(dict(base, choices=[], usage=usage(outputs, req.n)))
-            yield "data: [DONE]\n\n"
+                yield wire.frame(dict(base, choices=[], usage=usage(outputs, req.n)))
+            yield wire.done
         finally:
             release()
 

@@ -6,7 +6,7 @@ import math
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import openai_error
+from .errors import error_response
 
 # Body bytes allowed per token of context: text is ~4 bytes a token, JSON-escaped text up to 6 a
 # character, token ids ~7 with their separator; the rest is room for a batch of prompts and the fields.
@@ -18,11 +18,11 @@ def default_max_request_bytes(max_model_len: int) -> int:
     return REQUEST_BYTES_FLOOR + REQUEST_BYTES_PER_TOKEN * max_model_len
 
 
-def too_large(size: int, limit: int, exact: bool = True):
+def too_large(size: int, limit: int, path: str, exact: bool = True):
     what = f"{size:,} bytes" if exact else f"more than {limit:,} bytes"
-    return openai_error(413, f"the request body is {what}, above this server's --max-request-bytes {limit:,}; "
+    return error_response(413, f"the request body is {what}, above this server's --max-request-bytes {limit:,}; "
                              f"send a shorter prompt, or start the server with a larger --max-request-bytes.",
-                        code="request_too_large")
+                        code="request_too_large", path=path)
 
 
 class BodySizeLimit:
@@ -38,7 +38,7 @@ class BodySizeLimit:
             return
         declared = dict(scope.get("headers", ())).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await too_large(int(declared), self.limit)(scope, receive, send)
+            await too_large(int(declared), self.limit, scope["path"])(scope, receive, send)
             return
         chunks, size = [], 0
         while True:
@@ -48,7 +48,7 @@ class BodySizeLimit:
                 break
             size += len(message.get("body", b""))
             if size > self.limit:
-                await too_large(size, self.limit, exact=False)(scope, receive, send)
+                await too_large(size, self.limit, scope["path"], exact=False)(scope, receive, send)
                 return
             chunks.append(message)
             if not message.get("more_body", False):

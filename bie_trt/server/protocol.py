@@ -53,6 +53,16 @@ def _template_variables(value: Any) -> Any:
 TemplateKwargs = Annotated[dict[str, Any] | None, BeforeValidator(_template_variables)]
 
 
+def text_shorthand(value: Any, part_type: str, what: str) -> Any:
+    """Content where a string stands for one text part of `part_type` (Anthropic's and the Responses
+    API's shorthand), as the list it stands for."""
+    if isinstance(value, str):
+        return [{"type": part_type, "text": value}]
+    if not isinstance(value, list):
+        raise ValueError(f"must be a string or a list of {what}")
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
 
@@ -350,12 +360,16 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def describe_error(error: dict[str, Any]) -> tuple[str, str | None]:
+def describe_error(error: dict[str, Any], shapes: dict[str, str] = SHAPES,
+                   tags: frozenset[str] = frozenset()) -> tuple[str, str | None]:
     """One pydantic error of a request body -> (message, param), param being the path of the bad value
-    (`messages[0].role`), or None when the body as a whole is wrong."""
+    (`messages[0].role`), or None when the body as a whole is wrong. `shapes`: the API's union fields
+    and what they accept; `tags`: the type names of a list's tagged items (`content[0]`, not
+    `content[0].tool_use`)."""
     loc = list(error.get("loc", ()))
     if loc and loc[0] == "body":
         loc = loc[1:]
+    loc = [part for i, part in enumerate(loc) if not (part in tags and i and isinstance(loc[i - 1], int))]
     kind = error.get("type", "")
     if kind == "json_invalid":
         return f"the request body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')}).", None
@@ -367,11 +381,11 @@ def describe_error(error: dict[str, Any]) -> tuple[str, str | None]:
             path += f"[{part}]"
         else:
             path = f"{path}.{part}" if path else part
-        if part in SHAPES and i + 1 < len(loc):   # what follows names a union branch ('list[int]')
+        if part in shapes and i + 1 < len(loc) and isinstance(loc[i + 1], str):   # a union branch ('list[int]')
             shape = part
             break
     if shape is not None:
-        return f"{path} must be {SHAPES[shape]}.", path
+        return f"{path} must be {shapes[shape]}.", path
     if kind == "missing":
         return f"{path} is required.", path
     if kind == "extra_forbidden":

@@ -1,5 +1,5 @@
-"""What one engine's handlers share: the engine, the server's options, its metrics and the accounting
-of the requests in flight. The single-process app builds one around its engine; a replica deployment
+"""What one engine's handlers share: the engine, the server's options, its metrics, the accounting
+of the requests in flight and the Responses API's stored responses. The single-process app builds one around its engine; a replica deployment
 builds one around its own, and both call the same handlers with it."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ..reasoning import resolve_parser
 from .errors import ApiError
 from .limits import longest_token_chars, min_tokens
 from .metrics import Metrics
+from .response_store import DEFAULT_CAPACITY, ResponseStore
 
 EVENT_WAITERS = 1024      # threads waiting for engine events (one per streaming choice in flight)
 
@@ -28,6 +29,7 @@ class ServerOptions:
     max_request_bytes: int | None = None   # larger bodies get 413 unread; None: from the context length
     kv_cache_dir: str | None = None        # where /v1/cache/save and /restore keep files; None: those routes are off
     reasoning_parser: str = "auto"         # how chat replies' <think> blocks are split off (reasoning.PARSERS)
+    response_store_size: int = DEFAULT_CAPACITY   # Responses API responses kept for previous_response_id (in memory)
 
 
 class ServerState:
@@ -45,6 +47,7 @@ class ServerState:
         self.in_flight = 0
         self.live: set[RequestStream] = set()   # the engine requests of every HTTP request in flight
         self._waiters: anyio.CapacityLimiter | None = None
+        self.responses = ResponseStore(self.options.response_store_size)
 
     def decode(self, token: int) -> str:
         return self.engine.tokenizer.decode([token])

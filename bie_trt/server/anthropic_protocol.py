@@ -1,0 +1,282 @@
+"""The request bodies of Anthropic's Messages API (POST /v1/messages and /v1/messages/count_tokens),
+checked as strictly as the OpenAI bodies, and their one conversion into the chat request the chat
+route runs: `system` and the messages' text, tool_use and tool_result blocks into chat messages,
+`tools` into functions, `tool_choice` into OpenAI's, `output_config.format` into a JSON-schema
+response format. A field this server does not implement is refused by name."""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from .protocol import NAME_PATTERN, _Strict, text_shorthand
+
+CacheControl = dict[str, Any] | None   # accepted everywhere: the prefix cache reuses every prompt on its own
+# Anthropic's union fields (the ones a body's own union, not a tagged list, carries) and what they accept.
+SHAPES = {"tool_choice": "{\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": \"tool\", \"name\": ...} or "
+                        "{\"type\": \"none\"}"}
+
+
+def _as_text_blocks(value: Any, what: str) -> Any:
+    return text_shorthand(value, "text", what)
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl = None
+    citations: list[Any] | None = None
+
+    @field_validator("citations")
+    @classmethod
+    def _no_citations(cls, citations: list | None) -> list | None:
+        if citations:
+            raise ValueError("are not supported: this server does not cite documents")
+        return citations
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl = None
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: list[TextBlock] = Field(default_factory=list)
+    is_error: bool = False
+    cache_control: CacheControl = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        return _as_text_blocks(value, "text blocks")
+
+    def text(self) -> str:
+        body = "".join(b.text for b in self.content)
+        return f"Error: {body}" if self.is_error else body   # the model is told the tool failed
+
+
+class RefusedBlock(_Strict):
+    """Content the model cannot read here (images, documents) or that needs a feature this server has not."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image", "document", "search_result", "thinking", "redacted_thinking", "server_tool_use",
+                  "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+                  "container_upload", "mcp_tool_use", "mcp_tool_result"]
+
+    @model_validator(mode="after")
+    def _refuse(self) -> RefusedBlock:
+        if self.type in ("thinking", "redacted_thinking"):
+            raise ValueError(f"{self.type} blocks are not supported yet: this server does not split the model's "
+                             f"reasoning from its reply; leave them out of the history")
+        if self.type in ("image", "document", "search_result"):
+            raise ValueError(f"{self.type} blocks are not supported: this server reads text only")
+        raise ValueError(f"{self.type} blocks are not supported: this server runs no server tools")
+
+
+ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, RefusedBlock], Field(discriminator="type")]
+BLOCK_TYPES = {"text", "tool_use", "tool_result"} | set(RefusedBlock.model_fields["type"].annotation.__args__)
+
+
+class AnthropicMessage(_Strict):
+    role: Literal["user", "assistant"]
+    content: list[ContentBlock] = Field(min_length=1)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        return _as_text_blocks(value, "content blocks")
+
+    @field_validator("content")
+    @classmethod
+    def _blocks_in_their_role(cls, content: list, info: ValidationInfo) -> list:
+        role = info.data.get("role")
+        for i, block in enumerate(content):
+            if (block.type, role) in (("tool_use", "user"), ("tool_result", "assistant")):
+                where = "an assistant" if block.type == "tool_use" else "a user"
+                raise ValueError(f"[{i}] is a {block.type} block, which belongs in {where} message")
+        return content
+
+
+class AnthropicTool(_Strict):
+    type: str | None = None
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    strict: bool | None = None     # the schema is always enforced when the tool is forced
+    cache_control: CacheControl = None
+
+    @field_validator("type")
+    @classmethod
+    def _client_tools_only(cls, kind: str | None) -> str | None:
+        if kind not in (None, "custom"):
+            raise ValueError(f"{kind!r} is a server tool, which this server does not run; send client tools "
+                             f"({{\"name\", \"description\", \"input_schema\"}}) and run them yourself")
+        return kind
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, schema: dict) -> dict:
+        if schema.get("type") != "object":
+            raise ValueError("must be a JSON Schema of type \"object\" (a tool's input is an object)")
+        return schema
+
+
+class ToolChoiceAuto(_Strict):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(_Strict):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(_Strict):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(_Strict):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[Union[ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone],
+                       Field(discriminator="type")]
+
+
+class JsonOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: JsonOutputFormat | None = None
+    effort: str | None = None
+
+    @field_validator("effort")
+    @classmethod
+    def _no_effort(cls, effort: str | None) -> str | None:
+        if effort is not None:
+            raise ValueError("is not supported: this model has no effort levels; use max_tokens")
+        return effort
+
+
+class Metadata(_Strict):
+    user_id: str | None = None
+
+
+class _MessagesBody(_Strict):
+    """What a Messages request and a count_tokens request share: the prompt and the tools."""
+    model: str | None = None     # Anthropic's clients always send it; absent means the served model
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl = None
+
+    @field_validator("messages")
+    @classmethod
+    def _ends_with_the_user(cls, messages: list[AnthropicMessage]) -> list[AnthropicMessage]:
+        if messages and messages[-1].role == "assistant":
+            raise ValueError(f"[{len(messages) - 1}] is an assistant turn: a reply prefilled by the client is not "
+                             f"supported (the template opens a new assistant turn); end with a user turn")
+        return messages
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _system(cls, value: Any) -> Any:
+        return None if value is None else _as_text_blocks(value, "text blocks")
+
+    @field_validator("thinking")
+    @classmethod
+    def _thinking_off(cls, thinking: dict | None) -> dict | None:
+        if thinking is not None and thinking.get("type") != "disabled":
+            raise ValueError("enabled is not supported yet: this server does not split the model's reasoning "
+                             "from its reply; send {\"type\": \"disabled\"} or leave thinking out")
+        return thinking
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if isinstance(choice, ToolChoiceTool) and choice.name not in [t.name for t in tools]:
+            raise ValueError(f"names tool {choice.name!r}, which is not in tools {[t.name for t in tools]}")
+        if isinstance(choice, (ToolChoiceAny, ToolChoiceTool)) and not tools:
+            raise ValueError("needs tools: send the tools the model may call")
+        return choice
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The chat body this request is: messages, tools, tool_choice and the response format."""
+        fields: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
+        if self.tools:
+            fields["tools"] = [{"type": "function", "function": {
+                "name": t.name, "parameters": t.input_schema,
+                **({"description": t.description} if t.description is not None else {})}} for t in self.tools]
+        choice = self.tool_choice
+        if choice is not None:
+            fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
+                "type": "function", "function": {"name": choice.name}}
+            if getattr(choice, "disable_parallel_tool_use", False):
+                fields["parallel_tool_calls"] = False
+        forced = choice is not None and choice.type in ("any", "tool")
+        if self.output_config is not None and self.output_config.format is not None and not forced:
+            # a forced call is the whole reply: no text for the format to shape on this turn
+            fields["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": self.output_config.format.schema_}}
+        return fields
+
+
+class MessagesRequest(_MessagesBody):
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(1.0, ge=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    # accepted and ignored: they do not change what is generated
+    metadata: Metadata | None = None
+    service_tier: str | None = None
+
+    def chat_fields(self) -> dict[str, Any]:
+        return {**super().chat_fields(), "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences, "stream": self.stream}
+
+
+class CountTokensRequest(_MessagesBody):
+    pass
+
+
+def chat_messages(system: list[TextBlock] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
+    """Anthropic's turns -> chat messages: a user turn's tool_result blocks become tool messages (in
+    their place among its text), an assistant turn's tool_use blocks its tool_calls."""
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": "".join(b.text for b in system)})
+    for m in messages:
+        if m.role == "assistant":
+            text = "".join(b.text for b in m.content if b.type == "text")
+            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                     for b in m.content if b.type == "tool_use"]
+            out.append({"role": "assistant", "content": text or (None if calls else ""),
+                        **({"tool_calls": calls} if calls else {})})
+            continue
+        text: list[str] = []
+        for b in m.content:
+            if b.type == "tool_result":
+                if text:
+                    out.append({"role": "user", "content": "".join(text)})
+                    text = []
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
+            else:
+                text.append(b.text)
+        if text:
+            out.append({"role": "user", "content": "".join(text)})
+    return out

@@ -1,0 +1,91 @@
+"""A reply as the ordered blocks the Anthropic Messages and OpenAI Responses APIs both speak of: text,
+and tool calls (a call's id, name and arguments). A whole reply comes from the chat path's ReplyParser
+(`reply_blocks`); a streamed one from its deltas (`BlockStream`), opened, grown and closed in order,
+and it closes into the same blocks. Each API renders a Block its own way (a content block, an output
+item), so a new kind of block (a model's reasoning) is added here once and rendered by each."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..tool_calls import ReplyParser, ToolCall
+
+TEXT, TOOL_CALL = "text", "tool_call"
+
+
+@dataclass
+class Block:
+    kind: str            # TEXT or TOOL_CALL
+    index: int           # its place among the reply's blocks
+    text: str = ""       # the text, or a call's arguments (JSON text), so far
+    call_id: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    what: Literal["start", "delta", "stop"]
+    block: Block
+    delta: str = ""
+
+
+def reply_blocks(content: str | None, calls: list[ToolCall]) -> list[Block]:
+    """A whole reply (ReplyParser.message's prose and calls) -> its blocks: the prose first, then each call."""
+    blocks = [Block(TEXT, 0, content)] if content else []
+    return blocks + [Block(TOOL_CALL, len(blocks) + i, c.arguments, c.id, c.name) for i, c in enumerate(calls)]
+
+
+class BlockStream:
+    """One reply's stream: ReplyParser deltas in, the blocks' start / delta / stop events out."""
+
+    def __init__(self, parser: ReplyParser):
+        self.parser = parser
+        self.blocks: list[Block] = []
+        self._open: Block | None = None
+
+    def feed(self, delta: str, final: bool) -> list[BlockEvent]:
+        """The events of the reply's next text (all of them, the last ones closed, when `final`)."""
+        events = []
+        deltas = self.parser.feed(delta) + (self.parser.finish() if final else [])
+        for d in deltas:
+            if d.get("content"):
+                events += self._grow(TEXT, d["content"])
+            for call in d.get("tool_calls", ()):
+                if "id" in call:   # a call's header: a new block
+                    events += self._start(Block(TOOL_CALL, len(self.blocks), "", call["id"], call["function"]["name"]))
+                elif fragment := call["function"]["arguments"]:
+                    events += self._grow(TOOL_CALL, fragment)
+        return events + (self._close() if final else [])
+
+    def _grow(self, kind: str, fragment: str) -> list[BlockEvent]:
+        events = [] if self._open is not None and self._open.kind == kind else self._start(Block(kind, len(self.blocks)))
+        self._open.text += fragment
+        return events + [BlockEvent("delta", self._open, fragment)]
+
+    def _start(self, block: Block) -> list[BlockEvent]:
+        events = self._close()
+        self.blocks.append(block)
+        self._open = block
+        return events + [BlockEvent("start", block)]
+
+    def _close(self) -> list[BlockEvent]:
+        block, self._open = self._open, None
+        return [] if block is None else [BlockEvent("stop", block)]
+
+
+def assistant_message(blocks: list[Block]) -> dict[str, Any]:
+    """A reply's blocks as the chat message that replays it (a stored conversation's last turn)."""
+    text = "".join(b.text for b in blocks if b.kind == TEXT)
+    calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
+             for b in blocks if b.kind == TOOL_CALL]
+    return {"role": "assistant", "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
+
+
+def call_input(block: Block) -> dict[str, Any] | None:
+    """A call's arguments as an object; None when they are not one (a reply cut short by its token limit)."""
+    try:
+        value = json.loads(block.text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,119 @@
+"""The handlers of Anthropic's POST /v1/messages and /v1/messages/count_tokens: the body converted once
+into the chat request (anthropic_protocol), run on the chat route's request path, and the reply's
+blocks rendered as Anthropic's content blocks, whole or as its stream of typed events."""
+from __future__ import annotations
+
+import uuid
+from typing import Callable
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ..executor.outputs import RequestOutput, StreamEvent
+from .anthropic_protocol import CountTokensRequest, MessagesRequest
+from .blocks import TEXT, Block, BlockEvent, BlockStream, call_input, reply_blocks
+from .completions import as_chat_request, chat_prompt, start_chat
+from .errors import anthropic_error_body
+from .generation import Wire, respond, typed_sse
+from .state import ServerState
+
+ANTHROPIC_WIRE = Wire(frame=typed_sse, done="", error=anthropic_error_body)
+
+
+def tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def content_block(block: Block) -> dict:
+    """A finished block as Anthropic's: text, or tool_use (its input an object; a call cut short by
+    max_tokens, whose arguments are no object yet, is sent as the text it is)."""
+    if block.kind == TEXT or (arguments := call_input(block)) is None:
+        return {"type": "text", "text": block.text}
+    return {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name, "input": arguments}
+
+
+def stream_events(event: BlockEvent) -> list[dict]:
+    """One block event as Anthropic's content_block_start / _delta / _stop."""
+    block = event.block
+    if event.what == "start":
+        opening = ({"type": "text", "text": ""} if block.kind == TEXT else
+                   {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name, "input": {}})
+        return [{"type": "content_block_start", "index": block.index, "content_block": opening}]
+    if event.what == "delta":
+        delta = ({"type": "text_delta", "text": event.delta} if block.kind == TEXT else
+                 {"type": "input_json_delta", "partial_json": event.delta})
+        return [{"type": "content_block_delta", "index": block.index, "delta": delta}]
+    return [{"type": "content_block_stop", "index": block.index}]
+
+
+def stop_sequence(out: RequestOutput, stops: list[str], decode: Callable[[list[int]], str]) -> str | None:
+    """The stop sequence that ended the reply: the output's text is cut just before it, its tokens are not."""
+    if out.finish_reason != "stop" or not stops:
+        return None
+    rest = decode(out.token_ids)[len(out.text):]
+    return next((s for s in stops if rest.startswith(s)), None)
+
+
+def called(blocks: list[Block]) -> bool:
+    return any(b.kind != TEXT for b in blocks)
+
+
+def stop_reason(finish_reason: str | None, called: bool, sequence: str | None) -> str:
+    if finish_reason == "length":
+        return "max_tokens"
+    if called:
+        return "tool_use"
+    return "stop_sequence" if sequence is not None else "end_turn"
+
+
+def anthropic_usage(out: RequestOutput) -> dict:
+    """Anthropic counts the prompt's tokens read from the cache apart from the others."""
+    cached = out.usage.cached_tokens
+    return {"input_tokens": out.usage.prompt_tokens - cached, "output_tokens": out.usage.completion_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+async def messages(state: ServerState, req: MessagesRequest, http: Request) -> Response | dict:
+    chat = as_chat_request(req.chat_fields())
+    streams, tools, ids = await start_chat(state, chat)
+    parser = tools.parser()
+
+    def decode(tokens: list[int]) -> str:
+        return state.engine.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": state.model_id}
+
+    def ending(out: RequestOutput, has_calls: bool) -> dict:
+        sequence = stop_sequence(out, req.stop_sequences or [], decode)
+        return {"stop_reason": stop_reason(out.finish_reason, has_calls, sequence), "stop_sequence": sequence}
+
+    def make_body(outputs: list[RequestOutput]) -> dict:
+        out = outputs[0]
+        blocks = reply_blocks(*parser.message(out.text))
+        return {**message, "content": [content_block(b) for b in blocks], **ending(out, called(blocks)),
+                "usage": anthropic_usage(out)}
+
+    stream = BlockStream(parser)
+
+    def make_chunk(event: StreamEvent, i: int, first: bool) -> list[dict]:
+        chunks = []
+        if first:
+            chunks.append({"type": "message_start", "message": {
+                **message, "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": len(ids), "output_tokens": 0}}})
+        final = event.output is not None
+        for block_event in stream.feed(event.delta, final):
+            chunks += stream_events(block_event)
+        if final:
+            chunks += [{"type": "message_delta", "delta": ending(event.output, called(stream.blocks)),
+                        "usage": anthropic_usage(event.output)},
+                       {"type": "message_stop"}]
+        return chunks
+
+    return await respond(state, http, streams, chat, {}, make_chunk, make_body, ANTHROPIC_WIRE)
+
+
+async def count_tokens(state: ServerState, req: CountTokensRequest) -> dict:
+    """The prompt's tokens as /v1/messages would send them to the model (tools rendered)."""
+    ids, _ = await chat_prompt(state, as_chat_request(req.chat_fields()))
+    return {"input_tokens": len(ids)}
