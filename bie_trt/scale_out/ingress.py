@@ -24,6 +24,7 @@ from ..server.metrics import CONTENT_TYPE
 from .affinity import MAX_BLOCKS, RouteHint
 from .asgi import ForwardedRequest
 from .metrics import ingress_metrics, labelled, render
+from .prompts import routed_prompt
 from .router import router_of
 
 log = logging.getLogger("bie_trt.scale_out")
@@ -31,28 +32,6 @@ log = logging.getLogger("bie_trt.scale_out")
 RETRY_AFTER_S = 1
 SCRAPE_TIMEOUT_S = 5.0          # a replica slower than this to answer a scrape is left out of it
 REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
-
-
-def routed_prompt(path: str, body: dict, encoder: PromptEncoder) -> list[int] | None:
-    """The token ids the replica will prefill for this body (None: no prompt to route by). Only what the
-    router needs: the first prompt of a batch; a chat's messages and tools through the template."""
-    from ..server.protocol import CacheRequest, ChatRequest
-    from ..server.structured import tool_plan
-
-    if path == "/v1/completions":
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            prompt = prompt[0]
-        return encoder.encode(prompt)
-    if path == "/v1/chat/completions":
-        chat = ChatRequest.model_validate(body)
-        return encoder.encode_chat([m.to_template() for m in chat.messages], tool_plan(chat).tools)
-    if path in ("/v1/cache/save", "/v1/cache/restore"):
-        cache = CacheRequest.model_validate(body)
-        if cache.messages is not None:
-            return encoder.encode([m.to_template() for m in cache.messages], chat=True)
-        return encoder.encode(cache.prompt) if cache.prompt is not None else None
-    return None
 
 
 class Ingress:
