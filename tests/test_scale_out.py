@@ -128,10 +128,15 @@ def test_two_replicas_route_by_prefix_survive_a_killed_replica_and_stop_cleanly(
         assert proc.wait(timeout=60) == 0
         _, alive = psutil.wait_procs(ours, timeout=max(1, 60 - (time.time() - killed)))
         assert not alive, [p.cmdline() for p in alive]
-        with socket.socket() as sock:
+        with pytest.raises(ConnectionRefusedError):   # nothing listens there
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with socket.socket() as sock:   # and a server can take it again (past this test's own TIME_WAITs)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", port))
     finally:
-        for p in [psutil.Process(proc.pid)] * (proc.poll() is None) + ours:
+        if proc.poll() is None:
+            proc.kill()
+        for p in ours:
             try:
                 p.kill()
             except psutil.NoSuchProcess:

@@ -91,10 +91,11 @@ class Ingress:
                     if message["type"] == "http.response.body" and not message.get("more_body", False):
                         break   # the response is complete (from here on uvicorn reports the client gone)
                 tasks.cancel_scope.cancel()
-        except RequestCancelledError:   # the client left: nobody reads a reply
+        except* RequestCancelledError:   # the client left: nobody reads a reply
             pass
-        except REPLICA_GONE as e:
-            log.warning("a replica stopped while serving %s %s: %s", scope["method"], scope["path"], e)
+        except* REPLICA_GONE as gone:
+            log.warning("a replica stopped while serving %s %s: %s", scope["method"], scope["path"],
+                        gone.exceptions[0])
             await self._replica_gone(scope, receive, send, started, streaming)
 
     @staticmethod
