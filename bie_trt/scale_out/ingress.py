@@ -72,16 +72,16 @@ class Ingress:
         request = ForwardedRequest(scope["method"], scope["path"], scope.get("query_string", b""),
                                    list(scope.get("headers", [])), body, scope.get("client"))
         response = self.handle.options(stream=True).http.remote(request, route=hint)
-        started, streaming = False, False
-        try:
-            async with anyio.create_task_group() as tasks:
-                async def cancel_when_client_leaves() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    response.cancel()   # the replica's app sees its client leave and aborts the request
-                    tasks.cancel_scope.cancel()
+        started, streaming, gone = False, False, None
+        async with anyio.create_task_group() as tasks:
+            async def cancel_when_client_leaves() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                response.cancel()   # the replica's app sees its client leave and aborts the request
+                tasks.cancel_scope.cancel()
 
-                tasks.start_soon(cancel_when_client_leaves)
+            tasks.start_soon(cancel_when_client_leaves)
+            try:
                 async for message in response:
                     if message["type"] == "http.response.start":
                         started = True
@@ -90,12 +90,13 @@ class Ingress:
                     await send(message)
                     if message["type"] == "http.response.body" and not message.get("more_body", False):
                         break   # the response is complete (from here on uvicorn reports the client gone)
-                tasks.cancel_scope.cancel()
-        except* RequestCancelledError:   # the client left: nobody reads a reply
-            pass
-        except* REPLICA_GONE as gone:
-            log.warning("a replica stopped while serving %s %s: %s", scope["method"], scope["path"],
-                        gone.exceptions[0])
+            except RequestCancelledError:   # the client left: nobody reads a reply
+                pass
+            except REPLICA_GONE as e:
+                gone = e
+            tasks.cancel_scope.cancel()
+        if gone is not None:
+            log.warning("a replica stopped while serving %s %s: %s", scope["method"], scope["path"], gone)
             await self._replica_gone(scope, receive, send, started, streaming)
 
     @staticmethod
