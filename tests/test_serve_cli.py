@@ -3,6 +3,7 @@ line naming the option, and every option has help."""
 from __future__ import annotations
 
 import socket
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -101,7 +102,10 @@ def test_template_variables_and_reasoning_parser_reach_the_server(smollm2_engine
         seen.append((engine.config.chat_template, engine.config.chat_template_kwargs, options.reasoning_parser))
         raise KeyboardInterrupt   # ends the command before any server starts
 
-    monkeypatch.setattr("bie_trt.BieEngine", lambda config: type("Engine", (), {"config": config})())
+    def engine(config):   # what serve reads of an engine before it builds the app
+        return SimpleNamespace(config=config, model_name="m", max_model_len=1, runner=SimpleNamespace(max_num_seqs=1))
+
+    monkeypatch.setattr("bie_trt.BieEngine", engine)
     monkeypatch.setattr("bie_trt.server.app.create_app", stop_at_app)
     CliRunner().invoke(main, ["serve", str(smollm2_engine), "--chat-template", "qwen3", "--chat-template-kwargs",
                               '{"enable_thinking": false}', "--reasoning-parser", "deepseek_r1", "--port", free_port()])

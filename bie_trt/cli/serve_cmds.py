@@ -79,6 +79,16 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
 @click.option("--response-store-size", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Responses API responses kept in memory (this process only, the oldest dropped first) for "
                    "previous_response_id and GET /v1/responses/{id}.")
+@click.option("--replicas", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Engine replicas behind this one endpoint, on Ray Serve (a local Ray instance unless "
+                   "--ray-address), each request routed by its prompt's leading KV blocks. 1 without "
+                   "--ray-address: this process serves the engine itself, without Ray.")
+@click.option("--ray-address", help="Join this Ray cluster (`ray start --head` prints it) instead of starting "
+                                    "one; replicas are placed on its machines, one GPU each on GPU profiles.")
+@click.option("--router", "router", default="prefix-affinity", show_default=True,
+              type=click.Choice(["prefix-affinity", "power-of-two"]),
+              help="How replicas are picked: by the prompt's cached prefix (least-loaded when its replica is "
+                   "overloaded or none holds it), or Ray Serve's default power-of-two choices.")
 @speculative_config
 def serve(engine: str | None, engine_opt: str | None, host: str, port: int, device: str,
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int | None,
@@ -86,7 +96,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
           request_timeout: float | None, max_request_bytes: int | None, shutdown_timeout: float,
           chat_template: str | None, chat_template_kwargs: dict | None, reasoning_parser: str, skip_verify: bool,
           log_level: str, host_kv_cache_gb: float | None, kv_cache_dir: str | None, response_store_size: int,
-          speculative) -> None:
+          replicas: int, ray_address: str | None, router: str, speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
     \b
@@ -111,25 +121,37 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
     from ..server.app import ServerOptions, create_app
     from ..server.serve import bind, serve as run_server
 
-    listener = bind(host, port)   # before the engine loads: a port in use fails now, not minutes later
+    if replicas == 1 and ray_address is None and router != "prefix-affinity":
+        raise click.UsageError("--router picks among replicas; give --replicas 2 or more (or --ray-address).")
+    config = EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs or int(manifest["max_num_seqs"]), speculative=speculative,
+                          chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                          skip_verify=skip_verify, host_kv_cache_gb=host_kv_cache_gb)
+    options = ServerOptions(served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
+                            request_timeout=request_timeout, max_request_bytes=max_request_bytes,
+                            kv_cache_dir=kv_cache_dir, reasoning_parser=reasoning_parser,
+                            response_store_size=response_store_size)
+    listener = bind(host, port)   # before the engines load: a port in use fails now, not minutes later
     try:
-        seqs = max_num_seqs or int(manifest["max_num_seqs"])
-        bie = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
-                                     max_num_seqs=seqs, speculative=speculative, chat_template=chat_template,
-                                     chat_template_kwargs=chat_template_kwargs,
-                                     skip_verify=skip_verify, host_kv_cache_gb=host_kv_cache_gb))
-        app = create_app(bie, ServerOptions(served_model_name=served_model_name, api_key=api_key,
-                                            max_waiting=max_waiting, request_timeout=request_timeout,
-                                            max_request_bytes=max_request_bytes, kv_cache_dir=kv_cache_dir,
-                                            reasoning_parser=reasoning_parser,
-                                            response_store_size=response_store_size))
-        name = served_model_name or bie.model_name
-        click.echo(f"serving {name} (max_model_len {bie.max_model_len}, max_num_seqs {bie.runner.max_num_seqs}) "
-                   f"on http://{host}:{port}", err=True)
-        run_server(app, host, port, log_level, shutdown_timeout, sock=listener)
+        if replicas == 1 and ray_address is None:
+            bie = BieEngine(config)
+            click.echo(f"serving {served_model_name or bie.model_name} (max_model_len {bie.max_model_len}, "
+                       f"max_num_seqs {bie.runner.max_num_seqs}) on http://{host}:{port}", err=True)
+            run_server(create_app(bie, options), host, port, log_level, shutdown_timeout, sock=listener)
+            return
+        from ..scale_out.cluster import ScaleOut, ScaleOutOptions
+
+        cluster = ScaleOut(config, options, ScaleOutOptions(replicas, ray_address, router,
+                                                            shutdown_timeout=shutdown_timeout))
+        try:
+            app = cluster.start()
+            click.echo(f"serving {served_model_name or manifest['model']['name']} on {replicas} replicas "
+                       f"({router} routing) on http://{host}:{port}", err=True)
+            run_server(app, host, port, log_level, shutdown_timeout, sock=listener)
+        finally:
+            cluster.stop()
     finally:
         listener.close()
-
 
 main.add_command(serve)
 run = copy.copy(serve)   # the name earlier releases used

@@ -29,13 +29,13 @@ from ..spec_decode.proposer import Proposal
 from ..spec_decode.rejection import verify
 from ..spec_decode.select import make_proposer, resolve_speculative
 from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
-from ..templates import load_tokenizer
-from ..tool_calls import ReplyParser, plan_tools, template_messages, template_renders_tools
+from ..tool_calls import ReplyParser, plan_tools
 from .block_manager import BlockManager
 from .cache_blocks import adopt, cache_identity, copy_out
 from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
 from .model_runner import ModelRunner
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
+from .prompt_encoder import PromptEncoder
 from .prompts import check_prompt, check_prompt_ids
 from .scheduler import Scheduler, check_progress, step_budget
 from .sequence import Detokenizer, Sequence
@@ -46,7 +46,9 @@ class BieEngine:
     def __init__(self, config: EngineConfig | str):
         self.config = config if isinstance(config, EngineConfig) else EngineConfig(engine_dir=str(config))
         self.runner = ModelRunner(self.config)
-        self.tokenizer = load_tokenizer(self.config.engine_dir, self.config.chat_template)
+        self.prompts = PromptEncoder.load(self.config.engine_dir, self.config.chat_template,
+                                         self.config.chat_template_kwargs)
+        self.tokenizer = self.prompts.tokenizer
         self.model_name = self.runner.manifest["model"]["name"]
         self.max_model_len = self.runner.max_model_len
         pools, kv, max_num_seqs = self.runner.pools, self.runner.kv_config, self.runner.max_num_seqs
@@ -81,42 +83,16 @@ class BieEngine:
         self._accepted_by_position = [0] * num_speculative_tokens
         self._grammar_compiler: GrammarCompiler | None = None   # made at the first structured request
         self._grammar_lock = threading.Lock()
-        self._template_renders_tools: bool | None = None        # checked at the first chat with tools
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Text as `tokenizer(prompt)` tokenises it; a message list or `chat=True` through the chat template."""
-        check_prompt(prompt)
-        if isinstance(prompt, list) and isinstance(prompt[0], int):
-            return list(prompt)
-        if chat or isinstance(prompt, list):
-            return self._apply_template(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
-        return list(self.tokenizer(prompt)["input_ids"])
-
-    def _apply_template(self, messages: list[dict], tools: list[dict] | None = None,
-                        template_kwargs: dict | None = None) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
-        variables = {**(self.config.chat_template_kwargs or {}), **(template_kwargs or {})}
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                 **variables)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.prompts.encode(prompt, chat)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
-        """Chat messages and OpenAI tools through the chat template, with the engine's extra template
-        variables overridden key by key by `template_kwargs`. A template that does not render tools
-        gets them as a system prompt, and assistant tool calls and tool results as text it can render."""
-        uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
-        if not uses_tools:
-            check_prompt(messages)
-            return self._apply_template(messages, None, template_kwargs)
-        check_prompt(messages, "messages")
-        if self._template_renders_tools is None and self.tokenizer.chat_template:
-            self._template_renders_tools = template_renders_tools(self.tokenizer)
-        native = bool(self._template_renders_tools)
-        return self._apply_template(template_messages(messages, tools, native), tools if native else None,
-                                    template_kwargs)
+        """Chat messages and OpenAI tools through the chat template (see PromptEncoder.encode_chat)."""
+        return self.prompts.encode_chat(messages, tools, template_kwargs)
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         params.validate()

@@ -1,0 +1,55 @@
+"""Prompts into token ids: plain text as the tokenizer splits it, chat messages (and OpenAI tools) through
+the chat template. The engine encodes with one; a scale-out ingress holds its own over the same engine
+directory, so the ids it routes by are the ids the replica's prefix cache is keyed by."""
+from __future__ import annotations
+
+from ..errors import RequestError
+from ..templates import load_tokenizer
+from ..tool_calls import template_messages, template_renders_tools
+from .prompts import check_prompt
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer, template_kwargs: dict | None = None):
+        self.tokenizer = tokenizer
+        self.template_kwargs = template_kwargs or {}   # the chat template's extra variables by default
+        self._template_renders_tools: bool | None = None   # checked at the first chat with tools
+
+    @classmethod
+    def load(cls, engine_dir: str, chat_template: str | None = None,
+             template_kwargs: dict | None = None) -> "PromptEncoder":
+        return cls(load_tokenizer(engine_dir, chat_template), template_kwargs)
+
+    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
+        """Text as `tokenizer(prompt)` tokenises it; a message list or `chat=True` through the chat template."""
+        check_prompt(prompt)
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
+            return list(prompt)
+        if chat or isinstance(prompt, list):
+            return self._apply_template(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def _apply_template(self, messages: list[dict], tools: list[dict] | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
+        variables = {**self.template_kwargs, **(template_kwargs or {})}
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                 **variables)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        """Chat messages and OpenAI tools through the chat template, its default extra variables overridden
+        key by key by `template_kwargs`. A template that does not render tools gets them as a system
+        prompt, and assistant tool calls and tool results as text it can render."""
+        uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if not uses_tools:
+            check_prompt(messages)
+            return self._apply_template(messages, None, template_kwargs)
+        check_prompt(messages, "messages")
+        if self._template_renders_tools is None and self.tokenizer.chat_template:
+            self._template_renders_tools = template_renders_tools(self.tokenizer)
+        native = bool(self._template_renders_tools)
+        return self._apply_template(template_messages(messages, tools, native), tools if native else None,
+                                    template_kwargs)
