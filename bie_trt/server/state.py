@@ -26,6 +26,7 @@ class ServerOptions:
     request_timeout: float | None = None   # seconds a request may take before it is aborted; None: no limit
     max_request_bytes: int | None = None   # larger bodies get 413 unread; None: from the context length
     kv_cache_dir: str | None = None        # where /v1/cache/save and /restore keep files; None: those routes are off
+    json_schema_mode: str = "closed"       # how JSON schema constraints are read unless a request says: or "lenient"
 
 
 class ServerState:
