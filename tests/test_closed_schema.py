@@ -7,25 +7,13 @@ import json
 
 import jsonschema
 import pytest
-from transformers import AutoTokenizer
 
 from bie_trt.closed_schema import INT64_BOUND, close_schema
 from bie_trt.config import StructuredOutputs
-from bie_trt.structured import GrammarCompiler
+from test_structured_unit import EOS, compiler, tokenizer  # noqa: F401 (the SmolLM2 tokenizer and its compiler)
 
-EOS = 2
 CITY = {"type": "object", "properties": {"name": {"type": "string"}, "population": {"type": "integer"}},
         "required": ["name"]}   # pydantic's and LangChain's shape: no additionalProperties
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_checkpoint):
-    return AutoTokenizer.from_pretrained(str(smollm2_checkpoint))
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    return GrammarCompiler(tokenizer, len(tokenizer), [EOS])
 
 
 @pytest.fixture(scope="module")
