@@ -78,8 +78,6 @@ def _complete_items(text: str) -> list | None:
     if not text.startswith("[", pos):
         return None
     pos = _skip_space(text, pos + 1)
-    if text.startswith("]", pos):
-        return items
     while pos < len(text):
         try:
             item, pos = decoder.raw_decode(text, pos)

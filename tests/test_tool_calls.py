@@ -9,6 +9,8 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
+from bie_trt.server.protocol import ChatRequest
+from bie_trt.server.structured import tool_plan
 from bie_trt.tool_calls import (ReplyParser, held_back, parse_required, parse_tool_calls, required_schema,
                                 template_messages, template_renders_tools, tools_prompt)
 
@@ -121,6 +123,15 @@ def test_named_arguments_cut_mid_way_are_no_call():
     assert ReplyParser("named", NAMES, "get_weather").message('{"city": "Os') == (None, [])
     content, calls = ReplyParser("named", NAMES, "get_weather").message('{"city": "Oslo"}')
     assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+
+
+@pytest.mark.parametrize("parallel, max_items", [(None, 1), (False, 1), (True, None)])
+def test_required_allows_one_call_unless_parallel_calls_are_asked_for(parallel, max_items):
+    """What LangChain and the Agents SDK send (no parallel_tool_calls) gets one call."""
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "tool_choice": "required",
+            **({} if parallel is None else {"parallel_tool_calls": parallel})}
+    plan = tool_plan(ChatRequest.model_validate_json(json.dumps(body)))
+    assert plan.constraint.schema().get("maxItems") == max_items
 
 
 def test_held_back_pauses_at_a_possible_call():
