@@ -351,6 +351,9 @@ class StructuredOutputs:
     json: a JSON Schema (a dict, or its JSON text); json_object: any JSON object; regex: a regular
     expression the whole output matches; choice: one of these strings; grammar: an EBNF grammar in
     the grammar library's dialect (GBNF-style `root ::= ...`).
+
+    lenient (json and json_object only): the schema as JSON Schema reads it (undeclared keys, unbounded
+    numbers) with flexible whitespace, instead of the closed form `closed_schema` makes of it.
     """
 
     json: dict | str | None = None
@@ -358,6 +361,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    lenient: bool = False
 
     @property
     def kind(self) -> str:
@@ -369,7 +373,8 @@ class StructuredOutputs:
         value = getattr(self, self.kind)
         if self.kind == "json" and isinstance(value, str):
             value = json.loads(value)
-        return self.kind + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"))
+        form = ":lenient" if self.lenient else ""
+        return self.kind + form + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"))
 
     def schema(self) -> dict | None:
         """The JSON Schema as a dict (json only)."""
@@ -385,6 +390,8 @@ class StructuredOutputs:
                                f"got {set_ or 'none'}.")
         if self.json_object is not True and self.json_object is not False:
             raise RequestError(f"structured_outputs.json_object must be true or false; got {self.json_object!r}.")
+        if not isinstance(self.lenient, bool):
+            raise RequestError(f"structured_outputs.lenient must be true or false; got {self.lenient!r}.")
         if self.json is not None:
             check_json_schema(self.json)
         if self.regex is not None:

@@ -15,13 +15,16 @@ from typing import Iterable
 
 import torch
 
+from .closed_schema import close_schema
 from .config import SamplingParams, StructuredOutputs, check_json_schema
 from .errors import RequestError
 
-# Between JSON tokens: nothing, one space, or one line break and up to 20 spaces or tabs of indentation
-# (llama.cpp's JSON grammars allow the same): compact and indented JSON both pass, but a small model
-# cannot spend its whole budget on blank lines.
-JSON_OPTIONS = {"whitespace_pattern": r"[ ]|\n[ \t]{0,20}"}
+# The closed form's whitespace is json.dumps' (`{"a": 1, "b": [1, 2]}`): one way to write each value, so
+# no token goes to layout. The lenient form's, between JSON tokens: nothing, one space, or one line break
+# and up to 20 spaces or tabs of indentation (llama.cpp's JSON grammars allow the same).
+CLOSED_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+LENIENT_JSON_OPTIONS = {"whitespace_pattern": r"[ ]|\n[ \t]{0,20}"}
+ANY_OBJECT = {"type": "object"}
 
 
 class GrammarError(RuntimeError):
@@ -34,10 +37,11 @@ def grammar_text(spec: StructuredOutputs) -> str:
     from llguidance import LLMatcher, gbnf_to_lark
 
     try:
-        if spec.kind == "json":
-            return LLMatcher.grammar_from_json_schema(check_json_schema(spec.json), defaults=JSON_OPTIONS)
-        if spec.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if spec.kind in ("json", "json_object"):
+            schema = check_json_schema(spec.json) if spec.kind == "json" else ANY_OBJECT
+            if spec.lenient:
+                return LLMatcher.grammar_from_json_schema(schema, defaults=LENIENT_JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema(close_schema(schema), defaults=CLOSED_JSON_OPTIONS)
         if spec.kind == "regex":
             return LLMatcher.grammar_from_regex(spec.regex)
         if spec.kind == "choice":

@@ -44,9 +44,9 @@ def parameters_of(tool: dict) -> dict:
 
 # -- enforcing tool_choice -------------------------------------------------------------------------
 
-def required_schema(tools: list[dict], parallel: bool = True) -> dict:
+def required_schema(tools: list[dict], parallel: bool = False) -> dict:
     """The reply under tool_choice="required": a JSON array of calls, each one of the tools by name with
-    arguments that match its schema; exactly one call when parallel calls are off."""
+    arguments that match its schema; exactly one call unless parallel calls are asked for."""
     calls = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                              "parameters": parameters_of(t)},
@@ -59,17 +59,54 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
 
 
 def parse_required(text: str, names: set[str] | None = None) -> list[ToolCall] | None:
-    """The array `required_schema` constrains the reply to -> its calls; None when it does not parse
-    (a reply cut short by max_tokens) or any item is not a call of one of `names` with object arguments:
-    a reply is its calls whole, never the valid part of them."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+    """The array `required_schema` constrains the reply to -> its complete calls, up to the first repeat
+    (`until_repeat`); a call that max_tokens cut mid-way is dropped. None when no call is complete or any
+    complete item is not a call of one of `names` with object arguments: a reply is its calls whole,
+    never the valid part of them."""
+    items = _complete_items(text)
+    if not items or not all(isinstance(item, dict) for item in items):
         return None
     calls = [_call(item.get("name"), item.get("parameters"), names) for item in items]
-    return None if not calls or None in calls else calls
+    return None if None in calls else until_repeat(calls)
+
+
+def _complete_items(text: str) -> list | None:
+    """The items of a JSON array that are complete, also when the text stops inside a later one; None
+    when the text is no JSON array (or its items are not separated by commas)."""
+    decoder, items = json.JSONDecoder(), []
+    pos = _skip_space(text, 0)
+    if not text.startswith("[", pos):
+        return None
+    pos = _skip_space(text, pos + 1)
+    while pos < len(text):
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:   # under the grammar, only where max_tokens cut the reply
+            return items
+        items.append(item)
+        pos = _skip_space(text, pos)
+        if text.startswith("]", pos):
+            return items
+        if pos < len(text) and text[pos] != ",":
+            return None
+        pos = _skip_space(text, pos + 1)
+    return items
+
+
+def _skip_space(text: str, pos: int) -> int:
+    return len(text) - len(text[pos:].lstrip())
+
+
+def until_repeat(calls: list[ToolCall]) -> list[ToolCall]:
+    """The calls before the first that repeats an earlier one (same function, same arguments): a model
+    that calls the same thing twice in one reply is looping, and the rest of its reply is the loop."""
+    seen: set[tuple[str, str]] = set()
+    for i, call in enumerate(calls):
+        key = (call.name, json.dumps(json.loads(call.arguments), sort_keys=True))
+        if key in seen:
+            return calls[:i]
+        seen.add(key)
+    return calls
 
 
 # -- parsing a free reply (tool_choice="auto") -----------------------------------------------------
@@ -109,7 +146,7 @@ def _bare_json_calls(text: str, names: set[str] | None) -> list[ToolCall] | None
         except json.JSONDecodeError:
             return None
     calls = [_json_call(o, names) for o in objs]
-    return calls if calls and None not in calls else None
+    return until_repeat(calls) if calls and None not in calls else None
 
 
 def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
@@ -138,7 +175,7 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str | No
         pos = stop
     prose.append(text[pos:])
     content = "".join(prose)
-    return (content if content.strip() else None), calls
+    return (content if content.strip() else None), until_repeat(calls)
 
 
 def held_back(text: str) -> int:
@@ -238,8 +275,8 @@ class ReplyParser:
         self._named_id = new_call_id() if mode == "named" else ""
 
     def message(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.mode == "named":
-            return None, [ToolCall(self.function, text, self._named_id or new_call_id())]
+        if self.mode == "named":   # arguments cut mid-way by max_tokens are no call
+            return None, [ToolCall(self.function, text, self._named_id or new_call_id())] if _is_object(text) else []
         if self.mode == "required":
             calls = parse_required(text, self.names)
             return (text, []) if calls is None else (None, calls)
@@ -283,14 +320,21 @@ class ReplyParser:
                                 "function": {"name": call.name, "arguments": ""}}]}
 
 
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def _arguments_delta(index: int, fragment: str) -> dict:
     return {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
 
 
-def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool = True
+def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool = False
                ) -> tuple[str, str | None, StructuredOutputs | None]:
     """OpenAI's tools and tool_choice -> (reply mode: none, auto, required or named; the named function;
-    the constraint that enforces it)."""
+    the constraint that enforces it). `parallel`: "required" admits several calls, not exactly one."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise RequestError(f"tool_choice {tool_choice!r} needs tools; send the functions in tools.")

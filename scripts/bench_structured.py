@@ -26,7 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from bie_trt.structured import JSON_OPTIONS, apply_bitmask  # noqa: E402
+from bie_trt.config import StructuredOutputs  # noqa: E402
+from bie_trt.structured import apply_bitmask, grammar_text  # noqa: E402
 from structured_cases import SCHEMAS  # noqa: E402
 
 LLAMA3_VOCAB = 128_256
@@ -95,8 +96,7 @@ def llguidance_backend(hf, tokens: list[bytes] | None, vocab: int):
 
     def compile_(schema):
         """As GrammarCompiler.compile: build, then one mask (which builds the lexer states copies share)."""
-        m = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS),
-                                 log_level=0)
+        m = llguidance.LLMatcher(tok, grammar_text(StructuredOutputs(json=schema)), log_level=0)
         assert not m.is_error(), m.get_error()
         fill(m, torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32))
         return m

@@ -1,6 +1,9 @@
 """JSON Schemas of different shapes, each with one instance that matches it: shared by the structured-output
-tests and scripts/bench_structured.py (which walks a grammar matcher along the instance's tokens)."""
+tests and scripts/bench_structured.py (which walks a grammar matcher along the instance's tokens); and
+the shapes agent frameworks send, for scripts/fuzz_structured.py."""
 from __future__ import annotations
+
+from bie_trt.tool_calls import required_schema
 
 SCHEMAS: dict[str, tuple[dict, object]] = {
     "flat_required": ({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -57,4 +60,44 @@ SCHEMAS: dict[str, tuple[dict, object]] = {
     "bounded_string_array": ({"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 6},
                               "minItems": 1, "maxItems": 3},
                              ["ab", "cd"]),
+}
+
+# The shapes agent frameworks send as they come (pydantic's and LangChain's schemas): no
+# additionalProperties, integers and numbers without bounds, lists without maxItems. Strings carry a
+# maxLength, as the closed reading bounds no string: a model may still write one up to max_tokens.
+_WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                 "required": ["city"]}
+_ADD_ARGS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "required": ["a", "b"]}
+FRAMEWORK_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": _WEATHER_ARGS}},
+                   {"type": "function", "function": {"name": "add", "parameters": _ADD_ARGS}}]
+FRAMEWORK_SCHEMAS: dict[str, dict] = {
+    "person": {"title": "Person", "type": "object", "properties": {
+        "name": {"title": "Name", "type": "string", "maxLength": 20}, "age": {"title": "Age", "type": "integer"}},
+        "required": ["name", "age"]},
+    "tool_arguments": _WEATHER_ARGS,
+    "coordinates": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                    "required": ["lat", "lon"]},
+    "nested": {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "admin": {"type": "boolean"}}, "required": ["id", "admin"]}}, "required": ["user"]},
+    "int_list": {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}}},
+                 "required": ["values"]},
+    "optional_fields": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8},
+                                                         "c": {"type": "boolean"}}, "required": ["a"]},
+    "enum_field": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                                    "shade": {"type": "number"}}, "required": ["color"]},
+    "nullable": {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer"}, {"type": "null"}]}},
+                 "required": ["value"]},
+    "list_of_objects": {"type": "object", "properties": {"points": {"type": "array", "items": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}}},
+        "required": ["points"]},
+    "defs_ref": {"$defs": {"Address": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}, "zip": {"type": "integer"}}, "required": ["city", "zip"]}},
+        "type": "object", "properties": {"address": {"$ref": "#/$defs/Address"}}, "required": ["address"]},
+    "pattern_and_bool": {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                                          "code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+                         "required": ["ok", "code"]},
+    # what tool_choice "required" constrains a reply to, over two tools with LangChain's schemas
+    "required_tools": required_schema(FRAMEWORK_TOOLS),
 }

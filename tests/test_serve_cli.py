@@ -127,3 +127,19 @@ def test_a_port_in_use_is_refused_before_the_engine_loads(smollm2_engine, monkey
         r = CliRunner().invoke(main, ["serve", str(smollm2_engine), "--port", port])
     assert r.exit_code == 2, r.output
     assert f"port {port} on 127.0.0.1 is already in use; stop what listens there or pick another --port." in r.output
+
+
+def test_json_schema_mode_reaches_the_server(smollm2_engine, monkeypatch):
+    seen = []
+
+    def stop_at_app(engine, options):
+        seen.append(options.json_schema_mode)
+        raise KeyboardInterrupt   # ends the command before any server starts
+
+    monkeypatch.setattr("bie_trt.BieEngine", lambda config: None)
+    monkeypatch.setattr("bie_trt.server.app.create_app", stop_at_app)
+    CliRunner().invoke(main, ["serve", str(smollm2_engine), "--json-schema-mode", "lenient", "--port", free_port()])
+    CliRunner().invoke(main, ["serve", str(smollm2_engine), "--port", free_port()])
+    assert seen == ["lenient", "closed"]
+    bad = CliRunner().invoke(main, ["serve", str(smollm2_engine), "--json-schema-mode", "loose"])
+    assert bad.exit_code == 2 and "Invalid value for '--json-schema-mode'" in bad.output

@@ -284,6 +284,25 @@ def test_tokenize_detokenize(server):
     assert chat["tokens"] == server[0].encode(ASK, chat=True)
 
 
+def test_json_schema_mode_picks_the_closed_or_lenient_grammar(server, client, model):
+    """The random model at temperature 1 takes whatever a grammar leaves open: under the closed default
+    no reply has a key the schema does not declare or a line break; the lenient form (the request's
+    extension field, as OpenAI's clients send it in extra_body) lets it write both."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}   # no additionalProperties, as pydantic writes it
+
+    def ask(seed, **extra):
+        return lambda: client.chat.completions.create(
+            model=model, messages=ASK, max_tokens=40, temperature=1, seed=seed,
+            response_format=schema_format("n", schema), **extra).choices[0].message.content
+
+    closed = together(*[ask(seed) for seed in range(4)])
+    lenient = together(*[ask(seed, extra_body={"json_schema_mode": "lenient"}) for seed in range(4)])
+    for text in closed:
+        assert set(json.loads(text)) == {"n"} and "\n" not in text, text
+    assert any("\n" in text or not text.startswith('{"n"') for text in lenient), lenient
+
+
 def test_harmless_fields_accepted(client, model):
     r = client.chat.completions.create(model=model, messages=ASK, max_tokens=1, user="u1", store=False,
                                        metadata={"k": "v"}, service_tier="auto")
@@ -315,6 +334,10 @@ BAD = [
     ("/v1/completions", {"best_of": 3, "n": 2}, "best_of"),
     ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"frobnicate": True}, "frobnicate"),
+    ("/v1/chat/completions", {"json_schema_mode": "lenient"}, "json_schema_mode"),              # nothing to read
+    ("/v1/completions", {"guided_regex": "a+", "json_schema_mode": "closed"}, "json_schema_mode"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "json_schema_mode": "loose"},
+     "json_schema_mode"),
 ]
 
 

@@ -9,6 +9,8 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
+from bie_trt.server.protocol import ChatRequest
+from bie_trt.server.structured import tool_plan
 from bie_trt.tool_calls import (ReplyParser, held_back, parse_required, parse_tool_calls, required_schema,
                                 template_messages, template_renders_tools, tools_prompt)
 
@@ -90,7 +92,47 @@ def test_required_refuses_a_call_array_with_any_bad_item(bad):
         text = json.dumps(items)
         assert parse_required(text, NAMES) is None, items
         assert ReplyParser("required", NAMES).message(text) == (text, []), items
-    assert [c.name for c in parse_required(json.dumps([good, good]), NAMES)] == ["get_weather"] * 2
+    assert [c.name for c in parse_required(json.dumps([good, good]), NAMES)] == ["get_weather"]   # a repeat ends it
+
+def test_required_keeps_the_complete_calls_of_a_cut_reply():
+    """max_tokens cut the array inside its second call: the first is a call, the cut one is dropped."""
+    one = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    for cut in ('[' + one + ', {"name": "get_ti', '[' + one + ',', '[' + one, '[\n' + one + ',\n{"name"'):
+        assert [(c.name, json.loads(c.arguments)) for c in parse_required(cut, NAMES)] == [
+            ("get_weather", {"city": "Oslo"})], cut
+    assert parse_required('[{"name": "get_weather", "param', NAMES) is None
+    assert parse_required('[' + one + ' ' + one + ']', NAMES) is None   # no comma: not the array
+
+
+def test_a_repeated_call_ends_the_calls():
+    """The first repeat (same function, same arguments in any key order) ends the array, in every mode."""
+    oslo, rome = ({"name": "get_weather", "parameters": {"city": c}} for c in ("Oslo", "Rome"))
+    time = {"name": "get_time", "parameters": {}}
+    got = parse_required(json.dumps([oslo, time, rome, oslo, time, rome]), NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {}), ("get_weather", {"city": "Rome"})]
+    two_keys = {"name": "add", "parameters": {"a": 1, "b": 2}}
+    swapped = {"name": "add", "parameters": {"b": 2, "a": 1}}
+    assert len(parse_required(json.dumps([two_keys, swapped]), {"add"})) == 1
+    tags = "".join(f'<tool_call>{json.dumps({"name": "get_time", "arguments": {}})}</tool_call>' for _ in range(3))
+    assert calls_of(tags) == (None, [("get_time", {})])
+    assert calls_of(json.dumps([oslo, oslo])) == (None, [("get_weather", {"city": "Oslo"})])
+
+
+def test_named_arguments_cut_mid_way_are_no_call():
+    assert ReplyParser("named", NAMES, "get_weather").message('{"city": "Os') == (None, [])
+    content, calls = ReplyParser("named", NAMES, "get_weather").message('{"city": "Oslo"}')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+
+
+@pytest.mark.parametrize("parallel, max_items", [(None, 1), (False, 1), (True, None)])
+def test_required_allows_one_call_unless_parallel_calls_are_asked_for(parallel, max_items):
+    """What LangChain and the Agents SDK send (no parallel_tool_calls) gets one call."""
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "tool_choice": "required",
+            **({} if parallel is None else {"parallel_tool_calls": parallel})}
+    plan = tool_plan(ChatRequest.model_validate_json(json.dumps(body)))
+    assert plan.constraint.schema().get("maxItems") == max_items
+
 
 def test_held_back_pauses_at_a_possible_call():
     assert held_back("Hello <tool_c") == len("Hello ")
@@ -120,6 +162,7 @@ def stream(parser: ReplyParser, pieces: list[str]) -> tuple[str | None, list[tup
     ("auto", '  <tool_call>{"bad json</tool_call> tail'),
     ("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "A"}}]'),
     ("required", '[{"name": "get_time", "par'),
+    ("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_time", "parameters": {}}, {"name": "ge'),
     ("named", '{"city": "Oslo"}'),
     ("none", 'Hi <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
 ])

@@ -72,6 +72,11 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
                    "per file once checked, so only the first load after a change pays for it).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="Server log verbosity.")
+@click.option("--json-schema-mode", default="closed", show_default=True, type=click.Choice(["closed", "lenient"]),
+              help="How JSON schemas (response_format, structured_outputs, tool_choice) become grammars. closed: "
+                   "no keys a schema does not declare, integers within int64, numbers within 1e15 and 6 "
+                   "decimals, json.dumps' whitespace, so replies end; lenient: the schema as JSON Schema reads "
+                   "it (llguidance's form). A request may say otherwise with \"json_schema_mode\".")
 @host_kv_cache_option
 @click.option("--kv-cache-dir", type=click.Path(file_okay=False),
               help="Directory for POST /v1/cache/save and /v1/cache/restore, which write a prompt's KV cache to "
@@ -95,6 +100,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
           gpu_memory_utilization: float | None, api_key: str | None, max_waiting: int | None,
           request_timeout: float | None, max_request_bytes: int | None, shutdown_timeout: float,
           chat_template: str | None, chat_template_kwargs: dict | None, reasoning_parser: str, skip_verify: bool,
+          json_schema_mode: str,
           log_level: str, host_kv_cache_gb: float | None, kv_cache_dir: str | None, response_store_size: int,
           replicas: int, ray_address: str | None, router: str, speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
@@ -130,7 +136,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
     options = ServerOptions(served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
                             request_timeout=request_timeout, max_request_bytes=max_request_bytes,
                             kv_cache_dir=kv_cache_dir, reasoning_parser=reasoning_parser,
-                            response_store_size=response_store_size)
+                            response_store_size=response_store_size, json_schema_mode=json_schema_mode)
     listener = bind(host, port)   # before the engines load: a port in use fails now, not minutes later
     try:
         if replicas == 1 and ray_address is None:

@@ -364,7 +364,7 @@ class BieEngine:
         return outputs[0] if single else outputs
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None,
-             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True) -> ChatOutput:
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = False) -> ChatOutput:
         """One chat turn with OpenAI-style tools. tool_choice "auto" (the default with tools) parses the
         model's own call format out of its reply; "required" and {"type": "function", "function": {"name":
         ...}} are enforced by a grammar, so the calls always parse and their arguments match the schema;

@@ -114,7 +114,7 @@ async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequ
     engine = state.engine
     param = "messages" if chat else "prompt"
     try:
-        constraint, constraint_param = output_constraint(req, tools)
+        constraint, constraint_param = output_constraint(req, tools, state.options.json_schema_mode)
     except ParamError as e:
         raise ApiError(400, str(e), e.param) from None
     vocab = engine.runner.model_config.vocab_size

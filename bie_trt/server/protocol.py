@@ -172,6 +172,9 @@ class SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # how a JSON schema constraint is read (this server's extension; OpenAI's clients send it in extra_body):
+    # "closed" (no undeclared keys, bounded numbers, compact whitespace) or "lenient" (the schema as written)
+    json_schema_mode: Literal["closed", "lenient"] | None = None
     # accepted and ignored: they do not change what is generated
     user: str | None = None
     metadata: dict[str, str] | None = None

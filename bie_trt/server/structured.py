@@ -3,6 +3,7 @@ constraint a body may ask for (response_format, structured_outputs, vLLM's guide
 tool_choice "required" / a named function)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -42,15 +43,17 @@ def tool_plan(req: ChatRequest) -> ToolPlan:
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice if isinstance(req.tool_choice, (str, type(None))) else req.tool_choice.model_dump()
     try:
-        mode, function, constraint = plan_tools(tools, choice, req.parallel_tool_calls is not False)
+        mode, function, constraint = plan_tools(tools, choice, req.parallel_tool_calls is True)
     except RequestError as e:
         raise ParamError(str(e), "tool_choice") from None
     return ToolPlan(mode, tools, constraint, function)
 
 
-def output_constraint(req: SamplingRequest, tools: ToolPlan | None = None) -> tuple[StructuredOutputs | None, str | None]:
+def output_constraint(req: SamplingRequest, tools: ToolPlan | None = None, json_schema_mode: str = "closed"
+                      ) -> tuple[StructuredOutputs | None, str | None]:
     """The body's one constraint, checked, and the field it came from; ParamError when a field is bad
-    or two fields both constrain the output."""
+    or two fields both constrain the output. A JSON one is read in the body's `json_schema_mode`, else in
+    the server's (`json_schema_mode`: "closed" or "lenient")."""
     try:
         found = req.constraints()
     except ValueError as e:
@@ -58,6 +61,10 @@ def output_constraint(req: SamplingRequest, tools: ToolPlan | None = None) -> tu
     if tools is not None and tools.constraint is not None:
         found.append(("tool_choice", tools.constraint))
     if not found:
+        if req.json_schema_mode is not None:
+            raise ParamError("json_schema_mode is only read with a JSON schema or JSON object constraint "
+                             "(response_format, structured_outputs, guided_json or tool_choice); drop it.",
+                             "json_schema_mode")
         return None, None
     if len(found) > 1:
         raise ParamError(f"{found[0][0]} and {found[1][0]} both constrain the output; send only one of them.",
@@ -65,6 +72,12 @@ def output_constraint(req: SamplingRequest, tools: ToolPlan | None = None) -> tu
     param, fields = found[0]
     try:
         constraint = fields if isinstance(fields, StructuredOutputs) else StructuredOutputs(**fields)
+        if constraint.kind in ("json", "json_object"):
+            lenient = (req.json_schema_mode or json_schema_mode) == "lenient"
+            constraint = dataclasses.replace(constraint, lenient=lenient)
+        elif req.json_schema_mode is not None:
+            raise ParamError(f"json_schema_mode is only read with a JSON schema or JSON object constraint, "
+                             f"not {param}'s {constraint.kind}; drop it.", "json_schema_mode")
         constraint.validate()
     except RequestError as e:
         raise ParamError(f"{param}: {e}", param) from None
