@@ -1,0 +1,79 @@
+"""What one engine's handlers share: the engine, the server's options, its metrics, the accounting
+of the requests in flight and the Responses API's stored responses. The single-process app builds one around its engine; a replica deployment
+builds one around its own, and both call the same handlers with it."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import anyio
+
+from ..executor.engine import BieEngine
+from ..executor.streams import RequestStream
+from ..reasoning import resolve_parser
+from .errors import ApiError
+from .limits import longest_token_chars, min_tokens
+from .metrics import Metrics
+from .response_store import DEFAULT_CAPACITY, ResponseStore
+
+EVENT_WAITERS = 1024      # threads waiting for engine events (one per streaming choice in flight)
+
+
+@dataclass
+class ServerOptions:
+    served_model_name: str | None = None   # the `model` clients send and /v1/models lists (default: the engine's)
+    api_key: str | None = None             # None: no authentication
+    max_waiting: int | None = None         # requests queued beyond the running batch; None: unbounded
+    request_timeout: float | None = None   # seconds a request may take before it is aborted; None: no limit
+    max_request_bytes: int | None = None   # larger bodies get 413 unread; None: from the context length
+    kv_cache_dir: str | None = None        # where /v1/cache/save and /restore keep files; None: those routes are off
+    reasoning_parser: str = "auto"         # how chat replies' <think> blocks are split off (reasoning.PARSERS)
+    response_store_size: int = DEFAULT_CAPACITY   # Responses API responses kept for previous_response_id (in memory)
+    json_schema_mode: str = "closed"       # how JSON schema constraints are read unless a request says: or "lenient"
+
+
+class ServerState:
+    def __init__(self, engine: BieEngine, options: ServerOptions | None = None):
+        self.engine = engine
+        self.options = options or ServerOptions()
+        self.model_id = self.options.served_model_name or engine.model_name
+        self.reasoning_parser = resolve_parser(self.options.reasoning_parser, str(engine.tokenizer.chat_template or ""))
+        self.started = int(time.time())   # /v1/models' "created": when this server made the model available
+        self.longest_token = longest_token_chars(engine.tokenizer.get_vocab())
+        self.metrics = Metrics(engine.stats)
+        # requests admitted and not yet finished; beyond the running batch plus --max-waiting, new ones get 503
+        waiting = self.options.max_waiting
+        self.capacity = math.inf if waiting is None else engine.scheduler.max_num_seqs + waiting
+        self.in_flight = 0
+        self.live: set[RequestStream] = set()   # the engine requests of every HTTP request in flight
+        self._waiters: anyio.CapacityLimiter | None = None
+        self.responses = ResponseStore(self.options.response_store_size)
+
+    def decode(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token])
+
+    def waiters(self) -> anyio.CapacityLimiter:
+        if self._waiters is None:   # made inside the event loop, on first use
+            self._waiters = anyio.CapacityLimiter(EVENT_WAITERS)
+        return self._waiters
+
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, self.model_id):
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_id!r}.",
+                           param="model", code="model_not_found")
+
+    def check_fits(self, texts: list[str], chat: bool) -> None:
+        """Refuses a prompt whose length alone rules out the context, before it is tokenised."""
+        chars = sum(map(len, texts))
+        if (least := min_tokens(chars, self.longest_token)) < self.engine.max_model_len:
+            return
+        what = "messages" if chat else "prompt"
+        raise ApiError(400, f"This model's maximum context length is {self.engine.max_model_len} tokens. However, "
+                            f"the {what} ({chars:,} characters) holds at least {least:,} tokens. Please reduce "
+                            f"the length of the {what}.", what, code="context_length_exceeded")
+
+    def close_live(self) -> None:
+        """Ends every request still in flight (on shutdown, after the grace period)."""
+        for events in list(self.live):
+            events.close()
