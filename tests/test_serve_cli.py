@@ -93,6 +93,11 @@ def test_chat_template_and_skip_verify_reach_the_engine(smollm2_engine, monkeypa
     assert [(c.chat_template, c.skip_verify) for c in loaded] == [(str(template), True), (None, False)]
 
 
+def fake_engine(config):
+    """What serve reads of an engine before it builds the app."""
+    return SimpleNamespace(config=config, model_name="m", max_model_len=1, runner=SimpleNamespace(max_num_seqs=1))
+
+
 def test_template_variables_and_reasoning_parser_reach_the_server(smollm2_engine, monkeypatch):
     """--chat-template by a shipped name, --chat-template-kwargs into the engine, --reasoning-parser into the
     server's options; a bad JSON object is refused before anything loads."""
@@ -102,10 +107,7 @@ def test_template_variables_and_reasoning_parser_reach_the_server(smollm2_engine
         seen.append((engine.config.chat_template, engine.config.chat_template_kwargs, options.reasoning_parser))
         raise KeyboardInterrupt   # ends the command before any server starts
 
-    def engine(config):   # what serve reads of an engine before it builds the app
-        return SimpleNamespace(config=config, model_name="m", max_model_len=1, runner=SimpleNamespace(max_num_seqs=1))
-
-    monkeypatch.setattr("bie_trt.BieEngine", engine)
+    monkeypatch.setattr("bie_trt.BieEngine", fake_engine)
     monkeypatch.setattr("bie_trt.server.app.create_app", stop_at_app)
     CliRunner().invoke(main, ["serve", str(smollm2_engine), "--chat-template", "qwen3", "--chat-template-kwargs",
                               '{"enable_thinking": false}', "--reasoning-parser", "deepseek_r1", "--port", free_port()])
@@ -136,7 +138,7 @@ def test_json_schema_mode_reaches_the_server(smollm2_engine, monkeypatch):
         seen.append(options.json_schema_mode)
         raise KeyboardInterrupt   # ends the command before any server starts
 
-    monkeypatch.setattr("bie_trt.BieEngine", lambda config: None)
+    monkeypatch.setattr("bie_trt.BieEngine", fake_engine)
     monkeypatch.setattr("bie_trt.server.app.create_app", stop_at_app)
     CliRunner().invoke(main, ["serve", str(smollm2_engine), "--json-schema-mode", "lenient", "--port", free_port()])
     CliRunner().invoke(main, ["serve", str(smollm2_engine), "--port", free_port()])
