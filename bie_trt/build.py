@@ -24,7 +24,7 @@ from .kernels.int8_rows import quantize_rows_int8
 from .kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
 from .kernels.w4_layout import awq_to_w4
 from .model.llama import LlamaModel, fused_linear_shapes
-from .plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, solve_plan
+from .plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, solve_plan
 from .profiles import BuildProfile, resolve_profile
 from .spec_decode.draft_vocab import RANKING, reduced_vocabulary
 from .templates import render
@@ -218,11 +218,8 @@ def open_draft(opts: BuildOptions, target: Checkpoint) -> Checkpoint | None:
     if opts.draft_checkpoint is None:
         return None
     draft = Checkpoint(resolve_checkpoint(opts.draft_checkpoint))
-    if draft.model.vocab_size != target.model.vocab_size:
-        raise PlanError(
-            f"the draft's vocab_size {draft.model.vocab_size} differs from the target's {target.model.vocab_size}; "
-            f"a draft must share the target's tokenizer and vocabulary (e.g. Llama-3.2-1B for Llama-3.1-8B).")
-    check_same_tokenizer(target.path, draft.path)
+    check_draft_vocab(draft.model.vocab_size, target.model.vocab_size)
+    check_same_tokenizer(target.path, draft.path, draft.model.vocab_size)
     return draft
 
 

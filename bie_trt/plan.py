@@ -412,12 +412,8 @@ def _check_inputs(
             f"weight group size {weight_group_size} does not divide the in_features {bad}; "
             f"use a group size that does (e.g. {default_weight_group_size(model)})."
         )
-    if draft is not None and draft.vocab_size != model.vocab_size:
-        raise PlanError(
-            f"the draft's vocab_size {draft.vocab_size} differs from the target's {model.vocab_size}: "
-            f"a draft with another tokenizer or vocabulary cannot propose tokens for this model; "
-            f"use a draft from the same family (e.g. Llama-3.2-1B for Llama-3.1-8B) or n-gram speculation."
-        )
+    if draft is not None:
+        check_draft_vocab(draft.vocab_size, model.vocab_size)
     if max_num_seqs < 1 or chunked_prefill_size < 1:
         raise PlanError(f"max_num_seqs and chunk size must be >= 1; got {max_num_seqs} and {chunked_prefill_size}.")
     if lm_head_dtype not in LM_HEAD_DTYPES:
@@ -426,6 +422,17 @@ def _check_inputs(
         raise PlanError(f"embedding placement {embedding!r} is unknown; use one of {EMBEDDING_PLACEMENTS}.")
     if not 0 < utilisation <= 1:
         raise PlanError(f"gpu_memory_utilization must be in (0, 1]; got {utilisation}.")
+
+
+def check_draft_vocab(draft_vocab: int, target_vocab: int) -> None:
+    """A draft may have fewer rows than its target (Qwen2.5-7B pads its 151,936 ids to 152,064; its
+    0.5B does not): the ids past the draft's end get no proposals, and rejection sampling stays exact
+    for any proposal distribution. A draft with more rows could propose ids the target lacks."""
+    if draft_vocab > target_vocab:
+        raise PlanError(
+            f"the draft's vocab_size {draft_vocab:,} is larger than the target's {target_vocab:,}: it could "
+            f"propose ids the target does not have; use a draft from the target's family (e.g. Llama-3.2-1B "
+            f"for Llama-3.1-8B, Qwen2.5-0.5B for Qwen2.5-7B) or n-gram speculation.")
 
 
 def check_draft_settings(window: int, vocab_size: int | None, request_vocab: int | None = None) -> None:
@@ -497,7 +504,7 @@ def solve_plan(
     request_rows = draft_request_rows(draft, vocab_rows, draft_request_vocab) if draft is not None else None
     if draft is not None:
         draft_items = _draft_items(draft, kv, draft_window_tokens, vocab_rows, request_rows,
-                                   max_num_seqs, num_speculative_tokens, draft_group, lm_head_dtype, embedding,
+                                   max_num_seqs, num_speculative_tokens, model.vocab_size, draft_group, lm_head_dtype, embedding,
                                    draft_vocab_choice(draft, vocab_rows, draft_vocab_size))
         # Draft and target run one after the other and share the workspace.
         workspace = max(workspace, activation_workspace_bytes(draft, step, block_size=kv.block_size))
@@ -562,11 +569,12 @@ def solve_plan(
 
 def _draft_items(
     draft: ModelConfig, kv: KVCacheConfig, window: int, vocab_rows: int, request_rows: int, max_num_seqs: int,
-    num_speculative_tokens: int, group_size: int, lm_head_dtype: str, embedding: str, vocab_choice: str,
+    num_speculative_tokens: int, target_vocab: int, group_size: int, lm_head_dtype: str, embedding: str,
+    vocab_choice: str,
 ) -> list[PlanItem]:
     """The draft's own items, each named draft_*: its weights (head over `vocab_rows` ids, chosen as
     `vocab_choice` says, and `request_rows` more per sequence), its bounded FP16 KV and the
-    distributions it proposes from."""
+    distributions it proposes from (over the target's vocabulary, which verification compares)."""
     weights = [dataclasses.replace(it, name="draft_" + it.name)
                for it in _weights(draft, group_size, lm_head_dtype, embedding, head_rows=vocab_rows,
                                   head_choice=vocab_choice)]
@@ -582,7 +590,7 @@ def _draft_items(
         *weights,
         PlanItem("draft_kv", blocks * kv.block_size * fp16_kv_bytes_per_token(draft),
                  f"fp16, {blocks:,} blocks: {sinks} sink + {window:,} window tokens + one block, per seq"),
-        PlanItem("draft_probs", max_num_seqs * num_speculative_tokens * draft.vocab_size * FP32,
+        PlanItem("draft_probs", max_num_seqs * num_speculative_tokens * target_vocab * FP32,
                  f"fp32 draft distributions for {num_speculative_tokens} proposed token(s), over the whole vocabulary"),
     ]
 

@@ -15,7 +15,7 @@ from bie_trt.checkpoint.quantize import quantize_checkpoint
 from bie_trt.cli import main
 from bie_trt.config import ModelConfig
 from bie_trt.engine_format import sha256_file, verify_engine
-from bie_trt.errors import CheckpointError, PlanError
+from bie_trt.errors import BieError, CheckpointError, PlanError
 from bie_trt.spec_decode.draft_vocab import frequency_order, reduced_vocabulary
 from tiny_model import write_tiny_hf
 
@@ -81,10 +81,12 @@ def test_a_draft_with_another_tokenizer_is_refused_naming_the_id(tmp_path, smoll
     assert not out.exists()   # refused before anything was written
 
 
-def test_a_draft_with_another_vocabulary_is_refused(tmp_path, smollm2_checkpoint):
-    small = quantize_checkpoint(write_tiny_hf(tmp_path / "hf", smollm2_checkpoint, vocab_size=32768),
+@pytest.mark.parametrize("rows, refusal", [(32768, "has 32,768 vocabulary rows but its tokenizer names 49,152"),
+                                           (49153, "vocab_size 49,153 is larger than the target's 49,152")])
+def test_a_draft_with_another_vocabulary_is_refused(tmp_path, smollm2_checkpoint, rows, refusal):
+    small = quantize_checkpoint(write_tiny_hf(tmp_path / "hf", smollm2_checkpoint, vocab_size=rows),
                                 tmp_path / "awq", group_size=32)
-    with pytest.raises(PlanError, match="vocab_size 32768 differs from the target's 49152"):
+    with pytest.raises(BieError, match=refusal):
         build_engine(BuildOptions(checkpoint=str(smollm2_checkpoint), out=str(tmp_path / "e"), profile="cpu",
                                   draft_checkpoint=str(small)), log=lambda m: None)
 

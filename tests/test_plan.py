@@ -342,10 +342,13 @@ def test_weight_group_must_divide_in_features(llama, ti):
         solve_plan(llama, ti, max_model_len=1024, kv=kv_cfg(), weight_group_size=96)
 
 
-def test_draft_with_another_vocabulary(llama, ti):
-    other = ModelConfig.from_hf({**LLAMA_32_1B, "vocab_size": 32000})
-    with pytest.raises(PlanError, match="another tokenizer or vocabulary"):
-        plan64k(llama, ti, draft=other)
+def test_a_draft_may_lack_its_targets_last_rows_but_have_no_more(llama, ti):
+    smaller = ModelConfig.from_hf({**LLAMA_32_1B, "vocab_size": llama.vocab_size - 64})
+    probs = plan64k(llama, ti, draft=smaller).bytes_of("draft_probs")
+    assert probs == plan64k(llama, ti, draft=ModelConfig.from_hf(LLAMA_32_1B)).bytes_of("draft_probs") > 0
+    larger = ModelConfig.from_hf({**LLAMA_32_1B, "vocab_size": llama.vocab_size + 1})
+    with pytest.raises(PlanError, match="larger than the target's"):
+        plan64k(llama, ti, draft=larger)
 
 
 def test_nothing_fits_gives_zero(llama, ti):
@@ -530,6 +533,7 @@ def readme_row(checkpoint: str) -> str:
 @pytest.mark.parametrize("checkpoint,config", [
     ("hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4", "llama-3.1-8b-instruct-awq"),
     ("Qwen/Qwen2.5-7B-Instruct-AWQ", "qwen2.5-7b-instruct-awq"),
+    ("Qwen/Qwen3-8B-AWQ", "qwen3-8b-awq"),
 ])
 def test_the_readme_table_states_what_the_shipped_configs_plan(checkpoint, config):
     status, plan = cli_plan(config, "--max-model-len", "65536")
@@ -562,10 +566,11 @@ def test_qwen25_without_its_rope_scaling_stops_at_32k():
     assert ModelConfig.from_hf(hf).max_positions == 32768
 
 
-def test_qwen25_refuses_the_05b_draft_for_its_padded_vocabulary():
-    status, err = cli_plan("qwen2.5-7b-instruct-awq", "--max-model-len", "65536", "--speculative-draft-config",
-                           str(EXAMPLES / "qwen2.5-0.5b-instruct.config.json"))
-    assert status == 2 and "vocab_size 151936 differs from the target's 152064" in err["error"]
+def test_qwen25_with_its_05b_draft_despite_the_padded_vocabulary():
+    status, plan = cli_plan("qwen2.5-7b-instruct-awq", "--max-model-len", "65536", "--speculative-draft-config",
+                            str(EXAMPLES / "qwen2.5-0.5b-instruct.config.json"))
+    assert status == 0 and plan["inputs"]["draft"]["vocab_size"] == 151936
+    assert (format_bytes(plan["total_bytes"]), plan["max_model_len_that_fits"]) == ("5.52 GiB", 131072)
 
 
 @pytest.mark.skipif("Qwen3ForCausalLM" not in SUPPORTED_ARCHITECTURES, reason="Qwen3 is not a supported architecture")

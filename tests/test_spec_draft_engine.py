@@ -69,3 +69,49 @@ def test_a_different_draft_changes_no_greedy_token(build, tiny_draft, other_draf
     sampled = spec.generate(batch[1], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=3))
     assert len(sampled.token_ids) == 16 or sampled.finish_reason == "stop"
     assert idle(spec)
+
+
+DRAFT_VOCAB = 49152            # SmolLM2's ids
+PADDED_VOCAB = DRAFT_VOCAB + 64   # a target padded past them, as Qwen2.5-7B pads 151,936 ids to 152,064
+
+
+@pytest.fixture(scope="module")
+def padded_pair(build, tmp_path_factory, smollm2_checkpoint):
+    """A target whose vocabulary is padded past its tokenizer's, and as its draft the same weights
+    without the padded rows (the Qwen2.5-7B / 0.5B pair's shape)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("padded")
+    target = write_tiny_hf(root / "target", smollm2_checkpoint, vocab_size=PADDED_VOCAB, max_position_embeddings=8192)
+    draft = root / "draft"
+    shutil.copytree(target, draft)
+    weights = load_file(str(draft / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weights[name] = weights[name][:DRAFT_VOCAB].contiguous()
+    save_file(weights, str(draft / "model.safetensors"))
+    cfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**cfg, "vocab_size": DRAFT_VOCAB}))
+    target, draft = (quantize_checkpoint(hf, root / f"{hf.name}-awq", group_size=64) for hf in (target, draft))
+    # A head of all but 512 ids: the rest are each request's own rows, which padded ids must not take.
+    return build(checkpoint=str(target), draft_checkpoint=str(draft), draft_vocab_size=DRAFT_VOCAB - 512,
+                 draft_window_tokens=64)
+
+
+def test_a_draft_without_its_targets_padded_rows_proposes_and_changes_nothing(padded_pair, lee_text):
+    plain, spec = engines(padded_pair)
+    batch = prompts(plain, lee_text)[:2]
+    batch.append([PADDED_VOCAB - 1] + batch[0] + [PADDED_VOCAB - 2])   # ids the draft cannot read, in the prompt
+    want = [o.token_ids for o in plain.generate(batch, GREEDY)]
+    got = spec.generate(batch, GREEDY)
+    assert [o.token_ids for o in got] == want
+    within = [o.spec_decode for o in got[:2]]   # the same weights as the target's, inside the window
+    assert sum(d["num_accepted_tokens"] for d in within) >= 0.9 * sum(d["num_draft_tokens"] for d in within) > 0
+    # The target made to emit a padded id: the draft reads it as a stand-in and goes on proposing.
+    forced = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={PADDED_VOCAB - 3: 100})
+    assert spec.generate(batch[0], forced).token_ids == [PADDED_VOCAB - 3] * 8
+    sampled = spec.generate(batch[1], SamplingParams(temperature=1.0, max_tokens=16, seed=5, ignore_eos=True))
+    assert len(sampled.token_ids) == 16 and spec.stats().spec_decode["num_drafts"] > 0
+    assert idle(spec)

@@ -19,8 +19,14 @@ def first_difference(target: dict[int, str], draft: dict[int, str]) -> int | Non
     return next(differing, None)
 
 
-def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
+def check_same_tokenizer(target_dir: Path, draft_dir: Path, draft_vocab_size: int) -> None:
+    """Both spell every id alike, and the draft has a row for each id its tokenizer names (it may lack
+    only the rows a target pads its vocabulary with)."""
     target, draft = id_to_token(target_dir), id_to_token(draft_dir)
+    if (named := max(draft, default=-1) + 1) > draft_vocab_size:
+        raise CheckpointError(
+            f"the draft ({draft_dir}) has {draft_vocab_size:,} vocabulary rows but its tokenizer names {named:,} "
+            f"ids: it could neither read nor propose the rest. Use the draft's own unmodified checkpoint.")
     i = first_difference(target, draft)
     if i is not None:
         raise CheckpointError(

@@ -76,6 +76,7 @@ class DraftModelProposer:
             raise EngineError(f"{engine_dir}: the engine has no draft model; build it with "
                               f"`bie-trt build --draft-checkpoint DIR|NAME`, or speculate with n-gram lookup.")
         self.cfg = ModelConfig.from_dict(draft["config"])
+        self.target_vocab = runner.model_config.vocab_size   # >= the draft's: ids past its end get no proposals
         self.window = int(draft["window"])
         if num_speculative_tokens >= self.window:
             raise EngineError(f"num_speculative_tokens {num_speculative_tokens} does not fit the draft's {self.window}-token window; "
@@ -188,7 +189,7 @@ class DraftModelProposer:
             blocks, self.free_blocks = self.free_blocks[:self.blocks_per_seq], self.free_blocks[self.blocks_per_seq:]
             slot = self.free_head_slots.pop(0) if self.request_rows else -1
             self.seqs[request.key] = _DraftSeq(blocks, draft_generator(request.seed), [], [],
-                                       RequestVocab(self.request_rows, self.static_ids), slot)
+                                       RequestVocab(self.request_rows, self.static_ids, self.cfg.vocab_size), slot)
         return self.seqs[request.key]
 
     def _sync(self, request: ProposalRequest) -> list[tuple[int, int]]:
@@ -246,8 +247,14 @@ class DraftModelProposer:
         slot = len(state.pos)
         state.pos += [p for p, _ in piece]
         state.ids += [t for _, t in piece]
-        return SeqInput(torch.tensor([t for _, t in piece], dtype=torch.long), slot, state.blocks,
-                        rope_offset=piece[0][0] - slot)
+        return SeqInput(torch.tensor([self._embeddable(t) for _, t in piece], dtype=torch.long), slot,
+                        state.blocks, rope_offset=piece[0][0] - slot)
+
+    def _embeddable(self, token: int) -> int:
+        """An id the draft can read: a target id past the draft's vocabulary (a padded row the target
+        sampled or a prompt sent) is read as id 0. The proposals then condition on a stand-in, which
+        costs acceptance at that position only: rejection sampling is exact for any proposal."""
+        return token if token < self.cfg.vocab_size else 0
 
     # -- the request's own ids ---------------------------------------------------------------
 
@@ -281,7 +288,7 @@ class DraftModelProposer:
     def _logits(self, state: _DraftSeq, row: torch.Tensor) -> torch.Tensor:
         """The draft's logits over the whole vocabulary: its static head's and the sequence's own
         rows', -inf elsewhere."""
-        full = torch.full((self.cfg.vocab_size,), -torch.inf)
+        full = torch.full((self.target_vocab,), -torch.inf)
         full[self.vocab_ids] = self.model.head_logits(row[None])[0].float().cpu()
         n = len(state.vocab.ids)
         if n:

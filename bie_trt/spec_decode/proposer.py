@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Hashable, Protocol, Sequence as Seq
 
 import torch
 
-from ..config import KVCacheConfig, SamplingParams
+from ..config import KVCacheConfig, ModelConfig, SamplingParams
 
 if TYPE_CHECKING:
     from ..executor.cuda_graphs import DecodeGraphs
@@ -63,6 +63,7 @@ class TargetRuntime(Protocol):
     device: torch.device
     dtype: torch.dtype
     kv_config: KVCacheConfig
+    model_config: ModelConfig      # the target's: its vocab_size is the proposals' length
     manifest: dict
     max_num_seqs: int
     chunked_prefill_size: int

@@ -15,9 +15,10 @@ from collections.abc import Collection, Iterable
 class RequestVocab:
     """Which id each of a sequence's R extra head rows holds (`ids[row]`)."""
 
-    def __init__(self, capacity: int, static: Collection[int]) -> None:
+    def __init__(self, capacity: int, static: Collection[int], vocab_size: int) -> None:
         self.capacity = capacity
         self.static = static
+        self.vocab_size = vocab_size   # the draft's: a target id past it has no row to hold
         self.ids: list[int] = []
         self._row: OrderedDict[int, int] = OrderedDict()   # id -> row, least recently seen first
         self.seen = 0   # the sequence's tokens admitted so far
@@ -28,7 +29,7 @@ class RequestVocab:
         writes: dict[int, int] = {}
         for t in tokens:
             self.seen += 1
-            if t in self.static or self.capacity == 0:
+            if t in self.static or t >= self.vocab_size or self.capacity == 0:
                 continue
             if t in self._row:
                 self._row.move_to_end(t)
