@@ -162,7 +162,11 @@ def test_tool_result_round_trip_and_count_tokens(server, claude, model):
 
 
 @pytest.mark.parametrize("body, fragment", [
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.enabled: a thinking budget is not enforced"),
+    ({"thinking": {"type": "sometimes"}}, "thinking"),
+    ({"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]}, "belongs in an assistant"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "x"}]}, {"role": "user", "content": "Go on"}]}, "redacted_thinking"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image blocks"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
     ({"tools": [CLAUDE_TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
@@ -289,7 +293,8 @@ def test_parse_gives_a_pydantic_object(oai, model):
     ({"tools": [OPENAI_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input[0].encrypted_content"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text"}]}]}, "input[0].summary[0].text"),
     ({"input": 5}, "input"),
     ({"text": {"format": {"type": "json_schema"}}}, "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

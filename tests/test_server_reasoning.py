@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -97,6 +98,107 @@ def test_the_stream_carries_reasoning_deltas(served, reply):
     assert not any("think" in piece for piece in content)     # no piece of a tag reaches the content
     assert sum(1 for piece in reasoning if piece) > 1        # reasoning streamed as it came, not at the end
     assert (names, json.loads("".join(arguments))) == (["get_weather"], {"city": "Berlin"})
+
+
+# The same run in Anthropic's Messages shape: thinking, text and tool_use blocks, tool_result answers.
+CLAUDE_RUN = [RUN[0]] + [
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": m["reasoning_content"], "signature": ""},
+                                      {"type": "text", "text": m["content"]},
+                                      {"type": "tool_use", "id": m["tool_calls"][0]["id"], "name": "get_weather",
+                                       "input": json.loads(m["tool_calls"][0]["function"]["arguments"])}]}
+    if m["role"] == "assistant" else
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}]}
+    for m in RUN[1:]]
+CLAUDE_WEATHER = {"name": "get_weather", "description": WEATHER["function"]["description"],
+                  "input_schema": WEATHER["function"]["parameters"]}
+
+
+def test_anthropic_messages_return_the_thinking_block_whole_and_streamed(served, reference):
+    """The official anthropic SDK: the reasoning comes back as a thinking block before the text and the
+    tool_use, as the chat route splits it; its stream helper reassembles the same blocks; the replayed
+    thinking blocks reach the template (the prompt is the chat run's, token for token)."""
+    _, base, _ = served
+    claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    ids, sdk = reference
+    model = served[0].model_name
+    ask = dict(model=model, max_tokens=80, extra_body={"temperature": 0}, messages=CLAUDE_RUN, tools=[CLAUDE_WEATHER])
+    assert claude.messages.count_tokens(model=model, messages=CLAUDE_RUN, tools=[CLAUDE_WEATHER]).input_tokens == len(ids)
+    reasoning, content = split_reasoning(sdk.text)
+    prose, _ = parse_tool_calls(content, {"get_weather"})
+    reply = claude.messages.create(**ask, thinking={"type": "adaptive"})
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None) or b.input) for b in reply.content] == [
+        ("thinking", reasoning), ("text", prose), ("tool_use", {"city": "Berlin"})]
+    assert reply.stop_reason == "tool_use" and reply.usage.output_tokens == len(sdk.token_ids)
+    with claude.messages.stream(**ask) as stream:   # no thinking field: the template's default, thinking
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [b.model_dump(exclude={"id"}) for b in reply.content]
+    assert kinds.count("thinking_delta") > 1 and kinds.index("thinking_delta") < kinds.index("text_delta")
+
+
+def test_anthropic_thinking_disabled_closes_the_block_in_the_prompt(served, reference):
+    _, base, _ = served
+    claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    empty_block = served[0].tokenizer(EMPTY_BLOCK, add_special_tokens=False)["input_ids"]
+    reply = claude.messages.create(model=served[0].model_name, max_tokens=80, extra_body={"temperature": 0},
+                                   messages=CLAUDE_RUN, tools=[CLAUDE_WEATHER], thinking={"type": "disabled"})
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(reference[0]) + len(empty_block)
+    assert "thinking" not in [b.type for b in reply.content]
+
+
+# The same run as Responses input items: reasoning, the answer and the call, then the call's output.
+RESPONSES_RUN = [{"type": "message", "role": "user", "content": RUN[0]["content"]}]
+for _m in RUN[1:]:
+    if _m["role"] == "assistant":
+        _call = _m["tool_calls"][0]
+        RESPONSES_RUN += [
+            {"type": "reasoning", "id": f"rs_{_call['id']}", "summary": [],
+             "content": [{"type": "reasoning_text", "text": _m["reasoning_content"]}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": _m["content"]}]},
+            {"type": "function_call", "call_id": _call["id"], "name": "get_weather",
+             "arguments": _call["function"]["arguments"]}]
+    else:
+        RESPONSES_RUN.append({"type": "function_call_output", "call_id": _m["tool_call_id"], "output": _m["content"]})
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_return_a_reasoning_item_whole_and_streamed(served, reference):
+    """The official openai client's responses.create: the reasoning as a reasoning item before the
+    message and the function call; replayed reasoning items reach the template (the prompt is the chat
+    run's, token for token); the stream's reasoning_text deltas join to the item's text."""
+    client = served[2]
+    ids, sdk = reference
+    reasoning, content = split_reasoning(sdk.text)
+    ask = dict(model=served[0].model_name, input=RESPONSES_RUN, tools=[RESPONSES_WEATHER], temperature=0,
+               max_output_tokens=80)
+    reply = client.responses.create(**ask)
+    assert reply.usage.input_tokens == len(ids) and reply.usage.output_tokens == len(sdk.token_ids)
+    assert [item.type for item in reply.output] == ["reasoning", "message", "function_call"]
+    assert [part.text for part in reply.output[0].content] == [reasoning]
+    assert reply.output_text == parse_tool_calls(content, {"get_weather"})[0]
+    assert (reply.output[2].name, json.loads(reply.output[2].arguments)) == ("get_weather", {"city": "Berlin"})
+    deltas, final = [], None
+    for event in client.responses.create(**ask, stream=True):
+        if event.type == "response.reasoning_text.delta":
+            deltas.append(event.delta)
+        if event.type == "response.completed":
+            final = event.response
+    assert "".join(deltas) == reasoning and len(deltas) > 1
+    assert [i.model_dump(exclude={"id", "call_id"}) for i in final.output] == \
+        [i.model_dump(exclude={"id", "call_id"}) for i in reply.output]
+
+
+def test_the_sdks_chat_splits_the_reasoning_and_takes_the_templates_variables(served, reference):
+    engine = served[0]
+    greedy = SamplingParams(temperature=0, max_tokens=80)
+    reasoning, content = split_reasoning(reference[1].text)
+    out = engine.chat(RUN, greedy, tools=[WEATHER])
+    assert (out.reasoning_content, out.content) == (reasoning, parse_tool_calls(content, {"get_weather"})[0])
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Berlin"})]
+    off = engine.chat(RUN, greedy, tools=[WEATHER], template_kwargs=NO_THINKING["chat_template_kwargs"])
+    assert off.reasoning_content is None and off.output.usage.prompt_tokens > len(reference[0])
+    unsplit = engine.chat(RUN, greedy, tools=[WEATHER], reasoning_parser="none")
+    assert unsplit.reasoning_content is None and unsplit.content.startswith("<think>")
 
 
 def test_enable_thinking_false_changes_the_prompt_and_the_reply(served, reference):

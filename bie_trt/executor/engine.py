@@ -24,6 +24,7 @@ import torch
 from ..config import EngineConfig, SamplingParams
 from ..errors import RequestError
 from ..plan import planned_step_tokens
+from ..reasoning import PROMPT_TAIL_TOKENS, resolve_parser, split_reasoning, starts_inside
 from ..sampling import make_generator, sample_next, top_logprobs
 from ..spec_decode.proposer import Proposal
 from ..spec_decode.rejection import verify
@@ -364,11 +365,14 @@ class BieEngine:
         return outputs[0] if single else outputs
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None,
-             tool_choice: str | dict | None = None, parallel_tool_calls: bool = False) -> ChatOutput:
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = False,
+             template_kwargs: dict | None = None, reasoning_parser: str = "auto") -> ChatOutput:
         """One chat turn with OpenAI-style tools. tool_choice "auto" (the default with tools) parses the
         model's own call format out of its reply; "required" and {"type": "function", "function": {"name":
         ...}} are enforced by a grammar, so the calls always parse and their arguments match the schema;
-        "none" leaves the reply prose."""
+        "none" leaves the reply prose. `template_kwargs` are the chat template's extra variables
+        ({"enable_thinking": False}); a thinking model's reasoning is split off as the server splits it
+        (`reasoning_parser`: auto, qwen3, deepseek_r1 or none)."""
         params = params or SamplingParams()
         mode, function, constraint = plan_tools(tools, tool_choice, parallel_tool_calls)
         if constraint is not None:
@@ -376,10 +380,19 @@ class BieEngine:
                 raise RequestError(f"tool_choice {tool_choice!r} and the params' structured_outputs both constrain "
                                    f"the reply; send one of them.")
             params = dataclasses.replace(params, structured_outputs=constraint)
-        out = self.generate(self.encode_chat(messages, tools), params)
+        try:
+            parser_name = resolve_parser(reasoning_parser, str(self.tokenizer.chat_template or ""))
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        ids = self.encode_chat(messages, tools, template_kwargs)
+        out = self.generate(ids, params)
+        # a reply shaped whole by a constraint is not split: the constraint covers all of it
+        inside = None if params.structured_outputs is not None else starts_inside(
+            parser_name, self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
+        reasoning, text = (None, out.text) if inside is None else split_reasoning(out.text, inside)
         parser = ReplyParser(mode, {t["function"]["name"] for t in tools or []}, function)
-        content, calls = parser.message(out.text)
-        return ChatOutput(content, calls, ReplyParser.finish_reason(out.finish_reason, bool(calls)), out)
+        content, calls = (None, []) if text is None else parser.message(text)
+        return ChatOutput(content, calls, ReplyParser.finish_reason(out.finish_reason, bool(calls)), out, reasoning)
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached blocks no request holds, in both tiers (benchmarks use it to measure cold

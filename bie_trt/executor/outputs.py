@@ -36,13 +36,14 @@ class RequestOutput:
 
 @dataclass
 class ChatOutput:
-    """`BieEngine.chat`'s reply: prose, parsed tool calls, and OpenAI's finish reason ("tool_calls" when
-    the reply ended with calls)."""
+    """`BieEngine.chat`'s reply: prose, parsed tool calls, OpenAI's finish reason ("tool_calls" when
+    the reply ended with calls), and a thinking model's reasoning (None when it wrote none)."""
 
     content: str | None
     tool_calls: list[ToolCall]
     finish_reason: str | None
     output: RequestOutput
+    reasoning_content: str | None = None
 
 
 @dataclass

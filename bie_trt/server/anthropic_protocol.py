@@ -1,8 +1,9 @@
 """The request bodies of Anthropic's Messages API (POST /v1/messages and /v1/messages/count_tokens),
 checked as strictly as the OpenAI bodies, and their one conversion into the chat request the chat
-route runs: `system` and the messages' text, tool_use and tool_result blocks into chat messages,
-`tools` into functions, `tool_choice` into OpenAI's, `output_config.format` into a JSON-schema
-response format. A field this server does not implement is refused by name."""
+route runs: `system` and the messages' text, thinking, tool_use and tool_result blocks into chat
+messages, `tools` into functions, `tool_choice` into OpenAI's, `thinking` into the chat template's
+thinking switch, `output_config.format` into a JSON-schema response format. A field this server does
+not implement is refused by name."""
 from __future__ import annotations
 
 import json
@@ -44,6 +45,15 @@ class ToolUseBlock(_Strict):
     cache_control: CacheControl = None
 
 
+class ThinkingBlock(_Strict):
+    """An earlier reply's reasoning, sent back (as Anthropic asks when a turn used tools): the chat
+    template decides whether the model sees it (Qwen3's shows it only after the last user turn)."""
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""      # this server signs nothing; what a client sends back is not checked
+    cache_control: CacheControl = None
+
+
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: str
@@ -64,22 +74,23 @@ class ToolResultBlock(_Strict):
 class RefusedBlock(_Strict):
     """Content the model cannot read here (images, documents) or that needs a feature this server has not."""
     model_config = ConfigDict(extra="allow")
-    type: Literal["image", "document", "search_result", "thinking", "redacted_thinking", "server_tool_use",
+    type: Literal["image", "document", "search_result", "redacted_thinking", "server_tool_use",
                   "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
                   "container_upload", "mcp_tool_use", "mcp_tool_result"]
 
     @model_validator(mode="after")
     def _refuse(self) -> RefusedBlock:
-        if self.type in ("thinking", "redacted_thinking"):
-            raise ValueError(f"{self.type} blocks are not supported yet: this server does not split the model's "
-                             f"reasoning from its reply; leave them out of the history")
+        if self.type == "redacted_thinking":
+            raise ValueError("redacted_thinking blocks are not supported: this server never writes them (they "
+                             "carry another service's encrypted reasoning); leave them out of the history")
         if self.type in ("image", "document", "search_result"):
             raise ValueError(f"{self.type} blocks are not supported: this server reads text only")
         raise ValueError(f"{self.type} blocks are not supported: this server runs no server tools")
 
 
-ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, RefusedBlock], Field(discriminator="type")]
-BLOCK_TYPES = {"text", "tool_use", "tool_result"} | set(RefusedBlock.model_fields["type"].annotation.__args__)
+ContentBlock = Annotated[Union[TextBlock, ThinkingBlock, ToolUseBlock, ToolResultBlock, RefusedBlock],
+                         Field(discriminator="type")]
+BLOCK_TYPES = {"text", "thinking", "tool_use", "tool_result"} | set(RefusedBlock.model_fields["type"].annotation.__args__)
 
 
 class AnthropicMessage(_Strict):
@@ -96,8 +107,8 @@ class AnthropicMessage(_Strict):
     def _blocks_in_their_role(cls, content: list, info: ValidationInfo) -> list:
         role = info.data.get("role")
         for i, block in enumerate(content):
-            if (block.type, role) in (("tool_use", "user"), ("tool_result", "assistant")):
-                where = "an assistant" if block.type == "tool_use" else "a user"
+            if (block.type, role) in (("tool_use", "user"), ("thinking", "user"), ("tool_result", "assistant")):
+                where = "a user" if block.type == "tool_result" else "an assistant"
                 raise ValueError(f"[{i}] is a {block.type} block, which belongs in {where} message")
         return content
 
@@ -167,6 +178,29 @@ class OutputConfig(_Strict):
         return effort
 
 
+class ThinkingOff(_Strict):
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(_Strict):
+    """The model decides whether and how long it thinks (within max_tokens), as a Qwen3 does."""
+    type: Literal["adaptive"]
+
+
+class ThinkingBudget(_Strict):
+    type: Literal["enabled"]
+    budget_tokens: int
+
+    @model_validator(mode="after")
+    def _no_budget(self) -> ThinkingBudget:
+        raise ValueError("a thinking budget is not enforced by this server (the model ends its reasoning "
+                         "itself); send {\"type\": \"adaptive\"} (thinking within max_tokens) or "
+                         "{\"type\": \"disabled\"}")
+
+
+Thinking = Annotated[Union[ThinkingOff, ThinkingAdaptive, ThinkingBudget], Field(discriminator="type")]
+
+
 class Metadata(_Strict):
     user_id: str | None = None
 
@@ -178,7 +212,7 @@ class _MessagesBody(_Strict):
     system: list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl = None
 
@@ -195,14 +229,6 @@ class _MessagesBody(_Strict):
     def _system(cls, value: Any) -> Any:
         return None if value is None else _as_text_blocks(value, "text blocks")
 
-    @field_validator("thinking")
-    @classmethod
-    def _thinking_off(cls, thinking: dict | None) -> dict | None:
-        if thinking is not None and thinking.get("type") != "disabled":
-            raise ValueError("enabled is not supported yet: this server does not split the model's reasoning "
-                             "from its reply; send {\"type\": \"disabled\"} or leave thinking out")
-        return thinking
-
     @field_validator("tool_choice")
     @classmethod
     def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
@@ -216,6 +242,8 @@ class _MessagesBody(_Strict):
     def chat_fields(self) -> dict[str, Any]:
         """The chat body this request is: messages, tools, tool_choice and the response format."""
         fields: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
+        if self.thinking is not None:   # the switch thinking templates read (Qwen3's); others ignore it
+            fields["chat_template_kwargs"] = {"enable_thinking": self.thinking.type == "adaptive"}
         if self.tools:
             fields["tools"] = [{"type": "function", "function": {
                 "name": t.name, "parameters": t.input_schema,
@@ -263,9 +291,11 @@ def chat_messages(system: list[TextBlock] | None, messages: list[AnthropicMessag
     for m in messages:
         if m.role == "assistant":
             text = "".join(b.text for b in m.content if b.type == "text")
+            reasoning = "".join(b.thinking for b in m.content if b.type == "thinking")
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                      for b in m.content if b.type == "tool_use"]
             out.append({"role": "assistant", "content": text or (None if calls else ""),
+                        **({"reasoning_content": reasoning} if reasoning else {}),
                         **({"tool_calls": calls} if calls else {})})
             continue
         text: list[str] = []

@@ -1,22 +1,23 @@
-"""A reply as the ordered blocks the Anthropic Messages and OpenAI Responses APIs both speak of: text,
-and tool calls (a call's id, name and arguments). A whole reply comes from the chat path's ReplyParser
-(`reply_blocks`); a streamed one from its deltas (`BlockStream`), opened, grown and closed in order,
-and it closes into the same blocks. Each API renders a Block its own way (a content block, an output
-item), so a new kind of block (a model's reasoning) is added here once and rendered by each."""
+"""A reply as the ordered blocks the Anthropic Messages and OpenAI Responses APIs both speak of: a
+thinking model's reasoning, text, and tool calls (a call's id, name and arguments). A whole reply comes
+from the reasoning split and the chat path's ReplyParser (`reply_blocks`); a streamed one from its
+deltas (`BlockStream`), opened, grown and closed in order, and it closes into the same blocks. Each API
+renders a Block its own way (a content block, an output item)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..tool_calls import ReplyParser, ToolCall
+from ..reasoning import ReasoningStream, split_reasoning
+from ..tool_calls import ReplyParser
 
-TEXT, TOOL_CALL = "text", "tool_call"
+REASONING, TEXT, TOOL_CALL = "reasoning", "text", "tool_call"
 
 
 @dataclass
 class Block:
-    kind: str            # TEXT or TOOL_CALL
+    kind: str            # REASONING, TEXT or TOOL_CALL
     index: int           # its place among the reply's blocks
     text: str = ""       # the text, or a call's arguments (JSON text), so far
     call_id: str = ""
@@ -30,23 +31,37 @@ class BlockEvent:
     delta: str = ""
 
 
-def reply_blocks(content: str | None, calls: list[ToolCall]) -> list[Block]:
-    """A whole reply (ReplyParser.message's prose and calls) -> its blocks: the prose first, then each call."""
-    blocks = [Block(TEXT, 0, content)] if content else []
+def reply_blocks(parser: ReplyParser, text: str, inside: bool | None = None) -> list[Block]:
+    """A whole reply -> its blocks: its reasoning (split off as the chat route splits it, unless `inside`,
+    where the reply starts for the reasoning parser, is None), the prose, then each call."""
+    reasoning, rest = (None, text) if inside is None else split_reasoning(text, inside)
+    content, calls = parser.message(rest or "")
+    blocks: list[Block] = []
+    for kind, part in ((REASONING, reasoning), (TEXT, content)):
+        if part:
+            blocks.append(Block(kind, len(blocks), part))
     return blocks + [Block(TOOL_CALL, len(blocks) + i, c.arguments, c.id, c.name) for i, c in enumerate(calls)]
 
 
 class BlockStream:
-    """One reply's stream: ReplyParser deltas in, the blocks' start / delta / stop events out."""
+    """One reply's stream: its text in (its reasoning split off unless `inside` is None, as in
+    `reply_blocks`), the blocks' start / delta / stop events out."""
 
-    def __init__(self, parser: ReplyParser):
+    def __init__(self, parser: ReplyParser, inside: bool | None = None):
         self.parser = parser
+        self.splitter = None if inside is None else ReasoningStream(inside)
         self.blocks: list[Block] = []
         self._open: Block | None = None
 
     def feed(self, delta: str, final: bool) -> list[BlockEvent]:
         """The events of the reply's next text (all of them, the last ones closed, when `final`)."""
         events = []
+        if self.splitter is not None:
+            reasoning, delta = self.splitter.feed(delta)
+            if final:
+                reasoning, delta = (a + b for a, b in zip((reasoning, delta), self.splitter.finish()))
+            if reasoning:
+                events += self._grow(REASONING, reasoning)
         deltas = self.parser.feed(delta) + (self.parser.finish() if final else [])
         for d in deltas:
             if d.get("content"):
@@ -77,9 +92,11 @@ class BlockStream:
 def assistant_message(blocks: list[Block]) -> dict[str, Any]:
     """A reply's blocks as the chat message that replays it (a stored conversation's last turn)."""
     text = "".join(b.text for b in blocks if b.kind == TEXT)
+    reasoning = "".join(b.text for b in blocks if b.kind == REASONING)
     calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
              for b in blocks if b.kind == TOOL_CALL]
-    return {"role": "assistant", "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
+    return {"role": "assistant", "content": text or (None if calls else ""),
+            **({"reasoning_content": reasoning} if reasoning else {}), **({"tool_calls": calls} if calls else {})}
 
 
 def call_input(block: Block) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """The handlers of Anthropic's POST /v1/messages and /v1/messages/count_tokens: the body converted once
 into the chat request (anthropic_protocol), run on the chat route's request path, and the reply's
-blocks rendered as Anthropic's content blocks, whole or as its stream of typed events."""
+blocks (a thinking model's reasoning split off as the chat route splits it) rendered as Anthropic's
+content blocks, whole or as its stream of typed events."""
 from __future__ import annotations
 
 import uuid
@@ -11,8 +12,8 @@ from fastapi.responses import Response
 
 from ..executor.outputs import RequestOutput, StreamEvent
 from .anthropic_protocol import CountTokensRequest, MessagesRequest
-from .blocks import TEXT, Block, BlockEvent, BlockStream, call_input, reply_blocks
-from .completions import as_chat_request, chat_prompt, start_chat
+from .blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, call_input, reply_blocks
+from .completions import as_chat_request, chat_prompt, reasoning_start, start_chat
 from .errors import anthropic_error_body
 from .generation import Wire, respond, typed_sse
 from .state import ServerState
@@ -25,8 +26,11 @@ def tool_use_id(call_id: str) -> str:
 
 
 def content_block(block: Block) -> dict:
-    """A finished block as Anthropic's: text, or tool_use (its input an object; a call cut short by
-    max_tokens, whose arguments are no object yet, is sent as the text it is)."""
+    """A finished block as Anthropic's: thinking (unsigned: nothing here checks a signature), text, or
+    tool_use (its input an object; a call cut short by max_tokens, whose arguments are no object yet,
+    is sent as the text it is)."""
+    if block.kind == REASONING:
+        return {"type": "thinking", "thinking": block.text, "signature": ""}
     if block.kind == TEXT or (arguments := call_input(block)) is None:
         return {"type": "text", "text": block.text}
     return {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name, "input": arguments}
@@ -36,13 +40,15 @@ def stream_events(event: BlockEvent) -> list[dict]:
     """One block event as Anthropic's content_block_start / _delta / _stop."""
     block = event.block
     if event.what == "start":
-        opening = ({"type": "text", "text": ""} if block.kind == TEXT else
-                   {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name, "input": {}})
-        return [{"type": "content_block_start", "index": block.index, "content_block": opening}]
+        opening = {REASONING: {"type": "thinking", "thinking": "", "signature": ""},
+                   TEXT: {"type": "text", "text": ""},
+                   TOOL_CALL: {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name, "input": {}}}
+        return [{"type": "content_block_start", "index": block.index, "content_block": opening[block.kind]}]
     if event.what == "delta":
-        delta = ({"type": "text_delta", "text": event.delta} if block.kind == TEXT else
-                 {"type": "input_json_delta", "partial_json": event.delta})
-        return [{"type": "content_block_delta", "index": block.index, "delta": delta}]
+        delta = {REASONING: {"type": "thinking_delta", "thinking": event.delta},
+                 TEXT: {"type": "text_delta", "text": event.delta},
+                 TOOL_CALL: {"type": "input_json_delta", "partial_json": event.delta}}
+        return [{"type": "content_block_delta", "index": block.index, "delta": delta[block.kind]}]
     return [{"type": "content_block_stop", "index": block.index}]
 
 
@@ -55,7 +61,7 @@ def stop_sequence(out: RequestOutput, stops: list[str], decode: Callable[[list[i
 
 
 def called(blocks: list[Block]) -> bool:
-    return any(b.kind != TEXT for b in blocks)
+    return any(b.kind == TOOL_CALL for b in blocks)
 
 
 def stop_reason(finish_reason: str | None, called: bool, sequence: str | None) -> str:
@@ -77,6 +83,7 @@ async def messages(state: ServerState, req: MessagesRequest, http: Request) -> R
     chat = as_chat_request(req.chat_fields())
     streams, tools, ids = await start_chat(state, chat)
     parser = tools.parser()
+    inside = reasoning_start(state, ids, chat, tools)
 
     def decode(tokens: list[int]) -> str:
         return state.engine.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -89,11 +96,11 @@ async def messages(state: ServerState, req: MessagesRequest, http: Request) -> R
 
     def make_body(outputs: list[RequestOutput]) -> dict:
         out = outputs[0]
-        blocks = reply_blocks(*parser.message(out.text))
+        blocks = reply_blocks(parser, out.text, inside)
         return {**message, "content": [content_block(b) for b in blocks], **ending(out, called(blocks)),
                 "usage": anthropic_usage(out)}
 
-    stream = BlockStream(parser)
+    stream = BlockStream(parser, inside)
 
     def make_chunk(event: StreamEvent, i: int, first: bool) -> list[dict]:
         chunks = []

@@ -1,6 +1,7 @@
 """The handlers of OpenAI's Responses API: POST /v1/responses (the body converted once into the chat
-request (responses_protocol), run on the chat route's request path, the reply's blocks rendered as
-output items, whole or as the API's typed, numbered events), GET and DELETE /v1/responses/{id} over
+request (responses_protocol), run on the chat route's request path, the reply's blocks (a thinking
+model's reasoning split off as the chat route splits it) rendered as output items, whole or as the
+API's typed, numbered events), GET and DELETE /v1/responses/{id} over
 the stored responses that `previous_response_id` continues."""
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..executor.outputs import RequestOutput, StreamEvent
-from .blocks import TEXT, Block, BlockEvent, BlockStream, assistant_message, reply_blocks
-from .completions import as_chat_request, start_chat
+from .blocks import REASONING, TEXT, Block, BlockEvent, BlockStream, assistant_message, reply_blocks
+from .completions import as_chat_request, reasoning_start, start_chat
 from .errors import ApiError, error_body
 from .generation import Wire, respond, typed_sse
 from .response_store import StoredResponse
@@ -36,6 +37,15 @@ def output_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
+# The blocks with text parts: their part, and the prefix of their text events.
+PARTS = {TEXT: (output_part, "response.output_text"), REASONING: (reasoning_part, "response.reasoning_text")}
+ID_PREFIX = {TEXT: "msg", REASONING: "rs"}
+
+
 def usage(out: RequestOutput) -> dict:
     u = out.usage
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
@@ -50,34 +60,37 @@ class Rendering:
         self.key = response_id.removeprefix("resp_")
 
     def item_id(self, block: Block) -> str:
-        return f"{'msg' if block.kind == TEXT else 'fc'}_{self.key}{block.index:03d}"
+        return f"{ID_PREFIX.get(block.kind, 'fc')}_{self.key}{block.index:03d}"
 
     def item(self, block: Block, status: str, opening: bool = False) -> dict:
         """The block as an output item (`opening`: as it is announced, before its text)."""
         if block.kind == TEXT:
             return {"type": "message", "id": self.item_id(block), "status": status, "role": "assistant",
                     "content": [] if opening else [output_part(block.text)]}
+        if block.kind == REASONING:
+            return {"type": "reasoning", "id": self.item_id(block), "status": status, "summary": [],
+                    "content": [] if opening else [reasoning_part(block.text)]}
         return {"type": "function_call", "id": self.item_id(block), "call_id": block.call_id, "name": block.name,
                 "arguments": "" if opening else block.text, "status": status}
 
     def events(self, event: BlockEvent, status: str) -> list[dict]:
         block = event.block
         at = {"item_id": self.item_id(block), "output_index": block.index}
-        text = block.kind == TEXT
+        part, prefix = PARTS.get(block.kind, (None, ""))
+        logprobs = {"logprobs": []} if block.kind == TEXT else {}
         if event.what == "start":
             added = [{"type": "response.output_item.added", "output_index": block.index,
                       "item": self.item(block, "in_progress", opening=True)}]
-            if text:
-                added.append({"type": "response.content_part.added", **at, "content_index": 0, "part": output_part("")})
+            if part is not None:
+                added.append({"type": "response.content_part.added", **at, "content_index": 0, "part": part("")})
             return added
         if event.what == "delta":
-            if text:
-                return [{"type": "response.output_text.delta", **at, "content_index": 0, "delta": event.delta,
-                         "logprobs": []}]
+            if part is not None:
+                return [{"type": f"{prefix}.delta", **at, "content_index": 0, "delta": event.delta, **logprobs}]
             return [{"type": "response.function_call_arguments.delta", **at, "delta": event.delta}]
-        if text:
-            done = [{"type": "response.output_text.done", **at, "content_index": 0, "text": block.text, "logprobs": []},
-                    {"type": "response.content_part.done", **at, "content_index": 0, "part": output_part(block.text)}]
+        if part is not None:
+            done = [{"type": f"{prefix}.done", **at, "content_index": 0, "text": block.text, **logprobs},
+                    {"type": "response.content_part.done", **at, "content_index": 0, "part": part(block.text)}]
         else:
             done = [{"type": "response.function_call_arguments.done", **at, "name": block.name,
                      "arguments": block.text}]
@@ -99,8 +112,9 @@ def previous_conversation(state: ServerState, response_id: str | None) -> list[d
 async def create_response(state: ServerState, req: ResponsesRequest, http: Request) -> Response | dict:
     history = previous_conversation(state, req.previous_response_id)
     chat = as_chat_request(req.chat_fields(history))
-    streams, tools, _ = await start_chat(state, chat)
+    streams, tools, ids = await start_chat(state, chat)
     parser = tools.parser()
+    inside = reasoning_start(state, ids, chat, tools)
     response_id, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     rendering = Rendering(response_id)
     conversation = history + input_messages(req.input)
@@ -128,9 +142,9 @@ async def create_response(state: ServerState, req: ResponsesRequest, http: Reque
         return body
 
     def make_body(outputs: list[RequestOutput]) -> dict:
-        return finished(outputs[0], reply_blocks(*parser.message(outputs[0].text)))
+        return finished(outputs[0], reply_blocks(parser, outputs[0].text, inside))
 
-    stream = BlockStream(parser)
+    stream = BlockStream(parser, inside)
 
     def make_chunk(event: StreamEvent, i: int, first: bool) -> list[dict]:
         chunks = []

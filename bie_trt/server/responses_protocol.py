@@ -1,7 +1,7 @@
 """The request body of OpenAI's Responses API (POST /v1/responses), checked as strictly as the chat
 body, and its one conversion into the chat request the chat route runs: `instructions` and the input
-items (messages, function_call, function_call_output) into chat messages, function tools into chat
-tools, `text.format` into a response format. A field this server does not implement is refused by name."""
+items (messages, reasoning, function_call, function_call_output) into chat messages, function tools
+into chat tools, `text.format` into a response format. A field this server does not implement is refused by name."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
@@ -18,7 +18,8 @@ SHAPES = {"tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"funct
 REFUSED_WHEN_SET = {
     "include": "no extra output data (logprobs, encrypted reasoning, sources) is produced",
     "top_logprobs": "the Responses route returns no log-probabilities; use /v1/chat/completions",
-    "reasoning": "this server does not split the model's reasoning from its reply yet",
+    "reasoning": "effort levels and summaries are not implemented (a thinking template's reasoning comes back "
+                 "whole, as a reasoning item); use max_output_tokens",
     "background": "background responses are not implemented; stream instead",
     "max_tool_calls": "it is not implemented; set parallel_tool_calls to false for at most one call",
 }
@@ -70,6 +71,33 @@ class MessageItem(_Strict):
         return "".join(p.text for p in self.content if p.type != "refusal")
 
 
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Strict):
+    """An earlier reply's reasoning, replayed: its text (or, from a service that summarises, its summary)
+    goes to the chat template with the assistant turn after it."""
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    id: str | None = None
+    status: str | None = None
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _not_encrypted(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("is not supported: this server never encrypts reasoning, and cannot read "
+                             "another service's; send the reasoning's content, or leave the item out")
+        return value
+
+    def text(self) -> str:
+        return "".join(p.text for p in (self.content or self.summary))
+
+
 class FunctionCallItem(_Strict):
     type: Literal["function_call"]
     call_id: str
@@ -94,25 +122,23 @@ class FunctionCallOutputItem(_Strict):
 
 class RefusedItem(_Strict):
     model_config = ConfigDict(extra="allow")
-    type: Literal["reasoning", "item_reference", "file_search_call", "web_search_call", "computer_call",
+    type: Literal["item_reference", "file_search_call", "web_search_call", "computer_call",
                   "computer_call_output", "image_generation_call", "code_interpreter_call", "local_shell_call",
                   "local_shell_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
                   "mcp_approval_response", "custom_tool_call", "custom_tool_call_output", "compaction"]
 
     @model_validator(mode="after")
     def _refuse(self) -> RefusedItem:
-        if self.type == "reasoning":
-            raise ValueError("reasoning items are not supported yet: this server does not split the model's "
-                             "reasoning from its reply; leave them out")
         if self.type == "item_reference":
             raise ValueError("item_reference items are not supported: send the items themselves, or "
                              "previous_response_id")
         raise ValueError(f"{self.type} items are not supported: this server runs function tools only")
 
 
-Item = Annotated[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, RefusedItem],
+Item = Annotated[Union[MessageItem, ReasoningItem, FunctionCallItem, FunctionCallOutputItem, RefusedItem],
                  Field(discriminator="type")]
-ITEM_TYPES = ({"message", "function_call", "function_call_output", "input_text", "output_text", "refusal"}
+ITEM_TYPES = ({"message", "reasoning", "function_call", "function_call_output", "input_text", "output_text",
+               "refusal", "reasoning_text", "summary_text"}
               | set(RefusedItem.model_fields["type"].annotation.__args__)
               | set(RefusedPart.model_fields["type"].annotation.__args__))
 
@@ -267,12 +293,20 @@ class ResponsesRequest(_Strict):
 
 
 def input_messages(items: list[Item]) -> list[dict[str, Any]]:
-    """Input items -> chat messages: function_call items join the assistant turn before them (or open
-    one), function_call_output items become tool messages."""
+    """Input items -> chat messages: a reasoning item opens an assistant turn, which the assistant message
+    and function_call items after it join (a function_call item opens one too), function_call_output
+    items become tool messages."""
     out: list[dict[str, Any]] = []
     for item in items:
-        if item.type == "message":
-            out.append({"role": item.role, "content": item.text()})
+        if item.type == "reasoning":
+            out.append({"role": "assistant", "content": None, "reasoning_content": item.text()})
+        elif item.type == "message":
+            turn = out[-1] if out else {}
+            if item.role == "assistant" and turn.get("reasoning_content") is not None and turn["content"] is None \
+                    and "tool_calls" not in turn:   # the answer after its reasoning
+                turn["content"] = item.text()
+            else:
+                out.append({"role": item.role, "content": item.text()})
         elif item.type == "function_call":
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             if out and out[-1]["role"] == "assistant":
