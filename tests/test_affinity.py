@@ -109,3 +109,25 @@ def test_the_ingress_routes_a_chat_by_the_ids_the_engine_prefills(tiny_engine):
     assert routed_prompt("/v1/completions", {"prompt": ["one two", "three"]}, encoder) == encoder.encode("one two")
     assert routed_prompt("/v1/completions", {"prompt": [5, 6, 7]}, encoder) == [5, 6, 7]
     assert routed_prompt("/tokenize", {"prompt": "x"}, encoder) is None
+    # The same conversation as a Messages body and as a Responses body: the same ids
+    fn = tool["function"]
+    claude = {"model": "m", "max_tokens": 4, "system": "You answer briefly.", "messages": messages[1:],
+              "tools": [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}]}
+    assert routed_prompt("/v1/messages", claude, encoder) == encoder.encode_chat(messages, [tool])
+    responses = {"model": "m", "instructions": "You answer briefly.", "input": "Define 'ray'.",
+                 "tools": [{"type": "function", **fn}]}
+    assert routed_prompt("/v1/responses", responses, encoder) == encoder.encode_chat(messages, [tool])
+    assert routed_prompt("/v1/responses", {**responses, "previous_response_id": "resp_1"}, encoder) is None
+
+
+def test_a_stream_whose_replica_is_gone_ends_in_its_apis_own_error_event():
+    import json
+
+    ingress = pytest.importorskip("bie_trt.scale_out.ingress")
+    chat = ingress.stream_error("/v1/chat/completions", "gone").split("\n\n")
+    assert json.loads(chat[0].removeprefix("data: "))["error"]["code"] == "replica_unavailable" and chat[1] == "data: [DONE]"
+    for path, error in (("/v1/messages", {"type": "overloaded_error", "message": "gone"}),
+                        ("/v1/responses", {"message": "gone", "type": "overloaded_error", "param": None,
+                                           "code": "replica_unavailable"})):
+        event, data = ingress.stream_error(path, "gone").strip().split("\n")
+        assert event == "event: error" and json.loads(data.removeprefix("data: ")) == {"type": "error", "error": error}

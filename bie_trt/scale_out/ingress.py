@@ -19,7 +19,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import Message, Receive, Scope, Send
 
 from ..executor.prompt_encoder import PromptEncoder
-from ..server.errors import error_body, openai_error
+from ..server.errors import ANTHROPIC_PREFIX, anthropic_error_body, error_body, error_response
+from ..server.generation import typed_sse
 from ..server.metrics import CONTENT_TYPE
 from .affinity import MAX_BLOCKS, RouteHint
 from .asgi import ForwardedRequest
@@ -30,6 +31,7 @@ from .router import router_of
 log = logging.getLogger("bie_trt.scale_out")
 
 RETRY_AFTER_S = 1
+GONE_CODE = "replica_unavailable"
 SCRAPE_TIMEOUT_S = 5.0          # a replica slower than this to answer a scrape is left out of it
 REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
@@ -104,13 +106,12 @@ class Ingress:
         message = (f"the replica serving this request stopped before it finished; retry after {RETRY_AFTER_S} s "
                    f"(another replica takes it).")
         if not started:
-            await openai_error(503, message, code="replica_unavailable",
-                               headers={"Retry-After": str(RETRY_AFTER_S)})(scope, receive, send)
+            await error_response(503, message, code=GONE_CODE, headers={"Retry-After": str(RETRY_AFTER_S)},
+                                 path=scope["path"])(scope, receive, send)
             return
         tail: Message = {"type": "http.response.body", "body": b"", "more_body": False}
         if streaming:   # the status went out already: the error is the stream's last event
-            tail["body"] = f"data: {json.dumps(error_body(503, message, code='replica_unavailable'))}\n\n" \
-                           f"data: [DONE]\n\n".encode()
+            tail["body"] = stream_error(scope["path"], message).encode()
         await send(tail)
 
     async def _metrics(self, send: Send) -> None:
@@ -128,3 +129,11 @@ class Ingress:
                     "headers": [(b"content-type", CONTENT_TYPE.encode()), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
+
+def stream_error(path: str, message: str) -> str:
+    """A stream's last event when its replica is gone, framed and shaped as the route's API does."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return typed_sse(anthropic_error_body(503, message))
+    if path.startswith("/v1/responses"):
+        return typed_sse({"type": "error", **error_body(503, message, code=GONE_CODE)})
+    return f"data: {json.dumps(error_body(503, message, code=GONE_CODE))}\n\ndata: [DONE]\n\n"
