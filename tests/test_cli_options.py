@@ -76,6 +76,21 @@ def test_generate_takes_template_variables(smollm2_engine, tokenizer):
     assert r.exit_code == 2 and "--chat-template-kwargs applies only with --chat" in r.output
 
 
+def test_generate_json_returns_a_chat_replys_reasoning(smollm2_engine, tmp_path):
+    """A template whose generation prompt opens a <think> block: the reply starts inside it, so its
+    reasoning is split off as the server splits it; SmolLM2's own template does not think: null."""
+    from bie_trt.reasoning import split_reasoning
+
+    template = tmp_path / "think.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}<|im_start|>assistant\n<think>\n")
+    base = ["generate", "--engine", smollm2_engine, "--prompt", "hi", "--chat", "--temperature", "0",
+            "--max-tokens", "8", "--json"]
+    thinking = json.loads(invoke(*base, "--chat-template", template).stdout)
+    assert thinking["reasoning_content"] == split_reasoning(thinking["text"], inside=True)[0] is not None
+    assert json.loads(invoke(*base).stdout)["reasoning_content"] is None
+
+
 def test_eval_without_a_kv_flag_compares_int4_against_fp16(smollm2_engine, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The cat sat on the mat and looked at the dog across the room. " * 20)

@@ -269,6 +269,9 @@ def generate(engine_dir: str, prompt: str, chat: bool, chat_template: str | None
             "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens,
                       "prompt_tokens_details": {"cached_tokens": out.usage.cached_tokens}},
             **({"spec_decode": out.spec_decode} if out.spec_decode is not None else {}),
+            # a chat reply's <think> block, as the server's reasoning_content (null: none, or not split)
+            **({"reasoning_content": engine.split_reasoning(prompt_ids, out.text)[0]}
+               if chat and params.structured_outputs is None else {}),
         }))
     else:
         click.echo()

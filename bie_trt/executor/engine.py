@@ -380,19 +380,29 @@ class BieEngine:
                 raise RequestError(f"tool_choice {tool_choice!r} and the params' structured_outputs both constrain "
                                    f"the reply; send one of them.")
             params = dataclasses.replace(params, structured_outputs=constraint)
-        try:
-            parser_name = resolve_parser(reasoning_parser, str(self.tokenizer.chat_template or ""))
-        except ValueError as e:
-            raise RequestError(str(e)) from None
+        self.reasoning_parser(reasoning_parser)   # a bad name fails before generating
         ids = self.encode_chat(messages, tools, template_kwargs)
         out = self.generate(ids, params)
         # a reply shaped whole by a constraint is not split: the constraint covers all of it
-        inside = None if params.structured_outputs is not None else starts_inside(
-            parser_name, self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
-        reasoning, text = (None, out.text) if inside is None else split_reasoning(out.text, inside)
+        reasoning, text = (None, out.text) if params.structured_outputs is not None else \
+            self.split_reasoning(ids, out.text, reasoning_parser)
         parser = ReplyParser(mode, {t["function"]["name"] for t in tools or []}, function)
         content, calls = (None, []) if text is None else parser.message(text)
         return ChatOutput(content, calls, ReplyParser.finish_reason(out.finish_reason, bool(calls)), out, reasoning)
+
+    def reasoning_parser(self, name: str = "auto") -> str:
+        """The reasoning parser `name` stands for with this engine's chat template (auto: qwen3's when the
+        template mentions <think>, else none)."""
+        try:
+            return resolve_parser(name, str(self.tokenizer.chat_template or ""))
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    def split_reasoning(self, prompt_ids: list[int], text: str, parser: str = "auto") -> tuple[str | None, str | None]:
+        """A chat reply to `prompt_ids` -> (reasoning, content), as the server splits a thinking model's
+        reply: where it starts is read from the prompt's end; (None, text) when it is not split."""
+        inside = starts_inside(self.reasoning_parser(parser), self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        return (None, text) if inside is None else split_reasoning(text, inside)
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached blocks no request holds, in both tiers (benchmarks use it to measure cold
