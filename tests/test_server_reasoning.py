@@ -113,26 +113,41 @@ CLAUDE_WEATHER = {"name": "get_weather", "description": WEATHER["function"]["des
                   "input_schema": WEATHER["function"]["parameters"]}
 
 
-def test_anthropic_messages_return_the_thinking_block_whole_and_streamed(served, reference):
+def claude_ask(served) -> tuple[anthropic.Anthropic, dict]:
+    claude = anthropic.Anthropic(base_url=served[1], api_key="unused", max_retries=0)
+    return claude, dict(model=served[0].model_name, max_tokens=80, extra_body={"temperature": 0},
+                        messages=CLAUDE_RUN, tools=[CLAUDE_WEATHER])
+
+
+@pytest.fixture(scope="module")
+def claude_reply(served):
+    claude, ask = claude_ask(served)
+    return claude.messages.create(**ask, thinking={"type": "adaptive"})
+
+
+def test_anthropic_messages_return_the_thinking_block(served, reference, claude_reply):
     """The official anthropic SDK: the reasoning comes back as a thinking block before the text and the
-    tool_use, as the chat route splits it; its stream helper reassembles the same blocks; the replayed
-    thinking blocks reach the template (the prompt is the chat run's, token for token)."""
-    _, base, _ = served
-    claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    tool_use, as the chat route splits it; the replayed thinking blocks reach the template (the prompt
+    is the chat run's, token for token)."""
+    claude, ask = claude_ask(served)
     ids, sdk = reference
-    model = served[0].model_name
-    ask = dict(model=model, max_tokens=80, extra_body={"temperature": 0}, messages=CLAUDE_RUN, tools=[CLAUDE_WEATHER])
-    assert claude.messages.count_tokens(model=model, messages=CLAUDE_RUN, tools=[CLAUDE_WEATHER]).input_tokens == len(ids)
+    assert claude.messages.count_tokens(model=ask["model"], messages=CLAUDE_RUN,
+                                        tools=[CLAUDE_WEATHER]).input_tokens == len(ids)
     reasoning, content = split_reasoning(sdk.text)
     prose, _ = parse_tool_calls(content, {"get_weather"})
-    reply = claude.messages.create(**ask, thinking={"type": "adaptive"})
-    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None) or b.input) for b in reply.content] == [
-        ("thinking", reasoning), ("text", prose), ("tool_use", {"city": "Berlin"})]
-    assert reply.stop_reason == "tool_use" and reply.usage.output_tokens == len(sdk.token_ids)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None) or b.input)
+            for b in claude_reply.content] == [("thinking", reasoning), ("text", prose), ("tool_use", {"city": "Berlin"})]
+    assert claude_reply.stop_reason == "tool_use" and claude_reply.usage.output_tokens == len(sdk.token_ids)
+
+
+@pytest.mark.slow
+def test_anthropic_stream_reassembles_the_thinking_block(served, claude_reply):
+    claude, ask = claude_ask(served)
     with claude.messages.stream(**ask) as stream:   # no thinking field: the template's default, thinking
         kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
         streamed = stream.get_final_message()
-    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [b.model_dump(exclude={"id"}) for b in reply.content]
+    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == \
+        [b.model_dump(exclude={"id"}) for b in claude_reply.content]
     assert kinds.count("thinking_delta") > 1 and kinds.index("thinking_delta") < kinds.index("text_delta")
 
 
@@ -140,7 +155,7 @@ def test_anthropic_thinking_disabled_closes_the_block_in_the_prompt(served, refe
     _, base, _ = served
     claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
     empty_block = served[0].tokenizer(EMPTY_BLOCK, add_special_tokens=False)["input_ids"]
-    reply = claude.messages.create(model=served[0].model_name, max_tokens=80, extra_body={"temperature": 0},
+    reply = claude.messages.create(model=served[0].model_name, max_tokens=1, extra_body={"temperature": 0},
                                    messages=CLAUDE_RUN, tools=[CLAUDE_WEATHER], thinking={"type": "disabled"})
     assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(reference[0]) + len(empty_block)
     assert "thinking" not in [b.type for b in reply.content]
@@ -162,23 +177,36 @@ for _m in RUN[1:]:
 RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
 
 
-def test_responses_return_a_reasoning_item_whole_and_streamed(served, reference):
+def responses_ask(served) -> dict:
+    return dict(model=served[0].model_name, input=RESPONSES_RUN, tools=[RESPONSES_WEATHER], temperature=0,
+                max_output_tokens=80)
+
+
+@pytest.fixture(scope="module")
+def responses_reply(served):
+    return served[2].responses.create(**responses_ask(served))
+
+
+def test_responses_return_a_reasoning_item(reference, responses_reply):
     """The official openai client's responses.create: the reasoning as a reasoning item before the
     message and the function call; replayed reasoning items reach the template (the prompt is the chat
-    run's, token for token); the stream's reasoning_text deltas join to the item's text."""
-    client = served[2]
+    run's, token for token)."""
     ids, sdk = reference
     reasoning, content = split_reasoning(sdk.text)
-    ask = dict(model=served[0].model_name, input=RESPONSES_RUN, tools=[RESPONSES_WEATHER], temperature=0,
-               max_output_tokens=80)
-    reply = client.responses.create(**ask)
+    reply = responses_reply
     assert reply.usage.input_tokens == len(ids) and reply.usage.output_tokens == len(sdk.token_ids)
     assert [item.type for item in reply.output] == ["reasoning", "message", "function_call"]
     assert [part.text for part in reply.output[0].content] == [reasoning]
     assert reply.output_text == parse_tool_calls(content, {"get_weather"})[0]
     assert (reply.output[2].name, json.loads(reply.output[2].arguments)) == ("get_weather", {"city": "Berlin"})
+
+
+@pytest.mark.slow
+def test_responses_stream_reasoning_text_deltas(served, reference, responses_reply):
+    reasoning, _ = split_reasoning(reference[1].text)
+    reply = responses_reply
     deltas, final = [], None
-    for event in client.responses.create(**ask, stream=True):
+    for event in served[2].responses.create(**responses_ask(served), stream=True):
         if event.type == "response.reasoning_text.delta":
             deltas.append(event.delta)
         if event.type == "response.completed":
@@ -195,10 +223,11 @@ def test_the_sdks_chat_splits_the_reasoning_and_takes_the_templates_variables(se
     out = engine.chat(RUN, greedy, tools=[WEATHER])
     assert (out.reasoning_content, out.content) == (reasoning, parse_tool_calls(content, {"get_weather"})[0])
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Berlin"})]
-    off = engine.chat(RUN, greedy, tools=[WEATHER], template_kwargs=NO_THINKING["chat_template_kwargs"])
-    assert off.reasoning_content is None and off.output.usage.prompt_tokens > len(reference[0])
-    unsplit = engine.chat(RUN, greedy, tools=[WEATHER], reasoning_parser="none")
-    assert unsplit.reasoning_content is None and unsplit.content.startswith("<think>")
+    # thinking off: the prompt closes the block (one token is enough to see the prompt)
+    off = engine.chat(RUN, SamplingParams(temperature=0, max_tokens=1), tools=[WEATHER],
+                      template_kwargs=NO_THINKING["chat_template_kwargs"])
+    assert engine.tokenizer.decode(off.output.prompt_token_ids) == engine.tokenizer.decode(reference[0]) + EMPTY_BLOCK
+    assert engine.split_reasoning(reference[0], reference[1].text, "none") == (None, reference[1].text)
 
 
 def test_enable_thinking_false_changes_the_prompt_and_the_reply(served, reference):
