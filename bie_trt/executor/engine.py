@@ -380,12 +380,12 @@ class BieEngine:
                 raise RequestError(f"tool_choice {tool_choice!r} and the params' structured_outputs both constrain "
                                    f"the reply; send one of them.")
             params = dataclasses.replace(params, structured_outputs=constraint)
-        self.reasoning_parser(reasoning_parser)   # a bad name fails before generating
+        parser_name = self.reasoning_parser(reasoning_parser)   # a bad name fails before generating
         ids = self.encode_chat(messages, tools, template_kwargs)
         out = self.generate(ids, params)
         # a reply shaped whole by a constraint is not split: the constraint covers all of it
         reasoning, text = (None, out.text) if params.structured_outputs is not None else \
-            self.split_reasoning(ids, out.text, reasoning_parser)
+            self.split_reasoning(ids, out.text, parser_name)
         parser = ReplyParser(mode, {t["function"]["name"] for t in tools or []}, function)
         content, calls = (None, []) if text is None else parser.message(text)
         return ChatOutput(content, calls, ReplyParser.finish_reason(out.finish_reason, bool(calls)), out, reasoning)
@@ -398,10 +398,15 @@ class BieEngine:
         except ValueError as e:
             raise RequestError(str(e)) from None
 
+    def reasoning_start(self, prompt_ids: list[int], parser: str = "auto") -> bool | None:
+        """Where a chat reply to `prompt_ids` starts, read from the prompt's end: inside a reasoning block
+        (True), before one it may open (False), or not split at all (None)."""
+        return starts_inside(self.reasoning_parser(parser), self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+
     def split_reasoning(self, prompt_ids: list[int], text: str, parser: str = "auto") -> tuple[str | None, str | None]:
         """A chat reply to `prompt_ids` -> (reasoning, content), as the server splits a thinking model's
-        reply: where it starts is read from the prompt's end; (None, text) when it is not split."""
-        inside = starts_inside(self.reasoning_parser(parser), self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        reply; (None, text) when it is not split."""
+        inside = self.reasoning_start(prompt_ids, parser)
         return (None, text) if inside is None else split_reasoning(text, inside)
 
     def reset_prefix_cache(self) -> None:

@@ -64,12 +64,14 @@ class Ingress:
         return RouteHint(prefix_ids=None if ids is None else tuple(ids[:self.prefix_tokens]))
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body, more = b"", True
+        parts, more = [], True
         while more:
             message = await receive()
             if message["type"] != "http.request":
                 return   # the client left before it finished sending
-            body, more = body + message.get("body", b""), message.get("more_body", False)
+            parts.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(parts)
         hint = await anyio.to_thread.run_sync(self.hint, scope["path"], body)
         request = ForwardedRequest(scope["method"], scope["path"], scope.get("query_string", b""),
                                    list(scope.get("headers", [])), body, scope.get("client"))

@@ -17,7 +17,7 @@ from ..errors import BieError
 from ..executor.outputs import RequestOutput, StreamEvent
 from ..executor.streams import RequestStream
 from ..executor.prompts import check_prompt
-from ..reasoning import PROMPT_TAIL_TOKENS, ReasoningStream, split_reasoning, starts_inside
+from ..reasoning import ReasoningStream, split_reasoning
 from .errors import ApiError
 from .generation import respond, submit, usage
 from .protocol import ChatRequest, CompletionRequest, describe_error
@@ -109,9 +109,9 @@ def reasoning_start(state: ServerState, prompt_ids: list[int], req: ChatRequest,
     """Where this reply starts for the reasoning parser (inside a block or not), from its prompt's end;
     None: the reply is not split (no parser, the prompt closed the block, or an output constraint or
     tool_choice shapes the whole reply)."""
-    if state.reasoning_parser == "none" or tools.mode not in ("none", "auto") or req.constraints():
+    if tools.mode not in ("none", "auto") or req.constraints():
         return None
-    return starts_inside(state.reasoning_parser, state.engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+    return state.engine.reasoning_start(prompt_ids, state.reasoning_parser)
 
 
 def as_chat_request(fields: dict[str, Any]) -> ChatRequest:

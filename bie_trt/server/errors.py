@@ -46,7 +46,7 @@ def body_for_path(path: str) -> Callable[..., dict]:
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+                   headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
     """An error response in the shape of `path`'s API (OpenAI's unless it is an Anthropic route)."""
     return JSONResponse(body_for_path(path)(status, message, param, code), status, headers=headers)
 
@@ -99,4 +99,4 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _fault(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed inside the server")
         return error_response(500, f"the server failed on this request: {type(exc).__name__}: {exc}",
-                            path=request.url.path)
+                              path=request.url.path)
