@@ -25,6 +25,17 @@ def check_device_name(name: str) -> str:
     return name
 
 
+def concrete(device: "torch.device | str") -> "torch.device":
+    """`device` with its index: a bare "cuda" is the current GPU. PyTorch compares cuda and cuda:0 as
+    different devices, and some of its calls (the memory cap) refuse a device without an index."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def available_host_memory() -> int | None:
     """MemAvailable from /proc/meminfo in bytes (Linux); None where it cannot be read."""
     try:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import SamplingParams
+from .devices import concrete
 
 if TYPE_CHECKING:
     from .structured import LogitsConstraint
@@ -23,7 +24,7 @@ _BOUNDARY_TOL = 1e-6
 def make_generator(params: SamplingParams, fallback_seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A request's generator on `device`. A seed repeats its tokens on one kind of device (a CUDA
     generator's numbers are not the CPU's)."""
-    g = torch.Generator(device=device)
+    g = torch.Generator(device=concrete(device))
     g.manual_seed(params.seed if params.seed is not None else fallback_seed)
     return g
 

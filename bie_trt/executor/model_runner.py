@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from .. import engine_format as ef
 from ..checkpoint.registry import cache_dir
 from ..config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
-from ..devices import available_host_memory as _available_memory, check_device_name
+from ..devices import available_host_memory as _available_memory, check_device_name, concrete
 from ..errors import EngineError
 from ..integrity import check_engine_files
 from ..kernels.kernel_cache import use_engine_kernels
@@ -69,9 +69,9 @@ def copy_blocks(pools: KVPools, copies: list[Copy]) -> None:
 
 def pick_device(config: EngineConfig, manifest: dict) -> torch.device:
     if config.device != "auto":
-        return torch.device(check_device_name(config.device))
+        return concrete(check_device_name(config.device))
     if torch.cuda.is_available() and ef.check_target(manifest, ef.present_gpu_sm()) is None:
-        return torch.device("cuda")
+        return concrete("cuda")
     return torch.device("cpu")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..kernels.int8_rows import quantize_rows_int8
+from ..kernels.int8_rows import ROWS_PER_CHUNK, quantize_rows_int8
 from .llama import fused_linear_shapes
 
 # Meta-Llama-3-8B's config.json, the shapes the kernel and decode benchmarks are judged at.
@@ -88,7 +88,11 @@ def random_weights(cfg: ModelConfig, group_size: int = 128, seed: int = 0,
     ones = torch.ones(h, dtype=torch.float16)
     keep = torch.device(device) if g is None else torch.device("cpu")
     w = {"embed_tokens": (randn(cfg.vocab_size, h) * 0.02).half().to(keep), "norm": ones}
-    w["lm_head.q"], w["lm_head.scale"] = quantize_rows_int8(randn(cfg.vocab_size, h) * 0.02)
+    # The head in row chunks: a whole fp32 draw of an 8B's (2 GiB, twice over while quantising) would not
+    # fit beside the weights under an 8 GiB cap.
+    parts = [quantize_rows_int8(randn(min(ROWS_PER_CHUNK, cfg.vocab_size - r), h) * 0.02)
+             for r in range(0, cfg.vocab_size, ROWS_PER_CHUNK)]
+    w["lm_head.q"], w["lm_head.scale"] = (torch.cat(t) for t in zip(*parts))
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         w[p + "attn_norm"], w[p + "mlp_norm"] = ones, ones
