@@ -38,7 +38,7 @@ timeout 75 python3 scripts/bench_decode.py --contexts 65536 --kv int4_asym --ste
 #    pytest-xdist (in the lent machine's image) spreads the Triton compiles over 8 processes. (115 s)
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 timeout 115 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" $XDIST \
-    tests/test_triton_attention.py tests/test_triton_w4.py tests/test_triton_ops.py tests/test_triton_int8.py \
+    tests/test_triton_attention.py tests/test_triton_attention_gpu.py tests/test_triton_w4.py tests/test_triton_ops.py tests/test_triton_int8.py \
     tests/test_decode_graphs.py tests/test_device_sampling.py tests/test_kernel_cache.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 

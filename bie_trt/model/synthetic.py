@@ -87,11 +87,11 @@ def random_weights(cfg: ModelConfig, group_size: int = 128, seed: int = 0,
     h = cfg.hidden_size
     ones = torch.ones(h, dtype=torch.float16)
     keep = torch.device(device) if g is None else torch.device("cpu")
-    w = {"embed_tokens": (randn(cfg.vocab_size, h) * 0.02).half().to(keep), "norm": ones}
-    # The head in row chunks: a whole fp32 draw of an 8B's (2 GiB, twice over while quantising) would not
-    # fit beside the weights under an 8 GiB cap.
-    parts = [quantize_rows_int8(randn(min(ROWS_PER_CHUNK, cfg.vocab_size - r), h) * 0.02)
-             for r in range(0, cfg.vocab_size, ROWS_PER_CHUNK)]
+    # Vocabulary-sized matrices in row chunks: a whole fp32 draw of an 8B's (2 GiB, twice over while
+    # quantising) would not fit beside the weights under an 8 GiB cap.
+    chunks = [min(ROWS_PER_CHUNK, cfg.vocab_size - r) for r in range(0, cfg.vocab_size, ROWS_PER_CHUNK)]
+    w = {"embed_tokens": torch.cat([(randn(n, h) * 0.02).half().to(keep) for n in chunks]), "norm": ones}
+    parts = [quantize_rows_int8(randn(n, h) * 0.02) for n in chunks]
     w["lm_head.q"], w["lm_head.scale"] = (torch.cat(t) for t in zip(*parts))
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
