@@ -204,19 +204,21 @@ def test_a_verify_needing_the_extra_query_tile_hits_its_bucket(device, monkeypat
     if device == "cpu":
         monkeypatch.setenv("BIE_TRT_KERNELS", "reference")
     dtype = torch.float16 if device == "cuda" else torch.float32
-    model = LlamaModel(CFG, random_weights(CFG, group_size=32), torch.device(device), dtype)
-    pools = [allocate_pools(CFG, KVCacheConfig(dtype="fp16"), 8, 0, dtype, model.device, scratch_block=True)
+    cfg = tiny_llama(num_layers=1)
+    model = LlamaModel(cfg, random_weights(cfg, group_size=32), torch.device(device), dtype)
+    pools = [allocate_pools(cfg, KVCacheConfig(dtype="fp16"), 8, 0, dtype, model.device, scratch_block=True)
              for _ in range(2)]
-    g = torch.Generator().manual_seed(4)
+    # captured first: a capture's warm-up step writes its padding rows' K/V into the pool
+    graphs = DecodeGraphs(model, pools[0], [2], 64, pools[0].scratch_block, capture=device == "cuda",
+                          verify_rows=[GAMMA + 1])
+    g = torch.Generator()
     for p in pools:   # the same cache in both (one seed, drawn twice)
         g.manual_seed(4)
         p.k.copy_(torch.randn(p.k.shape, generator=g) * 0.1)
         p.v.copy_(torch.randn(p.v.shape, generator=g) * 0.1)
-    graphs = DecodeGraphs(model, pools[0], [2], 64, pools[0].scratch_block, capture=device == "cuda",
-                          verify_rows=[GAMMA + 1])
-    ids = torch.randint(0, CFG.vocab_size, (GAMMA + 1,), generator=g)
-    # sequence A's rows at positions 30..33 in two runs, each through its own view of the table (as a window
-    # block leaving mid-verify gives them), sequence B's four rows in one
+    ids = torch.randint(0, cfg.vocab_size, (GAMMA + 1,), generator=g)
+    # sequence A's rows at positions 30..33 in two runs, cut at a block's end as a window block leaving
+    # mid-verify cuts them (each run an input of its own), sequence B's four rows in one
     step = [SeqInput(ids[:2], 30, [0, 1, 2], all_logits=True), SeqInput(ids[2:], 32, [0, 1, 2], all_logits=True),
             SeqInput(ids, 40, [3, 4, 5], all_logits=True)]
     assert len(StepTiles.layout([2, 2, 4])) == 3 > 2 * -(-(GAMMA + 1) // TILE_ROWS)
