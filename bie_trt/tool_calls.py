@@ -357,9 +357,9 @@ def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, paralle
     for i, t in enumerate(tools):   # (OpenAI refuses these too; Anthropic's input_schema is checked on its body)
         schema = t["function"].get("parameters") or EMPTY_PARAMETERS
         if not isinstance(schema, dict) or not _admits_objects(schema):
+            got = f"type {schema.get('type')!r}" if isinstance(schema, dict) else repr(schema)
             raise ToolsError(f"tools[{i}] ({t['function']['name']!r}): parameters must be a JSON Schema of type "
-                             f"\"object\" (a call's arguments are a JSON object); got type "
-                             f"{schema.get('type') if isinstance(schema, dict) else schema!r}.")
+                             f"\"object\" (a call's arguments are a JSON object); got {got}.")
     if tool_choice in (None, "auto", "none"):
         return tool_choice or "auto", None, None
     if tool_choice == "required":

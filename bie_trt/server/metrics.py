@@ -79,7 +79,7 @@ def graph_steps(counts: dict) -> Metric:
     """Decode and verify steps replayed from a CUDA graph, and those that fit no captured bucket and ran
     eagerly: correct tokens, lost speed (a verify falling out of its bucket shows here)."""
     steps = CounterMetricFamily("bie_cuda_graph_steps", "Decode and verify steps by how they ran: graph (replayed "
-                                "from a captured CUDA graph) or eager (no captured bucket held the step; 0 "
+                                "from a captured CUDA graph) or eager (no captured graph held the step; 0 "
                                 "without graphs).", labels=["step", "result"])
     for step in STEP_KINDS:
         for result in ("graph", "eager"):
