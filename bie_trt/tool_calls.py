@@ -37,9 +37,21 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+class ToolsError(RequestError):
+    """A request's `tools` (not its tool_choice) is what is wrong."""
+
+
 def parameters_of(tool: dict) -> dict:
-    """A tool's parameter schema; a function without one takes no arguments (OpenAI's reading)."""
-    return tool["function"].get("parameters") or EMPTY_PARAMETERS
+    """A tool's parameter schema as a forced call's grammar takes it: a function without one takes no
+    arguments (OpenAI's reading), and the type is "object" even where the schema leaves it open (no
+    `type`, or a list holding "object"), since every API sends a call's arguments as a JSON object."""
+    schema = tool["function"].get("parameters") or EMPTY_PARAMETERS
+    return schema if schema.get("type") == "object" else {**schema, "type": "object"}
+
+
+def _admits_objects(schema: dict) -> bool:
+    kind = schema.get("type", "object")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind)
 
 
 # -- enforcing tool_choice -------------------------------------------------------------------------
@@ -341,7 +353,13 @@ def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, paralle
         return "none", None, None
     if not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
                and isinstance(t["function"].get("name"), str) for t in tools):
-        raise RequestError('each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}.')
+        raise ToolsError('each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}.')
+    for i, t in enumerate(tools):   # (OpenAI refuses these too; Anthropic's input_schema is checked on its body)
+        schema = t["function"].get("parameters") or EMPTY_PARAMETERS
+        if not isinstance(schema, dict) or not _admits_objects(schema):
+            got = f"type {schema.get('type')!r}" if isinstance(schema, dict) else repr(schema)
+            raise ToolsError(f"tools[{i}] ({t['function']['name']!r}): parameters must be a JSON Schema of type "
+                             f"\"object\" (a call's arguments are a JSON object); got {got}.")
     if tool_choice in (None, "auto", "none"):
         return tool_choice or "auto", None, None
     if tool_choice == "required":

@@ -82,3 +82,27 @@ def test_close_schema_only_adds_constraints():
     instance = {"p": 1.5, "q": {"n": None}, "r": {"x": 1, "y": 2}}
     jsonschema.validate(instance, closed)
     jsonschema.validate(instance, schema)
+
+
+def test_a_single_allof_member_closes_its_objects():
+    """One member is the object itself (pydantic's `allOf: [{"$ref": ...}]` for a described field): nothing
+    is left for another branch to declare, so its undeclared keys are refused as anywhere else."""
+    schema = {"type": "object", "properties": {"city": {"allOf": [CITY]}}, "required": ["city"]}
+    closed = close_schema(schema)
+    assert closed["properties"]["city"]["allOf"][0]["additionalProperties"] is False
+    jsonschema.validate({"city": {"name": "Rome"}}, closed)
+    with pytest.raises(jsonschema.ValidationError, match="Additional properties"):
+        jsonschema.validate({"city": {"name": "Rome", "weather": "sun"}}, closed)
+
+
+@pytest.mark.parametrize("kind, bound", [("number", 1e15), ("integer", INT64_BOUND)])
+def test_a_one_sided_bound_keeps_the_other_side_wide(kind, bound):
+    """A schema's own bound stays; the open side gets the closed form's, not the given one mirrored."""
+    below = close_schema({"type": kind, "maximum": 10})
+    assert (below["minimum"], below["maximum"]) == (-bound, 10)
+    above = close_schema({"type": kind, "minimum": -10})
+    assert (above["minimum"], above["maximum"]) == (-10, bound)
+    jsonschema.validate(-12, below)      # values far below the maximum are still admitted
+    jsonschema.validate(12, above)
+    far = close_schema({"type": kind, "maximum": -2 * bound})   # a bound beyond ours: the range stays non-empty
+    assert far["minimum"] <= far["maximum"] == -2 * bound

@@ -24,6 +24,7 @@ from bie_trt.executor.sequence import Sequence
 from bie_trt.kernels import triton_ops
 from bie_trt.kv.pool import allocate_pools
 from bie_trt.model.llama import LlamaModel, SeqInput
+from bie_trt.model.step_inputs import TILE_ROWS, StepTiles
 from bie_trt.model.synthetic import random_weights, tiny_llama
 from bie_trt.sampling import make_generator
 
@@ -192,3 +193,42 @@ def test_static_draft_decode_equals_final_hidden(device):
     for a, b in pairs:
         assert torch.isfinite(a).all()
         assert (a - b).abs().max() <= tol * b.abs().max()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_verify_needing_the_extra_query_tile_hits_its_bucket(device, monkeypatch):
+    """A full bucket (2 sequences at γ+1 = 4 rows) where one sequence's rows cross a window block: its two
+    runs take a query tile each, one more than ceil(rows / TILE_ROWS) a sequence, and the step still
+    replays its bucket (the static step, eager on the CPU), with the eager forward's logits; a step no
+    bucket holds is counted as an eager fallback, a prefill chunk as neither."""
+    if device == "cpu":
+        monkeypatch.setenv("BIE_TRT_KERNELS", "reference")
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    cfg = tiny_llama(num_layers=1)
+    model = LlamaModel(cfg, random_weights(cfg, group_size=32), torch.device(device), dtype)
+    pools = [allocate_pools(cfg, KVCacheConfig(dtype="fp16"), 8, 0, dtype, model.device, scratch_block=True)
+             for _ in range(2)]
+    # captured first: a capture's warm-up step writes its padding rows' K/V into the pool
+    graphs = DecodeGraphs(model, pools[0], [2], 64, pools[0].scratch_block, capture=device == "cuda",
+                          verify_rows=[GAMMA + 1])
+    g = torch.Generator()
+    for p in pools:   # the same cache in both (one seed, drawn twice)
+        g.manual_seed(4)
+        p.k.copy_(torch.randn(p.k.shape, generator=g) * 0.1)
+        p.v.copy_(torch.randn(p.v.shape, generator=g) * 0.1)
+    ids = torch.randint(0, cfg.vocab_size, (GAMMA + 1,), generator=g)
+    # sequence A's rows at positions 30..33 in two runs, cut at a block's end as a window block leaving
+    # mid-verify cuts them (each run an input of its own), sequence B's four rows in one
+    step = [SeqInput(ids[:2], 30, [0, 1, 2], all_logits=True), SeqInput(ids[2:], 32, [0, 1, 2], all_logits=True),
+            SeqInput(ids, 40, [3, 4, 5], all_logits=True)]
+    assert len(StepTiles.layout([2, 2, 4])) == 3 > 2 * -(-(GAMMA + 1) // TILE_ROWS)
+    got = graphs.run(step)
+    assert got is not None, "the verify fell out of its bucket"
+    assert graphs.counts["verify"] == {"graph": 1, "eager": 0}
+    for a, b in zip(got, model.forward(step, pools[1])):   # (fp16 on CUDA: as the graph test's tolerance)
+        torch.testing.assert_close(a, b, atol=1e-5 if device == "cpu" else 5e-3, rtol=0)
+    too_many = [SeqInput(ids, 4 * i, [6], all_logits=True) for i in range(3)]   # 3 sequences, buckets of 2
+    assert graphs.run(too_many) is None and graphs.counts["verify"] == {"graph": 1, "eager": 1}
+    assert graphs.run([SeqInput(ids[:1], 5, [6])], quantise=True) is None   # a decode that quantises mid-step
+    assert graphs.run([SeqInput(torch.cat([ids, ids]), 0, [6])]) is None     # a prefill chunk: no graph is for it
+    assert graphs.counts == {"decode": {"graph": 0, "eager": 1}, "verify": {"graph": 1, "eager": 1}}

@@ -116,7 +116,8 @@ def test_metrics_export_every_engine_number_under_vllm_names():
                                                                                           "free": 7}},
                         running=2, waiting=5,
                         spec_decode={"num_drafts": 6, "num_draft_tokens": 18, "num_accepted_tokens": 11,
-                                     "accepted_by_position": [6, 4, 1]})
+                                     "accepted_by_position": [6, 4, 1]},
+                        cuda_graphs={"decode": {"graph": 9, "eager": 1}, "verify": {"graph": 5, "eager": 2}})
     metrics = Metrics(lambda: stats)
     metrics.ttft.observe(0.3)
     values = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -136,6 +137,9 @@ def test_metrics_export_every_engine_number_under_vllm_names():
     assert values[("bie_spec_decode_num_accepted_tokens_total", ())] == 11
     assert [values[("bie_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
             for i in range(3)] == [6, 4, 1]
+    assert {(step, result): values[("bie_cuda_graph_steps_total", (("result", result), ("step", step)))]
+            for step in ("decode", "verify") for result in ("graph", "eager")} == {
+        ("decode", "graph"): 9, ("decode", "eager"): 1, ("verify", "graph"): 5, ("verify", "eager"): 2}
     assert values[("bie_time_to_first_token_seconds_count", ())] == 1
     assert values[("bie_time_to_first_token_seconds_bucket", (("le", "0.5"),))] == 1
     assert values[("bie_time_to_first_token_seconds_bucket", (("le", "0.25"),))] == 0
@@ -154,6 +158,7 @@ def test_metrics_endpoint_parses_and_counts_what_it_served(engine):
     assert samples["bie_inter_token_latency_seconds_count"] - old["bie_inter_token_latency_seconds_count"] == 2
     assert samples["bie_e2e_request_latency_seconds_count"] - old["bie_e2e_request_latency_seconds_count"] == 1
     assert {"bie_spec_decode_num_drafts", "bie_spec_decode_num_accepted_tokens_per_pos"} <= set(families)
+    assert {s.value for s in families["bie_cuda_graph_steps"].samples} == {0}   # the CPU captures no graphs
 
 
 def _start_server(engine_dir: Path, port: int, *extra: str) -> subprocess.Popen:

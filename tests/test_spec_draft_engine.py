@@ -103,15 +103,16 @@ def padded_pair(build, tmp_path_factory, smollm2_checkpoint):
 def test_a_draft_without_its_targets_padded_rows_proposes_and_changes_nothing(padded_pair, lee_text):
     plain, spec = engines(padded_pair)
     batch = prompts(plain, lee_text)[:2]
-    batch.append([PADDED_VOCAB - 1] + batch[0] + [PADDED_VOCAB - 2])   # ids the draft cannot read, in the prompt
+    # ids the draft cannot read, in the prompt: the first padded one (exactly its vocabulary size) and the last
+    batch.append([DRAFT_VOCAB] + batch[0] + [PADDED_VOCAB - 1])
     want = [o.token_ids for o in plain.generate(batch, GREEDY)]
     got = spec.generate(batch, GREEDY)
     assert [o.token_ids for o in got] == want
     within = [o.spec_decode for o in got[:2]]   # the same weights as the target's, inside the window
     assert sum(d["num_accepted_tokens"] for d in within) >= 0.9 * sum(d["num_draft_tokens"] for d in within) > 0
     # The target made to emit a padded id: the draft reads it as a stand-in and goes on proposing.
-    forced = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={PADDED_VOCAB - 3: 100})
-    assert spec.generate(batch[0], forced).token_ids == [PADDED_VOCAB - 3] * 8
+    forced = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={DRAFT_VOCAB: 100})
+    assert spec.generate(batch[0], forced).token_ids == [DRAFT_VOCAB] * 8
     sampled = spec.generate(batch[1], SamplingParams(temperature=1.0, max_tokens=16, seed=5, ignore_eos=True))
     assert len(sampled.token_ids) == 16 and spec.stats().spec_decode["num_drafts"] > 0
     assert idle(spec)

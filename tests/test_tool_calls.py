@@ -50,6 +50,15 @@ def test_arguments_written_as_a_json_string():
         None, [("get_weather", {"city": "Oslo"})])
 
 
+def test_a_call_with_its_type_is_a_call():
+    """Models trained on OpenAI's tool_calls write the call with its "type" beside name and arguments."""
+    call = {"type": "function", "name": "get_weather", "arguments": {"city": "Oslo"}}
+    want = (None, [("get_weather", {"city": "Oslo"})])
+    assert calls_of(json.dumps(call)) == want
+    assert calls_of(f"<tool_call>{json.dumps(call)}</tool_call>") == want
+    assert calls_of(json.dumps({**call, "weather": "sun"}))[1] == []   # any other key: not a call
+
+
 @pytest.mark.parametrize("text", [
     "Plain prose, no call.",
     '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',      # not JSON
@@ -117,6 +126,17 @@ def test_a_repeated_call_ends_the_calls():
     tags = "".join(f'<tool_call>{json.dumps({"name": "get_time", "arguments": {}})}</tool_call>' for _ in range(3))
     assert calls_of(tags) == (None, [("get_time", {})])
     assert calls_of(json.dumps([oslo, oslo])) == (None, [("get_weather", {"city": "Oslo"})])
+
+
+def test_complete_calls_cut_short_finish_with_length():
+    """A reply whose calls were complete when max_tokens cut it (the array never closed) still finishes with
+    "length": the client learns the reply was cut (it may have had more calls), not that it ended by itself."""
+    parser = ReplyParser("required", NAMES)
+    content, calls = parser.message('[{"name": "get_time", "parameters": {}}, {"name": "get_wea')
+    assert content is None and [c.name for c in calls] == ["get_time"]
+    assert parser.finish_reason("length", called=True) == "length"
+    assert parser.finish_reason("stop", called=True) == "tool_calls"
+    assert parser.finish_reason("stop", called=False) == "stop"
 
 
 def test_named_arguments_cut_mid_way_are_no_call():

@@ -23,6 +23,7 @@ from ..model.llama import LlamaModel
 from ..model.step_inputs import TILE_ROWS, SeqInput, StepMetadata, StepTiles, write_blocks
 from ..plan import verify_graph_buckets
 
+STEP_KINDS = ("decode", "verify")
 # The rows of the staged buffer: position, slot block, slot offset, RoPE position, context length.
 _POS, _SLOT, _OFFSET, _ROPE, _LEN = range(5)
 
@@ -155,8 +156,14 @@ class DecodeGraphs:
         self.max_blocks = -(-max_model_len // pools.cfg.block_size)
         self.handle = pool_handle if pool_handle is not None or not capture else torch.cuda.graph_pool_handle()
         self.steps: dict[tuple[int, int], _StaticStep] = {}
+        self.reset_counts()
         self._add([(b, 1) for b in self.batch_sizes])
         self.add_verify(verify_rows)
+
+    def reset_counts(self) -> None:
+        """Zero `counts`: the steps graph hits and eager fallbacks by step kind (decode: every input one row;
+        verify: inputs of several rows)."""
+        self.counts = {kind: {"graph": 0, "eager": 0} for kind in STEP_KINDS}
 
     def add_verify(self, verify_rows: list[int]) -> None:
         """Verify buckets of `verify_rows` rows a sequence at each batch size (`plan.verify_graph_buckets`)."""
@@ -168,10 +175,17 @@ class DecodeGraphs:
             self.steps[b, r] = _StaticStep(self.model, self.pools, b, self.max_blocks, self.scratch_block,
                                            self.capture, self.handle, r, self.head)
 
-    def run(self, seqs: list[SeqInput]) -> list[torch.Tensor] | None:
-        """Each input's logits of a decode or verify step, or None when no graph fits it (the caller runs
-        eagerly)."""
-        fitting = [(step.capacity, key) for key, step in self.steps.items() if step.fits(seqs)]
+    def run(self, seqs: list[SeqInput], quantise: bool = False) -> list[torch.Tensor] | None:
+        """Each input's logits of a decode or verify step, or None when no graph fits it or it `quantise`s
+        blocks between layers, which no graph holds (the caller runs eagerly). A step whose every input
+        has at most a bucket's rows counts in `counts` as a graph hit or an eager fallback; a longer
+        prefill chunk, which no graph is for, as neither."""
+        lengths = [len(s.token_ids) for s in seqs]
+        kind = "decode" if max(lengths) == 1 else "verify"
+        fitting = [] if quantise else [(step.capacity, key) for key, step in self.steps.items() if step.fits(seqs)]
         if not fitting:
+            if max(lengths) <= max(rows for _, rows in self.steps):
+                self.counts[kind]["eager"] += 1
             return None
+        self.counts[kind]["graph"] += 1
         return self.steps[min(fitting)[1]].run(seqs)

@@ -34,6 +34,7 @@ from ..tool_calls import ReplyParser, plan_tools
 from .block_manager import BlockManager
 from .cache_blocks import adopt, cache_identity, copy_out
 from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
+from .cuda_graphs import STEP_KINDS
 from .model_runner import ModelRunner
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
 from .prompt_encoder import PromptEncoder
@@ -470,7 +471,12 @@ class BieEngine:
         return EngineStats(dict(self._finished), self._prompt_tokens, self._generation_tokens, s.num_preemptions,
                            s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting),
                            {**self._spec, "accepted_by_position": list(self._accepted_by_position)},
-                           self._host_stats())
+                           self._host_stats(), self._graph_stats())
+
+    def _graph_stats(self) -> dict[str, dict[str, int]]:
+        graphs = self.runner.graphs
+        return {kind: dict(graphs.counts[kind]) if graphs is not None else {"graph": 0, "eager": 0}
+                for kind in STEP_KINDS}
 
     def _host_stats(self) -> dict[str, float]:
         host, pool = self.blocks.host, self.runner.host_pool

@@ -198,6 +198,8 @@ class ModelRunner:
                 seq.output_ids.append(0)
             step([(seq, 1) for seq in seqs[:batch]])
         self.launch_moves(scheduler.take_moves())
+        if self.graphs is not None:   # they count the steps served, not these
+            self.graphs.reset_counts()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -242,6 +244,6 @@ class ModelRunner:
     def forward(self, inputs: list[SeqInput], quantise: list[Quantisation] = ()) -> list[torch.Tensor]:
         """Each input's logits; `quantise`: blocks the step writes and later rows read quantised, which the
         forward quantises layer by layer between the K/V write and attention (graphs never hold those)."""
-        if not quantise and self.graphs is not None and (logits := self.graphs.run(inputs)) is not None:
+        if self.graphs is not None and (logits := self.graphs.run(inputs, bool(quantise))) is not None:
             return logits
         return self.model.forward(inputs, self.pools, quantise)

@@ -77,3 +77,6 @@ class EngineStats:
     # the host tier: capacity_bytes, used_bytes, blocks (now), hit_tokens, offloaded_bytes, restored_bytes,
     # offload_seconds, restore_seconds (since start)
     host_kv: dict = field(default_factory=dict)
+    # the target's CUDA-graph steps since start, by kind (decode, verify) -> {"graph": hits, "eager": steps of
+    # graph-sized rows that fit no captured bucket}; all zero without graphs (CPU, enforce_eager)
+    cuda_graphs: dict = field(default_factory=dict)

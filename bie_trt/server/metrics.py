@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
+from ..executor.cuda_graphs import STEP_KINDS
 from ..executor.outputs import EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -70,7 +71,20 @@ def engine_metrics(stats: EngineStats) -> list[Metric]:
         _counter("bie_spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.get("num_accepted_tokens", 0)),
         by_position,
         *host_tier_metrics(stats.host_kv),
+        graph_steps(stats.cuda_graphs),
     ]
+
+
+def graph_steps(counts: dict) -> Metric:
+    """Decode and verify steps replayed from a CUDA graph, and those that fit no captured bucket and ran
+    eagerly: correct tokens, lost speed (a verify falling out of its bucket shows here)."""
+    steps = CounterMetricFamily("bie_cuda_graph_steps", "Decode and verify steps by how they ran: graph (replayed "
+                                "from a captured CUDA graph) or eager (no captured graph held the step; 0 "
+                                "without graphs).", labels=["step", "result"])
+    for step in STEP_KINDS:
+        for result in ("graph", "eager"):
+            steps.add_metric([step, result], counts.get(step, {}).get(result, 0))
+    return steps
 
 
 def host_tier_metrics(host: dict) -> list[Metric]:

@@ -10,8 +10,7 @@ from typing import Any
 
 from ..config import StructuredOutputs
 from ..errors import RequestError
-from ..tool_calls import plan_tools
-from ..tool_calls import ReplyParser
+from ..tool_calls import ReplyParser, ToolsError, plan_tools
 from .protocol import ChatRequest, SamplingRequest
 
 
@@ -45,7 +44,7 @@ def tool_plan(req: ChatRequest) -> ToolPlan:
     try:
         mode, function, constraint = plan_tools(tools, choice, req.parallel_tool_calls is True)
     except RequestError as e:
-        raise ParamError(str(e), "tool_choice") from None
+        raise ParamError(str(e), "tools" if isinstance(e, ToolsError) else "tool_choice") from None
     return ToolPlan(mode, tools, constraint, function)
 
 
