@@ -11,7 +11,7 @@ from typing import Any
 from ..config import StructuredOutputs
 from ..errors import RequestError
 from ..tool_calls import plan_tools
-from ..tool_calls import ReplyParser
+from ..tool_calls import CallCheck, ReplyParser
 from .protocol import ChatRequest, SamplingRequest
 
 
@@ -33,9 +33,9 @@ class ToolPlan:
     constraint: StructuredOutputs | None
     function: str | None = None
 
-    def parser(self) -> ReplyParser:
+    def parser(self, check: CallCheck | None = None) -> ReplyParser:
         names = {t["function"]["name"] for t in self.tools or []}
-        return ReplyParser(self.mode, names, self.function)
+        return ReplyParser(self.mode, names, self.function, check)
 
 
 def tool_plan(req: ChatRequest) -> ToolPlan:
