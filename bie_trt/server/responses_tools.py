@@ -138,8 +138,12 @@ def call_input(arguments: str) -> str:
 
 
 def shell_action(arguments: str) -> dict[str, Any]:
-    """A local_shell call's action from its arguments: OpenAI's exec action, every field present."""
-    given = json.loads(arguments)
+    """A local_shell call's action from its arguments: OpenAI's exec action, every field present (an
+    empty command while the arguments are not whole: a call cut short by the token limit, `incomplete`)."""
+    try:
+        given = json.loads(arguments)
+    except json.JSONDecodeError:
+        given = {"command": []}
     return {"type": "exec", "command": given["command"], "timeout_ms": given.get("timeout_ms"),
             "working_directory": given.get("working_directory"), "env": given.get("env", {}),
             "user": given.get("user")}
