@@ -155,3 +155,37 @@ def test_sealed_reasoning_round_trip_and_tampering(codex_server):
     for bad in (flipped, foreign, "gAAAAABo_" + sealed[5:]):
         r = send([*history[:1], {**replay, "encrypted_content": bad}, *history[2:]])
         assert r.status_code == 400 and r.json()["error"]["param"] == "input[1].encrypted_content", r.text
+
+
+def test_a_free_replys_calls_pass_their_tools_rules(codex_server):
+    """tool_choice auto: a Hermes call of a custom tool is a call only when its input parses by the tool's
+    grammar, a local_shell call only when its arguments are an exec action; otherwise the text stays prose."""
+    from bie_trt.server.responses_protocol import ResponsesRequest
+    from bie_trt.server.structured import ToolPlan
+
+    box = ResponsesRequest.model_validate(codex_body("m", ASK, [APPLY_PATCH_TOOL, {"type": "local_shell"}])).toolbox()
+    plan = ToolPlan("auto", box.chat_tools(), None)
+    parser = plan.parser(box.check(codex_server[0].grammar_compiler().accepts))
+
+    def tagged(name: str, arguments: dict) -> str:
+        return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+    patch = "*** Begin Patch\n*** Add File: a.txt\n+a\n*** End Patch\n"
+    good = [tagged("apply_patch", {"input": patch}), tagged("local_shell", {"command": ["ls"]})]
+    bad = [tagged("apply_patch", {"input": "*** Begin Patch\nrm -rf /\n"}), tagged("local_shell", {"command": "ls"}),
+           tagged("apply_patch", {"input": patch, "extra": 1})]
+    prose, calls = parser.message("Done.\n" + "\n".join(good + bad))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("apply_patch", {"input": patch}),
+                                                                  ("local_shell", {"command": ["ls"]})]
+    assert prose.startswith("Done.") and all(b in prose for b in bad) and not any(g in prose for g in good)
+
+
+def test_a_streamed_free_reply_is_reasoning_with_its_summary(codex_server):
+    """A free turn (the tiny model only reasons): reasoning_text and reasoning_summary_text deltas, the
+    item sealed; cut by max_output_tokens it ends `incomplete`, which Codex reads as a failed turn."""
+    turn = codex_turn(codex_server, ASK, max_output_tokens=4, temperature=0)
+    [item] = turn.items
+    assert item["type"] == "reasoning" and item["encrypted_content"].startswith("bie1.")
+    assert "".join(turn.reasoning_deltas) == "".join(turn.summary_deltas) == item["summary"][0]["text"]
+    assert turn.error == "stream closed before response.completed"
+    assert turn.events[-1]["type"] == "response.incomplete"
