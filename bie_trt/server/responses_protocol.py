@@ -19,7 +19,7 @@ from .responses_tools import HOSTED_TOOLS, LOCAL_SHELL, CustomTool, Toolbox
 SHAPES = {"tool_choice": "\"none\", \"auto\", \"required\", {\"type\": \"function\", \"name\": ...}, "
                          "{\"type\": \"custom\", \"name\": ...} or {\"type\": \"local_shell\"}"}
 
-# What `include` may ask for: the reasoning item sealed for a stateless client (responses_tools' neighbour
+# What `include` may ask for: the reasoning item sealed for a stateless client (the module
 # `sealing`). Each other value is refused by name.
 INCLUDABLE = {"reasoning.encrypted_content"}
 
