@@ -189,3 +189,35 @@ def test_a_streamed_free_reply_is_reasoning_with_its_summary(codex_server):
     assert "".join(turn.reasoning_deltas) == "".join(turn.summary_deltas) == item["summary"][0]["text"]
     assert turn.error == "stream closed before response.completed"
     assert turn.events[-1]["type"] == "response.incomplete"
+
+
+def test_a_free_replys_calls_stream_as_codex_reads_them():
+    """The events of a free reply that calls apply_patch and local_shell on its own (the tiny model never
+    does, so the reply text is fed to the renderer in pieces): Codex parses each done item, the custom
+    call's input deltas rebuild its input, and the items are those the whole reply renders."""
+    from bie_trt.server.blocks import BlockStream, reply_blocks
+    from bie_trt.server.responses import Rendering
+    from bie_trt.server.responses_protocol import ResponsesRequest
+    from bie_trt.server.structured import ToolPlan
+
+    box = ResponsesRequest.model_validate(codex_body("m", ASK, TOOLS)).toolbox()
+    plan = ToolPlan("auto", box.chat_tools(), None)
+    patch = "*** Begin Patch\n*** Delete File: a.txt\n*** End Patch\n"
+    text = ('Deleting it.\n<tool_call>\n{"name": "apply_patch", "arguments": ' + json.dumps({"input": patch})
+            + '}\n</tool_call>\n<tool_call>\n{"name": "local_shell", "arguments": {"command": ["ls"]}}\n</tool_call>')
+    rendering, stream = Rendering("resp_x", box), BlockStream(plan.parser())
+    events = []
+    for i in range(0, len(text), 7):
+        for event in stream.feed(text[i:i + 7], final=i + 7 >= len(text)):
+            events += rendering.events(event, "completed")
+    events.append({"type": "response.completed", "response": {"id": "resp_x", "usage": {
+        "input_tokens": 1, "output_tokens": 1, "total_tokens": 2}}})
+    turn = read_codex_stream("data: " + json.dumps(e) for e in events)
+    assert turn.error is None and [i["type"] for i in turn.items] == ["message", "custom_tool_call", "local_shell_call"]
+    assert "".join(turn.custom_input_deltas) == turn.items[1]["input"] == patch
+    assert turn.items[2]["action"] == {"type": "exec", "command": ["ls"], "timeout_ms": None,
+                                       "working_directory": None, "env": {}, "user": None}
+    whole = [rendering.item(b, "completed") for b in reply_blocks(plan.parser(), text)]
+    strip = ("id", "call_id")
+    assert [{k: v for k, v in i.items() if k not in strip} for i in turn.items] == \
+        [{k: v for k, v in i.items() if k not in strip} for i in whole]
