@@ -33,8 +33,9 @@ ASK = [user_message(ENVIRONMENT), user_message("Delete the scratch file.")]
 def codex_server(tiny_engine):
     engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=2048,
                                     chat_template="qwen3"))
-    with serving(engine, ServerOptions(reasoning_parser="deepseek_r1", reasoning_key="test-key")) as base:
-        yield engine, base
+    options = ServerOptions(reasoning_parser="deepseek_r1", reasoning_key="test-key")
+    with serving(engine, options) as base:
+        yield engine, base, options
 
 
 def codex_turn(server, items: list[dict], **overrides):
@@ -119,7 +120,7 @@ def test_sealed_reasoning_round_trip_and_tampering(codex_server):
     """include reasoning.encrypted_content with store false: the reasoning item comes back sealed (and as
     its summary); replayed, it reaches the template as the model's own reasoning (the prompt is the
     chat route's with reasoning_content); a flipped byte, or another server's key, is a 400."""
-    engine, base = codex_server
+    engine, base, _ = codex_server
     first = httpx.post(base + "/v1/responses", headers=HEADERS, json=codex_body(
         engine.model_name, ASK[1:], [], stream=False, max_output_tokens=6, temperature=0)).json()
     [reasoning] = first["output"]
@@ -221,3 +222,17 @@ def test_a_free_replys_calls_stream_as_codex_reads_them():
     strip = ("id", "call_id")
     assert [{k: v for k, v in i.items() if k not in strip} for i in turn.items] == \
         [{k: v for k, v in i.items() if k not in strip} for i in whole]
+
+
+def test_a_stream_that_fails_ends_with_response_failed(codex_server):
+    """A turn the server's --request-timeout cuts once streaming has begun ends with response.failed, the
+    event Codex reads the failure from (its error's message)."""
+    options = codex_server[2]
+    options.request_timeout = 0.3
+    try:
+        turn = codex_turn(codex_server, ASK, max_output_tokens=400)
+    finally:
+        options.request_timeout = None
+    failed = turn.events[-1]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "timeout" and "--request-timeout" in turn.error

@@ -33,14 +33,22 @@ from .state import ServerState
 CUSTOM = "custom"
 
 
-def numbered_wire() -> Wire:
-    """The Responses stream: typed events, each with its sequence_number; an error is an `error` event."""
+def numbered_wire(base: dict) -> Wire:
+    """The Responses stream: typed events, each with its sequence_number. A failure once the stream has
+    begun ends it with `response.failed` (the response, `status` failed, its `error`: what Codex reads);
+    before, it is an `error` body."""
     numbers = itertools.count()
 
     def frame(event: dict) -> str:
         return typed_sse({**event, "sequence_number": next(numbers)})
 
-    return Wire(frame=frame, done="", error=lambda status, message: {"type": "error", **error_body(status, message)})
+    def failed(status: int, message: str) -> dict:
+        error = {"code": "timeout" if status == 408 else "server_error", "message": message}
+        return {"type": "response.failed", "response": {**base, "status": "failed", "output": [], "usage": None,
+                                                        "incomplete_details": None, "error": error}}
+
+    return Wire(frame=frame, done="", error=lambda status, message: {"type": "error", **error_body(status, message)},
+                failed=failed)
 
 
 def output_part(text: str) -> dict:
@@ -273,7 +281,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, http: Reque
             chunks.append({"type": f"response.{body['status']}", "response": body})
         return chunks
 
-    return await respond(state, http, streams, chat, {}, make_chunk, make_body, numbered_wire())
+    return await respond(state, http, streams, chat, {}, make_chunk, make_body, numbered_wire(base))
 
 
 def _stored(state: ServerState, response_id: str) -> StoredResponse:
