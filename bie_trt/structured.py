@@ -105,6 +105,13 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutputs) -> "GrammarState":
         return GrammarState(self.compile(spec).deep_copy(), self.vocab_size, self.stop_token_ids)
 
+    def accepts(self, spec: StructuredOutputs, text: str) -> bool:
+        """Whether `text` is a whole sentence of the spec's grammar (read by the same compiled grammar that
+        constrains generation; llguidance matches bytes, so any tokenization of the text will do)."""
+        matcher = self.compile(spec).deep_copy()
+        tokens = self.tokenizer.tokenize_str(text)
+        return matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()
+
 
 class GrammarState:
     """One sequence's position in its grammar, with the bitmask of the tokens allowed next."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .config import StructuredOutputs
 from .errors import RequestError
@@ -21,6 +21,9 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"     # Llama-3.1 may open a JSON call with it
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _PROBE = "bie_trt_probe_function"
+
+
+CallCheck = Callable[["ToolCall"], bool]   # whether a parsed call is one (a tool's own rule on its arguments)
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ def _json_call(obj: object, names: set[str] | None) -> ToolCall | None:
     return _call(obj.get("name"), obj.get("arguments", obj.get("parameters")), names)
 
 
-def _bare_json_calls(text: str, names: set[str] | None) -> list[ToolCall] | None:
+def _bare_json_calls(text: str, names: set[str] | None, check: CallCheck | None = None) -> list[ToolCall] | None:
     """Llama-3.1's format: the whole reply is one JSON call, a list of them, or calls joined by ';'."""
     body = text.strip().removeprefix(PYTHON_TAG).strip()
     if not body.startswith(("{", "[")):
@@ -157,15 +160,21 @@ def _bare_json_calls(text: str, names: set[str] | None) -> list[ToolCall] | None
             objs = [json.loads(part) for part in body.split(";") if part.strip()]
         except json.JSONDecodeError:
             return None
-    calls = [_json_call(o, names) for o in objs]
+    calls = [_checked(_json_call(o, names), check) for o in objs]
     return until_repeat(calls) if calls and None not in calls else None
 
 
-def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
+def _checked(call: ToolCall | None, check: CallCheck | None) -> ToolCall | None:
+    return call if call is None or check is None or check(call) else None
+
+
+def parse_tool_calls(text: str, names: set[str] | None = None, check: CallCheck | None = None
+                     ) -> tuple[str | None, list[ToolCall]]:
     """A model's free reply -> (prose, tool calls). Hermes tags may sit among prose; a tag whose body is
-    not a call to one of `names` (or not JSON, or never closed) stays in the prose as written. Prose
-    that is only whitespace is None, as OpenAI sends `content: null` beside tool calls."""
-    bare = _bare_json_calls(text, names)
+    not a call to one of `names` (or not JSON, or never closed, or one `check` refuses) stays in the
+    prose as written. Prose that is only whitespace is None, as OpenAI sends `content: null` beside
+    tool calls."""
+    bare = _bare_json_calls(text, names, check)
     if bare is not None:
         return None, bare
     prose, calls, pos = [], [], 0
@@ -175,7 +184,7 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str | No
             break
         body = text[start + len(TOOL_CALL_OPEN):end]
         try:
-            call = _json_call(json.loads(body), names)
+            call = _checked(_json_call(json.loads(body), names), check)
         except json.JSONDecodeError:
             call = None
         stop = end + len(TOOL_CALL_CLOSE)
@@ -279,10 +288,12 @@ class ReplyParser:
 
     mode "none": all prose. "auto": the model's own call format among prose. "required": the JSON array
     of `required_schema`. "named": the reply is the arguments of `function`, streamed as they come.
-    A stream reassembles to what `message` gives for the same text, call ids aside."""
+    A stream reassembles to what `message` gives for the same text, call ids aside. `check`: a rule a
+    free ("auto") reply's call must also pass to be one (a custom tool's grammar)."""
 
-    def __init__(self, mode: str, names: set[str] | None = None, function: str | None = None):
-        self.mode, self.names, self.function = mode, names, function
+    def __init__(self, mode: str, names: set[str] | None = None, function: str | None = None,
+                 check: CallCheck | None = None):
+        self.mode, self.names, self.function, self.check = mode, names, function, check
         self.text, self.sent, self.calls = "", 0, 0
         self._named_id = new_call_id() if mode == "named" else ""
 
@@ -293,7 +304,7 @@ class ReplyParser:
             calls = parse_required(text, self.names)
             return (text, []) if calls is None else (None, calls)
         if self.mode == "auto":
-            return parse_tool_calls(text, self.names)
+            return parse_tool_calls(text, self.names, self.check)
         return text, []
 
     @staticmethod

@@ -288,8 +288,16 @@ def test_parse_gives_a_pydantic_object(oai, model):
 
 @pytest.mark.parametrize("body, param", [
     ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include"),
+    ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
+    ({"text": {"verbosity": "loud"}}, "text.verbosity"),
+    ({"tools": [{"type": "teleport"}]}, "tools[0].type"),
+    ({"tools": [{"type": "custom", "name": "p", "format": {"type": "grammar", "syntax": "lark",
+                                                           "definition": "start: (("}}]},
+     "tools[0].format.definition"),
+    ({"tools": [OPENAI_TOOL, {**OPENAI_TOOL, "description": "again"}]}, "tools"),
+    ({"tools": [{"type": "custom", "name": "p"}], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [OPENAI_TOOL], "tool_choice": {"type": "local_shell"}}, "tool_choice"),
     ({"tools": [OPENAI_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),

@@ -84,6 +84,10 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
 @click.option("--response-store-size", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Responses API responses kept in memory (this process only, the oldest dropped first) for "
                    "previous_response_id and GET /v1/responses/{id}.")
+@click.option("--reasoning-key", envvar="BIE_TRT_REASONING_KEY", show_envvar=True,
+              help="The key that seals Responses API reasoning items (include: [\"reasoning.encrypted_content\"]) "
+                   "for stateless clients. Default: a random key made at start, shared by this server's "
+                   "replicas; items sealed before a restart then no longer open (400). Give one to keep them.")
 @click.option("--replicas", default=1, show_default=True, type=click.IntRange(min=1),
               help="Engine replicas behind this one endpoint, on Ray Serve (a local Ray instance unless "
                    "--ray-address), each request routed by its prompt's leading KV blocks. 1 without "
@@ -102,7 +106,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
           chat_template: str | None, chat_template_kwargs: dict | None, reasoning_parser: str, skip_verify: bool,
           json_schema_mode: str,
           log_level: str, host_kv_cache_gb: float | None, kv_cache_dir: str | None, response_store_size: int,
-          replicas: int, ray_address: str | None, router: str, speculative) -> None:
+          reasoning_key: str | None, replicas: int, ray_address: str | None, router: str, speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
     \b
@@ -125,6 +129,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
 
     from .. import BieEngine, EngineConfig
     from ..server.app import ServerOptions, create_app
+    from ..server.sealing import new_key
     from ..server.serve import bind, serve as run_server
 
     if replicas == 1 and ray_address is None and router != "prefix-affinity":
@@ -136,7 +141,8 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
     options = ServerOptions(served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
                             request_timeout=request_timeout, max_request_bytes=max_request_bytes,
                             kv_cache_dir=kv_cache_dir, reasoning_parser=reasoning_parser,
-                            response_store_size=response_store_size, json_schema_mode=json_schema_mode)
+                            response_store_size=response_store_size, json_schema_mode=json_schema_mode,
+                            reasoning_key=reasoning_key or new_key())
     listener = bind(host, port)   # before the engines load: a port in use fails now, not minutes later
     try:
         if replicas == 1 and ray_address is None:

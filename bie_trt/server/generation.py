@@ -96,11 +96,13 @@ def typed_sse(obj: dict) -> str:
 class Wire:
     """How a route's API frames its stream and shapes its errors: `frame` writes one event, `done` ends
     the stream (OpenAI's `data: [DONE]`, nothing for typed streams), `error` is the body of a failure
-    (as a response, or as the stream's last event once the status is sent)."""
+    (as a response, or as the stream's last event once the status is sent), `failed` that last event
+    where the API has its own (the Responses API's `response.failed`)."""
 
     frame: Callable[[dict], str] = _sse
     done: str = "data: [DONE]\n\n"
     error: Callable[[int, str], dict] = error_body
+    failed: Callable[[int, str], dict] | None = None
 
 
 OPENAI_WIRE = Wire()
@@ -193,12 +195,12 @@ async def respond(state: ServerState, http: Request, streams: list[RequestStream
                 faults.append(e)
                 group.cancel()
 
-    def fault_body() -> dict:
-        return wire.error(500, f"the engine failed while serving this request: {faults[0]}")
+    def fault_body(shape: Callable[[int, str], dict] = wire.error) -> dict:
+        return shape(500, f"the engine failed while serving this request: {faults[0]}")
 
-    def timeout_body() -> dict:
-        return wire.error(408, f"the request did not finish within the server's --request-timeout of "
-                               f"{timeout} s; ask for fewer tokens or retry later.")
+    def timeout_body(shape: Callable[[int, str], dict] = wire.error) -> dict:
+        return shape(408, f"the request did not finish within the server's --request-timeout of "
+                          f"{timeout} s; ask for fewer tokens or retry later.")
 
     def release() -> None:
         state.in_flight -= n
@@ -245,7 +247,8 @@ async def respond(state: ServerState, http: Request, streams: list[RequestStream
                                 yield wire.frame(chunk)
                             first[i] = False
             if faults or deadline.cancelled_caught:   # the status is sent already: the error is an event
-                yield wire.frame(fault_body() if faults else timeout_body())
+                late = wire.failed or wire.error
+                yield wire.frame(fault_body(late) if faults else timeout_body(late))
             elif include_usage:
                 yield wire.frame(dict(base, choices=[], usage=usage(outputs, req.n)))
             yield wire.done

@@ -1,25 +1,36 @@
 """The request body of OpenAI's Responses API (POST /v1/responses), checked as strictly as the chat
-body, and its one conversion into the chat request the chat route runs: `instructions` and the input
-items (messages, reasoning, function_call, function_call_output) into chat messages, function tools
-into chat tools, `text.format` into a response format. A field this server does not implement is refused by name."""
+body, and its one conversion into the chat request the chat route runs: `instructions` (and
+`text.verbosity`'s line) and the input items (messages, reasoning, function, custom-tool and local-shell
+calls and their outputs) into chat messages, the tools the model can call (function, custom, local_shell;
+`responses_tools` says how) into chat tools, `text.format` into a response format. Hosted tools this
+server cannot run are set aside, never offered to the model. A field this server does not implement is
+refused by name."""
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from .protocol import NAME_PATTERN, _Strict, text_shorthand
+from .responses_tools import HOSTED_TOOLS, LOCAL_SHELL, CustomTool, Toolbox
 
 # The Responses API's union fields and what they accept.
-SHAPES = {"tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...}"}
+SHAPES = {"tool_choice": "\"none\", \"auto\", \"required\", {\"type\": \"function\", \"name\": ...}, "
+                         "{\"type\": \"custom\", \"name\": ...} or {\"type\": \"local_shell\"}"}
 
+# What `include` may ask for: the reasoning item sealed for a stateless client (the module
+# `sealing`). Each other value is refused by name.
+INCLUDABLE = {"reasoning.encrypted_content"}
+
+# `text.verbosity` as a line after the instructions: the model's own default length is "medium".
+VERBOSITY_LINES = {"low": "Be concise: answer in as few words as fully answer the request.",
+                   "medium": None,
+                   "high": "Be thorough: answer in detail, explaining each step."}
 
 # Fields refused unless they are left out or empty, with why.
 REFUSED_WHEN_SET = {
-    "include": "no extra output data (logprobs, encrypted reasoning, sources) is produced",
     "top_logprobs": "the Responses route returns no log-probabilities; use /v1/chat/completions",
-    "reasoning": "effort levels and summaries are not implemented (a thinking template's reasoning comes back "
-                 "whole, as a reasoning item); use max_output_tokens",
     "background": "background responses are not implemented; stream instead",
     "max_tool_calls": "it is not implemented; set parallel_tool_calls to false for at most one call",
 }
@@ -72,27 +83,20 @@ class MessageItem(_Strict):
 
 
 class ReasoningText(_Strict):
-    type: Literal["reasoning_text", "summary_text"]
+    type: Literal["reasoning_text", "summary_text", "text"]
     text: str
 
 
 class ReasoningItem(_Strict):
     """An earlier reply's reasoning, replayed: its text (or, from a service that summarises, its summary)
-    goes to the chat template with the assistant turn after it."""
+    goes to the chat template with the assistant turn after it. A sealed one (`encrypted_content`, from
+    this server) is opened before it is read, and its sealed text is what the template gets."""
     type: Literal["reasoning"]
     summary: list[ReasoningText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
     encrypted_content: str | None = None
     id: str | None = None
     status: str | None = None
-
-    @field_validator("encrypted_content")
-    @classmethod
-    def _not_encrypted(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("is not supported: this server never encrypts reasoning, and cannot read "
-                             "another service's; send the reasoning's content, or leave the item out")
-        return value
 
     def text(self) -> str:
         return "".join(p.text for p in (self.content or self.summary))
@@ -107,10 +111,46 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
-    type: Literal["function_call_output"]
+class CustomToolCallItem(_Strict):
+    """An earlier reply's call of a custom tool: its input as the model wrote it."""
+    type: Literal["custom_tool_call"]
     call_id: str
+    name: str
+    input: str
+    id: str | None = None
+    status: str | None = None
+
+
+class LocalShellAction(_Strict):
+    type: Literal["exec"]
+    command: list[str] = Field(min_length=1)
+    timeout_ms: int | None = None
+    working_directory: str | None = None
+    env: dict[str, str] | None = None
+    user: str | None = None
+
+
+class LocalShellCallItem(_Strict):
+    """An earlier reply's local_shell call (Codex sends it back without its `id`; its `call_id` answers)."""
+    type: Literal["local_shell_call"]
+    action: LocalShellAction
+    call_id: str | None = None
+    id: str | None = None
+    status: str | None = None
+
+    @model_validator(mode="after")
+    def _has_an_id(self) -> LocalShellCallItem:
+        if self.call_id is None and self.id is None:
+            raise ValueError("local_shell_call needs its call_id (or id), which its output names")
+        return self
+
+
+class CallOutputItem(_Strict):
+    """A tool's output: a function's and a custom tool's by `call_id`; a local shell's by `id` (OpenAI's
+    documented shape) or `call_id`. The text becomes a tool message."""
+    type: Literal["function_call_output", "custom_tool_call_output", "local_shell_call_output"]
     output: list[InputText]
+    call_id: str | None = None
     id: str | None = None
     status: str | None = None
 
@@ -119,49 +159,104 @@ class FunctionCallOutputItem(_Strict):
     def _output(cls, value: Any) -> Any:
         return text_shorthand(value, "input_text", "input_text parts")
 
+    @model_validator(mode="after")
+    def _names_its_call(self) -> CallOutputItem:
+        if self.call_id is None and (self.type != "local_shell_call_output" or self.id is None):
+            raise ValueError(f"{self.type} needs the call_id of the call it answers")
+        return self
+
 
 class RefusedItem(_Strict):
     model_config = ConfigDict(extra="allow")
     type: Literal["item_reference", "file_search_call", "web_search_call", "computer_call",
-                  "computer_call_output", "image_generation_call", "code_interpreter_call", "local_shell_call",
-                  "local_shell_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
-                  "mcp_approval_response", "custom_tool_call", "custom_tool_call_output", "compaction"]
+                  "computer_call_output", "image_generation_call", "code_interpreter_call", "mcp_call",
+                  "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "compaction"]
 
     @model_validator(mode="after")
     def _refuse(self) -> RefusedItem:
         if self.type == "item_reference":
             raise ValueError("item_reference items are not supported: send the items themselves, or "
                              "previous_response_id")
-        raise ValueError(f"{self.type} items are not supported: this server runs function tools only")
+        raise ValueError(f"{self.type} items are not supported: this server runs function, custom and "
+                         f"local_shell tools only (hosted tools are never offered to the model here)")
 
 
-Item = Annotated[Union[MessageItem, ReasoningItem, FunctionCallItem, FunctionCallOutputItem, RefusedItem],
-                 Field(discriminator="type")]
-ITEM_TYPES = ({"message", "reasoning", "function_call", "function_call_output", "input_text", "output_text",
-               "refusal", "reasoning_text", "summary_text"}
-              | set(RefusedItem.model_fields["type"].annotation.__args__)
-              | set(RefusedPart.model_fields["type"].annotation.__args__))
+Item = Annotated[Union[MessageItem, ReasoningItem, FunctionCallItem, CustomToolCallItem, LocalShellCallItem,
+                       CallOutputItem, RefusedItem], Field(discriminator="type")]
 
 
 class FunctionTool(_Strict):
-    type: str
+    type: Literal["function"]
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None     # the schema is always enforced under tool_choice required or a named function
 
+
+class LocalShellTool(_Strict):
+    type: Literal["local_shell"]
+
+
+class HostedTool(_Strict):
+    """A tool OpenAI runs on its own side (web search, file search, a code interpreter...): this server
+    cannot, so it is never offered to the model; the response lists it under `tools_not_offered`."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class UnknownTool(_Strict):
+    model_config = ConfigDict(extra="allow")
+    type: Any
+
     @field_validator("type")
     @classmethod
-    def _functions_only(cls, kind: str) -> str:
-        if kind != "function":
-            raise ValueError(f"{kind!r} tools are not supported: this server runs function tools only "
-                             f"({{\"type\": \"function\", \"name\", \"parameters\"}})")
+    def _refuse(cls, kind: Any) -> Any:
+        raise ValueError(f"{kind!r} tools are not supported: send function, custom or local_shell tools "
+                         f"(hosted tools: {', '.join(sorted(HOSTED_TOOLS))})")
+
+
+def _tool_tag(tool: Any) -> str:
+    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    if kind in ("function", "custom", "local_shell"):
         return kind
+    return "hosted" if kind in HOSTED_TOOLS else "unknown"
+
+
+Tool = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[CustomTool, Tag("custom")],
+                       Annotated[LocalShellTool, Tag("local_shell")], Annotated[HostedTool, Tag("hosted")],
+                       Annotated[UnknownTool, Tag("unknown")]], Discriminator(_tool_tag)]
+ITEM_TYPES = ({"message", "reasoning", "function_call", "custom_tool_call", "local_shell_call",
+               "function_call_output", "custom_tool_call_output", "local_shell_call_output", "input_text",
+               "output_text", "refusal", "reasoning_text", "summary_text", "function", "custom",
+               "local_shell", "hosted", "unknown"}
+              | set(RefusedItem.model_fields["type"].annotation.__args__)
+              | set(RefusedPart.model_fields["type"].annotation.__args__))
 
 
 class ToolChoiceFunction(_Strict):
     type: Literal["function"]
     name: str
+
+
+class ToolChoiceCustom(_Strict):
+    type: Literal["custom"]
+    name: str
+
+
+class ToolChoiceLocalShell(_Strict):
+    type: Literal["local_shell"]
+
+
+class ReasoningConfig(_Strict):
+    """`reasoning`: `summary` returns the reasoning as the item's summary (this server has no summariser:
+    the summary is the reasoning text itself, whichever level is asked); `effort` is accepted here and
+    bounds the thinking where the engine's thinking budget is wired."""
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None
+
+    @property
+    def summarised(self) -> bool:
+        return self.summary not in (None, "none")
 
 
 class TextFormat(_Strict):
@@ -191,12 +286,7 @@ class TextFormat(_Strict):
 
 class TextConfig(_Strict):
     format: TextFormat | None = None
-    verbosity: str | None = None
-
-    @field_validator("verbosity")
-    @classmethod
-    def _no_verbosity(cls, value: str | None) -> str | None:
-        return _refuse_set(value, "answer-length levels are not implemented; use max_output_tokens")
+    verbosity: Literal["low", "medium", "high"] | None = None   # a line after the instructions: VERBOSITY_LINES
 
 
 class ResponsesStreamOptions(_Strict):
@@ -212,8 +302,9 @@ class ResponsesRequest(_Strict):
     model: str | None = None
     input: list[Item] = Field(min_length=1)
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | ToolChoiceCustom | ToolChoiceLocalShell \
+        | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     max_output_tokens: int | None = Field(None, ge=1)
@@ -226,7 +317,7 @@ class ResponsesRequest(_Strict):
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
     top_logprobs: int | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     background: bool | None = None
     max_tool_calls: int | None = None
     # accepted and ignored: they do not change what is generated
@@ -251,51 +342,109 @@ class ResponsesRequest(_Strict):
     @field_validator(*REFUSED_WHEN_SET)
     @classmethod
     def _refused_when_set(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.field_name == "reasoning":   # {"effort": null} asks for nothing
-            value = {k: v for k, v in (value or {}).items() if v is not None}
         return _refuse_set(value, REFUSED_WHEN_SET[info.field_name])
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, values: list[str] | None) -> list[str] | None:
+        for value in values or []:
+            if value not in INCLUDABLE:
+                raise ValueError(f"{value!r} is not supported: this server produces no such data; it can include "
+                                 f"{sorted(INCLUDABLE)}")
+        return values
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_named_once(cls, tools: list[Any] | None) -> list[Any] | None:
+        Toolbox(tools or [])   # raises on a name given twice
+        return tools
 
     @field_validator("tool_choice")
     @classmethod
     def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
-        names = [t.name for t in info.data.get("tools") or []]
-        if choice in ("required",) or isinstance(choice, ToolChoiceFunction):
-            if not names:
+        box = Toolbox(info.data.get("tools") or [])
+        if choice == "required" or isinstance(choice, (ToolChoiceFunction, ToolChoiceCustom, ToolChoiceLocalShell)):
+            if not box.offered:
                 raise ValueError("needs tools: send the functions the model may call")
-        if isinstance(choice, ToolChoiceFunction) and choice.name not in names:
-            raise ValueError(f"names function {choice.name!r}, which is not in tools {names}")
+        if choice == "required" and box.custom:
+            raise ValueError(f"required cannot hold custom tools ({sorted(box.custom)}) to their grammars "
+                             f"alongside other calls; name the one to call ({{\"type\": \"custom\", \"name\": ...}}), "
+                             f"or send auto")
+        wanted = {ToolChoiceFunction: ("function", box.functions), ToolChoiceCustom: ("custom tool", box.custom)}
+        if type(choice) in wanted:
+            what, names = wanted[type(choice)]
+            if choice.name not in names:
+                raise ValueError(f"names {what} {choice.name!r}, which is not in tools {sorted(names)}")
+        if isinstance(choice, ToolChoiceLocalShell) and not box.local_shell:
+            raise ValueError("names local_shell, which is not in tools; send {\"type\": \"local_shell\"} in tools")
         return choice
 
+    def toolbox(self) -> Toolbox:
+        return Toolbox(self.tools or [])
+
+    @property
+    def forced_custom(self) -> CustomTool | None:
+        """The custom tool tool_choice names: the whole reply is its input."""
+        if isinstance(self.tool_choice, ToolChoiceCustom):
+            return self.toolbox().custom[self.tool_choice.name]
+        return None
+
     def chat_fields(self, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """The chat body this request is, after `history` (the stored conversation it continues)."""
+        """The chat body this request is, after `history` (the stored conversation it continues). Custom and
+        local_shell tools reach the template as functions (`Toolbox.chat_tools`); a named custom tool's
+        reply is its input alone, held to the tool's grammar (`structured_outputs`), with the tools still
+        in the prompt."""
         fields: dict[str, Any] = {"model": self.model, "messages": self.messages(history),
                                   "max_tokens": self.max_output_tokens, "temperature": self.temperature,
                                   "top_p": self.top_p, "stream": self.stream}
-        if self.tools:
-            fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                               for t in self.tools]
-        if isinstance(self.tool_choice, ToolChoiceFunction):
-            fields["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
-        elif self.tool_choice is not None:
-            fields["tool_choice"] = self.tool_choice
-        if self.parallel_tool_calls is not None:
+        box = self.toolbox()
+        if box.offered:
+            fields["tools"] = box.chat_tools()
+        choice = self.tool_choice
+        if isinstance(choice, ToolChoiceFunction):
+            fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        elif isinstance(choice, ToolChoiceLocalShell):
+            fields["tool_choice"] = {"type": "function", "function": {"name": LOCAL_SHELL}}
+        elif isinstance(choice, ToolChoiceCustom):
+            fields["tool_choice"] = "none"
+            grammar = box.custom[choice.name].grammar()
+            if grammar is not None:
+                fields["structured_outputs"] = grammar
+        elif choice is not None and box.offered:
+            fields["tool_choice"] = choice
+        if self.parallel_tool_calls is not None and box.offered:
             fields["parallel_tool_calls"] = self.parallel_tool_calls
-        forced = self.tool_choice == "required" or isinstance(self.tool_choice, ToolChoiceFunction)
+        forced = choice not in (None, "none", "auto")
         if self.text is not None and self.text.format is not None and not forced:
             # a forced call is the whole reply: no message for the format to shape on this turn
             fields["response_format"] = self.text.format.response_format()
         return fields
 
     def messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """instructions (never carried over from a previous response, as OpenAI's), the history, the input."""
-        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        return system + history + input_messages(self.input)
+        """instructions (never carried over from a previous response, as OpenAI's) with text.verbosity's
+        line, the history, the input."""
+        verbosity = VERBOSITY_LINES[self.text.verbosity] if self.text and self.text.verbosity else None
+        system = "\n\n".join(part for part in (self.instructions, verbosity) if part)
+        return ([{"role": "system", "content": system}] if system else []) + history + input_messages(self.input)
+
+
+def _call_of(item: FunctionCallItem | CustomToolCallItem | LocalShellCallItem) -> dict[str, Any]:
+    """A call item as the chat tool call the model would have written (custom and local_shell calls in
+    their functions' shapes, `Toolbox.chat_tools`)."""
+    if item.type == "function_call":
+        name, arguments = item.name, item.arguments
+    elif item.type == "custom_tool_call":
+        name, arguments = item.name, json.dumps({"input": item.input}, ensure_ascii=False)
+    else:
+        name = LOCAL_SHELL
+        arguments = json.dumps(item.action.model_dump(exclude={"type"}, exclude_none=True), ensure_ascii=False)
+    return {"id": item.call_id or item.id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def input_messages(items: list[Item]) -> list[dict[str, Any]]:
     """Input items -> chat messages: a reasoning item opens an assistant turn, which the assistant message
-    and function_call items after it join (a function_call item opens one too), function_call_output
-    items become tool messages."""
+    and call items (function, custom tool, local shell) after it join (a call item opens one too); their
+    outputs become tool messages."""
     out: list[dict[str, Any]] = []
     for item in items:
         if item.type == "reasoning":
@@ -307,12 +456,13 @@ def input_messages(items: list[Item]) -> list[dict[str, Any]]:
                 turn["content"] = item.text()
             else:
                 out.append({"role": item.role, "content": item.text()})
-        elif item.type == "function_call":
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        elif item.type in ("function_call", "custom_tool_call", "local_shell_call"):
+            call = _call_of(item)
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": "".join(p.text for p in item.output)})
+            out.append({"role": "tool", "tool_call_id": item.call_id or item.id,
+                        "content": "".join(p.text for p in item.output)})
     return out

@@ -16,6 +16,7 @@ from .errors import ApiError
 from .limits import longest_token_chars, min_tokens
 from .metrics import Metrics
 from .response_store import DEFAULT_CAPACITY, ResponseStore
+from .sealing import ReasoningSeal
 
 EVENT_WAITERS = 1024      # threads waiting for engine events (one per streaming choice in flight)
 
@@ -31,6 +32,7 @@ class ServerOptions:
     reasoning_parser: str = "auto"         # how chat replies' <think> blocks are split off (reasoning.PARSERS)
     response_store_size: int = DEFAULT_CAPACITY   # Responses API responses kept for previous_response_id (in memory)
     json_schema_mode: str = "closed"       # how JSON schema constraints are read unless a request says: or "lenient"
+    reasoning_key: str | None = None       # seals Responses reasoning items; None: $BIE_TRT_REASONING_KEY or random
 
 
 class ServerState:
@@ -49,6 +51,7 @@ class ServerState:
         self.live: set[RequestStream] = set()   # the engine requests of every HTTP request in flight
         self._waiters: anyio.CapacityLimiter | None = None
         self.responses = ResponseStore(self.options.response_store_size)
+        self.seal = ReasoningSeal.from_environment(self.options.reasoning_key)
 
     def decode(self, token: int) -> str:
         return self.engine.tokenizer.decode([token])

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..config import StructuredOutputs
 from ..errors import RequestError
-from ..tool_calls import ReplyParser, ToolsError, plan_tools
+from ..tool_calls import CallCheck, ReplyParser, ToolsError, plan_tools
 from .protocol import ChatRequest, SamplingRequest
 
 
@@ -32,9 +32,9 @@ class ToolPlan:
     constraint: StructuredOutputs | None
     function: str | None = None
 
-    def parser(self) -> ReplyParser:
+    def parser(self, check: CallCheck | None = None) -> ReplyParser:
         names = {t["function"]["name"] for t in self.tools or []}
-        return ReplyParser(self.mode, names, self.function)
+        return ReplyParser(self.mode, names, self.function, check)
 
 
 def tool_plan(req: ChatRequest) -> ToolPlan:
