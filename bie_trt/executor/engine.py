@@ -34,6 +34,7 @@ from ..tool_calls import ReplyParser, plan_tools
 from .block_manager import BlockManager
 from .cache_blocks import adopt, cache_identity, copy_out
 from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
+from .disk_blocks import load_from_disk, open_disk_tier, persist_prompt
 from .model_runner import ModelRunner
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
 from .prompt_encoder import PromptEncoder
@@ -84,6 +85,8 @@ class BieEngine:
         self._accepted_by_position = [0] * num_speculative_tokens
         self._grammar_compiler: GrammarCompiler | None = None   # made at the first structured request
         self._grammar_lock = threading.Lock()
+        self.disk = open_disk_tier(self.config, self.runner, self.model_name)
+        self._prefilled: list[Sequence] = []   # prompts this step finished prefilling: for the disk tier
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
@@ -169,6 +172,8 @@ class BieEngine:
     def _add(self, requests: list[RequestState]) -> None:
         for request in requests:
             self._requests[request.seq] = request
+            if self.disk is not None:
+                load_from_disk(self.blocks, self.runner, self.scheduler, self.disk, request.seq)
             self.scheduler.add(request.seq)
             self._prompt_tokens += len(request.seq.prompt_ids)
 
@@ -195,6 +200,7 @@ class BieEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def _step(self) -> None:
+        self._prefilled.clear()   # (what a failed step left)
         batch = self.scheduler.schedule()
         if not batch.chunks:
             raise RuntimeError("the scheduler made no progress with requests waiting (a KV accounting bug)")
@@ -205,6 +211,8 @@ class BieEngine:
                 self._postprocess(self._requests[seq], n, rows, proposals.get(seq), seq in batch.lookahead)
             except GrammarError as e:   # one request's grammar failed: that request ends, the batch goes on
                 self._fail([self._requests[seq]], e)
+        for seq in self._prefilled:   # (their blocks stay cached even where the step finished them)
+            persist_prompt(self.blocks, self.runner, self.scheduler, self.disk, seq)
 
     def _postprocess(self, request: RequestState, n: int, rows: torch.Tensor, proposal: Proposal | None,
                      had_lookahead: bool) -> None:
@@ -215,6 +223,8 @@ class BieEngine:
         if proposal is None and seq.num_pending > n:   # a prompt chunk with more of the prompt to come
             self.scheduler.postprocess(seq, n, had_lookahead)
             return
+        if self.disk is not None and not seq.output_ids:
+            self._prefilled.append(seq)
         if proposal is None:
             tokens, rows = [self._sample(seq, rows)], rows[None]
         else:   # rows [k+1, V]: the target's logits at the pending token and each of k proposals
@@ -470,7 +480,20 @@ class BieEngine:
         return EngineStats(dict(self._finished), self._prompt_tokens, self._generation_tokens, s.num_preemptions,
                            s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting),
                            {**self._spec, "accepted_by_position": list(self._accepted_by_position)},
-                           self._host_stats())
+                           self._host_stats(), self._disk_stats())
+
+    def _disk_stats(self) -> dict[str, int]:
+        if self.disk is None:
+            return {}
+        stats = self.disk.stats()
+        bs = self.blocks.block_size
+        return {**stats, "hit_tokens": stats.pop("hit_blocks") * bs, "missed_tokens": stats.pop("missed_blocks") * bs}
+
+    def close(self) -> None:
+        """Finish the disk tier's writes and let go of its directory (a server does this as it stops; another
+        engine on the same directory may then write it). The engine still serves, persisting nothing."""
+        if self.disk is not None:
+            self.disk.close()
 
     def _host_stats(self) -> dict[str, float]:
         host, pool = self.blocks.host, self.runner.host_pool

@@ -77,3 +77,6 @@ class EngineStats:
     # the host tier: capacity_bytes, used_bytes, blocks (now), hit_tokens, offloaded_bytes, restored_bytes,
     # offload_seconds, restore_seconds (since start)
     host_kv: dict = field(default_factory=dict)
+    # the disk tier (empty when off): capacity_bytes, used_bytes, files (every engine's), blocks (this engine's),
+    # writable (0/1) now; hit_tokens, missed_tokens, read_bytes, written_bytes, evictions, bad_files since start
+    disk_kv: dict = field(default_factory=dict)
