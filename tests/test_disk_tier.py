@@ -21,6 +21,7 @@ from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.executor.cache_blocks import cache_identity
 from bie_trt.executor.cache_file import read_cache_file, read_header, write_cache_file
 from bie_trt.executor.disk_cache import SUFFIX, engine_dirname
+from bie_trt.executor.prefix_cache import block_key
 from bie_trt.server.app import ServerOptions
 from test_server import serving
 
@@ -47,16 +48,31 @@ def tier_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in files(directory))
 
 
-def cold(tiny_engine: Path, ids: list[int]):
-    """The reply with no cache at all: what every damaged directory must still give."""
-    return engine(tiny_engine, None).generate(ids, PARAMS)
+@pytest.fixture(scope="module")
+def reference(tiny_engine) -> BieEngine:
+    """The engine with no disk tier: the replies every damaged directory must still give."""
+    bie = engine(tiny_engine, Path("unused"), disk_kv_cache_gb=0)
+    assert bie.disk is None and bie.stats().disk_kv == {}
+    return bie
 
 
-def persisted(tiny_engine: Path, directory: Path, ids: list[int], **config) -> None:
-    """Serve `ids` once on `directory` and stop (the writes finished, the directory let go)."""
-    first = engine(tiny_engine, directory, **config)
-    first.generate(ids, PARAMS)
-    first.close()
+@pytest.fixture(scope="module")
+def tiered(tiny_engine, tmp_path_factory) -> BieEngine:
+    """One engine with a disk tier for the tests that damage it: each with prompts of its own."""
+    bie = engine(tiny_engine, tmp_path_factory.mktemp("tiered"))
+    yield bie
+    bie.close()
+
+
+def cold(reference: BieEngine, ids: list[int]) -> list[int]:
+    reference.reset_prefix_cache()
+    return reference.generate(ids, PARAMS).token_ids
+
+
+def block_file(bie: BieEngine, ids: list[int], b: int) -> Path:
+    """The file of block b of prompt `ids` (found by the token ids its header records)."""
+    want = ids[b * 16:(b + 1) * 16]
+    return next(f for f in files(bie.disk.root) if read_header(f)["token_ids"] == want)
 
 
 def restart_through_the_server(tiny_engine: Path, directory: Path, length: int) -> dict:
@@ -113,31 +129,39 @@ def another_engines(path: Path) -> None:
     header = read_header(path)
     identity = {"engine": "0" * 64, "kv_layout": header["kv_layout"]}
     ids, (block,) = read_cache_file(path, {})
-    block.k = block.k + 1 if block.k.is_floating_point() else block.k ^ 0x55   # other weights, other K/V
+    g = torch.Generator().manual_seed(0)   # other weights: other K/V, of the same shape
+    block.k, block.v = (torch.randn(t.shape, generator=g) * 8 if t.is_floating_point()
+                        else torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8) for t in (block.k, block.v))
     write_cache_file(path, identity, ids, [block])
 
 
 @pytest.mark.parametrize("damage", [flip_a_byte, truncate, another_engines])
-def test_a_damaged_or_foreign_file_is_skipped_logged_and_deleted(tiny_engine, tmp_path, caplog, damage):
-    ids = prompt(2, 200)
-    persisted(tiny_engine, tmp_path, ids)
-    want = cold(tiny_engine, ids)
-    victim = files(tmp_path)[len(files(tmp_path)) // 2]
+def test_a_damaged_or_foreign_file_is_skipped_logged_and_deleted(tiered, reference, caplog, damage):
+    ids = prompt(2 + [flip_a_byte, truncate, another_engines].index(damage), 200)
+    tiered.generate(ids, PARAMS)
+    tiered.disk.flush()
+    victim = block_file(tiered, ids, 11)   # the last block a hit covers: FP16, in the window
     damage(victim)
-    again = engine(tiny_engine, tmp_path)
+    tiered.reset_prefix_cache()   # the device forgets the prompt; the disk is read as after a restart
+    bad = tiered.stats().disk_kv["bad_files"]
     with logged(caplog) as records:
-        got = again.generate(ids, PARAMS)
-    assert got.token_ids == want.token_ids
-    assert 0 < got.usage.cached_tokens < want.usage.prompt_tokens - 16   # the blocks before the bad one hit
-    assert [r.getMessage() for r in records if victim.name in r.getMessage()] != []
-    assert len(records) == 1 and "skipped and deleted" in records[0].getMessage()
-    assert not victim.exists() and again.stats().disk_kv["bad_files"] == 1
-    again.close()
+        got = tiered.generate(ids, PARAMS)
+    assert got.token_ids == cold(reference, ids)
+    assert got.usage.cached_tokens < 192   # not the whole prompt: the damaged block was computed again
+    assert len(records) == 1 and f"skipped and deleted {victim}" in records[0].getMessage()
+    assert tiered.stats().disk_kv["bad_files"] == bad + 1
+    tiered.disk.flush()   # ... and persisted again, whole
+    assert read_cache_file(victim, cache_identity(tiered.runner))[0] == ids[176:192]
 
 
-def test_a_read_only_directory_is_read_and_never_written(tiny_engine, tmp_path, caplog):
-    ids, other = prompt(3, 200), prompt(4, 100)
-    persisted(tiny_engine, tmp_path, ids)
+def test_a_read_only_directory_is_read_and_never_written(tiny_engine, tiered, reference, tmp_path, caplog):
+    ids, other = prompt(5, 200), prompt(6, 100)
+    tiered.generate(ids, PARAMS)
+    tiered.disk.flush()
+    (tmp_path / tiered.disk.dir.name).mkdir()
+    for b in range(12):   # the prompt's files, as a server that ran on this directory left them
+        f = block_file(tiered, ids, b)
+        (tmp_path / tiered.disk.dir.name / f.name).write_bytes(f.read_bytes())
     before = {f: f.stat().st_size for f in files(tmp_path)}
     lock = (["chattr", "+i"], ["chattr", "-i"]) if os.geteuid() == 0 else None   # root writes past mode bits
     dirs = [tmp_path, *tmp_path.glob("bie-kv-*")]
@@ -151,11 +175,11 @@ def test_a_read_only_directory_is_read_and_never_written(tiny_engine, tmp_path, 
             again = engine(tiny_engine, tmp_path)
             hit = again.generate(ids, PARAMS)
             fresh = again.generate(other, PARAMS)
-        assert hit.usage.cached_tokens == (len(ids) - 1) // 16 * 16
-        assert fresh.token_ids == cold(tiny_engine, other).token_ids
+            again.close()
+        assert hit.usage.cached_tokens == 192 and hit.token_ids == cold(reference, ids)
+        assert fresh.token_ids == cold(reference, other)
         assert len(records) == 1 and "cannot write there" in records[0].getMessage()
         assert {f: f.stat().st_size for f in files(tmp_path)} == before
-        again.close()
     finally:
         if lock:
             subprocess.run(lock[1] + [str(d) for d in dirs], check=True)
@@ -164,13 +188,13 @@ def test_a_read_only_directory_is_read_and_never_written(tiny_engine, tmp_path, 
                 d.chmod(0o755)
 
 
-def test_a_bound_smaller_than_a_block_persists_nothing_and_says_so(tiny_engine, tmp_path, caplog):
-    ids = prompt(5, 100)
+def test_a_bound_smaller_than_a_block_persists_nothing_and_says_so(tiny_engine, reference, tmp_path, caplog):
+    ids = prompt(7, 100)
     with logged(caplog) as records:
         bie = engine(tiny_engine, tmp_path, disk_kv_cache_gb=1000 / 2**30)
         got = bie.generate(ids, PARAMS)
         bie.close()
-    assert got.token_ids == cold(tiny_engine, ids).token_ids and files(tmp_path) == []
+    assert got.token_ids == cold(reference, ids) and files(tmp_path) == []
     assert len(records) == 1 and "larger than the disk KV cache's bound" in records[0].getMessage()
 
 
@@ -188,22 +212,21 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_a_full_disk_degrades_to_not_cached(tiny_engine, small_tmpfs, caplog):
-    ids = [prompt(6 + i, 300) for i in range(3)]
-    want = [cold(tiny_engine, p).token_ids for p in ids]
+def test_a_full_disk_degrades_to_not_cached(tiny_engine, reference, small_tmpfs, caplog):
+    ids = [prompt(8 + i, 300) for i in range(3)]
     with logged(caplog) as records:
         bie = engine(tiny_engine, small_tmpfs, disk_kv_cache_gb=1)
         got = [bie.generate(p, PARAMS).token_ids for p in ids]
         bie.close()
-    assert got == want
+    assert got == [cold(reference, p) for p in ids]
     assert len(records) == 1 and "No space left on device" in records[0].getMessage()
     assert not list(small_tmpfs.glob("bie-kv-*/.*.tmp"))   # a failed write leaves no temporary file
 
 
-def test_the_bound_holds_under_a_stream_of_distinct_prompts(tiny_engine, tmp_path):
-    ids = prompt(9, 120)
-    persisted(tiny_engine, tmp_path, ids)
-    one = max(f.stat().st_size for f in files(tmp_path))
+def test_the_bound_holds_under_a_stream_of_distinct_prompts(tiny_engine, tiered, tmp_path):
+    tiered.generate(prompt(9, 120), PARAMS)
+    tiered.disk.flush()
+    one = max(f.stat().st_size for f in files(tiered.disk.root))   # an FP16 block's file
     bound = 12 * one
     bie = engine(tiny_engine, tmp_path, disk_kv_cache_gb=bound / 2**30)
     for seed in range(10, 16):
@@ -212,53 +235,41 @@ def test_the_bound_holds_under_a_stream_of_distinct_prompts(tiny_engine, tmp_pat
         assert tier_bytes(tmp_path) <= bound
     stats = bie.stats().disk_kv
     assert stats["evictions"] > 0 and stats["used_bytes"] == tier_bytes(tmp_path)
+    bie.reset_prefix_cache()   # the newest prompt is read back from disk; the oldest went first
+    assert bie.generate(prompt(15, 120), PARAMS).usage.cached_tokens == 112
+    assert bie.generate(prompt(10, 120), PARAMS).usage.cached_tokens == 0
     bie.close()
-    # the newest prompt survives; the oldest went first
-    again = engine(tiny_engine, tmp_path, disk_kv_cache_gb=bound / 2**30)
-    assert again.generate(prompt(15, 120), PARAMS).usage.cached_tokens == 112
-    assert again.generate(ids, PARAMS).usage.cached_tokens == 0
-    again.close()
 
 
-def test_two_servers_on_one_directory_one_writes_the_other_reads(tiny_engine, tmp_path, caplog):
+def test_two_servers_on_one_directory_one_writes_the_other_reads(tiny_engine, tiered, caplog):
     ids, other = prompt(20, 150), prompt(21, 150)
-    persisted(tiny_engine, tmp_path, ids)
-    writer = engine(tiny_engine, tmp_path)
+    tiered.generate(ids, PARAMS)
+    tiered.disk.flush()
     with logged(caplog) as records:
-        reader = engine(tiny_engine, tmp_path)
+        reader = engine(tiny_engine, tiered.disk.root)
     assert len(records) == 1 and "another bie-trt server writes" in records[0].getMessage()
-    assert reader.generate(ids, PARAMS).usage.cached_tokens == 144
+    assert reader.generate(ids, PARAMS).usage.cached_tokens == 144   # what the writer wrote before it started
     reader.generate(other, PARAMS)
-    writer.generate(other, PARAMS)
-    writer.disk.flush()
-    assert writer.stats().disk_kv["written_bytes"] > 0 and reader.stats().disk_kv["written_bytes"] == 0
-    writer.close()
     reader.close()
+    first_block = tiered.disk.dir / f"{block_key(None, other[:16]).hex()}{SUFFIX}"
+    assert reader.stats().disk_kv["written_bytes"] == 0 and not first_block.exists()
 
 
-def test_inspect_cache_lists_each_engines_blocks(tiny_engine, tmp_path):
+def test_inspect_cache_lists_each_engines_blocks(tiered):
     import json
 
     from click.testing import CliRunner
 
     from bie_trt.cli import main
 
-    persisted(tiny_engine, tmp_path, prompt(30, 100))
-    out = CliRunner().invoke(main, ["inspect-cache", str(tmp_path), "--json"])
+    root = tiered.disk.root
+    assert tiered.disk.dir == root / engine_dirname(cache_identity(tiered.runner))
+    tiered.generate(prompt(30, 100), PARAMS)
+    tiered.disk.flush()
+    out = CliRunner().invoke(main, ["inspect-cache", str(root), "--json"])
     assert out.exit_code == 0, out.output
     (entry,) = json.loads(out.stdout)["engines"]
-    assert entry["blocks"] == len(files(tmp_path)) == 6 + 2   # the INT4 body and the FP16 sinks and window
-    assert entry["bytes"] == tier_bytes(tmp_path) and entry["model"]
-    table = CliRunner().invoke(main, ["inspect-cache", str(tmp_path)]).stdout
-    assert entry["directory"] in table and "8 blocks" in table
-
-
-def test_the_engines_identity_names_its_directory(tiny_engine, tmp_path):
-    bie = engine(tiny_engine, tmp_path)
-    assert bie.disk.dir == tmp_path / engine_dirname(cache_identity(bie.runner))
-    other = engine(tiny_engine, tmp_path, kv_cache_dtype="fp8")
-    assert other.disk is not None and other.disk.dir != bie.disk.dir
-    bie.close()
-    other.close()
-    off = engine(tiny_engine, tmp_path, disk_kv_cache_gb=0)
-    assert off.disk is None and off.stats().disk_kv == {}
+    assert entry["blocks"] == len(files(root)) and entry["tokens"] == 16 * entry["blocks"]
+    assert entry["bytes"] == tier_bytes(root) and entry["model"] == tiered.model_name
+    table = CliRunner().invoke(main, ["inspect-cache", str(root)]).stdout
+    assert entry["directory"] in table and f"{entry['blocks']} blocks" in table

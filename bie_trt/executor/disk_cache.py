@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import shutil
+import tempfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -100,6 +101,7 @@ class DiskTier:
     def _take_lock(self) -> bool:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=self.dir).close()   # (a directory may refuse new files, not opening ones)
             f = open(self.root / LOCK_NAME, "a+")
         except OSError as e:
             self.warn_once("readonly", f"{self.root}: cannot write there ({e.strerror}); the disk KV cache reads "
