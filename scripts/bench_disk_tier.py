@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -106,7 +107,7 @@ def bench(args: argparse.Namespace) -> dict:
         tier_bytes = sum(f.stat().st_size for f in kv_dir.glob("bie-kv-*/*.kvb"))
     first, back, without = runs["first"], runs["restarted"], runs["restarted_without_disk_tier"]
     return {"engine": args.engine, "device": args.device, "machine": args.machine,
-            "command": "python scripts/bench_disk_tier.py " + " ".join(sys.argv[1:]),
+            "command": "python scripts/bench_disk_tier.py " + shlex.join(sys.argv[1:]),
             "prompt_tokens": args.prompt_tokens, "runs": runs,
             "disk_tier_bytes": tier_bytes,
             "cached_fraction": round(back["cached_tokens"] / args.prompt_tokens, 4),

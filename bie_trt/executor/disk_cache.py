@@ -26,11 +26,10 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import shutil
 import tempfile
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Callable
 
@@ -44,7 +43,10 @@ SUFFIX = ".kvb"
 ENGINE_PREFIX = "bie-kv-"
 LOCK_NAME = ".bie-kv-writer.lock"
 DEFAULT_DISK_GB = 8.0            # serve's default bound (a quarter of the free space when that is less)
-MAX_PENDING_BYTES = 256 << 20    # host copies waiting for the writer; more are dropped (a slow disk)
+# host copies waiting for the writer beyond which a prompt's blocks are not persisted (a slow disk); a
+# prompt handed over while nothing waits is always taken, however long (one 30k-token Llama-3-8B prompt
+# with an INT4 body is about 1.1 GiB)
+MAX_PENDING_BYTES = 1 << 30
 
 
 def disk_bytes(gib: float | None, directory: Path) -> int:
@@ -90,7 +92,8 @@ class DiskTier:
         self.evictions = self.bad_files = 0
         self.bytes_read = self.bytes_written = 0
         self._warned: set[str] = set()
-        self._queue: queue.Queue = queue.Queue()
+        self._todo: deque[tuple[list[PendingBlock], Callable[[], None] | None, int]] = deque()
+        self._idle = threading.Condition(self._lock)   # notified when the writer ends
         self._pending = 0                      # bytes in the queue
         self._writer: threading.Thread | None = None
         self._lock_file = None
@@ -171,8 +174,11 @@ class DiskTier:
         except CacheFileError as e:
             if path.exists():
                 self.bad_files += 1
-                log.warning(f"disk KV cache: skipped and deleted {e}")
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink()
+                    log.warning(f"disk KV cache: skipped and deleted {e}")
+                except OSError as why:   # a read-only directory: skipped all the same, and forgotten
+                    log.warning(f"disk KV cache: skipped {e} (cannot delete it: {why.strerror})")
             self._forget(path)
             return None
         with self._lock:
@@ -196,28 +202,31 @@ class DiskTier:
         copies. Never blocks: with too much waiting already, they are not persisted."""
         if not self.writable:
             return
-        blocks = [b for b in blocks if b.key not in self._keys and b.key not in self._queued]
-        size = sum(b.k.nbytes + b.v.nbytes for b in blocks)
-        if not blocks:
-            return
-        if self._pending + size > MAX_PENDING_BYTES:
-            self.warn_once("slow", f"{self.root}: the disk KV cache's writes fall behind (over "
-                                   f"{MAX_PENDING_BYTES >> 20} MiB waiting); prompts are not persisted meanwhile.")
-            return
-        self._pending += size
-        self._queued.update(b.key for b in blocks)
-        self._queue.put((blocks, ready, size))
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="bie-disk-kv-writer", daemon=True)
-            self._writer.start()
+        with self._lock:
+            blocks = [b for b in blocks if b.key not in self._keys and b.key not in self._queued]
+            size = sum(b.k.nbytes + b.v.nbytes for b in blocks)
+            if not blocks:
+                return
+            if self._pending and self._pending + size > MAX_PENDING_BYTES:
+                self.warn_once("slow", f"{self.root}: the disk KV cache's writes fall behind (over "
+                                       f"{MAX_PENDING_BYTES >> 20} MiB waiting); prompts are not persisted meanwhile.")
+                return
+            self._pending += size
+            self._queued.update(b.key for b in blocks)
+            self._todo.append((blocks, ready, size))
+            if self._writer is None:   # not a daemon: an ending process writes what it handed over first
+                self._writer = threading.Thread(target=self._write_loop, name="bie-disk-kv-writer")
+                self._writer.start()
 
     def _write_loop(self) -> None:
+        """Write until nothing waits, then end (the next `write` starts another)."""
         while True:
-            item = self._queue.get()
-            if item is None:
-                self._queue.task_done()
-                return
-            blocks, ready, size = item
+            with self._lock:
+                if not self._todo:
+                    self._writer = None
+                    self._idle.notify_all()
+                    return
+                blocks, ready, size = self._todo.popleft()
             try:
                 if ready is not None:
                     ready()
@@ -227,9 +236,9 @@ class DiskTier:
                 self.warn_once("error", f"{self.root}: the disk KV cache's writer failed ({e}); prompts are not "
                                         f"persisted.")
             finally:
-                self._queued.difference_update(b.key for b in blocks)
-                self._pending -= size
-                self._queue.task_done()
+                with self._lock:
+                    self._queued.difference_update(b.key for b in blocks)
+                    self._pending -= size
 
     def _write_block(self, block: PendingBlock) -> None:
         estimate = block.k.nbytes + block.v.nbytes + 4096   # the header is well under this
@@ -271,18 +280,17 @@ class DiskTier:
 
     def flush(self) -> None:
         """Wait until every block handed over so far is written (or given up)."""
-        self._queue.join()
+        with self._idle:
+            while self._writer is not None:
+                self._idle.wait()
 
     def close(self) -> None:
-        """Finish the writes handed over, stop the writer and let go of the directory's lock."""
-        if self._writer is not None:
-            self._queue.put(None)
-            self._writer.join()
-            self._writer = None
+        """Finish the writes handed over, stop writing and let go of the directory's lock."""
+        self.writable = False
+        self.flush()
         if self._lock_file is not None:
             self._lock_file.close()   # (releases the flock)
             self._lock_file = None
-        self.writable = False
 
     def stats(self) -> dict[str, int]:
         return {"capacity_bytes": self.capacity, "used_bytes": self.used, "files": len(self._files),

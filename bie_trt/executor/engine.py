@@ -86,7 +86,6 @@ class BieEngine:
         self._grammar_compiler: GrammarCompiler | None = None   # made at the first structured request
         self._grammar_lock = threading.Lock()
         self.disk = open_disk_tier(self.config, self.runner, self.model_name)
-        self._prefilled: list[Sequence] = []   # prompts this step finished prefilling: for the disk tier
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
@@ -200,7 +199,6 @@ class BieEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def _step(self) -> None:
-        self._prefilled.clear()   # (what a failed step left)
         batch = self.scheduler.schedule()
         if not batch.chunks:
             raise RuntimeError("the scheduler made no progress with requests waiting (a KV accounting bug)")
@@ -211,8 +209,6 @@ class BieEngine:
                 self._postprocess(self._requests[seq], n, rows, proposals.get(seq), seq in batch.lookahead)
             except GrammarError as e:   # one request's grammar failed: that request ends, the batch goes on
                 self._fail([self._requests[seq]], e)
-        for seq in self._prefilled:   # (their blocks stay cached even where the step finished them)
-            persist_prompt(self.blocks, self.runner, self.scheduler, self.disk, seq)
 
     def _postprocess(self, request: RequestState, n: int, rows: torch.Tensor, proposal: Proposal | None,
                      had_lookahead: bool) -> None:
@@ -223,8 +219,7 @@ class BieEngine:
         if proposal is None and seq.num_pending > n:   # a prompt chunk with more of the prompt to come
             self.scheduler.postprocess(seq, n, had_lookahead)
             return
-        if self.disk is not None and not seq.output_ids:
-            self._prefilled.append(seq)
+        prefilled = not seq.output_ids
         if proposal is None:
             tokens, rows = [self._sample(seq, rows)], rows[None]
         else:   # rows [k+1, V]: the target's logits at the pending token and each of k proposals
@@ -236,6 +231,8 @@ class BieEngine:
         # request stopped inside the run (its blocks are freed just after; prefix caching keeps them).
         computed = n if proposal is None else min(len(tokens), len(appended[0]) + 1)
         self.scheduler.postprocess(seq, computed, had_lookahead)
+        if prefilled and self.disk is not None and self.disk.writable:   # handed over before the reply can end
+            persist_prompt(self.blocks, self.runner, self.scheduler, self.disk, seq)
         self._publish(request, *appended)
 
     @staticmethod
