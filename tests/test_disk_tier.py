@@ -11,6 +11,8 @@ import logging
 import os
 import random
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +22,8 @@ import torch
 from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.executor.cache_blocks import cache_identity
 from bie_trt.executor.cache_file import read_cache_file, read_header, write_cache_file
-from bie_trt.executor.disk_cache import SUFFIX, engine_dirname
+from bie_trt.executor import disk_cache
+from bie_trt.executor.disk_cache import SUFFIX, DiskTier, PendingBlock, engine_dirname
 from bie_trt.executor.prefix_cache import block_key
 from bie_trt.server.app import ServerOptions
 from test_server import serving
@@ -135,9 +138,19 @@ def another_engines(path: Path) -> None:
     write_cache_file(path, identity, ids, [block])
 
 
-@pytest.mark.parametrize("damage", [flip_a_byte, truncate, another_engines])
+def another_blocks(path: Path) -> None:
+    """A whole, checksummed file of this engine, under another block's name."""
+    size = path.stat().st_size   # an FP16 block too, which a hit would read as this one
+    other = next(f for f in sorted(path.parent.glob(f"*{SUFFIX}")) if f != path and abs(f.stat().st_size - size) < 256)
+    path.write_bytes(other.read_bytes())
+
+
+DAMAGES = [flip_a_byte, truncate, another_engines, another_blocks]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_or_foreign_file_is_skipped_logged_and_deleted(tiered, reference, caplog, damage):
-    ids = prompt(2 + [flip_a_byte, truncate, another_engines].index(damage), 200)
+    ids = prompt(40 + DAMAGES.index(damage), 200)
     tiered.generate(ids, PARAMS)
     tiered.disk.flush()
     victim = block_file(tiered, ids, 11)   # the last block a hit covers: FP16, in the window
@@ -273,3 +286,38 @@ def test_inspect_cache_lists_each_engines_blocks(tiered):
     assert entry["bytes"] == tier_bytes(root) and entry["model"] == tiered.model_name
     table = CliRunner().invoke(main, ["inspect-cache", str(root)]).stdout
     assert entry["directory"] in table and f"{entry['blocks']} blocks" in table
+
+
+def pending(key: int) -> PendingBlock:
+    return PendingBlock(bytes([key]) * 16, False, list(range(16)), torch.zeros(2, 64), torch.zeros(2, 64))
+
+
+def test_a_slow_disk_never_blocks_the_loop_and_drops_what_falls_behind(tmp_path, caplog, monkeypatch):
+    """The loop hands blocks over and goes on while the writer waits (here on a copy that has not landed);
+    more handed over while too much waits is not persisted, and said once."""
+    monkeypatch.setattr(disk_cache, "MAX_PENDING_BYTES", 1000)
+    tier = DiskTier(tmp_path, {"engine": "ab" * 32}, 1 << 20)
+    landed = threading.Event()
+    with logged(caplog) as records:
+        start = time.perf_counter()
+        tier.write([pending(1)], ready=landed.wait)   # the writer now waits on it
+        tier.write([pending(2)])
+        tier.write([pending(3)])
+        assert time.perf_counter() - start < 1
+        landed.set()
+        tier.flush()
+    assert pending(1).key in tier and pending(2).key not in tier and pending(3).key not in tier
+    assert len(records) == 1 and "writes fall behind" in records[0].getMessage()
+    tier.close()
+
+
+def test_a_crashed_writers_temporary_files_are_deleted_at_start(tmp_path):
+    tier = DiskTier(tmp_path, {"engine": "ab" * 32}, 1 << 20)
+    tier.write([pending(1)])
+    tier.close()
+    torn = tier.dir / f".{pending(2).key.hex()}{SUFFIX}.x1y2.tmp"   # as write_cache_file names them
+    torn.write_bytes(b"BIEKVC half a file")
+    again = DiskTier(tmp_path, {"engine": "ab" * 32}, 1 << 20)
+    assert not torn.exists() and pending(1).key in again and pending(2).key not in again
+    assert again.read(pending(1).key).k.shape == (2, 64)
+    again.close()
