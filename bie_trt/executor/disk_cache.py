@@ -94,7 +94,7 @@ class DiskTier:
         self._warned: set[str] = set()
         self._todo: deque[tuple[list[PendingBlock], Callable[[], None] | None, int]] = deque()
         self._idle = threading.Condition(self._lock)   # notified when the writer ends
-        self._pending = 0                      # bytes in the queue
+        self._pending = 0                      # bytes of the blocks in `_todo` and being written
         self._writer: threading.Thread | None = None
         self._lock_file = None
         self.writable = self._take_lock()
@@ -115,7 +115,7 @@ class DiskTier:
         except OSError:
             f.close()
             self.warn_once("shared", f"{self.root}: another bie-trt server writes this disk KV cache; this one "
-                                     f"reads it but persists no prompt (give it its own --kv-cache-dir to).")
+                                     f"reads it but persists no prompt (give each server its own --kv-cache-dir to persist both).")
             return False
         self._lock_file = f
         return True
@@ -125,7 +125,7 @@ class DiskTier:
         files a crashed writer left are deleted by the writer that holds the lock now."""
         found = []
         for sub in self.root.glob(ENGINE_PREFIX + "*") if self.root.is_dir() else []:
-            for entry in os.scandir(sub):
+            for entry in os.scandir(sub) if sub.is_dir() else []:
                 if entry.name.endswith(".tmp") and self.writable:
                     Path(entry.path).unlink(missing_ok=True)
                 elif entry.name.endswith(SUFFIX) and entry.is_file():
