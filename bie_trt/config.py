@@ -314,6 +314,10 @@ class EngineConfig:
     # GiB of host memory for prefix blocks evicted from the device (0: off; None: a fraction of the
     # available host memory, see kv/host_pool.py)
     host_kv_cache_gb: float | None = None
+    # A directory for the prefix cache's disk tier (None: none; `serve` defaults it under the user cache), and
+    # its bound in GiB over every engine's files there (0: off; None: 8 GiB, at most a quarter of the free space)
+    kv_cache_dir: str | None = None
+    disk_kv_cache_gb: float | None = None
     enforce_eager: bool = False       # True: no CUDA graphs (debugging)
     skip_verify: bool = False         # True: serve without checking each file's sha256 against the manifest
     chat_template: str | None = None  # a jinja2 chat template file replacing the checkpoint's own

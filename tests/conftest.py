@@ -27,6 +27,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kv_cache_dir(tmp_path_factory) -> Path:
+    """`serve` persists prompts under the user cache by default: the suite's servers use a directory of the
+    run instead (its --kv-cache-dir environment variable), never the user's home."""
+    path = tmp_path_factory.mktemp("kv-cache")
+    os.environ["BIE_TRT_KV_CACHE_DIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_checkpoint():
     return resolve_checkpoint("smollm2-135m")

@@ -95,7 +95,32 @@ def test_chat_template_and_skip_verify_reach_the_engine(smollm2_engine, monkeypa
 
 def fake_engine(config):
     """What serve reads of an engine before it builds the app."""
-    return SimpleNamespace(config=config, model_name="m", max_model_len=1, runner=SimpleNamespace(max_num_seqs=1))
+    return SimpleNamespace(config=config, model_name="m", max_model_len=1, runner=SimpleNamespace(max_num_seqs=1),
+                           close=lambda: None)
+
+
+def test_the_disk_tier_is_on_by_default_and_its_options_reach_the_engine(tiny_engine, monkeypatch, tmp_path):
+    """Under the user cache unless told; --kv-cache-dir (or its variable) moves it and turns on the cache-file
+    routes; --disk-kv-cache-gb bounds it, 0 turns it off."""
+    seen = []
+
+    def stop_at_app(engine, options):
+        seen.append((engine.config.kv_cache_dir, engine.config.disk_kv_cache_gb, options.kv_cache_dir))
+        raise KeyboardInterrupt   # ends the command before any server starts
+
+    monkeypatch.setattr("bie_trt.BieEngine", fake_engine)
+    monkeypatch.setattr("bie_trt.server.app.create_app", stop_at_app)
+    monkeypatch.delenv("BIE_TRT_KV_CACHE_DIR")
+    monkeypatch.setenv("BIE_TRT_CACHE", str(tmp_path / "cache"))
+    serve = ["serve", str(tiny_engine), "--port", free_port()]
+    CliRunner().invoke(main, serve)
+    CliRunner().invoke(main, serve + ["--kv-cache-dir", str(tmp_path / "kv"), "--disk-kv-cache-gb", "0.5"])
+    CliRunner().invoke(main, serve + ["--disk-kv-cache-gb", "0"])
+    monkeypatch.setenv("BIE_TRT_KV_CACHE_DIR", str(tmp_path / "env"))
+    CliRunner().invoke(main, serve)
+    default = str(tmp_path / "cache" / "kv-cache")
+    assert seen == [(default, None, None), (str(tmp_path / "kv"), 0.5, str(tmp_path / "kv")), (default, 0.0, None),
+                    (str(tmp_path / "env"), None, str(tmp_path / "env"))]
 
 
 def test_template_variables_and_reasoning_parser_reach_the_server(smollm2_engine, monkeypatch):

@@ -54,4 +54,4 @@ def main() -> None:
 
 
 # Registration: importing a module adds its commands to `main`.
-from . import eval_cmds, model_cmds, plan_cmds, serve_cmds  # noqa: E402,F401
+from . import cache_cmds, eval_cmds, model_cmds, plan_cmds, serve_cmds  # noqa: E402,F401

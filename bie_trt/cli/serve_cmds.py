@@ -78,9 +78,16 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
                    "decimals, json.dumps' whitespace, so replies end; lenient: the schema as JSON Schema reads "
                    "it (llguidance's form). A request may say otherwise with \"json_schema_mode\".")
 @host_kv_cache_option
-@click.option("--kv-cache-dir", type=click.Path(file_okay=False),
-              help="Directory for POST /v1/cache/save and /v1/cache/restore, which write a prompt's KV cache to "
-                   "a file there and load it back (into this engine only). Without it those routes are off.")
+@click.option("--kv-cache-dir", type=click.Path(file_okay=False), envvar="BIE_TRT_KV_CACHE_DIR", show_envvar=True,
+              help="Directory of the KV cache's disk tier: every prompt's blocks are persisted there (one "
+                   "subdirectory per engine) and read back by a later request, also after a restart. Given "
+                   "here, it also turns on POST /v1/cache/save and /v1/cache/restore, which keep named cache "
+                   "files in it. [default: the disk tier in ~/.cache/bie-trt/kv-cache (under $BIE_TRT_CACHE "
+                   "when set), the routes off]")
+@click.option("--disk-kv-cache-gb", type=click.FloatRange(min=0), metavar="GIB",
+              help="Bound of the disk tier, over every engine's blocks in --kv-cache-dir: the least recently "
+                   "used go first. 0 turns the disk tier off. [default: 8 GiB, at most a quarter of the free "
+                   "space at start]")
 @click.option("--response-store-size", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Responses API responses kept in memory (this process only, the oldest dropped first) for "
                    "previous_response_id and GET /v1/responses/{id}.")
@@ -105,7 +112,8 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
           request_timeout: float | None, max_request_bytes: int | None, shutdown_timeout: float,
           chat_template: str | None, chat_template_kwargs: dict | None, reasoning_parser: str, skip_verify: bool,
           json_schema_mode: str,
-          log_level: str, host_kv_cache_gb: float | None, kv_cache_dir: str | None, response_store_size: int,
+          log_level: str, host_kv_cache_gb: float | None, kv_cache_dir: str | None,
+          disk_kv_cache_gb: float | None, response_store_size: int,
           reasoning_key: str | None, replicas: int, ray_address: str | None, router: str, speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
@@ -128,6 +136,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
     _check_against_engine(manifest, max_num_seqs, max_model_len, gpu_memory_utilization, device)
 
     from .. import BieEngine, EngineConfig
+    from ..checkpoint.registry import cache_dir
     from ..server.app import ServerOptions, create_app
     from ..server.sealing import new_key
     from ..server.serve import bind, serve as run_server
@@ -137,7 +146,9 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
     config = EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs or int(manifest["max_num_seqs"]), speculative=speculative,
                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
-                          skip_verify=skip_verify, host_kv_cache_gb=host_kv_cache_gb)
+                          skip_verify=skip_verify, host_kv_cache_gb=host_kv_cache_gb,
+                          kv_cache_dir=kv_cache_dir or str(cache_dir() / "kv-cache"),
+                          disk_kv_cache_gb=disk_kv_cache_gb)
     options = ServerOptions(served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
                             request_timeout=request_timeout, max_request_bytes=max_request_bytes,
                             kv_cache_dir=kv_cache_dir, reasoning_parser=reasoning_parser,
@@ -149,7 +160,10 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
             bie = BieEngine(config)
             click.echo(f"serving {served_model_name or bie.model_name} (max_model_len {bie.max_model_len}, "
                        f"max_num_seqs {bie.runner.max_num_seqs}) on http://{host}:{port}", err=True)
-            run_server(create_app(bie, options), host, port, log_level, shutdown_timeout, sock=listener)
+            try:
+                run_server(create_app(bie, options), host, port, log_level, shutdown_timeout, sock=listener)
+            finally:
+                bie.close()   # the disk tier's writes handed over so far land before the process ends
             return
         from ..scale_out.cluster import ScaleOut, ScaleOutOptions
 

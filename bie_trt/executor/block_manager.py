@@ -185,6 +185,14 @@ class BlockManager:
             return key
         return entry
 
+    def prompt_keys(self, seq: Sequence) -> list[bytes]:
+        """The keys of seq's full blocks a hit may cover (all but the block of its last token)."""
+        return self._keys(seq, (seq.num_tokens - 1) // self.block_size)
+
+    def holds(self, key: bytes) -> bool:
+        """Whether the device or the host tier caches a block under `key`."""
+        return self._find(key) is not None
+
     def match(self, seq: Sequence) -> list[Hit]:
         """Cached entries (device entries, or host-tier keys that `admit` restores) for the longest run of
         seq's leading full blocks that the first token computed after them would read as plain decoding
@@ -200,7 +208,7 @@ class BlockManager:
         if self.cache is None:
             return []
         fp, quant = [], []
-        for key in self._keys(seq, (seq.num_tokens - 1) // self.block_size):
+        for key in self.prompt_keys(seq):
             fp.append(self._find(key))
             quant.append(self._find(quant_key(key)) if self.quantised else None)
             if fp[-1] is None and quant[-1] is None:

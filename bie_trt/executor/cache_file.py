@@ -46,8 +46,11 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def write_cache_file(path: Path, identity: dict[str, Any], token_ids: list[int], blocks: list[CachedBlock]) -> int:
-    """Write atomically (a temporary file in the same directory, then a rename). -> bytes written."""
+def write_cache_file(path: Path, identity: dict[str, Any], token_ids: list[int], blocks: list[CachedBlock],
+                     durable: bool = True) -> int:
+    """Write atomically (a temporary file in the same directory, then a rename). -> bytes written.
+    `durable` syncs the file to the disk before the rename; without it a power cut may leave a renamed file
+    whose bytes never landed, which its checksum then refuses (the disk tier's many small files skip it)."""
     shapes = {}
     for b in blocks:
         shapes[str(b.quantised)] = {"shape": list(b.k.shape), "dtype": str(b.k.dtype).removeprefix("torch.")}
@@ -64,12 +67,31 @@ def write_cache_file(path: Path, identity: dict[str, Any], token_ids: list[int],
                 f.write(part)
             f.write(digest.digest())
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path.stat().st_size
+
+
+def read_header(path: Path) -> dict:
+    """A cache file's header alone (identity, token ids, blocks), unchecked: for listing files, never for
+    serving them. CacheFileError when the file does not start like one."""
+    try:
+        with path.open("rb") as f:
+            prefix = f.read(_PREFIX.size)
+            if len(prefix) < _PREFIX.size or _PREFIX.unpack(prefix)[0] != MAGIC:
+                raise CacheFileError(f"{path}: not a bie-trt KV cache file.")
+            header = json.loads(f.read(_PREFIX.unpack(prefix)[2]))
+    except OSError as e:
+        raise CacheFileError(f"{path}: cannot read it ({e.strerror}).") from None
+    except ValueError:
+        raise CacheFileError(f"{path}: its header does not parse (damaged).") from None
+    if not isinstance(header, dict):
+        raise CacheFileError(f"{path}: its header does not parse (damaged).")
+    return header
 
 
 def _side_bytes(spec: dict) -> int:

@@ -35,6 +35,7 @@ from .block_manager import BlockManager
 from .cache_blocks import adopt, cache_identity, copy_out
 from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
 from .cuda_graphs import STEP_KINDS
+from .disk_blocks import load_from_disk, open_disk_tier, persist_prompt
 from .model_runner import ModelRunner
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
 from .prompt_encoder import PromptEncoder
@@ -85,6 +86,7 @@ class BieEngine:
         self._accepted_by_position = [0] * num_speculative_tokens
         self._grammar_compiler: GrammarCompiler | None = None   # made at the first structured request
         self._grammar_lock = threading.Lock()
+        self.disk = open_disk_tier(self.config, self.runner, self.model_name)
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
@@ -170,6 +172,8 @@ class BieEngine:
     def _add(self, requests: list[RequestState]) -> None:
         for request in requests:
             self._requests[request.seq] = request
+            if self.disk is not None:
+                load_from_disk(self.blocks, self.runner, self.scheduler, self.disk, request.seq)
             self.scheduler.add(request.seq)
             self._prompt_tokens += len(request.seq.prompt_ids)
 
@@ -216,6 +220,7 @@ class BieEngine:
         if proposal is None and seq.num_pending > n:   # a prompt chunk with more of the prompt to come
             self.scheduler.postprocess(seq, n, had_lookahead)
             return
+        prefilled = not seq.output_ids
         if proposal is None:
             tokens, rows = [self._sample(seq, rows)], rows[None]
         else:   # rows [k+1, V]: the target's logits at the pending token and each of k proposals
@@ -227,6 +232,8 @@ class BieEngine:
         # request stopped inside the run (its blocks are freed just after; prefix caching keeps them).
         computed = n if proposal is None else min(len(tokens), len(appended[0]) + 1)
         self.scheduler.postprocess(seq, computed, had_lookahead)
+        if prefilled and self.disk is not None and self.disk.writable:   # handed over before the reply can end
+            persist_prompt(self.blocks, self.runner, self.scheduler, self.disk, seq)
         self._publish(request, *appended)
 
     @staticmethod
@@ -471,12 +478,25 @@ class BieEngine:
         return EngineStats(dict(self._finished), self._prompt_tokens, self._generation_tokens, s.num_preemptions,
                            s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting),
                            {**self._spec, "accepted_by_position": list(self._accepted_by_position)},
-                           self._host_stats(), self._graph_stats())
+                           self._host_stats(), self._graph_stats(), self._disk_stats())
 
     def _graph_stats(self) -> dict[str, dict[str, int]]:
         graphs = self.runner.graphs
         return {kind: dict(graphs.counts[kind]) if graphs is not None else {"graph": 0, "eager": 0}
                 for kind in STEP_KINDS}
+
+    def _disk_stats(self) -> dict[str, int]:
+        if self.disk is None:
+            return {}
+        stats = self.disk.stats()
+        bs = self.blocks.block_size
+        return {**stats, "hit_tokens": stats.pop("hit_blocks") * bs, "missed_tokens": stats.pop("missed_blocks") * bs}
+
+    def close(self) -> None:
+        """Finish the disk tier's writes and let go of its directory (a server does this as it stops; another
+        engine on the same directory may then write it). The engine still serves, persisting nothing."""
+        if self.disk is not None:
+            self.disk.close()
 
     def _host_stats(self) -> dict[str, float]:
         host, pool = self.blocks.host, self.runner.host_pool

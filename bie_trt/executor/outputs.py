@@ -80,3 +80,6 @@ class EngineStats:
     # the target's CUDA-graph steps since start, by kind (decode, verify) -> {"graph": hits, "eager": steps of
     # graph-sized rows that fit no captured bucket}; all zero without graphs (CPU, enforce_eager)
     cuda_graphs: dict = field(default_factory=dict)
+    # the disk tier (empty when off): capacity_bytes, used_bytes, files (every engine's), blocks (this engine's),
+    # writable (0/1) now; hit_tokens, missed_tokens, read_bytes, written_bytes, evictions, bad_files since start
+    disk_kv: dict = field(default_factory=dict)

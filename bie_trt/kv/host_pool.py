@@ -44,12 +44,8 @@ class HostPool:
     def offload(self, entry: int, slot: int) -> None:
         """Device block `entry` -> host `slot`."""
         start = time.perf_counter()
-        k, v, block = self._sides(entry)
-        copies = []
-        for side in (k, v):
-            host = torch.empty(side[:, block].shape, dtype=side.dtype, device="cpu", pin_memory=self.pin)
-            copies.append(host.copy_(side[:, block], non_blocking=self.pin))
-        self.slots[slot] = (copies[0], copies[1])
+        copies = self.snapshot(entry)
+        self.slots[slot] = copies
         self.bytes_offloaded += copies[0].nbytes + copies[1].nbytes
         self.seconds_offloading += time.perf_counter() - start
 
@@ -69,6 +65,17 @@ class HostPool:
     def put(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Host `slot` holds a block read from elsewhere (a cache file)."""
         self.slots[slot] = tuple(t.pin_memory() if self.pin else t for t in (k, v))
+
+    def snapshot(self, entry: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of device block `entry`'s K and V, launched on the device's stream: on a GPU they land
+        asynchronously (before any later kernel can overwrite the block); wait for an event recorded after
+        them before reading."""
+        k, v, block = self._sides(entry)
+        out = []
+        for side in (k, v):
+            host = torch.empty(side[:, block].shape, dtype=side.dtype, device="cpu", pin_memory=self.pin)
+            out.append(host.copy_(side[:, block], non_blocking=self.pin))
+        return out[0], out[1]
 
     def read(self, entry: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of device block `entry`'s K and V, on the CPU."""

@@ -72,6 +72,7 @@ def engine_metrics(stats: EngineStats) -> list[Metric]:
         by_position,
         *host_tier_metrics(stats.host_kv),
         graph_steps(stats.cuda_graphs),
+        *disk_tier_metrics(stats.disk_kv),
     ]
 
 
@@ -106,6 +107,30 @@ def host_tier_metrics(host: dict) -> list[Metric]:
                  host.get("hit_tokens", 0)),
         copied,
         seconds,
+    ]
+
+
+def disk_tier_metrics(disk: dict) -> list[Metric]:
+    """The KV cache's disk tier: its bound and use, the prompt tokens it served and missed, its reads, writes,
+    evictions and refused files."""
+    copied = CounterMetricFamily("bie_disk_kv_bytes", "Bytes of KV block files read back (hits) and written.",
+                                 labels=["direction"])
+    copied.add_metric(["read"], disk.get("read_bytes", 0))
+    copied.add_metric(["written"], disk.get("written_bytes", 0))
+    return [
+        _gauge("bie_disk_kv_cache_capacity_bytes", "Bound of the KV cache's disk tier, over every engine's files "
+               "in its directory (0: off).", disk.get("capacity_bytes", 0)),
+        _gauge("bie_disk_kv_cache_used_bytes", "Bytes of KV block files in the disk tier's directory.",
+               disk.get("used_bytes", 0)),
+        _counter("bie_disk_kv_cache_hits", "Prompt tokens read back from the disk tier (missed on the device and "
+                 "in host memory).", disk.get("hit_tokens", 0)),
+        _counter("bie_disk_kv_cache_misses", "Prompt tokens of full blocks no tier held (computed).",
+                 disk.get("missed_tokens", 0)),
+        copied,
+        _counter("bie_disk_kv_cache_evictions", "Block files deleted to keep the disk tier within its bound.",
+                 disk.get("evictions", 0)),
+        _counter("bie_disk_kv_cache_bad_files", "Block files refused (torn, damaged, another engine's) and "
+                 "deleted.", disk.get("bad_files", 0)),
     ]
 
 
