@@ -61,7 +61,6 @@ def chat_logprobs(tokens: list[int], logprobs: list[dict[int, float]], n: int,
 
 async def completions(state: ServerState, req: CompletionRequest, http: Request) -> Response | dict:
     engine = state.engine
-    state.check_model(req.model)
     prompts = prompt_list(req.prompt)
     if not prompts:
         raise ApiError(400, "prompt must not be empty; send a string, or a list of them.", "prompt")
@@ -127,7 +126,6 @@ def as_chat_request(fields: dict[str, Any]) -> ChatRequest:
 async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], ToolPlan]:
     """A chat body's prompt through the chat template (tools rendered), and how its tools shape the reply.
     Every API that speaks in messages (chat, Anthropic's Messages, the Responses API) comes through here."""
-    state.check_model(req.model)
     messages = [m.to_template() for m in req.messages]
     state.check_fits([m["content"] for m in messages], chat=True)
     try:

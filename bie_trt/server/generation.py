@@ -122,10 +122,13 @@ async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequ
         raise ApiError(400, f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab}).", "logit_bias")
     per_prompt = []
     for ids in prompts:
-        wanted = max_tokens if max_tokens is not None else max(1, engine.max_model_len - len(ids))
-        if len(ids) + wanted > engine.max_model_len:
-            raise ApiError(400, context_error(engine.max_model_len, len(ids), wanted, chat), param,
+        room = engine.max_model_len - len(ids)   # what the context leaves for the completion
+        if room < 1:   # the prompt alone fills the context: no completion fits
+            raise ApiError(400, context_error(engine.max_model_len, len(ids), max_tokens or 1, chat), param,
                            code="context_length_exceeded")
+        # max_tokens is an upper bound the context may lower: agents send 32,000 to mean "as long as you
+        # can"; the reply that reaches the bound ends as `length`, as one that reaches max_tokens does
+        wanted = room if max_tokens is None else min(max_tokens, room)
         try:
             per_prompt.append(sampling_params(req, wanted, logprobs, constraint))
         except RequestError as e:
