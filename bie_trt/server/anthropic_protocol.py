@@ -188,14 +188,10 @@ class ThinkingAdaptive(_Strict):
 
 
 class ThinkingBudget(_Strict):
+    """Thinking on, its reasoning bounded: the engine closes the block itself after budget_tokens tokens.
+    Anthropic's floor of 1024 is not applied: a local model's context may hold far less."""
     type: Literal["enabled"]
-    budget_tokens: int
-
-    @model_validator(mode="after")
-    def _no_budget(self) -> ThinkingBudget:
-        raise ValueError("a thinking budget is not enforced by this server (the model ends its reasoning "
-                         "itself); send {\"type\": \"adaptive\"} (thinking within max_tokens) or "
-                         "{\"type\": \"disabled\"}")
+    budget_tokens: int = Field(ge=1)
 
 
 Thinking = Annotated[Union[ThinkingOff, ThinkingAdaptive, ThinkingBudget], Field(discriminator="type")]
@@ -243,7 +239,9 @@ class _MessagesBody(_Strict):
         """The chat body this request is: messages, tools, tool_choice and the response format."""
         fields: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
         if self.thinking is not None:   # the switch thinking templates read (Qwen3's); others ignore it
-            fields["chat_template_kwargs"] = {"enable_thinking": self.thinking.type == "adaptive"}
+            fields["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
+            if isinstance(self.thinking, ThinkingBudget):
+                fields["thinking_token_budget"] = self.thinking.budget_tokens
         if self.tools:
             fields["tools"] = [{"type": "function", "function": {
                 "name": t.name, "parameters": t.input_schema,

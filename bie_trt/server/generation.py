@@ -38,7 +38,9 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
         max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids,
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs,
-        structured_outputs=constraint, logit_bias=bias, min_tokens=req.min_tokens)
+        structured_outputs=constraint, logit_bias=bias, min_tokens=req.min_tokens,
+        # a reply shaped whole by a constraint has no reasoning block: there is nothing for a budget to bound
+        thinking_budget=req.thinking_token_budget if constraint is None else None)
 
 
 def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> str:

@@ -166,6 +166,8 @@ class SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None   # token id (as a string: JSON keys are) -> bias
     min_tokens: int = Field(0, ge=0)
+    # vLLM's: reasoning tokens a thinking model may write before the engine closes its block itself
+    thinking_token_budget: int | None = Field(None, ge=0)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | str | None = None    # vLLM's older spelling of structured_outputs

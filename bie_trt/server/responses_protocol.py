@@ -14,12 +14,16 @@ from .protocol import NAME_PATTERN, _Strict, text_shorthand
 SHAPES = {"tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...}"}
 
 
+# reasoning.effort -> the thinking budget the engine enforces (tokens of reasoning before it closes the block
+# itself), as LiteLLM maps effort onto Anthropic's budget_tokens; "none" switches the template's thinking off.
+EFFORT_BUDGETS = {"minimal": 128, "low": 1024, "medium": 2048, "high": 4096, "xhigh": 8192}
+
 # Fields refused unless they are left out or empty, with why.
 REFUSED_WHEN_SET = {
     "include": "no extra output data (logprobs, encrypted reasoning, sources) is produced",
     "top_logprobs": "the Responses route returns no log-probabilities; use /v1/chat/completions",
-    "reasoning": "effort levels and summaries are not implemented (a thinking template's reasoning comes back "
-                 "whole, as a reasoning item); use max_output_tokens",
+    "reasoning": "summaries are not implemented (a thinking template's reasoning comes back whole, as a "
+                 "reasoning item); reasoning.effort is",
     "background": "background responses are not implemented; stream instead",
     "max_tool_calls": "it is not implemented; set parallel_tool_calls to false for at most one call",
 }
@@ -251,9 +255,28 @@ class ResponsesRequest(_Strict):
     @field_validator(*REFUSED_WHEN_SET)
     @classmethod
     def _refused_when_set(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.field_name == "reasoning":   # {"effort": null} asks for nothing
-            value = {k: v for k, v in (value or {}).items() if v is not None}
+        if info.field_name == "reasoning":   # {"effort": null} asks for nothing; an effort is a budget
+            _refuse_set({k: v for k, v in (value or {}).items() if v is not None and k != "effort"},
+                        REFUSED_WHEN_SET["reasoning"])
+            return value
         return _refuse_set(value, REFUSED_WHEN_SET[info.field_name])
+
+    @field_validator("reasoning")
+    @classmethod
+    def _effort(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        effort = (value or {}).get("effort")
+        if effort is not None and (not isinstance(effort, str) or effort != "none" and effort not in EFFORT_BUDGETS):
+            raise ValueError(f"effort must be one of none, {', '.join(EFFORT_BUDGETS)} (got {effort!r})")
+        return value
+
+    def effort_fields(self) -> dict[str, Any]:
+        """reasoning.effort as the chat body's thinking switch and budget (nothing when absent)."""
+        effort = (self.reasoning or {}).get("effort")
+        if effort is None:
+            return {}
+        if effort == "none":
+            return {"chat_template_kwargs": {"enable_thinking": False}}
+        return {"chat_template_kwargs": {"enable_thinking": True}, "thinking_token_budget": EFFORT_BUDGETS[effort]}
 
     @field_validator("tool_choice")
     @classmethod
@@ -270,7 +293,7 @@ class ResponsesRequest(_Strict):
         """The chat body this request is, after `history` (the stored conversation it continues)."""
         fields: dict[str, Any] = {"model": self.model, "messages": self.messages(history),
                                   "max_tokens": self.max_output_tokens, "temperature": self.temperature,
-                                  "top_p": self.top_p, "stream": self.stream}
+                                  "top_p": self.top_p, "stream": self.stream, **self.effort_fields()}
         if self.tools:
             fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                                for t in self.tools]
