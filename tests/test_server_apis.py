@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 
-from bie_trt import BieEngine, EngineConfig
+from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.server.app import ServerOptions
 from bie_trt.server.response_store import ResponseStore, StoredResponse
 from test_server import serving
@@ -133,6 +133,23 @@ def test_output_format_shapes_text_turns_only(claude, model):
     jsonschema.validate(forced.content[0].input, WEATHER_SCHEMA)
 
 
+def test_a_prefilled_reply_is_continued_not_repeated(server, claude, oai, model):
+    """Claude Code's topic side call ends with an assistant turn "{": the prompt leaves that turn open, the
+    model continues it, and the reply is only what the model wrote after the prefill (as Anthropic's API
+    answers); vLLM's continue_final_message does the same on the chat route."""
+    engine = server[0]
+    ask = [{"role": "user", "content": "Give this conversation a title as JSON."}, {"role": "assistant", "content": "{"}]
+    ids = engine.encode_chat(ask, continue_final=True)
+    assert engine.tokenizer.decode(ids).endswith("assistant\n{")   # the turn is open: no end of turn after it
+    sdk = engine.generate(ids, SamplingParams(temperature=0, max_tokens=6))
+    reply = claude.messages.create(model="claude-3-5-haiku-20241022", max_tokens=6, messages=ask, extra_body=GREEDY)
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == sdk.text
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(ids) == \
+        claude.messages.count_tokens(model=model, messages=ask).input_tokens
+    chat = chat_reply(oai, model, ask, 6, extra_body={"continue_final_message": True})
+    assert chat.choices[0].message.content == sdk.text and chat.usage.prompt_tokens == len(ids)
+
+
 def test_tool_result_round_trip_and_count_tokens(server, claude, model):
     """The forced call, then its result: both reach the prompt as the chat route renders them (count_tokens
     equals /tokenize of the same chat history), and the reply's usage counts that prompt."""
@@ -162,7 +179,7 @@ def test_tool_result_round_trip_and_count_tokens(server, claude, model):
 
 
 @pytest.mark.parametrize("body, fragment", [
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.enabled: a thinking budget is not enforced"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking.enabled.budget_tokens"),
     ({"thinking": {"type": "sometimes"}}, "thinking"),
     ({"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]}, "belongs in an assistant"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
@@ -176,8 +193,12 @@ def test_tool_result_round_trip_and_count_tokens(server, claude, model):
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]},
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
-    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]},
-     "prefilled"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is "}]},
+     "cannot end with trailing whitespace"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "x", "name": "get_weather", "input": {}}]}]}, "text blocks only"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "{"}], "tools": [CLAUDE_TOOL],
+      "tool_choice": {"type": "any"}}, "tool_choice: shapes the whole reply, so it cannot follow a prefilled one"),
 ])
 def test_bad_message_bodies_get_anthropic_errors(claude, model, body, fragment):
     full = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], **body}
@@ -288,7 +309,7 @@ def test_parse_gives_a_pydantic_object(oai, model):
 
 @pytest.mark.parametrize("body, param", [
     ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "huge"}}, "reasoning"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [OPENAI_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),

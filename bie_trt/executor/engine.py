@@ -92,9 +92,9 @@ class BieEngine:
         return self.prompts.encode(prompt, chat)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
+                    template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
         """Chat messages and OpenAI tools through the chat template (see PromptEncoder.encode_chat)."""
-        return self.prompts.encode_chat(messages, tools, template_kwargs)
+        return self.prompts.encode_chat(messages, tools, template_kwargs, continue_final)
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         params.validate()

@@ -214,11 +214,32 @@ class _MessagesBody(_Strict):
 
     @field_validator("messages")
     @classmethod
-    def _ends_with_the_user(cls, messages: list[AnthropicMessage]) -> list[AnthropicMessage]:
-        if messages and messages[-1].role == "assistant":
-            raise ValueError(f"[{len(messages) - 1}] is an assistant turn: a reply prefilled by the client is not "
-                             f"supported (the template opens a new assistant turn); end with a user turn")
+    def _a_prefill_is_text(cls, messages: list[AnthropicMessage]) -> list[AnthropicMessage]:
+        """A last assistant turn is the start of the reply (a prefill), which the model continues: text only,
+        without trailing whitespace, as Anthropic's API requires."""
+        last = messages[-1] if messages else None
+        if last is not None and last.role == "assistant":
+            where = f"[{len(messages) - 1}]"
+            if any(b.type != "text" for b in last.content):
+                raise ValueError(f"{where} is a prefilled reply (the last turn is the assistant's), which may hold "
+                                 f"text blocks only; end with a user turn to send tool_use or thinking blocks")
+            if "".join(b.text for b in last.content) != "".join(b.text for b in last.content).rstrip():
+                raise ValueError(f"{where}: the final assistant content cannot end with trailing whitespace")
         return messages
+
+    @field_validator("tool_choice", "output_config")
+    @classmethod
+    def _not_with_a_prefill(cls, value: Any, info: ValidationInfo) -> Any:
+        messages = info.data.get("messages") or []
+        shapes = isinstance(value, (ToolChoiceAny, ToolChoiceTool)) or \
+            (isinstance(value, OutputConfig) and value.format is not None)
+        if shapes and messages and messages[-1].role == "assistant":
+            raise ValueError("shapes the whole reply, so it cannot follow a prefilled one (the last turn is the "
+                             "assistant's); leave out one of them")
+        return value
+
+    def prefilled(self) -> bool:
+        return self.messages[-1].role == "assistant"
 
     @field_validator("system", mode="before")
     @classmethod
@@ -237,7 +258,8 @@ class _MessagesBody(_Strict):
 
     def chat_fields(self) -> dict[str, Any]:
         """The chat body this request is: messages, tools, tool_choice and the response format."""
-        fields: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
+        fields: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages),
+                                  "continue_final_message": self.prefilled()}
         if self.thinking is not None:   # the switch thinking templates read (Qwen3's); others ignore it
             fields["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
             if isinstance(self.thinking, ThinkingBudget):

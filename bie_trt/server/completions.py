@@ -132,9 +132,13 @@ async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], 
         tools = tool_plan(req)
     except ParamError as e:
         raise ApiError(400, str(e), e.param) from None
+    if req.continue_final_message and (tools.mode not in ("none", "auto") or req.constraints()):
+        raise ApiError(400, "continue_final_message with an output constraint (tool_choice required or a named "
+                            "function, response_format, structured_outputs): a constraint shapes the whole reply, "
+                            "not the rest of one begun; send one of them.", "continue_final_message")
     try:
         ids = await anyio.to_thread.run_sync(state.engine.encode_chat, messages, tools.tools,
-                                             req.chat_template_kwargs)
+                                             req.chat_template_kwargs, req.continue_final_message)
     except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
         raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
     return ids, tools

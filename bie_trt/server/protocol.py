@@ -298,6 +298,8 @@ class ChatRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: TemplateKwargs = None
+    # vLLM's: the last message is an assistant reply the client began (a prefill); the model continues it
+    continue_final_message: bool = False
 
     @field_validator("messages")
     @classmethod
@@ -321,6 +323,14 @@ class ChatRequest(SamplingRequest):
             if choice.function.name not in names:
                 raise ValueError(f"names function {choice.function.name!r}, which is not in tools {names}")
         return choice
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _an_assistant_message_to_continue(cls, value: bool, info: ValidationInfo) -> bool:
+        messages = info.data.get("messages") or []
+        if value and (not messages or messages[-1].role != "assistant" or messages[-1].tool_calls):
+            raise ValueError("needs the last message to be an assistant message with text (the reply to continue)")
+        return value
 
 
 class TokenizeRequest(_Strict):
