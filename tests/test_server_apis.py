@@ -150,6 +150,57 @@ def test_a_prefilled_reply_is_continued_not_repeated(server, claude, oai, model)
     assert chat.choices[0].message.content == sdk.text and chat.usage.prompt_tokens == len(ids)
 
 
+# A coding session in progress: four weather lookups answered, each turn with its thinking.
+CITIES = ("Oslo", "Rome", "Paris", "Lima")
+SESSION = [{"role": "user", "content": "Weather in Oslo, Rome, Paris and Lima, one by one."}]
+for _i, _city in enumerate(CITIES):
+    SESSION += [{"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": f"Next: {_city}.", "signature": ""},
+                    {"type": "tool_use", "id": f"toolu_{_i}", "name": "get_weather",
+                     "input": {"city": _city, "unit": "celsius"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{_i}",
+                                              "content": f"{_city}: 21 degrees, clear sky, light wind from the west."}]}]
+
+
+def test_context_management_clears_old_tool_results_and_reports_it(claude, model):
+    """Claude Code's context_management: past the trigger the oldest results give way to a placeholder, the
+    `keep` most recent stay; the reply reports each applied edit as Anthropic's API does, and count_tokens
+    counts the edited prompt with the original beside it."""
+    before = claude.messages.count_tokens(model=model, messages=SESSION, tools=[CLAUDE_TOOL]).input_tokens
+    clear = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 50},
+             "keep": {"type": "tool_uses", "value": 1}, "exclude_tools": ["read_file"]}
+    kw = dict(model=model, max_tokens=2, messages=SESSION, tools=[CLAUDE_TOOL], betas=["context-management-2025-06-27"])
+    counted = claude.beta.messages.count_tokens(**{k: v for k, v in kw.items() if k != "max_tokens"},
+                                                context_management={"edits": [clear]})
+    after = counted.input_tokens
+    assert counted.context_management.original_input_tokens == before > after
+    reply = claude.beta.messages.create(**kw, context_management={"edits": [clear]}, extra_body=GREEDY)
+    assert [e.model_dump() for e in reply.context_management.applied_edits] == [
+        {"type": "clear_tool_uses_20250919", "cleared_tool_uses": 3, "cleared_input_tokens": before - after}]
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == after
+    # below the trigger, or freeing less than clear_at_least: nothing is cleared, and the reply says so
+    for edit in ({**clear, "trigger": {"type": "input_tokens", "value": before}},
+                 {**clear, "clear_at_least": {"type": "input_tokens", "value": before}},
+                 {**clear, "exclude_tools": ["get_weather"]}):
+        untouched = claude.beta.messages.create(**kw, context_management={"edits": [edit]}, extra_body=GREEDY)
+        assert untouched.context_management.applied_edits == []
+        assert untouched.usage.input_tokens + untouched.usage.cache_read_input_tokens == before
+    # the calls' inputs too, and older thinking turns (this template shows no reasoning: 0 tokens freed)
+    edits = [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}},
+             {**clear, "trigger": {"type": "tool_uses", "value": 3}, "clear_tool_inputs": True}]
+    both = claude.beta.messages.create(**kw, context_management={"edits": edits}, extra_body=GREEDY)
+    thinking, tools = [e.model_dump() for e in both.context_management.applied_edits]
+    assert thinking == {"type": "clear_thinking_20251015", "cleared_thinking_turns": 3, "cleared_input_tokens": 0}
+    assert tools["cleared_tool_uses"] == 3 and tools["cleared_input_tokens"] > before - after
+
+
+def test_context_edits_it_cannot_perform_are_refused_by_name(claude, model):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.beta.messages.create(model=model, max_tokens=2, messages=SESSION, tools=[CLAUDE_TOOL],
+                                    context_management={"edits": [{"type": "compact_20260112"}]})
+    assert "compact_20260112 edit, which this server cannot perform" in caught.value.body["error"]["message"]
+
+
 def test_tool_result_round_trip_and_count_tokens(server, claude, model):
     """The forced call, then its result: both reach the prompt as the chat route renders them (count_tokens
     equals /tokenize of the same chat history), and the reply's usage counts that prompt."""

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from .context_edits import ContextManagement
 from .protocol import NAME_PATTERN, _Strict, text_shorthand
 
 CacheControl = dict[str, Any] | None   # accepted everywhere: the prefix cache reuses every prompt on its own
@@ -201,7 +202,7 @@ class Metadata(_Strict):
     user_id: str | None = None
 
 
-class _MessagesBody(_Strict):
+class MessagesBody(_Strict):
     """What a Messages request and a count_tokens request share: the prompt and the tools."""
     model: str | None = None     # Anthropic's clients always send it; absent means the served model
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -211,6 +212,7 @@ class _MessagesBody(_Strict):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl = None
+    context_management: ContextManagement | None = None   # edits to the history before the prompt is made
 
     @field_validator("messages")
     @classmethod
@@ -282,7 +284,7 @@ class _MessagesBody(_Strict):
         return fields
 
 
-class MessagesRequest(_MessagesBody):
+class MessagesRequest(MessagesBody):
     max_tokens: int = Field(ge=1)
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -298,7 +300,7 @@ class MessagesRequest(_MessagesBody):
                 "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences, "stream": self.stream}
 
 
-class CountTokensRequest(_MessagesBody):
+class CountTokensRequest(MessagesBody):
     pass
 
 
