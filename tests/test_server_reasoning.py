@@ -356,23 +356,20 @@ def test_a_block_the_reply_opens_is_counted_after_its_tag(served):
     assert budget.used == 1 and budget.forced_token() is None
 
 
-def test_anthropic_budget_tokens_bound_the_thinking_block(served):
+def test_anthropic_budget_tokens_bound_the_thinking_block(served, reference):
     """Claude Code's thinking: {"type": "enabled", "budget_tokens": N}. SmolLM2 copies the run's thinking
     blocks ("<think>\nI need the weather in Berlin."): with a budget of 3 the engine closes the block after
-    "\nI need", and the model goes on to answer after it, as the SDK's reply under the same budget does."""
-    engine, base, _ = served
+    the unbounded reply's first 3 reasoning tokens ("\nI need"), and the model goes on to answer after it."""
+    engine = served[0]
     claude, ask = claude_ask(served)
-    ask["max_tokens"] = 24
-    reply = claude.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 3})
-    ids = engine.encode_chat(RUN, [WEATHER])
-    sdk = engine.generate(ids, SamplingParams(temperature=0, max_tokens=24, thinking_budget=3))
-    opened = next(i for i in range(len(sdk.token_ids))
-                  if engine.tokenizer.decode(sdk.token_ids[:i + 1]).lstrip().startswith("<think>")) + 1
-    assert sdk.token_ids[opened + 3:opened + 3 + len(end_ids(engine))] == end_ids(engine)
-    reasoning, content = split_reasoning(sdk.text)
-    assert reasoning == engine.tokenizer.decode(sdk.token_ids[opened:opened + 3]).strip() == "I need"
-    assert [b.type for b in reply.content][:2] == ["thinking", "text"] and reply.content[0].thinking == reasoning
-    assert reply.usage.output_tokens == len(sdk.token_ids)
+    free = reference[1].token_ids
+    opened = next(i for i in range(len(free)) if engine.tokenizer.decode(free[:i + 1]).lstrip().startswith("<think>"))
+    budget = free[opened + 1:opened + 4]
+    reply = claude.messages.create(**{**ask, "max_tokens": opened + 4 + len(end_ids(engine)) + 2},
+                                   thinking={"type": "enabled", "budget_tokens": 3})
+    assert engine.tokenizer.decode(budget).strip() == "I need"
+    assert [(b.type, getattr(b, "thinking", None)) for b in reply.content] == [("thinking", "I need"), ("text", None)]
+    assert reply.content[1].text and reply.stop_reason == "max_tokens"
 
 
 def test_responses_effort_maps_to_a_budget_or_switches_thinking_off(served, reference):

@@ -35,8 +35,15 @@ class PromptEncoder:
             raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
         variables = {**self.template_kwargs, **(template_kwargs or {})}
         # continue_final: the last (assistant) message is left open, its text the start of the reply
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
-                                                 continue_final_message=continue_final, tokenize=True, **variables)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
+                                                     continue_final_message=continue_final, tokenize=True,
+                                                     **variables)
+        except ValueError as e:   # transformers cuts the render after the final message's text: not found
+            if not continue_final:
+                raise
+            raise RequestError(f"the chat template does not write the final assistant message as sent, so the "
+                               f"reply cannot continue it ({e})") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
