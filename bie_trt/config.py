@@ -489,6 +489,9 @@ class SamplingParams:
     response_format: dict | None = None
     logit_bias: dict[int, float] | None = None   # token id -> bias in [-100, 100], added to the logits
     min_tokens: int = 0             # EOS and stop_token_ids masked, stop strings not searched, until this many tokens
+    # reasoning tokens a thinking model may write before the engine closes its <think> block itself
+    # (thinking_budget.py); None: unbounded. A reply without a block (or a prompt that closed it) ignores it.
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -536,8 +539,15 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens {self.min_tokens} is above max_tokens {self.max_tokens}; make min_tokens <= "
                       f"max_tokens.")
+        if self.thinking_budget is not None and (not isinstance(self.thinking_budget, int)
+                                                 or isinstance(self.thinking_budget, bool) or self.thinking_budget < 0):
+            raise bad(f"thinking_budget must be an integer >= 0 (0 closes the block at once); got "
+                      f"{self.thinking_budget!r}.")
         self._validate_logit_bias()
         self._validate_structured()
+        if self.thinking_budget is not None and self.structured_outputs is not None:
+            raise bad("thinking_budget with structured_outputs: a constrained reply is shaped whole by its grammar "
+                      "and has no reasoning block to bound; send one of them.")
 
     def _validate_logit_bias(self) -> None:
         if self.logit_bias is None:

@@ -18,6 +18,7 @@ import torch
 from .closed_schema import close_schema
 from .config import SamplingParams, StructuredOutputs, check_json_schema
 from .errors import RequestError
+from .thinking_budget import ThinkingBudget
 
 # The closed form's whitespace is json.dumps' (`{"a": 1, "b": [1, 2]}`): one way to write each value, so
 # no token goes to layout. The lenient form's, between JSON tokens: nothing, one space, or one line break
@@ -178,14 +179,16 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 
 class LogitsConstraint:
-    """What a request's parameters forbid or favour on top of the model: logit_bias, min_tokens and a grammar.
+    """What a request's parameters forbid or favour on top of the model: logit_bias, min_tokens, a grammar
+    and a thinking budget (which forces the end of thinking once the reasoning has spent it).
 
     `apply(logits, num_output)` edits a row in place for the state after `num_output` generated tokens
-    (the grammar's current state); `accept(token)` advances the grammar with an emitted token.
+    (the grammar's and the budget's current state); `accept(token)` advances them with an emitted token.
     """
 
-    def __init__(self, params: SamplingParams, eos_ids: Iterable[int], grammar: GrammarState | None):
-        self.grammar = grammar
+    def __init__(self, params: SamplingParams, eos_ids: Iterable[int], grammar: GrammarState | None,
+                 budget: ThinkingBudget | None = None):
+        self.grammar, self.budget = grammar, budget
         bias = params.logit_bias or {}
         self.bias_ids = torch.tensor(list(bias), dtype=torch.long)
         self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32)
@@ -193,17 +196,17 @@ class LogitsConstraint:
         self.banned_until_min = torch.tensor(sorted(set(eos_ids) | set(params.stop_token_ids)), dtype=torch.long)
 
     @classmethod
-    def build(cls, params: SamplingParams, eos_ids: Iterable[int],
-              compiler: GrammarCompiler | None) -> "LogitsConstraint | None":
+    def build(cls, params: SamplingParams, eos_ids: Iterable[int], compiler: GrammarCompiler | None,
+              budget: ThinkingBudget | None = None) -> "LogitsConstraint | None":
         """None when the request constrains nothing (the common case costs nothing per step)."""
         grammar = None
         if params.structured_outputs is not None:
             if compiler is None:
                 raise RequestError("structured outputs need the llguidance package; pip install llguidance.")
             grammar = compiler.matcher(params.structured_outputs)
-        if grammar is None and not params.logit_bias and params.min_tokens == 0:
+        if grammar is None and budget is None and not params.logit_bias and params.min_tokens == 0:
             return None
-        return cls(params, eos_ids, grammar)
+        return cls(params, eos_ids, grammar, budget)
 
     def apply(self, logits: torch.Tensor, num_output: int) -> torch.Tensor:
         if len(self.bias_ids):
@@ -218,6 +221,9 @@ class LogitsConstraint:
             # the grammar may allow nothing but EOS (it is complete): the grammar wins over min_tokens
             if mask is not None and not bool(torch.isfinite(logits).any()):
                 logits[banned] = kept
+        if self.budget is not None and (forced := self.budget.forced_token()) is not None:
+            logits.fill_(float("-inf"))   # the budget is spent: the end of thinking, whatever the model prefers
+            logits[forced] = 0.0
         return logits
 
     def accept(self, token: int) -> None:
@@ -226,8 +232,15 @@ class LogitsConstraint:
             raise GrammarError(f"the grammar rejected token {token}, which its mask allowed")
 
     def try_accept(self, token: int) -> bool:
-        """Advance the grammar with a proposed token if it allows it; False (and no change) if not."""
-        return self.grammar is None or self.grammar.accept(token)
+        """Advance the grammar and the budget with a proposed token if they allow it; False (and no change)
+        if not."""
+        if self.budget is not None and self.budget.forced_token() not in (None, token):
+            return False
+        if self.grammar is not None and not self.grammar.accept(token):
+            return False
+        if self.budget is not None:
+            self.budget.accept(token)
+        return True
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order, the grammar takes from its current state (which it keeps)."""
@@ -243,6 +256,8 @@ class LogitsConstraint:
         """Undo the last num_tokens accepted tokens."""
         if self.grammar is not None:
             self.grammar.rollback(num_tokens)
+        if self.budget is not None:
+            self.budget.rollback(num_tokens)
 
     @property
     def finished(self) -> bool:

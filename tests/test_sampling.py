@@ -186,3 +186,13 @@ def test_boundary_values_are_accepted():
                    {"repetition_penalty": 0.01}, {"repetition_penalty": 10}):
         SamplingParams(**kwargs)
         make_generator(SamplingParams(**kwargs), 0)
+
+
+@pytest.mark.parametrize("params, fragment", [
+    (dict(thinking_budget=-1), "thinking_budget must be an integer >= 0"),
+    (dict(thinking_budget=True), "thinking_budget must be an integer >= 0"),
+    (dict(thinking_budget=4, structured_outputs={"regex": "a+"}), "a constrained reply is shaped whole"),
+])
+def test_a_thinking_budget_is_checked(params, fragment):
+    with pytest.raises(RequestError, match=fragment):
+        SamplingParams(**params)

@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 
-from bie_trt import BieEngine, EngineConfig
+from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.server.app import ServerOptions
 from bie_trt.server.response_store import ResponseStore, StoredResponse
 from test_server import serving
@@ -133,6 +133,74 @@ def test_output_format_shapes_text_turns_only(claude, model):
     jsonschema.validate(forced.content[0].input, WEATHER_SCHEMA)
 
 
+def test_a_prefilled_reply_is_continued_not_repeated(server, claude, oai, model):
+    """Claude Code's topic side call ends with an assistant turn "{": the prompt leaves that turn open, the
+    model continues it, and the reply is only what the model wrote after the prefill (as Anthropic's API
+    answers); vLLM's continue_final_message does the same on the chat route."""
+    engine = server[0]
+    ask = [{"role": "user", "content": "Give this conversation a title as JSON."}, {"role": "assistant", "content": "{"}]
+    ids = engine.encode_chat(ask, continue_final=True)
+    assert engine.tokenizer.decode(ids).endswith("assistant\n{")   # the turn is open: no end of turn after it
+    sdk = engine.generate(ids, SamplingParams(temperature=0, max_tokens=6))
+    reply = claude.messages.create(model="claude-3-5-haiku-20241022", max_tokens=6, messages=ask, extra_body=GREEDY)
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == sdk.text
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(ids) == \
+        claude.messages.count_tokens(model=model, messages=ask).input_tokens
+    chat = chat_reply(oai, model, ask, 6, extra_body={"continue_final_message": True})
+    assert chat.choices[0].message.content == sdk.text and chat.usage.prompt_tokens == len(ids)
+
+
+# A coding session in progress: four weather lookups answered, each turn with its thinking.
+CITIES = ("Oslo", "Rome", "Paris", "Lima")
+SESSION = [{"role": "user", "content": "Weather in Oslo, Rome, Paris and Lima, one by one."}]
+for _i, _city in enumerate(CITIES):
+    SESSION += [{"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": f"Next: {_city}.", "signature": ""},
+                    {"type": "tool_use", "id": f"toolu_{_i}", "name": "get_weather",
+                     "input": {"city": _city, "unit": "celsius"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{_i}",
+                                              "content": f"{_city}: 21 degrees, clear sky, light wind from the west."}]}]
+
+
+def test_context_management_clears_old_tool_results_and_reports_it(claude, model):
+    """Claude Code's context_management: past the trigger the oldest results give way to a placeholder, the
+    `keep` most recent stay; the reply reports each applied edit as Anthropic's API does, and count_tokens
+    counts the edited prompt with the original beside it."""
+    before = claude.messages.count_tokens(model=model, messages=SESSION, tools=[CLAUDE_TOOL]).input_tokens
+    clear = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 50},
+             "keep": {"type": "tool_uses", "value": 1}, "exclude_tools": ["read_file"]}
+    kw = dict(model=model, max_tokens=2, messages=SESSION, tools=[CLAUDE_TOOL], betas=["context-management-2025-06-27"])
+    counted = claude.beta.messages.count_tokens(**{k: v for k, v in kw.items() if k != "max_tokens"},
+                                                context_management={"edits": [clear]})
+    after = counted.input_tokens
+    assert counted.context_management.original_input_tokens == before > after
+    reply = claude.beta.messages.create(**kw, context_management={"edits": [clear]}, extra_body=GREEDY)
+    assert [e.model_dump() for e in reply.context_management.applied_edits] == [
+        {"type": "clear_tool_uses_20250919", "cleared_tool_uses": 3, "cleared_input_tokens": before - after}]
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == after
+    # below the trigger, or freeing less than clear_at_least: nothing is cleared, and the reply says so
+    for edit in ({**clear, "trigger": {"type": "input_tokens", "value": before}},
+                 {**clear, "clear_at_least": {"type": "input_tokens", "value": before}},
+                 {**clear, "exclude_tools": ["get_weather"]}):
+        untouched = claude.beta.messages.create(**kw, context_management={"edits": [edit]}, extra_body=GREEDY)
+        assert untouched.context_management.applied_edits == []
+        assert untouched.usage.input_tokens + untouched.usage.cache_read_input_tokens == before
+    # the calls' inputs too, and older thinking turns (this template shows no reasoning: 0 tokens freed)
+    edits = [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}},
+             {**clear, "trigger": {"type": "tool_uses", "value": 3}, "clear_tool_inputs": True}]
+    both = claude.beta.messages.create(**kw, context_management={"edits": edits}, extra_body=GREEDY)
+    thinking, tools = [e.model_dump() for e in both.context_management.applied_edits]
+    assert thinking == {"type": "clear_thinking_20251015", "cleared_thinking_turns": 3, "cleared_input_tokens": 0}
+    assert tools["cleared_tool_uses"] == 3 and tools["cleared_input_tokens"] > before - after
+
+
+def test_context_edits_it_cannot_perform_are_refused_by_name(claude, model):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.beta.messages.create(model=model, max_tokens=2, messages=SESSION, tools=[CLAUDE_TOOL],
+                                    context_management={"edits": [{"type": "compact_20260112"}]})
+    assert "compact_20260112 edit, which this server cannot perform" in caught.value.body["error"]["message"]
+
+
 def test_tool_result_round_trip_and_count_tokens(server, claude, model):
     """The forced call, then its result: both reach the prompt as the chat route renders them (count_tokens
     equals /tokenize of the same chat history), and the reply's usage counts that prompt."""
@@ -162,7 +230,7 @@ def test_tool_result_round_trip_and_count_tokens(server, claude, model):
 
 
 @pytest.mark.parametrize("body, fragment", [
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.enabled: a thinking budget is not enforced"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking.enabled.budget_tokens"),
     ({"thinking": {"type": "sometimes"}}, "thinking"),
     ({"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]}, "belongs in an assistant"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
@@ -176,8 +244,12 @@ def test_tool_result_round_trip_and_count_tokens(server, claude, model):
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]},
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
-    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]},
-     "prefilled"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is "}]},
+     "cannot end with trailing whitespace"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "x", "name": "get_weather", "input": {}}]}]}, "text blocks only"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "{"}], "tools": [CLAUDE_TOOL],
+      "tool_choice": {"type": "any"}}, "tool_choice: shapes the whole reply, so it cannot follow a prefilled one"),
 ])
 def test_bad_message_bodies_get_anthropic_errors(claude, model, body, fragment):
     full = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], **body}
@@ -197,8 +269,8 @@ def test_raw_bad_bodies_and_keys_on_anthropic_routes(server, model, path):
         assert r.json()["error"]["type"] == "invalid_request_error"
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}],
             **({} if path.endswith("count_tokens") else {"max_tokens": 1})}
-    r = httpx.post(base + path, json={**body, "model": "claude-nope"}, headers=key)
-    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(base + path, json={**body, "model": "claude-nope"}, headers=key)   # any name: the one engine
+    assert r.status_code == 200 and r.json().get("model", model) == model, r.text
     r = httpx.post(base + path, json=body, headers={"x-api-key": "wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.post(base + path, json=body, headers={"Authorization": "Bearer k3y"}).status_code == 200
@@ -298,6 +370,7 @@ def test_parse_gives_a_pydantic_object(oai, model):
     ({"tools": [OPENAI_TOOL, {**OPENAI_TOOL, "description": "again"}]}, "tools"),
     ({"tools": [{"type": "custom", "name": "p"}], "tool_choice": "required"}, "tool_choice"),
     ({"tools": [OPENAI_TOOL], "tool_choice": {"type": "local_shell"}}, "tool_choice"),
+    ({"reasoning": {"effort": "huge"}}, "reasoning.effort"),
     ({"tools": [OPENAI_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),

@@ -1,5 +1,5 @@
 """Server defaults on a small context: chat's max_tokens default, requests that end exactly at the
-context's end, the /v1/models timestamp."""
+context's end, max_tokens past the context clamped on every route, the /v1/models timestamp."""
 from __future__ import annotations
 
 import time
@@ -42,8 +42,10 @@ def test_completions_keep_16_tokens_and_accept_a_request_ending_exactly_at_the_c
     exact = client.completions.create(model=engine.model_name, prompt=prompt, temperature=0,
                                       max_tokens=CONTEXT - prompt_tokens, extra_body={"ignore_eos": True})
     assert exact.usage.completion_tokens == CONTEXT - prompt_tokens
-    with pytest.raises(openai.BadRequestError, match="maximum context length is 64 tokens"):
-        client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=CONTEXT - prompt_tokens + 1)
+    # past the context: clamped to what the context leaves, and the reply that reaches it ends as length
+    past = client.completions.create(model=engine.model_name, prompt=prompt, temperature=0, max_tokens=32000,
+                                     extra_body={"ignore_eos": True})
+    assert (past.choices[0].text, past.choices[0].finish_reason) == (exact.choices[0].text, "length")
 
 
 @pytest.mark.slow
@@ -134,3 +136,37 @@ def test_the_prompt_bound_rounds_up_right_at_the_context_limit(small, route):
         message = r.json()["error"]["message"]
         assert r.status_code == 400 and "maximum context length is 64 tokens" in message, r.text
         assert (f"({chars:,} characters) holds at least {CONTEXT} tokens" in message) == bounded, message
+
+
+AGENT_ASK = [{"role": "user", "content": "Refactor this repository."}]
+
+
+@pytest.mark.parametrize("route", ["chat", "messages", "responses"])
+def test_max_tokens_past_the_context_is_clamped_on_every_route(small, route):
+    """Claude Code and OpenCode send max_tokens 32000 on every turn, meaning "as long as you can": the reply
+    runs to the end of the context and ends as each API says so (length, max_tokens, incomplete)."""
+    engine, base, _ = small
+    prompt_tokens = len(engine.encode(AGENT_ASK, chat=True))
+    ask = {"chat": ("/v1/chat/completions", {"messages": AGENT_ASK, "max_tokens": 32000, "ignore_eos": True}),
+           "messages": ("/v1/messages", {"messages": AGENT_ASK, "max_tokens": 32000}),
+           "responses": ("/v1/responses", {"input": AGENT_ASK, "max_output_tokens": 32000})}
+    path, body = ask[route]
+    r = httpx.post(base + path, json={"model": "claude-sonnet-4-5-20250929", "temperature": 0, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    if route == "chat":
+        generated, ended = reply["usage"]["completion_tokens"], reply["choices"][0]["finish_reason"] == "length"
+    elif route == "messages":
+        generated, ended = reply["usage"]["output_tokens"], reply["stop_reason"] == "max_tokens"
+    else:
+        generated = reply["usage"]["output_tokens"]
+        ended = (reply["status"], reply["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert generated == CONTEXT - prompt_tokens and ended
+    assert reply["model"] == engine.model_name   # any name is answered by the one engine, which says so
+
+
+def test_a_prompt_that_fills_the_context_alone_is_still_refused(small):
+    engine, base, _ = small
+    r = httpx.post(base + "/v1/messages", json={"model": "claude-3-5-haiku-20241022", "max_tokens": 32000,
+                                                "messages": [{"role": "user", "content": "word " * 70}]})
+    assert r.status_code == 400 and "maximum context length is 64 tokens" in r.json()["error"]["message"], r.text

@@ -18,7 +18,8 @@ import openai
 import pytest
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
-from bie_trt.reasoning import split_reasoning
+from bie_trt.reasoning import THINK_CLOSE, split_reasoning
+from bie_trt.thinking_budget import THINK_END, ThinkingBudget
 from bie_trt.server.app import ServerOptions
 from bie_trt.tool_calls import parse_tool_calls
 from test_server import serving
@@ -310,3 +311,74 @@ def test_a_deepseek_r1_reply_is_reasoning_until_it_closes(tiny_served):
     pieces = [(getattr(c.choices[0].delta, "reasoning_content", None) or "", c.choices[0].delta.content or "")
               for c in streamed if c.choices]
     assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == (text.strip(), "")
+
+
+# -- thinking budgets: the engine closes the block itself once the reasoning has spent its budget --------
+
+def end_ids(engine: BieEngine) -> list[int]:
+    return engine.tokenizer(THINK_END, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("budget", [0, 5])
+def test_the_engine_closes_the_block_after_exactly_the_budget(tiny_served, budget):
+    """A prompt that opens the block (as DeepSeek-R1's template does): the reply's first `budget` tokens are
+    the model's own (the unbounded reply's), then the end of thinking, then the model answers after it."""
+    engine = tiny_served[0]
+    prompt = engine.encode_chat([{"role": "user", "content": "hi"}], None, {"enable_thinking": True})
+    prompt += engine.tokenizer("<think>\n", add_special_tokens=False)["input_ids"]
+    end = end_ids(engine)
+    greedy = dict(temperature=0, max_tokens=budget + len(end) + 3)
+    free = engine.generate(prompt, SamplingParams(**greedy)).token_ids
+    bounded = engine.generate(prompt, SamplingParams(**greedy, thinking_budget=budget))
+    assert THINK_CLOSE not in engine.tokenizer.decode(free)   # the tiny model never closes a block itself
+    assert bounded.token_ids[:budget] == free[:budget] and bounded.token_ids[budget:budget + len(end)] == end
+    reasoning, answer = split_reasoning(bounded.text, inside=True)
+    assert reasoning == (engine.tokenizer.decode(free[:budget]).strip() or None) and answer
+
+
+def test_a_budget_is_unused_where_the_prompt_closed_the_block(tiny_served):
+    engine = tiny_served[0]
+    prompt = engine.encode_chat([{"role": "user", "content": "hi"}])   # the server's default: thinking off
+    greedy = dict(temperature=0, max_tokens=6)
+    assert engine.generate(prompt, SamplingParams(**greedy, thinking_budget=0)).token_ids == \
+        engine.generate(prompt, SamplingParams(**greedy)).token_ids
+
+
+def test_a_block_the_reply_opens_is_counted_after_its_tag(served):
+    """Qwen3 opens the block in its reply: the budget counts from after `<think>` (however it is tokenised)."""
+    tokenizer = served[0].tokenizer
+    budget = ThinkingBudget.build(2, served[0].encode_chat(RUN, [WEATHER]), tokenizer)
+    for token in tokenizer("<think>I need", add_special_tokens=False)["input_ids"]:
+        assert budget.forced_token() is None
+        budget.accept(token)
+    assert budget.used == 2 and budget.forced_token() == end_ids(served[0])[0]   # "I", " need": spent
+    budget.rollback(1)
+    assert budget.used == 1 and budget.forced_token() is None
+
+
+def test_anthropic_budget_tokens_bound_the_thinking_block(served, reference):
+    """Claude Code's thinking: {"type": "enabled", "budget_tokens": N}. SmolLM2 copies the run's thinking
+    blocks ("<think>\nI need the weather in Berlin."): with a budget of 3 the engine closes the block after
+    the unbounded reply's first 3 reasoning tokens ("\nI need"), and the model goes on to answer after it."""
+    engine = served[0]
+    claude, ask = claude_ask(served)
+    free = reference[1].token_ids
+    opened = next(i for i in range(len(free)) if engine.tokenizer.decode(free[:i + 1]).lstrip().startswith("<think>"))
+    budget = free[opened + 1:opened + 4]
+    reply = claude.messages.create(**{**ask, "max_tokens": opened + 4 + len(end_ids(engine)) + 2},
+                                   thinking={"type": "enabled", "budget_tokens": 3})
+    assert engine.tokenizer.decode(budget).strip() == "I need"
+    assert [(b.type, getattr(b, "thinking", None)) for b in reply.content] == [("thinking", "I need"), ("text", None)]
+    assert reply.content[1].text and reply.stop_reason == "max_tokens"
+
+
+def test_responses_effort_maps_to_a_budget_or_switches_thinking_off(served, reference):
+    from bie_trt.server.responses_protocol import EFFORT_BUDGETS, ResponsesRequest
+    fields = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "low"}}).chat_fields([])
+    assert EFFORT_BUDGETS["low"] == 1024
+    assert (fields["thinking_token_budget"], fields["chat_template_kwargs"]) == (1024, {"enable_thinking": True})
+    empty_block = served[0].tokenizer(EMPTY_BLOCK, add_special_tokens=False)["input_ids"]
+    off = served[2].responses.create(**{**responses_ask(served), "max_output_tokens": 1}, reasoning={"effort": "none"})
+    assert off.usage.input_tokens == len(reference[0]) + len(empty_block)
+    r = httpx.post(served[1] + "/v1/responses", json={"input": "hi", "reasoning": {"effort": "huge"}})
+    assert r.status_code == 400 and "effort must be one of none, minimal, low" in r.json()["error"]["message"], r.text

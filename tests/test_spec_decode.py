@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from bie_trt import BieEngine, EngineConfig, EngineError, SamplingParams, SpeculativeConfig
 from bie_trt.cli import main
 from bie_trt.spec_decode.select import resolve_speculative
+from bie_trt.thinking_budget import THINK_END
 
 PASSAGE = ("The river rises in the hills above the old mill and runs south through three villages before it "
            "meets the sea. In spring the water is high and fast; in late summer children walk across it on the "
@@ -248,3 +249,16 @@ def test_max_model_len_cuts_a_speculative_run_where_plain_decoding_stops(smollm2
     assert outs[1].spec_decode["num_accepted_tokens"] > 0
     assert outs[0].finish_reason == outs[1].finish_reason == "length"
     assert outs[0].token_ids == outs[1].token_ids and len(outs[1].token_ids) == 9
+
+
+@pytest.mark.slow   # ~19 s on two cores: two 20-token runs of SmolLM2 with an INT4 cache
+def test_a_thinking_budget_closes_the_block_where_plain_decoding_does(spec, plain):
+    """The budget's forced end of thinking lands inside verified runs: proposals past it are cut or rejected,
+    and the tokens are plain decoding's (the n-gram proposer repeats the pattern across the budget)."""
+    prompt = PROMPTS[2] + " one two three four\n<think>\n"
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, thinking_budget=6)
+    want = plain.generate(prompt, params)
+    got = spec.generate(prompt, params)
+    end = plain.tokenizer(THINK_END, add_special_tokens=False)["input_ids"]
+    assert got.token_ids == want.token_ids and want.token_ids[6:6 + len(end)] == end
+    assert got.spec_decode["num_accepted_tokens"] > 0

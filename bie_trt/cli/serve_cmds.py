@@ -43,8 +43,9 @@ def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_le
               help="Address to listen on; 0.0.0.0 serves other machines (set --api-key then).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
 @device_option
-@click.option("--served-model-name", help="The model name clients send and /v1/models lists "
-                                          "(default: the engine's).")
+@click.option("--served-model-name", help="The model name /v1/models lists and every reply's model field carries "
+                                          "(default: the engine's). Requests may send any name: the one engine "
+                                          "answers them all.")
 @click.option("--max-model-len", type=click.IntRange(min=2),
               help="Longest prompt plus completion, in tokens (default and maximum: the engine's).")
 @click.option("--max-num-seqs", type=click.IntRange(min=1),

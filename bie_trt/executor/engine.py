@@ -30,6 +30,7 @@ from ..spec_decode.proposer import Proposal
 from ..spec_decode.rejection import verify
 from ..spec_decode.select import make_proposer, resolve_speculative
 from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
+from ..thinking_budget import ThinkingBudget
 from ..tool_calls import ReplyParser, plan_tools
 from .block_manager import BlockManager
 from .cache_blocks import adopt, cache_identity, copy_out
@@ -94,9 +95,9 @@ class BieEngine:
         return self.prompts.encode(prompt, chat)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
+                    template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
         """Chat messages and OpenAI tools through the chat template (see PromptEncoder.encode_chat)."""
-        return self.prompts.encode_chat(messages, tools, template_kwargs)
+        return self.prompts.encode_chat(messages, tools, template_kwargs, continue_final)
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         params.validate()
@@ -104,7 +105,9 @@ class BieEngine:
         seq = Sequence(prompt_ids, params, make_generator(params, self._request_seed()))
         # compiled here, in the caller's thread: a bad grammar fails this call and never stalls the loop
         compiler = self.grammar_compiler() if params.structured_outputs is not None else None
-        seq.constraint = LogitsConstraint.build(params, self.eos_ids, compiler)
+        budget = None if params.thinking_budget is None else \
+            ThinkingBudget.build(params.thinking_budget, prompt_ids, self.tokenizer)
+        seq.constraint = LogitsConstraint.build(params, self.eos_ids, compiler, budget)
         return seq
 
     def grammar_compiler(self) -> GrammarCompiler:

@@ -30,26 +30,37 @@ class PromptEncoder:
         return list(self.tokenizer(prompt)["input_ids"])
 
     def _apply_template(self, messages: list[dict], tools: list[dict] | None = None,
-                        template_kwargs: dict | None = None) -> list[int]:
+                        template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
         if not self.tokenizer.chat_template:
             raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
         variables = {**self.template_kwargs, **(template_kwargs or {})}
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                 **variables)
+        # continue_final: the last (assistant) message is left open, its text the start of the reply
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
+                                                     continue_final_message=continue_final, tokenize=True,
+                                                     **variables)
+        except ValueError as e:   # transformers cuts the render after the final message's text: not found
+            if not continue_final:
+                raise
+            raise RequestError(f"the chat template does not write the final assistant message as sent, so the "
+                               f"reply cannot continue it ({e})") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
+                    template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
         """Chat messages and OpenAI tools through the chat template, its default extra variables overridden
         key by key by `template_kwargs`. A template that does not render tools gets them as a system
-        prompt, and assistant tool calls and tool results as text it can render."""
+        prompt, and assistant tool calls and tool results as text it can render. `continue_final`: the
+        last message is an assistant's reply begun by the client (a prefill), which the model continues."""
+        if continue_final and (not messages or messages[-1].get("role") != "assistant"):
+            raise RequestError("continuing the final message needs an assistant message last.")
         uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
         if not uses_tools:
             check_prompt(messages)
-            return self._apply_template(messages, None, template_kwargs)
+            return self._apply_template(messages, None, template_kwargs, continue_final)
         check_prompt(messages, "messages")
         if self._template_renders_tools is None and self.tokenizer.chat_template:
             self._template_renders_tools = template_renders_tools(self.tokenizer)
         native = bool(self._template_renders_tools)
         return self._apply_template(template_messages(messages, tools, native), tools if native else None,
-                                    template_kwargs)
+                                    template_kwargs, continue_final)

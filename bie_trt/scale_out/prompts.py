@@ -22,7 +22,8 @@ def routed_prompt(path: str, body: dict, encoder: PromptEncoder) -> list[int] | 
     if path in CHAT_PATHS:
         chat = chat_body(path, body)
         return None if chat is None else encoder.encode_chat(
-            [m.to_template() for m in chat.messages], tool_plan(chat).tools, chat.chat_template_kwargs)
+            [m.to_template() for m in chat.messages], tool_plan(chat).tools, chat.chat_template_kwargs,
+            chat.continue_final_message)
     if path in ("/v1/cache/save", "/v1/cache/restore"):
         cache = CacheRequest.model_validate(body)
         if cache.messages is not None:

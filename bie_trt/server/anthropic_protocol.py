@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from .context_edits import ContextManagement
 from .protocol import NAME_PATTERN, _Strict, text_shorthand
 
 CacheControl = dict[str, Any] | None   # accepted everywhere: the prefix cache reuses every prompt on its own
@@ -188,14 +189,10 @@ class ThinkingAdaptive(_Strict):
 
 
 class ThinkingBudget(_Strict):
+    """Thinking on, its reasoning bounded: the engine closes the block itself after budget_tokens tokens.
+    Anthropic's floor of 1024 is not applied: a local model's context may hold far less."""
     type: Literal["enabled"]
-    budget_tokens: int
-
-    @model_validator(mode="after")
-    def _no_budget(self) -> ThinkingBudget:
-        raise ValueError("a thinking budget is not enforced by this server (the model ends its reasoning "
-                         "itself); send {\"type\": \"adaptive\"} (thinking within max_tokens) or "
-                         "{\"type\": \"disabled\"}")
+    budget_tokens: int = Field(ge=1)
 
 
 Thinking = Annotated[Union[ThinkingOff, ThinkingAdaptive, ThinkingBudget], Field(discriminator="type")]
@@ -205,7 +202,7 @@ class Metadata(_Strict):
     user_id: str | None = None
 
 
-class _MessagesBody(_Strict):
+class MessagesBody(_Strict):
     """What a Messages request and a count_tokens request share: the prompt and the tools."""
     model: str | None = None     # Anthropic's clients always send it; absent means the served model
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -215,14 +212,36 @@ class _MessagesBody(_Strict):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl = None
+    context_management: ContextManagement | None = None   # edits to the history before the prompt is made
 
     @field_validator("messages")
     @classmethod
-    def _ends_with_the_user(cls, messages: list[AnthropicMessage]) -> list[AnthropicMessage]:
-        if messages and messages[-1].role == "assistant":
-            raise ValueError(f"[{len(messages) - 1}] is an assistant turn: a reply prefilled by the client is not "
-                             f"supported (the template opens a new assistant turn); end with a user turn")
+    def _a_prefill_is_text(cls, messages: list[AnthropicMessage]) -> list[AnthropicMessage]:
+        """A last assistant turn is the start of the reply (a prefill), which the model continues: text only,
+        without trailing whitespace, as Anthropic's API requires."""
+        last = messages[-1] if messages else None
+        if last is not None and last.role == "assistant":
+            where = f"[{len(messages) - 1}]"
+            if any(b.type != "text" for b in last.content):
+                raise ValueError(f"{where} is a prefilled reply (the last turn is the assistant's), which may hold "
+                                 f"text blocks only; end with a user turn to send tool_use or thinking blocks")
+            if "".join(b.text for b in last.content) != "".join(b.text for b in last.content).rstrip():
+                raise ValueError(f"{where}: the final assistant content cannot end with trailing whitespace")
         return messages
+
+    @field_validator("tool_choice", "output_config")
+    @classmethod
+    def _not_with_a_prefill(cls, value: Any, info: ValidationInfo) -> Any:
+        messages = info.data.get("messages") or []
+        shapes = isinstance(value, (ToolChoiceAny, ToolChoiceTool)) or \
+            (isinstance(value, OutputConfig) and value.format is not None)
+        if shapes and messages and messages[-1].role == "assistant":
+            raise ValueError("shapes the whole reply, so it cannot follow a prefilled one (the last turn is the "
+                             "assistant's); leave out one of them")
+        return value
+
+    def prefilled(self) -> bool:
+        return self.messages[-1].role == "assistant"
 
     @field_validator("system", mode="before")
     @classmethod
@@ -241,9 +260,12 @@ class _MessagesBody(_Strict):
 
     def chat_fields(self) -> dict[str, Any]:
         """The chat body this request is: messages, tools, tool_choice and the response format."""
-        fields: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
+        fields: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages),
+                                  "continue_final_message": self.prefilled()}
         if self.thinking is not None:   # the switch thinking templates read (Qwen3's); others ignore it
-            fields["chat_template_kwargs"] = {"enable_thinking": self.thinking.type == "adaptive"}
+            fields["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
+            if isinstance(self.thinking, ThinkingBudget):
+                fields["thinking_token_budget"] = self.thinking.budget_tokens
         if self.tools:
             fields["tools"] = [{"type": "function", "function": {
                 "name": t.name, "parameters": t.input_schema,
@@ -262,7 +284,7 @@ class _MessagesBody(_Strict):
         return fields
 
 
-class MessagesRequest(_MessagesBody):
+class MessagesRequest(MessagesBody):
     max_tokens: int = Field(ge=1)
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -278,7 +300,7 @@ class MessagesRequest(_MessagesBody):
                 "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences, "stream": self.stream}
 
 
-class CountTokensRequest(_MessagesBody):
+class CountTokensRequest(MessagesBody):
     pass
 
 

@@ -16,7 +16,6 @@ from .state import ServerState
 
 
 async def _cache_file(state: ServerState, req: CacheRequest, action: Callable[[Path, Any, bool], dict]) -> dict:
-    state.check_model(req.model)
     if state.options.kv_cache_dir is None:
         raise ApiError(400, "this server keeps no cache files; start it with --kv-cache-dir DIR.", "file")
     if req.messages is not None:

@@ -61,7 +61,6 @@ def chat_logprobs(tokens: list[int], logprobs: list[dict[int, float]], n: int,
 
 async def completions(state: ServerState, req: CompletionRequest, http: Request) -> Response | dict:
     engine = state.engine
-    state.check_model(req.model)
     prompts = prompt_list(req.prompt)
     if not prompts:
         raise ApiError(400, "prompt must not be empty; send a string, or a list of them.", "prompt")
@@ -127,16 +126,19 @@ def as_chat_request(fields: dict[str, Any]) -> ChatRequest:
 async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], ToolPlan]:
     """A chat body's prompt through the chat template (tools rendered), and how its tools shape the reply.
     Every API that speaks in messages (chat, Anthropic's Messages, the Responses API) comes through here."""
-    state.check_model(req.model)
     messages = [m.to_template() for m in req.messages]
     state.check_fits([m["content"] for m in messages], chat=True)
     try:
         tools = tool_plan(req)
     except ParamError as e:
         raise ApiError(400, str(e), e.param) from None
+    if req.continue_final_message and (tools.mode not in ("none", "auto") or req.constraints()):
+        raise ApiError(400, "continue_final_message with an output constraint (tool_choice required or a named "
+                            "function, response_format, structured_outputs): a constraint shapes the whole reply, "
+                            "not the rest of one begun; send one of them.", "continue_final_message")
     try:
         ids = await anyio.to_thread.run_sync(state.engine.encode_chat, messages, tools.tools,
-                                             req.chat_template_kwargs)
+                                             req.chat_template_kwargs, req.continue_final_message)
     except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
         raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
     return ids, tools

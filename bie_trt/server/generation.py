@@ -38,7 +38,9 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
         max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids,
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs,
-        structured_outputs=constraint, logit_bias=bias, min_tokens=req.min_tokens)
+        structured_outputs=constraint, logit_bias=bias, min_tokens=req.min_tokens,
+        # a reply shaped whole by a constraint has no reasoning block: there is nothing for a budget to bound
+        thinking_budget=req.thinking_token_budget if constraint is None else None)
 
 
 def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> str:
@@ -124,10 +126,13 @@ async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequ
         raise ApiError(400, f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab}).", "logit_bias")
     per_prompt = []
     for ids in prompts:
-        wanted = max_tokens if max_tokens is not None else max(1, engine.max_model_len - len(ids))
-        if len(ids) + wanted > engine.max_model_len:
-            raise ApiError(400, context_error(engine.max_model_len, len(ids), wanted, chat), param,
+        room = engine.max_model_len - len(ids)   # what the context leaves for the completion
+        if room < 1:   # the prompt alone fills the context: no completion fits
+            raise ApiError(400, context_error(engine.max_model_len, len(ids), max_tokens or 1, chat), param,
                            code="context_length_exceeded")
+        # max_tokens is an upper bound the context may lower: agents send 32,000 to mean "as long as you
+        # can"; the reply that reaches the bound ends as `length`, as one that reaches max_tokens does
+        wanted = room if max_tokens is None else min(max_tokens, room)
         try:
             per_prompt.append(sampling_params(req, wanted, logprobs, constraint))
         except RequestError as e:

@@ -5,13 +5,13 @@ content blocks, whole or as its stream of typed events."""
 from __future__ import annotations
 
 import uuid
-from typing import Callable
+from typing import Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from ..executor.outputs import RequestOutput, StreamEvent
-from .anthropic_protocol import CountTokensRequest, MessagesRequest
+from .anthropic_protocol import CountTokensRequest, MessagesRequest, MessagesBody
 from .blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, call_input, reply_blocks
 from .completions import as_chat_request, chat_prompt, reasoning_start, start_chat
 from .errors import anthropic_error_body
@@ -19,6 +19,7 @@ from .generation import Wire, respond, typed_sse
 from .state import ServerState
 
 ANTHROPIC_WIRE = Wire(frame=typed_sse, done="", error=anthropic_error_body)
+Body = TypeVar("Body", bound=MessagesBody)
 
 
 def tool_use_id(call_id: str) -> str:
@@ -79,7 +80,35 @@ def anthropic_usage(out: RequestOutput) -> dict:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
+async def prompt_tokens(state: ServerState, req: MessagesBody) -> int:
+    ids, _ = await chat_prompt(state, as_chat_request(req.chat_fields()))
+    return len(ids)
+
+
+async def edit_context(state: ServerState, req: Body) -> tuple[Body, dict | None, int | None]:
+    """The request with its context_management edits applied in order, each measured on the prompt it
+    makes: (the edited request, the response's context_management, the prompt's tokens before any edit);
+    (req, None, None) when it asks for none."""
+    if req.context_management is None:
+        return req, None, None
+    original = tokens = await prompt_tokens(state, req)
+    applied = []
+    for edit in req.context_management.edits:
+        messages, count = edit.edit(req.messages, tokens)
+        if not count:
+            continue
+        edited = req.model_copy(update={"messages": messages})
+        after = await prompt_tokens(state, edited)
+        least = getattr(edit, "clear_at_least", None)
+        if least is not None and tokens - after < least.value:   # not worth breaking the cached prefix for
+            continue
+        applied.append(edit.report(count, tokens - after))
+        req, tokens = edited, after
+    return req, {"applied_edits": applied}, original
+
+
 async def messages(state: ServerState, req: MessagesRequest, http: Request) -> Response | dict:
+    req, context_management, _ = await edit_context(state, req)
     chat = as_chat_request(req.chat_fields())
     streams, tools, ids = await start_chat(state, chat)
     parser = tools.parser()
@@ -89,6 +118,7 @@ async def messages(state: ServerState, req: MessagesRequest, http: Request) -> R
         return state.engine.tokenizer.decode(tokens, skip_special_tokens=True)
 
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": state.model_id}
+    edits = {} if context_management is None else {"context_management": context_management}
 
     def ending(out: RequestOutput, has_calls: bool) -> dict:
         sequence = stop_sequence(out, req.stop_sequences or [], decode)
@@ -98,7 +128,7 @@ async def messages(state: ServerState, req: MessagesRequest, http: Request) -> R
         out = outputs[0]
         blocks = reply_blocks(parser, out.text, inside)
         return {**message, "content": [content_block(b) for b in blocks], **ending(out, called(blocks)),
-                "usage": anthropic_usage(out)}
+                "usage": anthropic_usage(out), **edits}
 
     stream = BlockStream(parser, inside)
 
@@ -113,7 +143,7 @@ async def messages(state: ServerState, req: MessagesRequest, http: Request) -> R
             chunks += stream_events(block_event)
         if final:
             chunks += [{"type": "message_delta", "delta": ending(event.output, called(stream.blocks)),
-                        "usage": anthropic_usage(event.output)},
+                        "usage": anthropic_usage(event.output), **edits},
                        {"type": "message_stop"}]
         return chunks
 
@@ -121,6 +151,9 @@ async def messages(state: ServerState, req: MessagesRequest, http: Request) -> R
 
 
 async def count_tokens(state: ServerState, req: CountTokensRequest) -> dict:
-    """The prompt's tokens as /v1/messages would send them to the model (tools rendered)."""
-    ids, _ = await chat_prompt(state, as_chat_request(req.chat_fields()))
-    return {"input_tokens": len(ids)}
+    """The prompt's tokens as /v1/messages would send them to the model (tools rendered, context edits
+    applied, with the count before them as Anthropic reports it)."""
+    req, context_management, original = await edit_context(state, req)
+    counted = {"input_tokens": await prompt_tokens(state, req)}
+    return counted if context_management is None else {**counted, "context_management": {
+        "original_input_tokens": original}}

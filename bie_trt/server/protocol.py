@@ -166,6 +166,8 @@ class SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None   # token id (as a string: JSON keys are) -> bias
     min_tokens: int = Field(0, ge=0)
+    # vLLM's: reasoning tokens a thinking model may write before the engine closes its block itself
+    thinking_token_budget: int | None = Field(None, ge=0)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | str | None = None    # vLLM's older spelling of structured_outputs
@@ -296,6 +298,8 @@ class ChatRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: TemplateKwargs = None
+    # vLLM's: the last message is an assistant reply the client began (a prefill); the model continues it
+    continue_final_message: bool = False
 
     @field_validator("messages")
     @classmethod
@@ -319,6 +323,14 @@ class ChatRequest(SamplingRequest):
             if choice.function.name not in names:
                 raise ValueError(f"names function {choice.function.name!r}, which is not in tools {names}")
         return choice
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _an_assistant_message_to_continue(cls, value: bool, info: ValidationInfo) -> bool:
+        messages = info.data.get("messages") or []
+        if value and (not messages or messages[-1].role != "assistant" or messages[-1].tool_calls):
+            raise ValueError("needs the last message to be an assistant message with text (the reply to continue)")
+        return value
 
 
 class TokenizeRequest(_Strict):

@@ -28,6 +28,10 @@ VERBOSITY_LINES = {"low": "Be concise: answer in as few words as fully answer th
                    "medium": None,
                    "high": "Be thorough: answer in detail, explaining each step."}
 
+# reasoning.effort -> the thinking budget the engine enforces (tokens of reasoning before it closes the block
+# itself), as LiteLLM maps effort onto Anthropic's budget_tokens; "none" switches the template's thinking off.
+EFFORT_BUDGETS = {"minimal": 128, "low": 1024, "medium": 2048, "high": 4096, "xhigh": 8192}
+
 # Fields refused unless they are left out or empty, with why.
 REFUSED_WHEN_SET = {
     "top_logprobs": "the Responses route returns no log-probabilities; use /v1/chat/completions",
@@ -249,8 +253,8 @@ class ToolChoiceLocalShell(_Strict):
 
 class ReasoningConfig(_Strict):
     """`reasoning`: `summary` returns the reasoning as the item's summary (this server has no summariser:
-    the summary is the reasoning text itself, whichever level is asked); `effort` is accepted here and
-    bounds the thinking where the engine's thinking budget is wired."""
+    the summary is the reasoning text itself, whichever level is asked); `effort` bounds the thinking
+    (`EFFORT_BUDGETS`; "none" switches the template's thinking off)."""
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed", "none"] | None = None
 
@@ -359,6 +363,15 @@ class ResponsesRequest(_Strict):
         Toolbox(tools or [])   # raises on a name given twice
         return tools
 
+    def effort_fields(self) -> dict[str, Any]:
+        """reasoning.effort as the chat body's thinking switch and budget (nothing when absent)."""
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        if effort is None:
+            return {}
+        if effort == "none":
+            return {"chat_template_kwargs": {"enable_thinking": False}}
+        return {"chat_template_kwargs": {"enable_thinking": True}, "thinking_token_budget": EFFORT_BUDGETS[effort]}
+
     @field_validator("tool_choice")
     @classmethod
     def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
@@ -396,7 +409,7 @@ class ResponsesRequest(_Strict):
         in the prompt."""
         fields: dict[str, Any] = {"model": self.model, "messages": self.messages(history),
                                   "max_tokens": self.max_output_tokens, "temperature": self.temperature,
-                                  "top_p": self.top_p, "stream": self.stream}
+                                  "top_p": self.top_p, "stream": self.stream, **self.effort_fields()}
         box = self.toolbox()
         if box.offered:
             fields["tools"] = box.chat_tools()

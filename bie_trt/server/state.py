@@ -23,7 +23,10 @@ EVENT_WAITERS = 1024      # threads waiting for engine events (one per streaming
 
 @dataclass
 class ServerOptions:
-    served_model_name: str | None = None   # the `model` clients send and /v1/models lists (default: the engine's)
+    # the name /v1/models lists and every reply's `model` carries (default: the engine's). A server serves one
+    # engine (its replicas are that engine), so a request's `model` never picks one: any name is answered
+    # by it, as llama-server answers, and the reply's `model` says which engine that was.
+    served_model_name: str | None = None
     api_key: str | None = None             # None: no authentication
     max_waiting: int | None = None         # requests queued beyond the running batch; None: unbounded
     request_timeout: float | None = None   # seconds a request may take before it is aborted; None: no limit
@@ -60,11 +63,6 @@ class ServerState:
         if self._waiters is None:   # made inside the event loop, on first use
             self._waiters = anyio.CapacityLimiter(EVENT_WAITERS)
         return self._waiters
-
-    def check_model(self, model: str | None) -> None:
-        if model not in (None, self.model_id):
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_id!r}.",
-                           param="model", code="model_not_found")
 
     def check_fits(self, texts: list[str], chat: bool) -> None:
         """Refuses a prompt whose length alone rules out the context, before it is tokenised."""

@@ -13,7 +13,6 @@ from .state import ServerState
 async def tokenize(state: ServerState, req: TokenizeRequest) -> dict:
     """A prompt (or chat messages, through the template) -> its token ids."""
     engine = state.engine
-    state.check_model(req.model)
     try:
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -29,7 +28,6 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict:
 
 async def detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
     """Token ids -> their text."""
-    state.check_model(req.model)
     vocab = state.engine.runner.model_config.vocab_size
     if (bad := next((t for t in req.tokens if not 0 <= t < vocab), None)) is not None:
         raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab}).", "tokens")
