@@ -33,10 +33,18 @@ def _read_json(path: Path) -> dict[str, Any]:
                             CheckpointError)
 
 
-def _checkpoint_config_path(name_or_path: str) -> Path:
+def _checkpoint_config(name_or_path: str) -> tuple[dict[str, Any], str]:
+    """(config dict with its quantization group, where it came from): a checkpoint's config.json, or
+    a .gguf file's metadata and tensor table (no weight is read)."""
     from ..checkpoint.registry import resolve_checkpoint
 
-    return resolve_checkpoint(name_or_path) / "config.json"
+    path = resolve_checkpoint(name_or_path)
+    if path.suffix == ".gguf":
+        from ..checkpoint.gguf_checkpoint import GGUFCheckpoint
+
+        ckpt = GGUFCheckpoint(path)
+        return {**ckpt.hf_config, "quantization_config": {"group_size": ckpt.quant.group_size}}, str(path)
+    return _read_json(path / "config.json"), str(path / "config.json")
 
 
 def _weight_group_size(hf: dict[str, Any], model: ModelConfig) -> int:
@@ -66,8 +74,8 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
 @click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
               help="The model's Hugging Face config.json. Nothing else is read: no weights are loaded.")
 @click.option("--checkpoint", metavar="DIR|NAME",
-              help="A checkpoint directory (its config.json is read) or a built-in name such as "
-                   "smollm2-135m (converted once and cached on first use).")
+              help="A checkpoint directory (its config.json is read), a .gguf file (its metadata is read) or "
+                   "a built-in name such as smollm2-135m (converted once and cached on first use).")
 @click.option("--profile", default="auto", show_default=True,
               help="Build profile (a GPU, see build_profiles/): auto picks this machine's GPU, cpu without one.")
 @click.option("--max-model-len", type=POSITIVE, help="Context length to plan for, in tokens. [default: the profile's]")
@@ -112,8 +120,8 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
     """Print the fixed memory plan of an engine: every GPU allocation, item by item, and whether it
     fits the profile's budget.
 
-    Reads only the model's config.json (given directly, or the one inside --checkpoint DIR) and the
-    profile's TOML under build_profiles/: no weights, no tokenizer, no GPU, so it answers in a second
+    Reads only the model's config.json (given directly, or the one inside --checkpoint DIR; a .gguf
+    file's metadata and tensor table) and the profile's TOML under build_profiles/: no weights, no tokenizer, no GPU, so it answers in a second
     for any model, also before its weights are downloaded.
 
     \b
@@ -127,9 +135,9 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
     """
     if (model_config is None) == (checkpoint is None):
         raise PlanError("give exactly one of --model-config config.json or --checkpoint DIR|NAME.")
-    config_path = model_config if model_config is not None else _checkpoint_config_path(checkpoint)
-    hf = _read_json(config_path)
-    model = ModelConfig.from_hf(hf, source=str(config_path))
+    hf, source = (_read_json(model_config), str(model_config)) if model_config is not None else \
+        _checkpoint_config(checkpoint)
+    model = ModelConfig.from_hf(hf, source=source)
     prof, how = resolve_profile(profile)
     click.echo(f"profile: {prof.name} ({how})", err=True)
     d = prof.defaults
