@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from . import engine_format as ef
-from .checkpoint.gguf_checkpoint import GGUFCheckpoint
+from .checkpoint.gguf_checkpoint import GGUFCheckpoint, conversion_summary
 from .checkpoint.loader import TOKENIZER_FILES, Checkpoint
 from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
@@ -273,16 +273,6 @@ def write_tokenizer(ckpt: Checkpoint | GGUFCheckpoint, out: Path) -> None:
             shutil.copyfile(ckpt.path / f, out / f)
 
 
-def _gguf_summary(conv: dict) -> str:
-    """One line: what the file holds, what is carried bit for bit and what is rounded to W4."""
-    def counts(d: dict) -> str:
-        return ", ".join(f"{n} {t}" for t, n in d.items()) or "none"
-
-    return (f"{counts(conv['tensor_types'])}; linears exact: {counts(conv['linear_exact'])}; re-quantised to W4 "
-            f"group {conv['weight_group_size']}: {counts(conv['linear_requantised'])}; embedding {conv['embedding']}, "
-            f"lm_head {conv['lm_head']}")
-
-
 def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path:
     out = Path(opts.out)
     if out.exists() and any(out.iterdir()) and not opts.force:
@@ -312,7 +302,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
     source = {"checkpoint": str(opts.checkpoint), "weight_group_size": ckpt.quant.group_size}
     if isinstance(ckpt, GGUFCheckpoint):
         source["gguf"] = ckpt.conversion(plan.inputs["lm_head_dtype"])
-        log(f"GGUF tensors: {_gguf_summary(source['gguf'])}")
+        log(f"GGUF tensors: {conversion_summary(source['gguf'])}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build into a sibling temp dir and rename: a failed build leaves nothing half-written.

@@ -71,6 +71,16 @@ def _llama_rows(n: int, heads: int) -> torch.Tensor:
     return torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
 
 
+def conversion_summary(conv: dict[str, Any]) -> str:
+    """One line of a manifest's GGUF record: the file's types, what was carried bit for bit, what rounded."""
+    def counts(d: dict[str, int]) -> str:
+        return ", ".join(f"{n} {t}" for t, n in d.items()) or "none"
+
+    return (f"{conv['file']}: {counts(conv['tensor_types'])}; linears bit for bit: {counts(conv['linear_exact'])}; "
+            f"re-quantised to W4 group {conv['weight_group_size']}: {counts(conv['linear_requantised'])}; "
+            f"embedding {conv['embedding']}, lm_head {conv['lm_head']}")
+
+
 class GGUFCheckpoint:
     """A checked GGUF file: `model`, `quant`, `hf_config`, the tensor types found, lazy conversion."""
 
@@ -83,7 +93,10 @@ class GGUFCheckpoint:
         try:
             self.reader = gguf.GGUFReader(self.path)
         except ValueError as e:
-            problem = "not a GGUF file (no GGUF magic)" if "magic" in str(e) else f"not a readable GGUF file ({e})"
+            # the reader views each tensor's bytes in place: a view it cannot shape ran past the file's end
+            problem = ("not a GGUF file (no GGUF magic)" if "magic" in str(e) else
+                       "truncated: its tensor data ends before the tensor table says" if "reshape" in str(e) else
+                       f"not a readable GGUF file ({e})")
             raise CheckpointError(f"{self.path}: {problem}; it is truncated or corrupt: download it again.") from None
         except Exception as e:  # numpy raises IndexError/TypeError/OverflowError on a cut or garbled header
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e}); it is "
@@ -92,7 +105,6 @@ class GGUFCheckpoint:
         self.meta = GGUFMeta(fields, str(self.path))
         self.hf_config = hf_config_from_gguf(self.meta)
         self.tensors = {t.name: t for t in self.reader.tensors}
-        self._check_data_in_file()
         self._fill_vocab()
         self.model = ModelConfig.from_hf(self.hf_config, str(self.path))
         self._check_tensors()
@@ -101,13 +113,6 @@ class GGUFCheckpoint:
         self.quant = QuantConfig(4, group, "gguf", True)
 
     # -- checks, before any weight is read --------------------------------------------------------
-    def _check_data_in_file(self) -> None:
-        size = self.path.stat().st_size
-        for t in self.reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise CheckpointError(f"{self.path}: truncated: tensor {t.name!r} ends at byte "
-                                      f"{t.data_offset + t.n_bytes:,} of a {size:,}-byte file; download it again.")
-
     def _fill_vocab(self) -> None:
         """The vocabulary is the embedding's row count; a header that says otherwise is refused."""
         embed = self.tensors.get("token_embd.weight")

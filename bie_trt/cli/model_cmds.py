@@ -125,6 +125,10 @@ def _summary(engine_dir: str, m: dict) -> list[str]:
         f"kv cache    {_kv_summary(m['kv'])}",
         f"plan        {plan['total_bytes'] / 2**30:.2f} GiB of {plan['budget_bytes'] / 2**30:.2f} GiB budget",
     ]
+    if "gguf" in m["source"]:
+        from ..checkpoint.gguf_checkpoint import conversion_summary
+
+        lines.append(f"gguf        {conversion_summary(m['source']['gguf'])}")
     # items this engine does not have (a tied head, CUDA graphs on the CPU) are left out
     lines += [f"  {item['name']:<28} {_size(item['bytes']):>12}" for item in plan["items"] if item["bytes"]]
     if m.get("kernels"):
