@@ -4,7 +4,10 @@ tokens equal transformers' on the GGUF's weights, and every malformed file is re
 the file and the problem, before anything is written."""
 from __future__ import annotations
 
+import math
 import shutil
+
+import numpy as np
 
 import pytest
 import torch
@@ -118,7 +121,6 @@ def test_a_malformed_gguf_is_refused_before_anything_is_written(case, tiny_q4_0,
 
 def test_an_unsupported_tensor_type_is_refused_by_name(tiny_q4_0, tmp_path):
     import gguf
-    import numpy as np
 
     bad = tmp_path / "f64.gguf"
     shutil.copyfile(tiny_q4_0, bad)
@@ -142,3 +144,35 @@ def test_an_unsupported_tensor_type_is_refused_by_name(tiny_q4_0, tmp_path):
     with pytest.raises(CheckpointError, match=r"f64.gguf: tensor 'output_norm.weight' is F64, a type bie-trt "
                                               r"does not convert \(it reads Q4_0, Q4_1"):
         GGUFCheckpoint(bad)
+
+
+def _llama3_divisors(factor: float, head_dim: int, theta: float = 10000.0) -> np.ndarray:
+    """llama.cpp's rope_freqs for Llama 3 (convert_hf_to_gguf.py's generate_extra_tensors), written
+    independently of the engine's rope.py."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    low_wavelen, high_wavelen = 8192 / 1.0, 8192 / 4.0
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out)
+
+
+def test_llama3_rope_scaling_is_read_from_rope_freqs(tmp_path):
+    head_dim = TINY_GGUF["hidden"] // TINY_GGUF["heads"]
+    # theta 500,000 as Llama 3's: the low frequencies fall in the scaled band at head_dim 16
+    meta = {"rope.freq_base": 500000.0}
+    ckpt = GGUFCheckpoint(write_tiny_gguf(tmp_path / "l3.gguf", metadata=meta,
+                                          rope_freqs=_llama3_divisors(32.0, head_dim, 500000.0)))
+    s = ckpt.model.rope_scaling
+    assert (s.rope_type, s.factor, s.original_max_position_embeddings, s.low_freq_factor, s.high_freq_factor) == \
+        ("llama3", 32.0, 8192, 1.0, 4.0)
+    odd = _llama3_divisors(32.0, head_dim, 500000.0) * 1.01
+    with pytest.raises(CheckpointError, match="rope_freqs.weight matches no Llama 3 RoPE scaling"):
+        GGUFCheckpoint(write_tiny_gguf(tmp_path / "odd.gguf", metadata=meta, rope_freqs=odd))

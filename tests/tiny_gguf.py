@@ -35,9 +35,11 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: str = "llama",
-                    chat_template: bool = True, metadata: dict | None = None) -> Path:
+                    chat_template: bool = True, metadata: dict | None = None,
+                    rope_freqs: np.ndarray | None = None) -> Path:
     """Linear weights in `linear_type`, the embedding and head in Q8_0, norms in F32. `metadata` overrides
-    (or adds) header keys after the architecture prefix, e.g. {"feed_forward_length": 256}."""
+    (or adds) header keys after the architecture prefix, e.g. {"feed_forward_length": 256}; `rope_freqs`
+    is written as llama.cpp writes Llama 3's RoPE scaling."""
     c = TINY_GGUF
     rng = np.random.default_rng(seed)
     tok = smollm2_tokenizer_fields()
@@ -74,6 +76,8 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
     add("token_embd.weight", rnd(vocab, h), gguf.GGMLQuantizationType.Q8_0)
     add("output.weight", rnd(vocab, h), gguf.GGMLQuantizationType.Q8_0)
     add("output_norm.weight", 1 + rnd(h), gguf.GGMLQuantizationType.F32)
+    if rope_freqs is not None:
+        add("rope_freqs.weight", rope_freqs.astype(np.float32), gguf.GGMLQuantizationType.F32)
     for layer in range(c["layers"]):
         p = f"blk.{layer}."
         add(p + "attn_q.weight", _llama_cpp_permute(rnd(c["heads"] * d, h), c["heads"]), qtype)

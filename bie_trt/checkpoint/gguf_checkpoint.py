@@ -15,6 +15,7 @@ docs/gguf.md measures what that rounding costs.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from functools import cached_property
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RopeScaling
 from ..errors import CheckpointError
 from ..plan import default_weight_group_size
 from .awq import quantize_rtn
@@ -45,6 +46,9 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # Types whose 32-weight blocks make group 32 the engine's natural grouping.
 _BLOCK32_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 GGUF_GROUP_SIZE = 32
+# Llama 3.1 / 3.3 (factor 8) and 3.2 (factor 32): the RoPE scalings a rope_freqs tensor is matched against.
+_LLAMA3_FACTORS = (8.0, 32.0)
+_LLAMA3_ORIGINAL = 8192
 
 
 def gguf_name(hf_name: str) -> str:
@@ -107,6 +111,8 @@ class GGUFCheckpoint:
         self.tensors = {t.name: t for t in self.reader.tensors}
         self._fill_vocab()
         self.model = ModelConfig.from_hf(self.hf_config, str(self.path))
+        if "rope_freqs.weight" in self.tensors:
+            self._read_rope_freqs()
         self._check_tensors()
         linear_types = {self.tensors[gguf_name(n)].tensor_type.name for n in self._linear_names()}
         group = GGUF_GROUP_SIZE if linear_types & set(_BLOCK32_TYPES) else default_weight_group_size(self.model)
@@ -123,6 +129,29 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: token_embd.weight has {rows:,} rows but the metadata says "
                                   f"vocab_size {self.hf_config['vocab_size']:,}; the file is inconsistent.")
         self.hf_config["tie_word_embeddings"] = "output.weight" not in self.tensors
+
+    def _read_rope_freqs(self) -> None:
+        """Llama 3.1+ GGUFs carry their RoPE scaling as a tensor of per-frequency divisors, not as metadata:
+        the scaling (of the published Llama 3 parameters) that reproduces it is the model's, else refused."""
+        import gguf
+
+        from ..model.rope import inverse_frequencies
+
+        t = self.tensors["rope_freqs.weight"]
+        divisors = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        plain = inverse_frequencies(self.model)
+        for factor in _LLAMA3_FACTORS:
+            scaling = RopeScaling(factor=factor, original_max_position_embeddings=_LLAMA3_ORIGINAL,
+                                  low_freq_factor=1.0, high_freq_factor=4.0)
+            scaled = dataclasses.replace(self.model, rope_scaling=scaling)
+            if divisors.shape == plain.shape and torch.allclose(plain / inverse_frequencies(scaled), divisors,
+                                                                rtol=1e-4):
+                self.model = scaled
+                self.hf_config["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(scaling)}
+                return
+        raise CheckpointError(f"{self.path}: rope_freqs.weight matches no Llama 3 RoPE scaling bie-trt knows "
+                              f"(factor {' or '.join(map(str, _LLAMA3_FACTORS))} over {_LLAMA3_ORIGINAL:,} positions, "
+                              f"frequency factors 1 and 4).")
 
     def _linear_names(self) -> list[str]:
         return [f"model.layers.{i}.{sub}.weight" for i in range(self.model.num_layers)
