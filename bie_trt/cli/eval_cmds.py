@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import click
 
@@ -27,8 +26,8 @@ from ..eval_texts import BUILTIN_PREFIX, BUILTIN_TEXTS, load_eval_text, text_tok
 @click.option("--first-window", default=0, show_default=True, type=NON_NEGATIVE,
               help="Skip this many windows (split one long evaluation across processes).")
 @click.option("--ablations", is_flag=True, help="Score the whole quality table: fp8, int4 and each ingredient removed.")
-@click.option("--reference", type=click.Path(exists=True, dir_okay=False), metavar="FILE.gguf",
-              help="Score against this GGUF's own weights (dequantised by the gguf package, run by transformers "
+@click.option("--reference", metavar="FILE.gguf",
+              help="Score against this GGUF's own weights (or smollm2-135m.gguf, the bundled model's file) (dequantised by the gguf package, run by transformers "
                    "in fp32) instead of the engine with an FP16 cache: what the engine's conversion and cache cost.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, kv_cache_dtype: str | None,
@@ -48,7 +47,7 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
       bie-trt eval --engine engines/smollm2 --max-windows 1
       bie-trt eval --engine engines/smollm2 --text builtin:lee-background \\
                    --context 2048 --ablations --json
-      bie-trt eval --engine engines/smollm2-gguf --reference SmolLM2-135M-Instruct.Q4_1.gguf
+      bie-trt eval --engine engines/smollm2-gguf --reference smollm2-135m.gguf
     """
     from ..config import EngineConfig, KVCacheConfig, ModelConfig
     from ..engine_format import read_manifest
@@ -72,8 +71,10 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
     if reference is not None:
         from ..eval_reference import gguf_reference
 
-        against = (f"reference {Path(reference).name}",
-                   gguf_reference(reference, ModelConfig.from_dict(manifest["model"]["config"])))
+        from ..checkpoint.registry import resolve_checkpoint
+
+        path = resolve_checkpoint(reference)
+        against = (f"reference {path.name}", gguf_reference(path, ModelConfig.from_dict(manifest["model"]["config"])))
         if chosen.dtype != "fp16":   # the weights' cost alone, then with the cache
             variants = {"engine, fp16 KV": dataclasses.replace(chosen, dtype="fp16"), **variants}
     ids = text_token_ids(engine_dir, text)

@@ -44,7 +44,8 @@ def quantize(src: str, out: str, group_size: int | None, force: bool) -> None:
 
 @main.command(epilog=profiles_epilog())
 @click.option("--checkpoint", required=True, metavar="DIR|NAME",
-              help="AWQ checkpoint directory, or a built-in name: smollm2-135m (converted once, cached).")
+              help="AWQ checkpoint directory, a .gguf file (read directly), or a built-in name: smollm2-135m "
+                   "(converted once, cached), smollm2-135m.gguf (its GGUF file, read directly).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--profile", default="auto", show_default=True,
               help="Build profile (GPU) name; `auto` picks by this machine's GPU. The profiles are listed below.")
