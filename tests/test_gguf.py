@@ -61,8 +61,9 @@ def test_q4_0_weights_are_the_files_bit_for_bit(q4_0_engine, hf_on_gguf):
 def test_the_manifest_and_inspect_say_what_was_carried(q4_0_engine):
     out = CliRunner().invoke(main, ["inspect", str(q4_0_engine)])
     assert out.exit_code == 0, out.output
-    assert ("gguf        tiny-q4_0.gguf: 5 F32, 14 Q4_0, 2 Q8_0; linears bit for bit: 14 Q4_0; re-quantised to W4 "
-            "group 32: none; embedding Q8_0 -> fp16, lm_head Q8_0 -> fp16") in out.output
+    assert ("gguf        tiny-q4_0.gguf: 5 F32, 14 Q4_0, 2 Q8_0; linears bit for bit: 14 Q4_0; carried with an fp16 "
+            "zero point: none; re-quantised to W4 group 32: none; embedding Q8_0 -> fp16, lm_head Q8_0 -> fp16"
+            ) in out.output
 
 
 def test_greedy_tokens_equal_transformers_on_the_gguf(q4_0_engine, hf_on_gguf):

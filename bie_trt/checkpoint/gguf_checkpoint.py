@@ -7,11 +7,10 @@ it implies, every tensor's name, shape and type are checked before a weight is t
 besides the output.
 
 Q4_0 blocks (32 weights, one fp16 scale, codes 0..15 around 8) are the runtime's W4 at group 32 with
-zero point 8: copied bit for bit. Every other type is dequantised by the `gguf` package and rounded to
-W4 (asymmetric, the engine's group size). That includes Q4_1 and Q4_K: their per-block float minimum
-has no place in the W4 layout, whose zero point is an integer code (the kernels fold it into an exact
-integer subtraction), so their codes are kept only where the minimum is a whole number of steps;
-docs/gguf.md measures what that rounding costs.
+zero point 8: copied bit for bit. Q4_1 and Q4_K (a scale and a minimum per 32 weights) keep their codes
+and scale, the minimum becoming a fractional fp16 zero point -m/d (the W4 kernels' FLOAT_ZERO form).
+Every other type is dequantised by the `gguf` package and rounded to W4 (asymmetric, the engine's group
+size).
 """
 from __future__ import annotations
 
@@ -41,10 +40,13 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
 # Types carried bit for bit, and those the engine rounds to W4 (or keeps in float) after the
 # `gguf` package dequantises them. Anything else is refused by name.
 EXACT_TYPES = ("Q4_0",)
-REQUANTISED_TYPES = ("Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+CARRIED_TYPES = ("Q4_1", "Q4_K")   # codes kept, the block minimum an fp16 zero point (Q4_K: its scale fp16 too)
+REQUANTISED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 FLOAT_TYPES = ("F32", "F16", "BF16")
-# Types whose 32-weight blocks make group 32 the engine's natural grouping.
+# Types whose 4-bit blocks of 32 weights are the engine's W4 at group 32, and those of them whose zero point
+# (the block minimum over its step) is fractional.
 _BLOCK32_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+_FLOAT_ZERO_TYPES = ("Q4_1", "Q4_K")
 GGUF_GROUP_SIZE = 32
 # Llama 3.1 / 3.3 (factor 8) and 3.2 (factor 32): the RoPE scalings a rope_freqs tensor is matched against.
 _LLAMA3_FACTORS = (8.0, 32.0)
@@ -58,6 +60,45 @@ def gguf_name(hf_name: str) -> str:
     _, _, layer, rest = hf_name.split(".", 3)
     base, _, leaf = rest.rpartition(".")
     return f"blk.{layer}.{_LAYER[base]}.{leaf}"
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] codes: byte j holds code j in its low nibble and code j + 16 in its high one."""
+    return torch.cat([qs & 0xF, qs >> 4], dim=-1)
+
+
+def _decode_blocks(kind: str, raw: np.ndarray, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 / Q4_1 / Q4_K tensor's bytes [N, ...] -> (codes uint8 [N, K], scales fp16 [N, K/32], zeros [N, K/32])
+    with W = (codes - zeros) * scales. Q4_0: zero 8 (uint8), exact. Q4_1: W = d*q + m, so zero = -m/d (fp16).
+    Q4_K: per 32-weight sub-block d*sc and dmin*mn (6-bit sc, mn under fp16 d, dmin), rounded to fp16."""
+    import gguf
+
+    data = torch.from_numpy(raw).reshape(n, -1)
+
+    def half(b: torch.Tensor) -> torch.Tensor:
+        return b.contiguous().view(torch.float16)[..., 0].float()
+
+    if kind == "Q4_0":
+        blocks = data.reshape(n, -1, 18)
+        scales = half(blocks[..., :2]).half()
+        return _nibbles(blocks[..., 2:]).reshape(n, -1), scales, torch.full_like(scales, 8, dtype=torch.uint8)
+    if kind == "Q4_1":
+        blocks = data.reshape(n, -1, 20)
+        d, m = half(blocks[..., :2]), half(blocks[..., 2:4])
+        q = _nibbles(blocks[..., 4:]).reshape(n, -1)
+    else:   # Q4_K: 256 weights a block; its 64-weight chunks give two sub-blocks each (low, then high nibbles)
+        blocks = data.reshape(-1, 144)
+        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].numpy())
+        d = half(blocks[:, :2])[:, None] * torch.from_numpy(sc.astype(np.float32))
+        m = -half(blocks[:, 2:4])[:, None] * torch.from_numpy(mn.astype(np.float32))
+        d, m = d.reshape(n, -1), m.reshape(n, -1)
+        q = torch.cat([blocks[:, 16:].reshape(-1, 4, 1, 32) & 0xF, blocks[:, 16:].reshape(-1, 4, 1, 32) >> 4],
+                      dim=2).reshape(n, -1)
+    # a block with no step (d = 0) holds m everywhere: code 1, scale m, zero 0 say exactly that
+    flat = d == 0
+    q = torch.where(flat.repeat_interleave(32, dim=1), 1, q).to(torch.uint8)
+    zeros = torch.where(flat, 0.0, -m / torch.where(flat, 1.0, d))
+    return q, torch.where(flat, m, d).half(), zeros.half()
 
 
 def _field_value(field: Any) -> Any:
@@ -81,8 +122,9 @@ def conversion_summary(conv: dict[str, Any]) -> str:
         return ", ".join(f"{n} {t}" for t, n in d.items()) or "none"
 
     return (f"{conv['file']}: {counts(conv['tensor_types'])}; linears bit for bit: {counts(conv['linear_exact'])}; "
-            f"re-quantised to W4 group {conv['weight_group_size']}: {counts(conv['linear_requantised'])}; "
-            f"embedding {conv['embedding']}, lm_head {conv['lm_head']}")
+            f"carried with an fp16 zero point: {counts(conv['linear_carried'])}; re-quantised to W4 group "
+            f"{conv['weight_group_size']}: {counts(conv['linear_requantised'])}; embedding {conv['embedding']}, "
+            f"lm_head {conv['lm_head']}")
 
 
 class GGUFCheckpoint:
@@ -117,6 +159,8 @@ class GGUFCheckpoint:
         linear_types = {self.tensors[gguf_name(n)].tensor_type.name for n in self._linear_names()}
         group = GGUF_GROUP_SIZE if linear_types & set(_BLOCK32_TYPES) else default_weight_group_size(self.model)
         self.quant = QuantConfig(4, group, "gguf", True)
+        # A Q4_1 / Q4_K block's minimum is a fractional zero point: carried as fp16 (the kernels' FLOAT_ZERO).
+        self.float_zeros = bool(linear_types & set(_FLOAT_ZERO_TYPES))
 
     # -- checks, before any weight is read --------------------------------------------------------
     def _fill_vocab(self) -> None:
@@ -182,7 +226,7 @@ class GGUFCheckpoint:
         return out
 
     def _check_tensors(self) -> None:
-        allowed = EXACT_TYPES + REQUANTISED_TYPES + FLOAT_TYPES
+        allowed = EXACT_TYPES + CARRIED_TYPES + REQUANTISED_TYPES + FLOAT_TYPES
         for name, shape in self.expected_shapes().items():
             t = self.tensors.get(gguf_name(name))
             if t is None:
@@ -211,7 +255,10 @@ class GGUFCheckpoint:
             "file": self.path.name,
             "tensor_types": self.tensor_types(),
             "linear_exact": {k: v for k, v in sorted(linear.items()) if k in EXACT_TYPES},
-            "linear_requantised": {k: v for k, v in sorted(linear.items()) if k not in EXACT_TYPES},
+            "linear_carried": {k: v for k, v in sorted(linear.items()) if k in CARRIED_TYPES},
+            "linear_requantised": {k: v for k, v in sorted(linear.items())
+                                   if k not in EXACT_TYPES + CARRIED_TYPES},
+            "zeros": "fp16" if self.float_zeros else "uint8",
             "weight_group_size": G,
             "embedding": f"{self._type(self.tensors['token_embd.weight'])} -> fp16",
             "lm_head": f"{self._type(self.tensors[gguf_name(head)])} -> {lm_head_dtype}"
@@ -247,21 +294,25 @@ class GGUFCheckpoint:
         return w if rows is None else w[rows]
 
     def w4(self, name: str) -> dict[str, torch.Tensor]:
-        """A linear weight `name` in the runtime's W4 layout (w4_layout.py): Q4_0 copied bit for bit, any other
-        type dequantised and rounded at the engine's group size."""
+        """A linear weight `name` in the runtime's W4 layout (w4_layout.py): Q4_0, Q4_1 and Q4_K blocks carried
+        over (codes and scales as stored, the minimum as an fp16 zero point), any other type dequantised
+        and rounded at the engine's group size. With float zeros anywhere, every zero is fp16 (a fused
+        qkv or gate_up is one tensor)."""
         from ..kernels.w4_layout import awq_to_w4, pack_w4
 
         t = self.tensors[gguf_name(name)]
-        if t.tensor_type.name != "Q4_0":   # (a Q4_0 linear makes the engine's group 32)
-            return awq_to_w4(*quantize_rtn(self.tensor(name).t().contiguous(), self.quant.group_size))
-        blocks = torch.from_numpy(np.array(t.data)).reshape(int(t.shape[1]), -1, 18)   # [N, K/32, 18 bytes]
-        scales = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
-        qs = blocks[..., 2:]
-        # a block's byte j holds weight j in its low nibble and weight j + 16 in its high one
-        q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)
-        out = {"qweight": pack_w4(q), "scales": scales.contiguous(), "zeros": torch.full_like(scales, 8, dtype=torch.uint8)}
-        rows = self._rows(name, q.shape[0])
-        return out if rows is None else {k: v[rows].contiguous() for k, v in out.items()}
+        kind = t.tensor_type.name
+        if kind in _BLOCK32_TYPES:
+            q, scales, zeros = _decode_blocks(kind, np.array(t.data), int(t.shape[1]))
+            out = {"qweight": pack_w4(q), "scales": scales, "zeros": zeros}
+        else:
+            out = awq_to_w4(*quantize_rtn(self.tensor(name).t().contiguous(), self.quant.group_size))
+            rows = None   # self.tensor already put the rows in order
+        if self.float_zeros:
+            out["zeros"] = out["zeros"].half()
+        if kind in _BLOCK32_TYPES and (rows := self._rows(name, out["qweight"].shape[0])) is not None:
+            out = {k: v[rows] for k, v in out.items()}
+        return {k: v.contiguous() for k, v in out.items()}
 
     @cached_property
     def tokenizer(self):
