@@ -193,6 +193,7 @@ def plan_for(ckpt: Checkpoint | GGUFCheckpoint, profile: BuildProfile, kv: KVCac
     return solve_plan(ckpt.model, profile, max_model_len=max_model_len, kv=kv, max_num_seqs=max_num_seqs,
                       chunked_prefill_size=chunked_prefill_size or profile.defaults.chunked_prefill_size,
                       weight_group_size=ckpt.quant.group_size, gpu_memory_utilization=gpu_memory_utilization,
+                      weight_float_zeros=getattr(ckpt, "float_zeros", False),
                       num_speculative_tokens=num_speculative_tokens, **extra)
 
 
