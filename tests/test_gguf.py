@@ -4,6 +4,7 @@ tokens equal transformers' on the GGUF's weights, and every malformed file is re
 the file and the problem, before anything is written."""
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -74,6 +75,18 @@ def test_greedy_tokens_equal_transformers_on_the_gguf(q4_0_engine, hf_on_gguf):
                                   do_sample=False)[0].tolist()[len(ids):]
     out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
     assert out.token_ids == ref
+
+
+def test_eval_reference_scores_the_engine_against_the_files_own_weights(q4_0_engine, tiny_q4_0):
+    """Q4_0 carried bit for bit: the engine's perplexity is the file's, and their distributions agree to
+    fp32 rounding (an engine off by one weight's rounding would not)."""
+    out = CliRunner().invoke(main, ["eval", "--engine", str(q4_0_engine), "--reference", str(tiny_q4_0),
+                                    "--context", "128", "--max-windows", "1", "--json"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.output)
+    reference, engine = result["rows"]
+    assert reference["label"] == "reference tiny-q4_0.gguf" and result["baseline"] == reference["label"]
+    assert engine["tokens"] == 127 and abs(engine["ppl"] / reference["ppl"] - 1) < 1e-5 and engine["kld"] < 1e-8
 
 
 def _w4_error_in_steps(ckpt: GGUFCheckpoint, name: str) -> float:

