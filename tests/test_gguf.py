@@ -90,6 +90,25 @@ def test_eval_reference_scores_the_engine_against_the_files_own_weights(q4_0_eng
     assert engine["kld"] < 1e-5, engine
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_files_read_as_transformers_reads_them(arch, tmp_path):
+    """Every tensor the engine takes from a Qwen2 (q, k, v biased) or Qwen3 (q/k head norms) GGUF equals
+    transformers' reading of the file: no Llama row interleave undone, each name mapped."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch)
+    ckpt = GGUFCheckpoint(path)
+    assert ckpt.model.qkv_bias == (arch == "qwen2") and ckpt.model.qk_norm == (arch == "qwen3")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
+    for name in ckpt.expected_shapes():
+        if name.endswith("proj.weight"):
+            w = ckpt.w4(name)
+            got = W4Weight(w["qweight"], w["scales"], w["zeros"]).dequantize()
+        else:
+            got = ckpt.tensor(name)
+        assert torch.equal(got, hf[name]), name
+
+
 def _w4_error_in_steps(ckpt: GGUFCheckpoint, name: str) -> float:
     """Largest |engine weight - the file's weight| of a linear, in units of its group's scale."""
     w = ckpt.w4(name)

@@ -12,6 +12,7 @@ import numpy as np
 from bie_trt.checkpoint.registry import BUILTIN, _gguf_path
 
 TINY_GGUF = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, context=1024)
+QWEN3_HEAD_DIM = 128   # q_size 512 over hidden 64, as Qwen3's head_dim is its own
 
 
 @lru_cache(maxsize=1)
@@ -48,7 +49,9 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
     keys = {"block_count": c["layers"], "context_length": c["context"], "embedding_length": c["hidden"],
             "feed_forward_length": c["intermediate"], "attention.head_count": c["heads"],
             "attention.head_count_kv": c["kv_heads"], "attention.layer_norm_rms_epsilon": 1e-5,
-            "rope.freq_base": 10000.0, "vocab_size": vocab, **(metadata or {})}
+            "rope.freq_base": 10000.0, "vocab_size": vocab,
+            # Qwen3 files state head_dim; transformers' GGUF reader ignores it and takes Qwen3's 128
+            **({"attention.key_length": QWEN3_HEAD_DIM} if arch == "qwen3" else {}), **(metadata or {})}
     for key, value in keys.items():
         kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
         w.add_key_value(f"{arch}.{key}", value, kind)
@@ -72,16 +75,26 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
         else:
             w.add_tensor(name, gguf.quants.quantize(t, kind), raw_dtype=kind)
 
-    h, i, d = c["hidden"], c["intermediate"], c["hidden"] // c["heads"]
+    h, i = c["hidden"], c["intermediate"]
+    d = QWEN3_HEAD_DIM if arch == "qwen3" else h // c["heads"]
     add("token_embd.weight", rnd(vocab, h), gguf.GGMLQuantizationType.Q8_0)
     add("output.weight", rnd(vocab, h), gguf.GGMLQuantizationType.Q8_0)
     add("output_norm.weight", 1 + rnd(h), gguf.GGMLQuantizationType.F32)
     if rope_freqs is not None:
         add("rope_freqs.weight", rope_freqs.astype(np.float32), gguf.GGMLQuantizationType.F32)
+    # llama.cpp interleaves a Llama's q/k rows for its RoPE; Qwen files keep transformers' order
+    q_rows, k_rows = ((lambda w: _llama_cpp_permute(w, c["heads"]), lambda w: _llama_cpp_permute(w, c["kv_heads"]))
+                      if arch == "llama" else (lambda w: w, lambda w: w))
     for layer in range(c["layers"]):
         p = f"blk.{layer}."
-        add(p + "attn_q.weight", _llama_cpp_permute(rnd(c["heads"] * d, h), c["heads"]), qtype)
-        add(p + "attn_k.weight", _llama_cpp_permute(rnd(c["kv_heads"] * d, h), c["kv_heads"]), qtype)
+        add(p + "attn_q.weight", q_rows(rnd(c["heads"] * d, h)), qtype)
+        add(p + "attn_k.weight", k_rows(rnd(c["kv_heads"] * d, h)), qtype)
+        if arch == "qwen2":
+            for x, n in (("q", c["heads"] * d), ("k", c["kv_heads"] * d), ("v", c["kv_heads"] * d)):
+                add(p + f"attn_{x}.bias", rnd(n), gguf.GGMLQuantizationType.F32)
+        if arch == "qwen3":
+            for x in "qk":
+                add(p + f"attn_{x}_norm.weight", 1 + rnd(d), gguf.GGMLQuantizationType.F32)
         add(p + "attn_v.weight", rnd(c["kv_heads"] * d, h), qtype)
         add(p + "attn_output.weight", rnd(h, c["heads"] * d), qtype)
         add(p + "ffn_gate.weight", rnd(i, h), qtype)
