@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from . import engine_format as ef
+from .checkpoint.gguf_checkpoint import GGUFCheckpoint, conversion_summary
 from .checkpoint.loader import TOKENIZER_FILES, Checkpoint
 from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
@@ -22,7 +23,6 @@ from .config import KVCacheConfig, ModelConfig, SpeculativeConfig
 from .errors import BieError, CheckpointError, PlanError
 from .kernels.int8_rows import quantize_rows_int8
 from .kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
-from .kernels.w4_layout import awq_to_w4
 from .model.llama import LlamaModel, fused_linear_shapes
 from .plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, solve_plan
 from .profiles import BuildProfile, resolve_profile
@@ -80,14 +80,21 @@ def resolve_kv(opts: BuildOptions, profile: BuildProfile) -> KVCacheConfig:
     )
 
 
-def _repack_layer(ckpt: Checkpoint, i: int) -> dict[str, torch.Tensor]:
+def open_checkpoint(name_or_path: str | Path, log: Callable[[str], None] = lambda m: None
+                    ) -> Checkpoint | GGUFCheckpoint:
+    """An AWQ checkpoint directory (or a built-in name), or a .gguf file read directly."""
+    path = resolve_checkpoint(name_or_path, log=log)
+    return GGUFCheckpoint(path) if path.suffix == ".gguf" else Checkpoint(path)
+
+
+def _repack_layer(ckpt: Checkpoint | GGUFCheckpoint, i: int) -> dict[str, torch.Tensor]:
     m, p = ckpt.model, f"model.layers.{i}."
     out = {
         f"layers.{i}.attn_norm": ckpt.tensor(p + "input_layernorm.weight").half(),
         f"layers.{i}.mlp_norm": ckpt.tensor(p + "post_attention_layernorm.weight").half(),
     }
     for fused, parts in FUSED.items():
-        packed = [awq_to_w4(*(ckpt.tensor(p + part + s) for s in (".qweight", ".qzeros", ".scales"))) for part in parts]
+        packed = [ckpt.w4(p + part + ".weight") for part in parts]
         for key in ("qweight", "scales", "zeros"):
             out[f"layers.{i}.{fused}.{key}"] = torch.cat([t[key] for t in packed]).contiguous()
     if m.qk_norm:
@@ -99,7 +106,7 @@ def _repack_layer(ckpt: Checkpoint, i: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _lm_head(ckpt: Checkpoint, dtype: str, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
+def _lm_head(ckpt: Checkpoint | GGUFCheckpoint, dtype: str, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
     """The output head in the plan's dtype; a tied fp16 head is the embedding itself (nothing stored).
     `rows`: only those vocabulary rows, in that order (a draft's reduced vocabulary)."""
     tied = ckpt.model.tie_word_embeddings
@@ -112,7 +119,7 @@ def _lm_head(ckpt: Checkpoint, dtype: str, rows: list[int] | None = None) -> dic
     return {} if tied and rows is None else {"lm_head": head.half()}
 
 
-def _model_weights(ckpt: Checkpoint, lm_head_dtype: str, head_rows: list[int] | None = None) -> dict[str, torch.Tensor]:
+def _model_weights(ckpt: Checkpoint | GGUFCheckpoint, lm_head_dtype: str, head_rows: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Every weight the runtime's LlamaModel loads, repacked."""
     weights = {"embed_tokens": ckpt.tensor("model.embed_tokens.weight").half(),
                "norm": ckpt.tensor("model.norm.weight").half()}
@@ -174,7 +181,7 @@ def _toolchain() -> dict[str, str]:
     return versions
 
 
-def plan_for(ckpt: Checkpoint, profile: BuildProfile, kv: KVCacheConfig, max_model_len: int,
+def plan_for(ckpt: Checkpoint | GGUFCheckpoint, profile: BuildProfile, kv: KVCacheConfig, max_model_len: int,
              max_num_seqs: int, chunked_prefill_size: int | None = None,
              gpu_memory_utilization: float | None = None, draft: Checkpoint | None = None,
              opts: BuildOptions | None = None, num_speculative_tokens: int | None = None) -> MemoryPlan:
@@ -186,6 +193,7 @@ def plan_for(ckpt: Checkpoint, profile: BuildProfile, kv: KVCacheConfig, max_mod
     return solve_plan(ckpt.model, profile, max_model_len=max_model_len, kv=kv, max_num_seqs=max_num_seqs,
                       chunked_prefill_size=chunked_prefill_size or profile.defaults.chunked_prefill_size,
                       weight_group_size=ckpt.quant.group_size, gpu_memory_utilization=gpu_memory_utilization,
+                      weight_float_zeros=getattr(ckpt, "float_zeros", False),
                       num_speculative_tokens=num_speculative_tokens, **extra)
 
 
@@ -200,11 +208,15 @@ def build_speculation(speculative: SpeculativeConfig | None, has_draft: bool, pr
     return SpeculativeConfig()
 
 
-def check_tokenizer(path: Path) -> None:
+def check_tokenizer(ckpt: Checkpoint | GGUFCheckpoint) -> None:
     """Load the checkpoint's tokenizer now: a missing or broken one must stop the build before the
     repack and calibration, not after them."""
     from transformers import AutoTokenizer
 
+    if isinstance(ckpt, GGUFCheckpoint):
+        ckpt.tokenizer   # noqa: B018 (loading it is the check; the build saves this one)
+        return
+    path = ckpt.path
     try:
         AutoTokenizer.from_pretrained(path)
     except Exception as e:   # transformers raises many types (OSError, ValueError, ...) for one cause
@@ -213,10 +225,13 @@ def check_tokenizer(path: Path) -> None:
                               f"(or tokenizer.model) from its source.") from None
 
 
-def open_draft(opts: BuildOptions, target: Checkpoint) -> Checkpoint | None:
+def open_draft(opts: BuildOptions, target: Checkpoint | GGUFCheckpoint) -> Checkpoint | None:
     """The draft checkpoint, validated against the target (tokenizer, vocabulary) before heavy work."""
     if opts.draft_checkpoint is None:
         return None
+    if isinstance(target, GGUFCheckpoint) or str(opts.draft_checkpoint).endswith(".gguf"):
+        raise CheckpointError("--draft-checkpoint with a GGUF target or draft is not supported yet; convert the "
+                              "GGUF with `bie-trt quantize --model FILE.gguf --out DIR` and build from DIR.")
     draft = Checkpoint(resolve_checkpoint(opts.draft_checkpoint))
     check_draft_vocab(draft.model.vocab_size, target.model.vocab_size)
     check_same_tokenizer(target.path, draft.path, draft.model.vocab_size)
@@ -249,11 +264,21 @@ def write_draft(draft: Checkpoint, plan: MemoryPlan, out: Path, source: str) -> 
     }
 
 
+def write_tokenizer(ckpt: Checkpoint | GGUFCheckpoint, out: Path) -> None:
+    """The tokenizer files (and chat template) into the engine: copied, or saved from a GGUF's metadata."""
+    if isinstance(ckpt, GGUFCheckpoint):
+        ckpt.tokenizer.save_pretrained(out)
+        return
+    for f in TOKENIZER_FILES + EXTRA_TOKENIZER_FILES:
+        if (ckpt.path / f).exists():
+            shutil.copyfile(ckpt.path / f, out / f)
+
+
 def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path:
     out = Path(opts.out)
     if out.exists() and any(out.iterdir()) and not opts.force:
         raise BieError(f"{out} exists and is not empty; pass --force to replace it, or choose another --out.")
-    ckpt = Checkpoint(resolve_checkpoint(opts.checkpoint, log=log))
+    ckpt = open_checkpoint(opts.checkpoint, log=log)
     profile, how = resolve_profile(opts.profile)
     log(f"profile: {profile.name} ({how})")
     kv = resolve_kv(opts, profile)
@@ -274,7 +299,11 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
             f"the memory plan does not fit {profile.name}:\n{plan.format_table()}\n"
             f"Largest max_model_len that fits: {plan.max_model_len_that_fits}. Use --max-model-len "
             f"{plan.max_model_len_that_fits} or a smaller KV format (--kv-cache-dtype int4_asym).")
-    check_tokenizer(ckpt.path)
+    check_tokenizer(ckpt)
+    source = {"checkpoint": str(opts.checkpoint), "weight_group_size": ckpt.quant.group_size}
+    if isinstance(ckpt, GGUFCheckpoint):
+        source["gguf"] = ckpt.conversion(plan.inputs["lm_head_dtype"])
+        log(f"GGUF tensors: {conversion_summary(source['gguf'])}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build into a sibling temp dir and rename: a failed build leaves nothing half-written.
@@ -282,9 +311,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
     try:
         m = ckpt.model
         weights = _model_weights(ckpt, plan.inputs["lm_head_dtype"])
-        for f in TOKENIZER_FILES + EXTRA_TOKENIZER_FILES:
-            if (ckpt.path / f).exists():
-                shutil.copyfile(ckpt.path / f, tmp / f)
+        write_tokenizer(ckpt, tmp)
         log("calibrating the KV key mean (one forward pass over a fixed text)")
         weights["kv.key_mean"] = calibrate_key_mean(m, weights, tmp)
         save_file(weights, str(tmp / ef.WEIGHTS))
@@ -293,9 +320,8 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
             "bie_trt_version": ef.bie_trt_version(),
             "model": {"architecture": m.architecture, "config": m.to_dict(),
                       "name": Path(str(opts.checkpoint)).name},
-            "source": {"checkpoint": str(opts.checkpoint),
-                       "digest": ef.digest_files(ckpt.digest_files(), ckpt.path),
-                       "weight_group_size": ckpt.quant.group_size},
+            "source": {**source, "digest": ef.digest_files(ckpt.digest_files(), ckpt.path.parent
+                                                            if ckpt.path.is_file() else ckpt.path)},
             "profile": profile.to_dict(),
             "target": {"gpu": profile.description, "sm": profile.sm},
             "kv": dataclasses.asdict(kv),

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -47,7 +48,7 @@ class EvalResult:
 class _Variant:
     label: str
     kv: KVCacheConfig
-    pools: KVPools
+    pools: KVPools | None   # None: the reference, whose logits come from elsewhere
     nll: float = 0.0
     kl: float = 0.0
 
@@ -75,8 +76,11 @@ def _windows(n_tokens: int, context: int, stride: int, first: int, max_windows: 
 
 def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variants: dict[str, KVCacheConfig],
              stride: int | None = None, max_windows: int | None = None,
-             first_window: int = 0, device: str = "cpu", progress: bool = True) -> list[EvalResult]:
-    """Perplexity and mean KL(P_fp16 || P_variant) per variant; the FP16 baseline comes first."""
+             first_window: int = 0, device: str = "cpu", progress: bool = True,
+             reference: tuple[str, Callable[[list[int]], torch.Tensor]] | None = None) -> list[EvalResult]:
+    """Perplexity and mean KL(P_base || P_variant) per variant; the baseline comes first. The baseline is the
+    engine with an FP16 cache, or `reference` = (label, ids -> logits [len(ids), V]): another model's logits,
+    such as the source GGUF's own weights (eval_reference.py)."""
     stride = stride or context
     if not 0 < stride <= context:
         raise BieError(f"stride must be in (0, context]; got {stride}.")
@@ -94,7 +98,8 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
         kv.validate(model_cfg.head_dim)
     n_blocks = -(-context // base_kv.block_size) + 1
     fp16 = dataclasses.replace(base_kv, dtype="fp16")
-    all_variants = [_Variant("fp16", fp16, allocate_pools(model_cfg, fp16, n_blocks, 0, runner.dtype, runner.device))]
+    all_variants = [_Variant(reference[0], fp16, None) if reference else
+                    _Variant("fp16", fp16, allocate_pools(model_cfg, fp16, n_blocks, 0, runner.dtype, runner.device))]
     for label, kv in variants.items():
         all_variants.append(_Variant(label, kv, allocate_pools(model_cfg, kv, n_blocks, n_blocks, runner.dtype,
                                                               runner.device)))
@@ -107,7 +112,8 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
         keep = torch.arange(1, context) >= max(score_from, 1)
         base_logp = []
         for v in all_variants:
-            logits = _teacher_forced_logits(runner.model, v, window[:-1])
+            logits = (reference[1](window[:-1]) if v.pools is None else
+                      _teacher_forced_logits(runner.model, v, window[:-1]))
             bar.update(1)
             for i, pos in enumerate(range(0, context - 1, base_kv.block_size)):   # in slices: float64 of [T, V]
                 rows = slice(pos, pos + base_kv.block_size)

@@ -75,6 +75,15 @@ def test_gemv_split_slices_cover_k_exactly() -> None:
     check(x, w, {"BLOCK_K": 64, "SPLIT_K": 16})
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_fractional_fp16_zeros(m: int) -> None:
+    """A GGUF Q4_1 / Q4_K block's minimum as an fp16 zero point with a fraction: the GEMV and the MMA
+    kernel subtract it exactly, not rounded to an integer (a rounded zero is off by up to half a step)."""
+    w = random_w4(40, 256, 32, device=DEVICE, seed=5, float_zeros=True)
+    assert w.zeros.dtype == torch.float16 and (w.zeros.float() % 1).abs().max() > 0.4
+    check(torch.randn(m, 256, device=DEVICE), w, {"SPLIT_K": 2})
+
+
 # --- M >= 2: the tensor-core kernel -------------------------------------------------------------
 
 @pytest.mark.parametrize("m, n, k, group, bias, config", [

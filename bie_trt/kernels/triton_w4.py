@@ -53,18 +53,22 @@ _NIBBLE_MASK = 0xF
 
 
 @triton.jit
-def _nibble(words, i: tl.constexpr, zero, nib_mask):
+def _nibble(words, i: tl.constexpr, zero, nib_mask, FLOAT_ZERO: tl.constexpr):
     """(q - z) in fp32 for nibble i of every word [BN, BKW]; zero is [BN], nib_mask is 0xF.
 
     Masking a nibble in place (bits 4p..4p+3) and OR-ing in the exponent of 2^(23 - 4p) gives the
     bit pattern of the fp32 number 2^(23 - 4p) + q, so one logic op and one exact subtraction
     replace a shift, a mask and an int->float conversion (a quarter-rate instruction). Nibbles
     5..7 would overlap the exponent field, so they are first moved down by 12 bits to p = 2..4
-    (one shift, shared by all three).
+    (one shift, shared by all three). An integer zero folds into that subtraction exactly; a
+    fractional one (FLOAT_ZERO: fp16 zeros, a GGUF's Q4_1/Q4_K minimum) would be rounded to the
+    2^(23 - 4p) grid there, so it is subtracted after: one more subtraction per weight.
     """
     SHIFT: tl.constexpr = 12 if i >= 5 else 0
     POS: tl.constexpr = i - SHIFT // 4
     bits = ((words >> SHIFT) & (nib_mask << (4 * POS))) | ((150 - 4 * POS) << 23)
+    if FLOAT_ZERO:
+        return (bits.to(tl.float32, bitcast=True) - (1 << (23 - 4 * POS))) - zero[:, None]
     return bits.to(tl.float32, bitcast=True) - ((1 << (23 - 4 * POS)) + zero[:, None])
 
 
@@ -167,7 +171,7 @@ def _w4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, nw_ptr, res_ptr,
     N, KW, KW_PER_SPLIT, nib_mask, stride_qn, stride_sn, eps,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, GLU: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, GLU: tl.constexpr, FLOAT_ZERO: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: BLOCK_N output rows × one K-slice of a single row of x."""
@@ -198,14 +202,14 @@ def _w4_gemv_kernel(
             x = tl.reshape(_normed(x[None, :], rstd, nw_ptr, kw * 8 + offs_k, x_ptr.dtype.element_ty), (BLOCK_K,))
         x0, x1, x2, x3, x4, x5, x6, x7 = _split_planes(x.to(tl.float32))
         # Explicit FMAs: Triton is moving to no fp contraction by default.
-        t = _nibble(words, 0, zero, nib_mask) * x0[None, :]
-        t = tl.fma(_nibble(words, 1, zero, nib_mask), x1[None, :], t)
-        t = tl.fma(_nibble(words, 2, zero, nib_mask), x2[None, :], t)
-        t = tl.fma(_nibble(words, 3, zero, nib_mask), x3[None, :], t)
-        t = tl.fma(_nibble(words, 4, zero, nib_mask), x4[None, :], t)
-        t = tl.fma(_nibble(words, 5, zero, nib_mask), x5[None, :], t)
-        t = tl.fma(_nibble(words, 6, zero, nib_mask), x6[None, :], t)
-        t = tl.fma(_nibble(words, 7, zero, nib_mask), x7[None, :], t)
+        t = _nibble(words, 0, zero, nib_mask, FLOAT_ZERO) * x0[None, :]
+        t = tl.fma(_nibble(words, 1, zero, nib_mask, FLOAT_ZERO), x1[None, :], t)
+        t = tl.fma(_nibble(words, 2, zero, nib_mask, FLOAT_ZERO), x2[None, :], t)
+        t = tl.fma(_nibble(words, 3, zero, nib_mask, FLOAT_ZERO), x3[None, :], t)
+        t = tl.fma(_nibble(words, 4, zero, nib_mask, FLOAT_ZERO), x4[None, :], t)
+        t = tl.fma(_nibble(words, 5, zero, nib_mask, FLOAT_ZERO), x5[None, :], t)
+        t = tl.fma(_nibble(words, 6, zero, nib_mask, FLOAT_ZERO), x6[None, :], t)
+        t = tl.fma(_nibble(words, 7, zero, nib_mask, FLOAT_ZERO), x7[None, :], t)
         # The group's scale multiplies the row sums, not every weight.
         acc += tl.sum(t, axis=1) * scale
         words, scale, zero = next_words, next_scale, next_zero
@@ -227,7 +231,7 @@ def _w4_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, nw_ptr, res_ptr,
     M, N, KW, KW_PER_SPLIT, nib_mask, stride_xm, stride_qn, stride_sn, stride_om, stride_rm, eps,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, GLU: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, GLU: tl.constexpr, FLOAT_ZERO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K-slice, on the tensor cores."""
@@ -258,11 +262,11 @@ def _w4_mma_kernel(
         # Three rounds of interleaving put weight k = 8·word + i back in K order; like the
         # splits in the GEMV, they only renumber registers.
         even = tl.interleave(
-            tl.interleave(_nibble(words, 0, zero, nib_mask), _nibble(words, 4, zero, nib_mask)),
-            tl.interleave(_nibble(words, 2, zero, nib_mask), _nibble(words, 6, zero, nib_mask)))
+            tl.interleave(_nibble(words, 0, zero, nib_mask, FLOAT_ZERO), _nibble(words, 4, zero, nib_mask, FLOAT_ZERO)),
+            tl.interleave(_nibble(words, 2, zero, nib_mask, FLOAT_ZERO), _nibble(words, 6, zero, nib_mask, FLOAT_ZERO)))
         odd = tl.interleave(
-            tl.interleave(_nibble(words, 1, zero, nib_mask), _nibble(words, 5, zero, nib_mask)),
-            tl.interleave(_nibble(words, 3, zero, nib_mask), _nibble(words, 7, zero, nib_mask)))
+            tl.interleave(_nibble(words, 1, zero, nib_mask, FLOAT_ZERO), _nibble(words, 5, zero, nib_mask, FLOAT_ZERO)),
+            tl.interleave(_nibble(words, 3, zero, nib_mask, FLOAT_ZERO), _nibble(words, 7, zero, nib_mask, FLOAT_ZERO)))
         w = tl.interleave(even, odd)
         if BLOCK_M < BLOCK_K:
             # Few rows: q - z is a small integer, exact in any float type, so the tensor cores
@@ -521,7 +525,8 @@ def w4_linear_triton(x: torch.Tensor, w: W4Weight, config: dict[str, Any] | None
     bias = w.bias if has_bias else w.scales  # any tensor: never read without HAS_BIAS
     nw = norm_weight if norm_weight is not None else w.scales   # never read without NORM
     fused = dict(GROUP=G, HAS_BIAS=has_bias, SPLIT_K=split, NORM=norm_weight is not None,
-                 RESIDUAL=residual is not None, GLU=silu_mul, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                 RESIDUAL=residual is not None, GLU=silu_mul, FLOAT_ZERO=w.zeros.dtype.is_floating_point,
+                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                  num_warps=cfg["num_warps"])
 
     if M == 1:
@@ -541,13 +546,16 @@ def w4_linear_triton(x: torch.Tensor, w: W4Weight, config: dict[str, Any] | None
 
 
 def random_w4(N: int, K: int, group_size: int = 128, bias: bool = False,
-              device: torch.device | str = "cpu", seed: int = 0) -> W4Weight:
-    """A random weight in the runtime layout, for tests, tuning and benchmarks."""
+              device: torch.device | str = "cpu", seed: int = 0, float_zeros: bool = False) -> W4Weight:
+    """A random weight in the runtime layout, for tests, tuning and benchmarks; `float_zeros`: fractional
+    fp16 zero points (a GGUF Q4_1 / Q4_K minimum) instead of integer codes."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
     # ~1/sqrt(K) so that outputs stay O(1) at any K, as trained weights roughly do.
     scales = ((torch.rand(N, K // group_size, generator=g) + 0.5) * (0.5 / math.sqrt(K))).half()
     zeros = torch.randint(0, 16, (N, K // group_size), generator=g, dtype=torch.uint8)
+    if float_zeros:
+        zeros = (zeros + torch.rand(zeros.shape, generator=g)).half()
     b = torch.randn(N, generator=g).half() if bias else None
     return W4Weight(pack_w4(q).to(device), scales.to(device), zeros.to(device),
                     None if b is None else b.to(device))

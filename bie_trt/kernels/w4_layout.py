@@ -4,6 +4,7 @@ Row n of the matrix (one output feature) is contiguous along K, so a GEMV progra
   qweight int32 [N, K/8]: nibble i (bits 4i..4i+3) of word j holds q[n, 8j + i]
   scales  fp16  [N, K/G]
   zeros   uint8 [N, K/G]      W[n, k] = (q[n, k] - zeros[n, k//G]) * scales[n, k//G]
+          (fp16 where a zero point has a fraction: a GGUF's Q4_1 / Q4_K block minimum)
 """
 from __future__ import annotations
 

@@ -1,0 +1,247 @@
+"""`build --checkpoint FILE.gguf` on a tiny random Llama that the `gguf` package wrote (Q4_0 linears, Q8_0
+embedding and head): the engine's 4-bit weights dequantise to the file's own values bit for bit, its greedy
+tokens equal transformers' on the GGUF's weights, and every malformed file is refused in one error naming
+the file and the problem, before anything is written."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from bie_trt.build import BuildOptions, build_engine, write_tokenizer
+from bie_trt.checkpoint.gguf_checkpoint import GGUFCheckpoint, _decode_blocks
+from bie_trt.cli import main
+from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.errors import CheckpointError, RequestError
+from bie_trt.executor.engine import BieEngine
+from bie_trt.executor.prompt_encoder import PromptEncoder
+from bie_trt.kernels.w4_layout import W4Weight, pack_w4
+from bie_trt.kv.centering import CALIBRATION_TEXT
+from tiny_gguf import TINY_GGUF, write_tiny_gguf
+
+GREEDY_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_0(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_0.gguf")
+
+
+@pytest.fixture(scope="module")
+def hf_on_gguf(tiny_q4_0):
+    """transformers' LlamaForCausalLM on the weights the `gguf` package dequantises from the file."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_q4_0.parent, gguf_file=tiny_q4_0.name, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def q4_0_engine(build, tiny_q4_0):
+    return build(checkpoint=str(tiny_q4_0), max_model_len=TINY_GGUF["context"], kv_cache_dtype="fp16")
+
+
+def test_q4_0_weights_are_the_files_bit_for_bit(q4_0_engine, hf_on_gguf):
+    weights = load_file(str(q4_0_engine / "weights.safetensors"))
+    fused = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+             "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+    for i, layer in enumerate(hf_on_gguf.model.layers):
+        for name, parts in fused.items():
+            w = W4Weight(*(weights[f"layers.{i}.{name}.{k}"] for k in ("qweight", "scales", "zeros")))
+            assert w.group_size == 32
+            assert torch.equal(w.dequantize(), torch.cat([layer.get_submodule(p).weight for p in parts])), (i, name)
+
+
+def test_the_manifest_and_inspect_say_what_was_carried(q4_0_engine):
+    out = CliRunner().invoke(main, ["inspect", str(q4_0_engine)])
+    assert out.exit_code == 0, out.output
+    assert ("gguf        tiny-q4_0.gguf: 5 F32, 14 Q4_0, 2 Q8_0; linears bit for bit: 14 Q4_0; carried with an fp16 "
+            "zero point: none; re-quantised to W4 group 32: none; embedding Q8_0 -> fp16, lm_head Q8_0 -> fp16"
+            ) in out.output
+
+
+def test_greedy_tokens_equal_transformers_on_the_gguf(q4_0_engine, hf_on_gguf):
+    engine = BieEngine(EngineConfig(engine_dir=str(q4_0_engine), device="cpu"))
+    ids = engine.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"][:40]
+    with torch.no_grad():
+        ref = hf_on_gguf.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                                  do_sample=False)[0].tolist()[len(ids):]
+    out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
+    assert out.token_ids == ref
+
+
+def test_eval_reference_scores_the_engine_against_the_files_own_weights(q4_0_engine, tiny_q4_0):
+    """Q4_0 carried bit for bit: the engine's perplexity is the file's, and their distributions agree."""
+    out = CliRunner().invoke(main, ["eval", "--engine", str(q4_0_engine), "--reference", str(tiny_q4_0),
+                                    "--context", "128", "--max-windows", "1", "--json"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.stdout)
+    reference, engine = result["rows"]
+    assert reference["label"] == "reference tiny-q4_0.gguf" and result["baseline"] == reference["label"]
+    # what is left is the fp16 rounding of the Q8_0 embedding and head (the engine keeps them in fp16)
+    assert engine["tokens"] == 127 and abs(engine["ppl"] / reference["ppl"] - 1) < 2e-4, engine
+    assert engine["kld"] < 1e-5, engine
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_files_read_as_transformers_reads_them(arch, tmp_path):
+    """Every tensor the engine takes from a Qwen2 (q, k, v biased) or Qwen3 (q/k head norms) GGUF equals
+    transformers' reading of the file: no Llama row interleave undone, each name mapped."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch)
+    ckpt = GGUFCheckpoint(path)
+    assert ckpt.model.qkv_bias == (arch == "qwen2") and ckpt.model.qk_norm == (arch == "qwen3")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
+    for name in ckpt.expected_shapes():
+        if name.endswith("proj.weight"):
+            w = ckpt.w4(name)
+            got = W4Weight(w["qweight"], w["scales"], w["zeros"]).dequantize()
+        else:
+            got = ckpt.tensor(name)
+        assert torch.equal(got, hf[name]), name
+
+
+def _w4_error_in_steps(ckpt: GGUFCheckpoint, name: str) -> float:
+    """Largest |engine weight - the file's weight| of a linear, in units of its group's scale."""
+    w = ckpt.w4(name)
+    error = (W4Weight(w["qweight"], w["scales"], w["zeros"]).dequantize() - ckpt.tensor(name)).abs()
+    return (error / w["scales"].float().abs().repeat_interleave(32, dim=1)).max().item()
+
+
+def test_q4_1_is_carried_with_its_minimum_as_an_fp16_zero_point(tmp_path):
+    ckpt = GGUFCheckpoint(write_tiny_gguf(tmp_path / "q4_1.gguf", linear_type="Q4_1"))
+    assert ckpt.float_zeros and ckpt.conversion("fp16")["linear_carried"] == {"Q4_1": 14}
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        # only the fp16 rounding of -m/d: at most half an fp16 ulp of a zero below 16, 2^-8 of a step
+        # (the minimum rounded to a whole code would be off by up to half a step)
+        assert _w4_error_in_steps(ckpt, name) <= 2 ** -8
+
+
+def test_q4_k_blocks_decode_to_the_gguf_packages_values():
+    """Random Q4_K blocks (6-bit scales and minimums in every bit pattern, one scale of 0) against the
+    `gguf` package's dequantisation."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    n, k = 4, 512
+    raw = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    raw[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)   # the super-block scales d and dmin
+    raw[..., 2:4] = np.array([0.002], np.float16).view(np.uint8)
+    raw[0, 0, 4] &= 0xC0                               # sub-block 0's 6-bit scale 0: all its weights the minimum
+    q, scales, zeros = _decode_blocks("Q4_K", raw.reshape(n, -1), n)
+    got = W4Weight(pack_w4(q), scales, zeros).dequantize()
+    want = torch.from_numpy(gguf.quants.dequantize(raw.reshape(n, -1), gguf.GGMLQuantizationType.Q4_K))
+    steps = (got - want).abs() / scales.float().abs().clamp(min=1e-8).repeat_interleave(32, dim=1)
+    assert steps.max() <= 2 ** -7 and want[0, :32].unique().numel() == 1
+    torch.testing.assert_close(got[0, :32], want[0, :32], rtol=2 ** -10, atol=0)
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_file(tiny_q4_0, tmp_path):
+    with_template = tmp_path / "with"
+    with_template.mkdir()
+    write_tokenizer(GGUFCheckpoint(tiny_q4_0), with_template)
+    ids = PromptEncoder.load(str(with_template)).encode("Hi", chat=True)
+    assert ids[0] == 1   # <|im_start|>, as SmolLM2's template opens a turn
+    bare = write_tiny_gguf(tmp_path / "bare.gguf", chat_template=False)
+    (tmp_path / "bare").mkdir()
+    write_tokenizer(GGUFCheckpoint(bare), tmp_path / "bare")
+    with pytest.raises(RequestError, match="no chat template.*--chat-template FILE"):
+        PromptEncoder.load(str(tmp_path / "bare")).encode("Hi", chat=True)
+
+
+def _truncated(good, path):
+    data = good.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+
+
+def _wrong_magic(good, path):
+    path.write_bytes(b"GGML" + good.read_bytes()[4:])
+
+
+MALFORMED = {
+    "truncated": (_truncated, "truncated: its tensor data ends before the tensor table says"),
+    "wrong magic": (_wrong_magic, "not a GGUF file (no GGUF magic)"),
+    "shape": (lambda good, path: write_tiny_gguf(path, metadata={"feed_forward_length": 256}),
+              "tensor 'blk.0.ffn_gate.weight' has shape [128, 64] but the metadata implies [256, 64]"),
+    "architecture": (lambda good, path: write_tiny_gguf(path, arch="mamba"),
+                     "unsupported GGUF architecture 'mamba'; bie-trt reads llama, qwen2, qwen3"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_malformed_gguf_is_refused_before_anything_is_written(case, tiny_q4_0, tmp_path):
+    make, message = MALFORMED[case]
+    bad = tmp_path / "bad.gguf"
+    make(tiny_q4_0, bad)
+    out = tmp_path / "engine"
+    with pytest.raises(CheckpointError) as e:
+        build_engine(BuildOptions(checkpoint=str(bad), out=str(out), profile="cpu"), log=lambda m: None)
+    assert str(e.value).startswith(f"{bad}: ") and message in str(e.value) and "\n" not in str(e.value)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["bad.gguf"]
+
+
+def test_an_unsupported_tensor_type_is_refused_by_name(tiny_q4_0, tmp_path):
+    import gguf
+
+    bad = tmp_path / "f64.gguf"
+    shutil.copyfile(tiny_q4_0, bad)
+    # rewrite the file with one norm stored as F64, a type the engine does not convert
+    r = gguf.GGUFReader(tiny_q4_0)
+    w = gguf.GGUFWriter(str(bad), "llama")
+    for key, field in r.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            w.add_key_value(key, field.contents(), field.types[0],
+                            sub_type=field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        data = np.array(t.data)
+        if t.name == "output_norm.weight":
+            w.add_tensor(t.name, data.astype(np.float64))
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"f64.gguf: tensor 'output_norm.weight' is F64, a type bie-trt "
+                                              r"does not convert \(it reads Q4_0, Q4_1"):
+        GGUFCheckpoint(bad)
+
+
+def _llama3_divisors(factor: float, head_dim: int, theta: float = 10000.0) -> np.ndarray:
+    """llama.cpp's rope_freqs for Llama 3 (convert_hf_to_gguf.py's generate_extra_tensors), written
+    independently of the engine's rope.py."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    low_wavelen, high_wavelen = 8192 / 1.0, 8192 / 4.0
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out)
+
+
+def test_llama3_rope_scaling_is_read_from_rope_freqs(tmp_path):
+    head_dim = TINY_GGUF["hidden"] // TINY_GGUF["heads"]
+    # theta 500,000 as Llama 3's: the low frequencies fall in the scaled band at head_dim 16
+    meta = {"rope.freq_base": 500000.0}
+    ckpt = GGUFCheckpoint(write_tiny_gguf(tmp_path / "l3.gguf", metadata=meta,
+                                          rope_freqs=_llama3_divisors(32.0, head_dim, 500000.0)))
+    s = ckpt.model.rope_scaling
+    assert (s.rope_type, s.factor, s.original_max_position_embeddings, s.low_freq_factor, s.high_freq_factor) == \
+        ("llama3", 32.0, 8192, 1.0, 4.0)
+    odd = _llama3_divisors(32.0, head_dim, 500000.0) * 1.01
+    with pytest.raises(CheckpointError, match="rope_freqs.weight matches no Llama 3 RoPE scaling"):
+        GGUFCheckpoint(write_tiny_gguf(tmp_path / "odd.gguf", metadata=meta, rope_freqs=odd))
