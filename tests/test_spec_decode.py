@@ -69,6 +69,37 @@ def test_batched_greedy_is_identical_and_proposals_are_accepted(spec, expected):
     assert idle(spec)
 
 
+def set_costs(engine: BieEngine, proposal_ratio: float) -> None:
+    """The adaptive engine's step costs as if measured: every verify as costly as a plain step, proposing
+    `proposal_ratio` plain steps (on the loop thread, between steps)."""
+    def put() -> None:
+        costs = engine.adaptive.costs
+        for figure in [costs.plain, *costs.relative]:
+            figure.value, figure.samples = 1.0, 2
+        costs.proposal.value, costs.proposal.samples = proposal_ratio, 2
+        engine.adaptive.requests.clear()
+
+    engine._run_on_loop(put)
+
+
+def test_adaptive_gamma_steps_aside_and_back_and_changes_no_token(spec, expected):
+    """Proposing made to look 50 plain steps dear: the requests decode plainly, probing now and then; made
+    free: they speculate. The tokens are plain decoding's either way."""
+    assert spec.adaptive is not None   # on by default
+    steps = spec.adaptive.steps_by_gamma
+    set_costs(spec, 50.0)
+    before = list(steps)
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == expected
+    plain_steps, speculating = steps[0] - before[0], sum(steps[1:]) - sum(before[1:])
+    assert plain_steps > 3 * speculating and spec.adaptive.probes > 0
+    set_costs(spec, 0.0)
+    before = list(steps)
+    outs = spec.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(steps[1:]) - sum(before[1:]) > 0 and outs[0].spec_decode["gamma"]["reason"] == "best"
+    assert idle(spec)
+
+
 def test_a_prefix_cache_hit_keeps_the_tokens(spec, expected):
     before = spec.stats().prefix_hit_tokens
     out = spec.generate(PROMPTS[0], GREEDY)   # its blocks (accepted tokens only) are cached from the batch
@@ -166,6 +197,7 @@ def test_draft_model_without_a_draft_is_refused(smollm2_engine):
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "prompt_lookup_min": 5}, "prompt_lookup_min 5 is above prompt_lookup_max 4"),
     ({"method": "ngram", "gamma": 3}, "unknown keys \\['gamma'\\]"),
+    ({"method": "ngram", "adaptive": "yes"}, "adaptive must be true or false"),
     ('{"method": ', "not valid JSON"),
 ])
 def test_bad_speculative_configs_say_what_is_wrong(bad, message):
@@ -193,6 +225,10 @@ def test_generate_cli_speculates_and_reports_it(smollm2_engine):
     out = json.loads(res.stdout)
     assert out["spec_decode"]["num_accepted_tokens"] > 0
     assert out["spec_decode"]["num_draft_tokens"] >= out["spec_decode"]["num_accepted_tokens"]
+    gamma = out["spec_decode"]["gamma"]   # the last γ chosen, and why
+    assert 0 <= gamma["gamma"] <= 5 and gamma["reason"] in ("best", "probe", "measure")
+    assert len(gamma["acceptance"]) == 5 and set(gamma["expected_tokens_per_s"]) == {str(g) for g in range(6)}
+    assert "plain_ms" in gamma["step_costs"] and sum(gamma["steps_by_gamma"].values()) > 0
     plain = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=384))
     assert out["token_ids"] == plain.generate(prompt, SamplingParams(temperature=0, max_tokens=12)).token_ids
 

@@ -9,7 +9,8 @@ engine's own rate). With those rates a_1, a_2, ..., a step proposing γ tokens e
 
 and costs T(γ) = proposing γ tokens (γ draft steps, or one n-gram lookup) + the target's step over
 γ + 1 rows; γ = 0 is a plain decode, T(0) the target's one-row step. The costs are running figures
-the engine measures on its own steps, whatever the device (`StepCosts`). Each step takes the γ in
+the engine measures on its own steps, whatever the device (`StepCosts`), each kept relative to the
+plain step so that a device slowed for everyone (a shared host, a throttled GPU) moves them together. Each step takes the γ in
 0..γ_max with the highest E(γ) / T(γ) tokens a second.
 
 At γ = 0 a request learns nothing about its acceptance, so every so often (8 plain steps, doubling
@@ -82,52 +83,56 @@ def expected_tokens(rates: list[float], gamma: int) -> float:
 
 
 class StepCosts:
-    """Running seconds, per sequence of a step: the target's step at each r = γ + 1 rows a sequence (r = 1 is
-    plain decoding), and proposing: a draft step (a draft model proposes one token a step) or one lookup (the
-    n-gram proposer proposes them all at once). Only steps of decodes that all carried the same number of rows
-    are timed (a prompt chunk or mixed lengths would say nothing about one r)."""
+    """Running figures, per sequence of a step: the target's plain decode step (r = 1 row a sequence) in seconds,
+    and relative to it the target's step at each r = γ + 1 rows and proposing: a draft step (a draft model
+    proposes one token a step) or one lookup (the n-gram proposer proposes them all at once). Kept relative,
+    a shared or throttled device that slows every step alike leaves the choice where it was. Only steps of
+    decodes that all carried the same number of rows are timed (a prompt chunk or mixed lengths would say
+    nothing about one r)."""
 
     def __init__(self, gamma_max: int, per_token: bool) -> None:
-        self.target = [Running() for _ in range(gamma_max + 1)]   # index r - 1
-        self.proposal = Running()   # one draft step (per_token) or one lookup, per sequence
+        self.plain = Running()
+        self.relative = [Running() for _ in range(gamma_max)]   # r = 2 .. gamma_max + 1
+        self.proposal = Running()
         self.per_token = per_token
 
     def record_target(self, rows: int, seconds: float) -> None:
-        self.target[rows - 1].add(seconds)
+        if rows == 1:
+            self.plain.add(seconds)
+        elif self.plain.samples:
+            self.relative[rows - 2].add(seconds / self.plain.value)
 
     def record_proposal(self, seconds: float) -> None:
-        self.proposal.add(seconds)
+        if self.plain.samples:
+            self.proposal.add(seconds / self.plain.value)
 
     def measured(self, rows: int) -> bool:
-        return self.target[rows - 1].samples >= MEASURE_SAMPLES
+        return (self.plain if rows == 1 else self.relative[rows - 2]).samples >= MEASURE_SAMPLES
 
-    def target_seconds(self, rows: int) -> float:
-        """The figure at `rows`; between measured ones on a line through the nearest on each side, past them on
-        the line through the outermost two (flat while only one is measured)."""
-        known = [(r + 1, f.value) for r, f in enumerate(self.target) if f.samples]
-        if not known:
-            return 0.0
+    def ratio(self, rows: int) -> float:
+        """T(rows) / T(1): measured, or between measured ones on a line through the nearest on each side, past
+        them on the line through the outermost two (flat while only r = 1 is known)."""
+        known = [(1, 1.0)] + [(r + 2, f.value) for r, f in enumerate(self.relative) if f.samples]
         below = [k for k in known if k[0] <= rows]
         above = [k for k in known if k[0] >= rows]
-        if below and above:
+        if above:
             (r0, t0), (r1, t1) = below[-1], above[0]
         elif len(known) == 1:
-            return known[0][1]
+            return 1.0
         else:
-            (r0, t0), (r1, t1) = known[-2:] if below else known[:2]
+            (r0, t0), (r1, t1) = known[-2:]
         return t0 if r0 == r1 else max(0.0, t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
 
-    def proposal_seconds(self, gamma: int) -> float:
-        if gamma == 0:
-            return 0.0
-        return self.proposal.value * (gamma if self.per_token else 1)
-
     def step_seconds(self, gamma: int) -> float:
-        return self.proposal_seconds(gamma) + self.target_seconds(gamma + 1)
+        """A step proposing `gamma` tokens: the proposals, then the target over gamma + 1 rows."""
+        proposing = 0.0 if gamma == 0 else self.proposal.value * (gamma if self.per_token else 1)
+        return self.plain.value * (proposing + self.ratio(gamma + 1))
 
     def to_dict(self) -> dict:
-        return {"target_ms": {str(r + 1): round(1e3 * f.value, 3) for r, f in enumerate(self.target) if f.samples},
-                ("draft_step_ms" if self.per_token else "lookup_ms"): round(1e3 * self.proposal.value, 3)}
+        ms = 1e3 * self.plain.value
+        return {"plain_ms": round(ms, 3),
+                "verify_ms": {str(r + 2): round(ms * f.value, 3) for r, f in enumerate(self.relative) if f.samples},
+                ("draft_step_ms" if self.per_token else "lookup_ms"): round(ms * self.proposal.value, 3)}
 
 
 @dataclass
