@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Hashable, Sequence as Seq
 
@@ -208,6 +208,8 @@ class DraftModelProposer:
 
     def _hidden(self, inputs: list[SeqInput]) -> list[torch.Tensor] | torch.Tensor:
         """Each input's last hidden state: from a graph when one fits (a decode step), else eagerly."""
+        if len({s.token_ids.device for s in inputs}) > 1:   # proposals drawn on the device beside host ones
+            inputs = [replace(s, token_ids=s.token_ids.to(self.device)) for s in inputs]
         rows = self.graphs.run(inputs) if self.graphs is not None else None
         self.steps["eager" if rows is None else "graph"] += 1
         return self.model.final_hidden(inputs, self.pools) if rows is None else rows
