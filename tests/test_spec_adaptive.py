@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bie_trt.spec_decode.adaptive import (FIRST_PROBE, LAST_PROBE, MEASURE_SAMPLES, Acceptance, AdaptiveGamma,
-                                          StepCosts, expected_tokens)
+from bie_trt.spec_decode.adaptive import (FIRST_PROBE, LAST_PROBE, MEASURE_SAMPLES, PROBE_BUDGET, Acceptance,
+                                          AdaptiveGamma, StepCosts, expected_tokens)
 
 
 def test_expected_tokens_of_a_step():
@@ -74,10 +74,21 @@ def test_speculation_that_pays_runs_at_full_length():
     assert d.tokens_per_s[4] > d.tokens_per_s[0]
 
 
-def test_speculation_that_costs_steps_aside_and_probes_ever_less_often():
-    """A draft as costly as the target (itself): plain decoding, probing after 8, 16, 32 ... plain steps."""
-    g = controller(verify_ratio=1.1, draft_ratio=1.0)
-    g.record_verify("prose", 4, 4)   # even accepting everything does not pay
+def ngram_controller(verify_ratio: float) -> AdaptiveGamma:
+    """An n-gram controller past its measuring steps: plain 10 ms, verify `verify_ratio` x that, lookups free."""
+    g = AdaptiveGamma(4, per_token=False)
+    for _ in range(MEASURE_SAMPLES):
+        g.record_step([1], 0.010)
+        g.record_step([5], 0.010 * verify_ratio)
+        g.record_proposal(0.0, 1, 1)
+    return g
+
+
+def test_speculation_that_does_not_pay_steps_aside_and_probes_ever_less_often():
+    """Lookup on prose: every proposal rejected, so plain decoding, probing after 8, 16, 32 ... plain steps."""
+    g = ngram_controller(verify_ratio=1.3)
+    for _ in range(4):
+        g.record_verify("prose", 4, 0)
     choices = [g.gamma("prose") for _ in range(8 + 16 + 32)]
     probes = [i for i, c in enumerate(choices) if c > 0]
     assert probes == [FIRST_PROBE - 1, FIRST_PROBE + 2 * FIRST_PROBE - 1, FIRST_PROBE * 7 - 1]
@@ -87,14 +98,21 @@ def test_speculation_that_costs_steps_aside_and_probes_ever_less_often():
     assert g.requests["prose"].probe_after == LAST_PROBE
 
 
+def test_a_draft_as_costly_as_the_target_never_probes_and_dear_probes_are_spaced():
+    g = controller(verify_ratio=1.1, draft_ratio=1.0)   # itself as its draft: no acceptance could pay
+    g.record_verify("self", 4, 4)
+    assert [g.gamma("self") for _ in range(300)] == [0] * 300 and g.probes == 0
+    g = controller(verify_ratio=1.1, draft_ratio=0.3)   # would pay if accepted; a probe costs ~0.6 plain steps
+    for _ in range(4):
+        g.record_verify("prose", 4, 0)
+    probes = [i for i in range(200) if g.gamma("prose") > 0]
+    assert len(probes) >= 2 and min(b - a for a, b in zip([-1] + probes, probes)) >= 0.6 / PROBE_BUDGET
+
+
 def test_a_request_that_turns_quotable_gets_speculation_back():
     """N-gram lookup (cheap proposals): prose rejects, so plain decoding; a probe that is accepted brings
     speculation back, and its length grows as the later positions are accepted too."""
-    g = AdaptiveGamma(4, per_token=False)
-    for _ in range(MEASURE_SAMPLES):
-        g.record_step([1], 0.010)
-        g.record_step([5], 0.018)
-        g.record_proposal(0.0001, 1, 1)
+    g = ngram_controller(verify_ratio=1.3)
     for _ in range(4):
         g.record_verify("r", 4, 0)
     assert g.gamma("r") == 0

@@ -83,20 +83,20 @@ def set_costs(engine: BieEngine, proposal_ratio: float) -> None:
 
 
 def test_adaptive_gamma_steps_aside_and_back_and_changes_no_token(spec, expected):
-    """Proposing made to look 50 plain steps dear: the requests decode plainly, probing now and then; made
-    free: they speculate. The tokens are plain decoding's either way."""
+    """Proposing made to look 50 plain steps dear: the requests decode plainly (no probes either: nothing could
+    pay); made free: they speculate. The tokens are plain decoding's either way."""
     assert spec.adaptive is not None   # on by default
     steps = spec.adaptive.steps_by_gamma
     set_costs(spec, 50.0)
     before = list(steps)
-    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == expected
+    assert [o.token_ids for o in spec.generate(PROMPTS[:2], GREEDY)] == expected[:2]
     plain_steps, speculating = steps[0] - before[0], sum(steps[1:]) - sum(before[1:])
-    assert plain_steps > 3 * speculating and spec.adaptive.probes > 0
+    assert plain_steps >= 2 * GREEDY.max_tokens - 2 and speculating == 0
     set_costs(spec, 0.0)
     before = list(steps)
-    outs = spec.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == expected
-    assert sum(steps[1:]) - sum(before[1:]) > 0 and outs[0].spec_decode["gamma"]["reason"] == "best"
+    out = spec.generate(PROMPTS[2], GREEDY)
+    assert out.token_ids == expected[2]
+    assert sum(steps[1:]) - sum(before[1:]) > 0 and out.spec_decode["gamma"]["reason"] == "best"
     assert idle(spec)
 
 

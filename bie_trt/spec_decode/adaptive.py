@@ -15,7 +15,10 @@ plain step so that a device slowed for everyone (a shared host, a throttled GPU)
 
 At γ = 0 a request learns nothing about its acceptance, so every so often (8 plain steps, doubling
 while probes change nothing, up to 256) it proposes one token as a probe: a request that turns
-quotable gets speculation back. Figures not measured yet are measured first: the plain step, then
+quotable gets speculation back. A probe costs what proposing one token and verifying two rows cost
+beyond a plain step (for a draft, one more draft step: it catches up on the tokens it missed); the
+probes are spaced so that they take at most 2 % of the plain steps' time, and there are none where
+speculation would not pay even if every proposal were accepted (a draft as costly as the target). Figures not measured yet are measured first: the plain step, then
 a step with proposals (γ_max), a couple of times each; other row counts are read off the line
 through the measured ones until they are measured themselves.
 
@@ -35,6 +38,7 @@ MEASURE_SAMPLES = 2    # steps timed before a figure is trusted
 FIRST_PROBE = 8        # plain steps before the first probe; doubled while probes change nothing
 LAST_PROBE = 256
 PROBE_GAMMA = 1
+PROBE_BUDGET = 0.02    # the most of the plain steps' time probes may take
 
 
 @dataclass
@@ -194,14 +198,27 @@ class AdaptiveGamma:
             decision = Decision(best, "best", rates, rates_per_gamma)
             if best > 0:   # speculation pays (again): probe soon after it stops paying
                 state.plain_steps, state.probe_after = 0, FIRST_PROBE
-            else:
+            elif self._could_pay():
                 state.plain_steps += 1
-                if state.plain_steps >= state.probe_after:
+                if state.plain_steps >= max(state.probe_after, self._probe_spacing()):
                     decision = Decision(min(PROBE_GAMMA, self.gamma_max), "probe", rates, rates_per_gamma)
                     state.plain_steps, state.probe_after = 0, min(2 * state.probe_after, LAST_PROBE)
                     self.probes += 1
         state.last = decision
         return decision
+
+    def _could_pay(self) -> bool:
+        """Whether some γ would beat plain decoding if every proposal were accepted."""
+        plain = self.costs.step_seconds(0)
+        return any((g + 1) / self.costs.step_seconds(g) > 1 / plain for g in range(1, self.gamma_max + 1))
+
+    def _probe_spacing(self) -> int:
+        """Plain steps between probes for them to take at most PROBE_BUDGET of the time."""
+        costs = self.costs
+        extra = costs.step_seconds(min(PROBE_GAMMA, self.gamma_max)) / costs.step_seconds(0) - 1
+        if costs.per_token:   # the draft first catches up on the tokens it missed: about one more step
+            extra += costs.proposal.value
+        return int(extra / PROBE_BUDGET)
 
     def gamma(self, key: Hashable) -> int:
         return self.decide(key).gamma
