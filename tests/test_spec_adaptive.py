@@ -26,20 +26,24 @@ def test_acceptance_counts_only_positions_verified_after_accepted_ones():
     assert rates[2] == rates[3] == rates[1]   # no evidence: each leans on the position before
 
 
-def test_step_costs_are_relative_to_plain_decoding_and_interpolated():
+def test_step_costs_are_relative_to_plain_decoding_on_one_line():
     c = StepCosts(gamma_max=5, per_token=True)
     c.record_target(4, 9.0)   # before any plain step: nothing to be relative to
     assert not c.relative[2].samples
     c.record_target(1, 2.0)
-    c.record_target(3, 3.0)   # 1.5 x plain
-    c.record_target(6, 6.0)   # 3 x plain
-    assert c.ratio(2) == pytest.approx(1.25) and c.ratio(5) == pytest.approx(2.5)
+    c.record_target(3, 3.0)   # 1.5 x plain: 0.25 a row
+    assert c.ratio(2) == pytest.approx(1.25) and c.ratio(6) == pytest.approx(2.25)
+    c.record_target(6, 5.0)   # 2.5 x plain: 0.3 a row; the slope moves a fifth of the way
+    assert c.slope.value == pytest.approx(0.25 + 0.2 * 0.05) and c.relative[4].value == 2.5
     c.record_proposal(1.0)    # a draft step: half a plain step
-    assert c.step_seconds(0) == 2.0 and c.step_seconds(2) == pytest.approx(2.0 * (2 * 0.5 + 1.5))
+    assert c.step_seconds(0) == 2.0 and c.step_seconds(2) == pytest.approx(2.0 * (2 * 0.5 + c.ratio(3)))
     # a host twice as busy slows the plain step: every figure follows it
+    before = c.step_seconds(2) / c.step_seconds(0)
     for _ in range(40):
         c.record_target(1, 4.0)
-    assert c.step_seconds(2) == pytest.approx(4.0 * 2.5, rel=1e-3)
+    assert c.step_seconds(2) / c.step_seconds(0) == pytest.approx(before)
+    assert c.to_dict()["verify_ms"] == {"3": pytest.approx(1.5 * c.plain.value * 1e3),
+                                        "6": pytest.approx(2.5 * c.plain.value * 1e3)}
 
 
 def controller(verify_ratio: float, draft_ratio: float, gamma_max: int = 4) -> AdaptiveGamma:

@@ -92,11 +92,16 @@ class StepCosts:
     proposes one token a step) or one lookup (the n-gram proposer proposes them all at once). Kept relative,
     a shared or throttled device that slows every step alike leaves the choice where it was. Only steps of
     decodes that all carried the same number of rows are timed (a prompt chunk or mixed lengths would say
-    nothing about one r)."""
+    nothing about one r).
+
+    The choice reads the verify at r rows off one line, 1 + slope·(r - 1) plain steps, its slope a running
+    mean over every verify timed at any width: a width seen a few times would otherwise weigh one noisy
+    timing as much as the plain step's hundreds (the figure at each width is kept too, for the reports)."""
 
     def __init__(self, gamma_max: int, per_token: bool) -> None:
         self.plain = Running()
         self.relative = [Running() for _ in range(gamma_max)]   # r = 2 .. gamma_max + 1
+        self.slope = Running()   # a verify's cost per row past the first, in plain steps
         self.proposal = Running()
         self.per_token = per_token
 
@@ -104,7 +109,9 @@ class StepCosts:
         if rows == 1:
             self.plain.add(seconds)
         elif self.plain.samples:
-            self.relative[rows - 2].add(seconds / self.plain.value)
+            ratio = seconds / self.plain.value
+            self.relative[rows - 2].add(ratio)
+            self.slope.add(max(0.0, ratio - 1) / (rows - 1))
 
     def record_proposal(self, seconds: float) -> None:
         if self.plain.samples:
@@ -114,18 +121,8 @@ class StepCosts:
         return (self.plain if rows == 1 else self.relative[rows - 2]).samples >= MEASURE_SAMPLES
 
     def ratio(self, rows: int) -> float:
-        """T(rows) / T(1): measured, or between measured ones on a line through the nearest on each side, past
-        them on the line through the outermost two (flat while only r = 1 is known)."""
-        known = [(1, 1.0)] + [(r + 2, f.value) for r, f in enumerate(self.relative) if f.samples]
-        below = [k for k in known if k[0] <= rows]
-        above = [k for k in known if k[0] >= rows]
-        if above:
-            (r0, t0), (r1, t1) = below[-1], above[0]
-        elif len(known) == 1:
-            return 1.0
-        else:
-            (r0, t0), (r1, t1) = known[-2:]
-        return t0 if r0 == r1 else max(0.0, t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
+        """T(rows) / T(1) on the line."""
+        return 1.0 + self.slope.value * (rows - 1)
 
     def step_seconds(self, gamma: int) -> float:
         """A step proposing `gamma` tokens: the proposals, then the target over gamma + 1 rows."""
@@ -136,6 +133,7 @@ class StepCosts:
         ms = 1e3 * self.plain.value
         return {"plain_ms": round(ms, 3),
                 "verify_ms": {str(r + 2): round(ms * f.value, 3) for r, f in enumerate(self.relative) if f.samples},
+                "verify_row_ms": round(ms * self.slope.value, 3),
                 ("draft_step_ms" if self.per_token else "lookup_ms"): round(ms * self.proposal.value, 3)}
 
 
