@@ -33,8 +33,8 @@ def test_step_costs_are_relative_to_plain_decoding_on_one_line():
     c.record_target(1, 2.0)
     c.record_target(3, 3.0)   # 1.5 x plain: 0.25 a row
     assert c.ratio(2) == pytest.approx(1.25) and c.ratio(6) == pytest.approx(2.25)
-    c.record_target(6, 5.0)   # 2.5 x plain: 0.3 a row; the slope moves a fifth of the way
-    assert c.slope.value == pytest.approx(0.25 + 0.2 * 0.05) and c.relative[4].value == 2.5
+    c.record_target(6, 5.0)   # 2.5 x plain: 0.3 a row; the wide verify weighs most in the fit
+    assert c.slope == pytest.approx((0.8 * 2 * 0.5 + 5 * 1.5) / (0.8 * 4 + 25)) and c.relative[4].value == 2.5
     c.record_proposal(1.0)    # a draft step: half a plain step
     assert c.step_seconds(0) == 2.0 and c.step_seconds(2) == pytest.approx(2.0 * (2 * 0.5 + c.ratio(3)))
     # a host twice as busy slows the plain step: every figure follows it

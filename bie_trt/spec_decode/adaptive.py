@@ -94,14 +94,15 @@ class StepCosts:
     decodes that all carried the same number of rows are timed (a prompt chunk or mixed lengths would say
     nothing about one r).
 
-    The choice reads the verify at r rows off one line, 1 + slope·(r - 1) plain steps, its slope a running
-    mean over every verify timed at any width: a width seen a few times would otherwise weigh one noisy
-    timing as much as the plain step's hundreds (the figure at each width is kept too, for the reports)."""
+    The choice reads the verify at r rows off one line, 1 + slope·(r - 1) plain steps, fitted by least squares
+    (through the plain step) to every verify timed at any width, older timings fading: a width seen a few
+    times would otherwise weigh one noisy timing as much as the plain step's hundreds, and a narrow verify's
+    noise is the least telling about the slope (the figure at each width is kept too, for the reports)."""
 
     def __init__(self, gamma_max: int, per_token: bool) -> None:
         self.plain = Running()
         self.relative = [Running() for _ in range(gamma_max)]   # r = 2 .. gamma_max + 1
-        self.slope = Running()   # a verify's cost per row past the first, in plain steps
+        self._fit = [0.0, 0.0]   # the slope's least squares, fading: sums of (r - 1)·(ratio - 1) and (r - 1)²
         self.proposal = Running()
         self.per_token = per_token
 
@@ -111,7 +112,13 @@ class StepCosts:
         elif self.plain.samples:
             ratio = seconds / self.plain.value
             self.relative[rows - 2].add(ratio)
-            self.slope.add(max(0.0, ratio - 1) / (rows - 1))
+            fade = 1 - COST_WEIGHT
+            self._fit = [fade * self._fit[0] + (rows - 1) * (ratio - 1), fade * self._fit[1] + (rows - 1) ** 2]
+
+    @property
+    def slope(self) -> float:
+        """A verify's cost per row past the first, in plain steps."""
+        return max(0.0, self._fit[0] / self._fit[1]) if self._fit[1] else 0.0
 
     def record_proposal(self, seconds: float) -> None:
         if self.plain.samples:
@@ -122,7 +129,7 @@ class StepCosts:
 
     def ratio(self, rows: int) -> float:
         """T(rows) / T(1) on the line."""
-        return 1.0 + self.slope.value * (rows - 1)
+        return 1.0 + self.slope * (rows - 1)
 
     def step_seconds(self, gamma: int) -> float:
         """A step proposing `gamma` tokens: the proposals, then the target over gamma + 1 rows."""
@@ -133,7 +140,7 @@ class StepCosts:
         ms = 1e3 * self.plain.value
         return {"plain_ms": round(ms, 3),
                 "verify_ms": {str(r + 2): round(ms * f.value, 3) for r, f in enumerate(self.relative) if f.samples},
-                "verify_row_ms": round(ms * self.slope.value, 3),
+                "verify_row_ms": round(ms * self.slope, 3),
                 ("draft_step_ms" if self.per_token else "lookup_ms"): round(ms * self.proposal.value, 3)}
 
 
