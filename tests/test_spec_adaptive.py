@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bie_trt.spec_decode.adaptive import (FIRST_PROBE, LAST_PROBE, MEASURE_SAMPLES, PROBE_BUDGET, Acceptance,
-                                          AdaptiveGamma, StepCosts, expected_tokens)
+from bie_trt.spec_decode.adaptive import (FIRST_PROBE, LAST_PROBE, MEASURE_SAMPLES, PRIOR_WEIGHT, PROBE_BUDGET,
+                                          Acceptance, AdaptiveGamma, StepCosts, expected_tokens)
 
 
 def test_expected_tokens_of_a_step():
@@ -22,7 +22,7 @@ def test_acceptance_counts_only_positions_verified_after_accepted_ones():
     a.record(2, 2)   # both accepted; the bonus token is not a proposal
     assert (a.tried, a.accepted) == ([2, 2, 0, 0], [2, 1, 0, 0])
     rates = a.rates(first_prior=0.5)
-    assert rates[0] == pytest.approx((2 + 0.5) / 3)
+    assert rates[0] == pytest.approx((2 + PRIOR_WEIGHT * 0.5) / (2 + PRIOR_WEIGHT))
     assert rates[2] == rates[3] == rates[1]   # no evidence: each leans on the position before
 
 

@@ -30,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable
 
-DECAY = 0.7            # a request's counts shrink by this each verify: recent steps weigh most
+DECAY = 0.8            # a request's counts shrink by this each verify: recent steps weigh most
 ENGINE_DECAY = 0.98    # the engine-wide rates (a new request's prior) follow all requests, slowly
-PRIOR_WEIGHT = 1.0     # how many verifies' worth of evidence the prior of a position is worth
+PRIOR_WEIGHT = 2.0     # how many verifies' worth of evidence the prior of a position is worth
 COST_WEIGHT = 0.2      # the weight of a new timing in a running cost figure
 MEASURE_SAMPLES = 2    # steps timed before a figure is trusted
 FIRST_PROBE = 8        # plain steps before the first probe; doubled while probes change nothing
