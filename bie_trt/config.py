@@ -251,13 +251,16 @@ class SpeculativeConfig:
 
     "ngram" proposes by prompt lookup (the longest match of the last prompt_lookup_max ..
     prompt_lookup_min tokens earlier in prompt + output); "draft_model" runs the engine's draft;
-    "none" decodes one token per step.
+    "none" decodes one token per step. `adaptive` (on by default; bie-trt's own key): each request's γ
+    is chosen every step in 0..num_speculative_tokens from its acceptance and the engine's measured step
+    costs (spec_decode/adaptive.py); false: always num_speculative_tokens.
     """
 
     method: str = "none"
     num_speculative_tokens: int = 5
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -269,6 +272,8 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative prompt_lookup_min {self.prompt_lookup_min} is above prompt_lookup_max "
                              f"{self.prompt_lookup_max}; make min <= max.")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative adaptive must be true or false; got {self.adaptive!r}.")
 
     @property
     def enabled(self) -> bool:
@@ -294,7 +299,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"speculative config has unknown keys {unknown}; known: method, num_speculative_tokens, "
-                             f"prompt_lookup_max, prompt_lookup_min.")
+                             f"prompt_lookup_max, prompt_lookup_min, adaptive.")
         return cls(**value)
 
 

@@ -19,6 +19,13 @@ eagerly with the Triton kernels forced (`BIE_TRT_KERNELS=triton`):
     python scripts/count_step.py --batch 8 --context 8192 --tiny                     # also run the tiny model
     python scripts/count_step.py --verify-rows 6 --out benchmarks/results/count_verify_b1.json   # and a γ=5 verify
     python scripts/count_step.py --spec --out benchmarks/results/count_spec.json   # verify γ=4,5 b=1,4 ± crossing; draft
+
+**host syncs of a draft round** (`--draft-syncs ENGINE_DIR`): a real `DraftModelProposer` on the CPU proposing
+γ = 5 tokens for batch 1 and 4, with every op that makes a host wait for the device's results recorded
+between its draft steps: a value read (`item`, `int`, `bool`: `_local_scalar_dense`), an output shaped by
+values (`nonzero`, `unique`, `masked_select`), and a whole tensor read on the host (`tolist`, `numpy`,
+`cpu`, hooked: on the CPU they dispatch nothing). The round hands its proposals over after its last step
+with one `tolist`.
 """
 from __future__ import annotations
 
@@ -34,11 +41,11 @@ from typing import Any, Callable
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
-from bie_trt.executor.cuda_graphs import _StaticStep  # noqa: E402
+from bie_trt.executor.cuda_graphs import DecodeGraphs, _StaticStep  # noqa: E402
 from bie_trt.executor.exact_rows import runs  # noqa: E402
 from bie_trt.kernels.triton_w4 import gemv_grid_for, sm_limits  # noqa: E402
 from bie_trt.kv.pool import allocate_pools  # noqa: E402
@@ -298,6 +305,113 @@ def speculation(kv: KVCacheConfig) -> dict:
     return out
 
 
+# Ops whose result the host must wait for on a GPU: a value read, or an output shaped by the values.
+_HOST_READ_OPS = {"_local_scalar_dense", "nonzero", "unique_dim", "_unique2", "_unique", "masked_select",
+                  "unique_consecutive"}
+_HOST_READ_METHODS = ("tolist", "numpy", "cpu")
+
+
+class _HostReads(TorchDispatchMode):
+    """Records each op that waits for the device's results (see the module docstring) into `events`, except
+    while `paused` (inside a static step: on a GPU a CUDA graph's replay, which cannot hold a sync)."""
+
+    def __init__(self, events: list[tuple[str, str]]):
+        super().__init__()
+        self.events, self.paused = events, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _HOST_READ_OPS and not self.paused:
+            self.events.append(("sync", name))
+        return func(*args, **(kwargs or {}))
+
+
+def draft_round_syncs(proposer: Any, requests: list) -> dict:
+    """One `proposer.propose(requests)` round, its draft steps and host reads recorded in order: how many reads
+    fall after the first draft step's forward and up to the end of the last one's (0 when each proposal is
+    drawn on the device and fed to the next step there), and after it (the hand-over). What a static step
+    computes is a graph replay on a GPU, so only what the host does around it counts (staging its inputs,
+    the heads, drawing, feeding the next step)."""
+    events: list[tuple[str, str]] = []
+    mode = _HostReads(events)
+    hidden, replay = proposer._hidden, _StaticStep._step
+    methods = {m: getattr(torch.Tensor, m) for m in _HOST_READ_METHODS}
+
+    def step(inputs):
+        out = hidden(inputs)
+        events.append(("step", str(len(inputs))))
+        return out
+
+    def replayed(self):
+        mode.paused = True
+        try:
+            with _disable_current_modes():   # (and no dispatch through the mode: thousands of ops)
+                return replay(self)
+        finally:
+            mode.paused = False
+
+    def hook(method: str) -> Callable:
+        def read(self, *args, **kwargs):
+            if not mode.paused:
+                events.append(("sync", method))
+            return methods[method](self, *args, **kwargs)
+        return read
+
+    proposer._hidden, _StaticStep._step = step, replayed
+    for m in methods:
+        setattr(torch.Tensor, m, hook(m))
+    try:
+        with mode:
+            proposals = proposer.propose(requests)
+    finally:
+        for m, f in methods.items():
+            setattr(torch.Tensor, m, f)
+        _StaticStep._step = replay
+        del proposer._hidden
+    steps = [i for i, (kind, _) in enumerate(events) if kind == "step"]
+    between = [name for kind, name in events[steps[0]:steps[-1]] if kind == "sync"]
+    after = [name for kind, name in events[steps[-1]:] if kind == "sync"]
+    return {"batch": len(requests), "draft_steps": len(steps), "graph_steps": proposer.steps["graph"],
+            "proposals": [len(p.token_ids) for p in proposals],
+            "syncs_between_steps": len(between), "syncs_between_steps_ops": sorted(set(between)),
+            "syncs_after_last_step": len(after), "syncs_after_last_step_ops": sorted(set(after))}
+
+
+def draft_syncs(engine_dir: Path, gamma: int = 5, batches: tuple[int, ...] = (1, 4),
+                temperatures: tuple[float, ...] = (0.0, 1.0)) -> dict:
+    """`draft_round_syncs` of the engine's draft on the CPU at each batch size and temperature, its decode steps
+    from static steps as on a GPU (run eagerly, as the CPU tests check them): the first round (the prompts run
+    through the draft first), then one after a rejection."""
+    from bie_trt.config import EngineConfig, SamplingParams
+    from bie_trt.executor.model_runner import ModelRunner
+    from bie_trt.executor.sequence import Sequence
+    from bie_trt.sampling import make_generator
+    from bie_trt.spec_decode.draft import DraftModelProposer
+
+    runner = ModelRunner(EngineConfig(engine_dir=str(engine_dir), device="cpu", max_num_seqs=max(batches)))
+    proposer = DraftModelProposer(engine_dir, runner, gamma)
+    # the GPU's draft: its pools with a scratch block for padding rows, decode steps from static buffers
+    proposer.pools = allocate_pools(proposer.cfg, proposer.pools.cfg, runner.max_num_seqs * proposer.blocks_per_seq, 0,
+                                    runner.dtype, runner.device, scratch_block=True)
+    proposer.graphs = DecodeGraphs(proposer.model, proposer.pools, list(batches),
+                                   proposer.blocks_per_seq * proposer.block_size, proposer.pools.scratch_block,
+                                   capture=False, head=False)
+    out = {}
+    for temperature in temperatures:
+        for batch in batches:
+            params = SamplingParams(temperature=temperature, seed=3)
+            seqs = [Sequence([5 + i, 17, 300 + i, 42, 7], params, make_generator(params, i)) for i in range(batch)]
+            first = draft_round_syncs(proposer, [s.proposal_request(gamma) for s in seqs])
+            for s in seqs:   # the target took other tokens than the proposals: the draft rolls back
+                s.output_ids += [11, 12]
+            second = draft_round_syncs(proposer, [s.proposal_request(gamma) for s in seqs])
+            out[f"{'greedy' if temperature == 0 else 'sampled'}_b{batch}"] = {"first_round": first,
+                                                                               "second_round": second}
+            for s in seqs:
+                proposer.free(s)
+    return out
+
+
 def gemv_grids(cfg: ModelConfig, group_size: int = 128) -> dict:
     """The default M = 1 W4 grid of each fused linear on each GPU, with its waves (`triton_w4.gemv_grid`)."""
     out = {}
@@ -322,6 +436,8 @@ def main() -> None:
                          "and not, and a Llama-3.2-1B draft step")
     ap.add_argument("--tiny", action="store_true",
                     help="also run the tiny model of the same structure through the interpreted kernels")
+    ap.add_argument("--draft-syncs", type=Path, metavar="ENGINE_DIR",
+                    help="also count the host syncs of a draft round (γ = 5, batch 1 and 4) of this engine's draft, on the CPU")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     kv = KVCacheConfig(dtype=args.kv)
@@ -333,6 +449,8 @@ def main() -> None:
         result["llama3_8b_verify"] = count(llama3_8b(), kv, args.batch, args.context, "meta", args.verify_rows)
     if args.spec:
         result["speculation"] = speculation(kv)
+    if args.draft_syncs:
+        result["draft_syncs"] = draft_syncs(args.draft_syncs)
     if args.tiny:
         tiny_kv = dataclasses.replace(kv, group_size=32, sink_tokens=4, window=16) if args.kv != "fp16" else kv
         result["tiny"] = count(tiny_llama(), tiny_kv, args.batch, 64, "cpu")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (see the device tool's README): at most 420 s of steps (their timeouts),
-# so a 15-minute lease leaves room for a rerun. Headline first, so a run cut short still answers it:
+# The one prepared GPU run (see the device tool's README): at most 570 s of steps (their timeouts);
+# step 8 comes last, so a run cut short still answers the rest. Headline first:
 #   1. INT4 and FP8 decode attention at 64k, tile loops v1 and v2 (and INT4 without the inline-PTX nibbles);
 #   2. the 64k INT4 decode step under an 8 GiB cap: tokens/s, roofline fraction, peak memory against
 #      the plan, and one torch.profiler trace of a graph replay summarised per kernel (the real step's
@@ -13,7 +13,9 @@
 #      T(verify γ+1)/T(decode) at 4k/32k/64k (and crossing a window block, and eager), one draft proposal,
 #      a whole round, and tokens/s with and without speculation at acceptance 0.6/0.7/0.8;
 #   6. the other decode contexts and a 64k chunked prefill;
-#   7. the KV host tier: pinned copy bandwidth each way and a 64k INT4 document's restore at 8B shapes.
+#   7. the KV host tier: pinned copy bandwidth each way and a 64k INT4 document's restore at 8B shapes;
+#   8. adaptive γ under an 8 GiB cap: SmolLM2 with itself as its draft, prose and quoting prompts, plain
+#      decoding / fixed γ 2 and 5 / adaptive, draft and n-gram, interleaved; the tokens/s ratios in one JSON.
 # JSON and logs under $OUT (default: benchmarks/results/<date>); each step saves as it goes.
 #   through the device tool:  run(command="bash scripts/device_check.sh", timeout_s=450)
 set -uo pipefail
@@ -60,4 +62,13 @@ timeout 20 python3 scripts/bench_decode.py --contexts 4096,32768 --kv int4_asym,
 #    and the restore time (not yet measured on a GPU)                                   (30 s)
 timeout 30 python3 scripts/bench_host_tier.py --copy --device cuda --blocks 4096 --out "$OUT/host_tier_copy.json" \
     2>&1 | tee "$OUT/host_tier.log" | tail -14
+# 8. adaptive γ on the GPU: the CPU benchmark's comparison (bundled prose, a passage, code), the engine built
+#    for this GPU with its draft, every process allocation under 8 GiB (not yet measured on a GPU)  (150 s)
+ENGINE_DIR=${TMPDIR:-/tmp}/bie-smollm2-draft
+timeout 60 python3 -m bie_trt.cli build --checkpoint smollm2-135m --draft-checkpoint smollm2-135m \
+    --profile h200-141gb --max-model-len 2048 --out "$ENGINE_DIR" --force > "$OUT/adaptive_build.log" 2>&1 \
+    && timeout 90 python3 scripts/bench_adaptive_spec.py --engine "$ENGINE_DIR" --device cuda --cap-gib 8 \
+        --max-tokens 64 --repeats 2 --out "$OUT/adaptive_spec_gpu.json" 2>&1 | tee "$OUT/adaptive_spec.log" \
+        | tail -40 | cut -c1-1500 \
+    || tail -5 "$OUT/adaptive_build.log"
 ls -la "$OUT"

@@ -128,3 +128,20 @@ def test_the_report_lists_whole_wave_gemv_grids():
             g = rows[name]
             assert g["waves"] == pytest.approx(g["programs"] / (rows["sms"] * g["resident_per_sm"]), abs=1e-3)
             assert round(g["waves"]) >= 2 and abs(g["waves"] - round(g["waves"])) <= 0.15, (gpu, name, g)
+
+
+@pytest.mark.parametrize("temperature", [1.0, pytest.param(0.0, marks=pytest.mark.slow)], ids=["sampled", "greedy"])
+def test_a_draft_round_draws_its_proposals_without_a_host_sync(tiny_draft_engine, temperature):
+    """γ = 5 proposals of the draft at batch 1 and 4, a first round and one after a rejection, its decode steps
+    from static steps as on a GPU: nothing the host does between the draft steps waits for the device, and
+    the round hands its proposals over with one read after its last step."""
+    counted = count_step.draft_syncs(tiny_draft_engine, gamma=5, batches=(1, 4), temperatures=(temperature,))
+    kind = "greedy" if temperature == 0 else "sampled"
+    assert set(counted) == {f"{kind}_b1", f"{kind}_b4"}
+    for name, rounds in counted.items():
+        batch = int(name[-1])
+        for r in rounds.values():
+            assert r["draft_steps"] == 5 and r["proposals"] == [5] * batch, (name, r)
+            assert r["graph_steps"] >= 4   # the steps after the first (which reads the new tokens) from static steps
+            assert r["syncs_between_steps"] == 0, (name, r)
+            assert (r["syncs_after_last_step"], r["syncs_after_last_step_ops"]) == (1, ["tolist"]), (name, r)

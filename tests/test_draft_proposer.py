@@ -163,6 +163,39 @@ def test_rollback_equals_a_fresh_draft(tiny, tiny_draft_engine, text_ids):
     proposer.free(seq)
 
 
+def test_proposals_drawn_on_the_device_are_the_host_samplers(tiny, monkeypatch):
+    """Drawn on the device (fed step to step there, handed over once), a batch's proposals and their q are
+    the ones the host path draws with the same seeds; a request with penalties is drawn on the host, beside
+    the others, and counted there."""
+    from bie_trt.spec_decode import draft
+
+    _, proposer = tiny
+    prompts = [[5, 17, 300, 42, 7], [9, 8, 7, 6, 5, 4]]
+
+    def round_of(penalised: bool = False) -> list:
+        seqs = [seq_of(p, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
+        if penalised:
+            seqs[1] = seq_of(prompts[1], temperature=1.0, seed=1, repetition_penalty=1.0 + 1e-7)
+        out = proposer.propose([s.proposal_request(NUM_SPECULATIVE_TOKENS) for s in seqs])
+        for s in seqs:
+            proposer.free(s)
+        return out
+
+    before = dict(proposer.drawn)
+    on_device = round_of()
+    assert proposer.drawn["device"] - before["device"] == 2 * NUM_SPECULATIVE_TOKENS
+    with monkeypatch.context() as m:
+        m.setattr(draft, "drawn_on_host", lambda request: True)
+        on_host = round_of()
+    assert proposer.drawn["host"] - before["host"] == 2 * NUM_SPECULATIVE_TOKENS
+    for d, h in zip(on_device, on_host):
+        assert d.token_ids == h.token_ids and len(d.token_ids) == NUM_SPECULATIVE_TOKENS
+        assert torch.allclose(d.probs, h.probs)
+    mixed = round_of(penalised=True)   # a penalty too small to change q: the same proposals, drawn on the host
+    assert [p.token_ids for p in mixed] == [p.token_ids for p in on_device]
+    assert proposer.drawn["host"] - before["host"] == 3 * NUM_SPECULATIVE_TOKENS
+
+
 def test_draft_kv_is_the_same_for_6k_and_1k_prompts(build, tiny_draft, text_ids):
     engine = build(checkpoint=str(tiny_draft), draft_checkpoint=str(tiny_draft))   # default window 1,024
     runner = ModelRunner(EngineConfig(engine_dir=str(engine), device="cpu", max_num_seqs=2))

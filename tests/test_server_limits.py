@@ -116,7 +116,12 @@ def test_metrics_export_every_engine_number_under_vllm_names():
                                                                                           "free": 7}},
                         running=2, waiting=5,
                         spec_decode={"num_drafts": 6, "num_draft_tokens": 18, "num_accepted_tokens": 11,
-                                     "accepted_by_position": [6, 4, 1]},
+                                     "accepted_by_position": [6, 4, 1],
+                                     "adaptive": {"gamma_max": 3, "steps_by_gamma": [9, 0, 2, 4], "probes": 2,
+                                                  "acceptance": [0.8, 0.5, 0.25],
+                                                  "step_costs": {"plain_ms": 20.0, "verify_ms": {"4": 30.0},
+                                                                 "draft_step_ms": 5.0}},
+                                     "draft_proposals": {"device": 17, "host": 1}},
                         cuda_graphs={"decode": {"graph": 9, "eager": 1}, "verify": {"graph": 5, "eager": 2}})
     metrics = Metrics(lambda: stats)
     metrics.ttft.observe(0.3)
@@ -140,6 +145,14 @@ def test_metrics_export_every_engine_number_under_vllm_names():
     assert {(step, result): values[("bie_cuda_graph_steps_total", (("result", result), ("step", step)))]
             for step in ("decode", "verify") for result in ("graph", "eager")} == {
         ("decode", "graph"): 9, ("decode", "eager"): 1, ("verify", "graph"): 5, ("verify", "eager"): 2}
+    # adaptive γ: the γ taken and why (acceptance by position, the step costs weighed)
+    assert [values[("bie_spec_decode_gamma_steps_total", (("gamma", str(g)),))] for g in range(4)] == [9, 0, 2, 4]
+    assert values[("bie_spec_decode_gamma_probes_total", ())] == 2
+    assert values[("bie_spec_decode_acceptance_rate", (("position", "1"),))] == 0.5
+    assert values[("bie_spec_decode_step_seconds", (("rows", "1"), ("step", "plain")))] == 0.02
+    assert values[("bie_spec_decode_step_seconds", (("rows", "4"), ("step", "verify")))] == 0.03
+    assert values[("bie_spec_decode_step_seconds", (("rows", "0"), ("step", "draft_step")))] == 0.005
+    assert values[("bie_spec_decode_draft_proposals_total", (("drawn", "host"),))] == 1
     assert values[("bie_time_to_first_token_seconds_count", ())] == 1
     assert values[("bie_time_to_first_token_seconds_bucket", (("le", "0.5"),))] == 1
     assert values[("bie_time_to_first_token_seconds_bucket", (("le", "0.25"),))] == 0

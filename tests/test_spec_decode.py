@@ -70,6 +70,38 @@ def test_batched_greedy_is_identical_and_proposals_are_accepted(spec, expected):
     assert idle(spec)
 
 
+def set_costs(engine: BieEngine, proposal_ratio: float) -> None:
+    """The adaptive engine's step costs as if measured: every verify as costly as a plain step, proposing
+    `proposal_ratio` plain steps (on the loop thread, between steps)."""
+    def put() -> None:
+        costs = engine.adaptive.costs
+        for figure in [costs.plain, *costs.relative]:
+            figure.value, figure.samples = 1.0, 2
+        costs.proposal.value, costs.proposal.samples = proposal_ratio, 2
+        engine.adaptive.requests.clear()
+
+    engine._run_on_loop(put)
+
+
+def test_adaptive_gamma_steps_aside_and_back_and_changes_no_token(spec, expected):
+    """Proposing made to look 50 plain steps dear: the requests decode plainly (no probes either: nothing could
+    pay); made free: they speculate. The tokens are plain decoding's either way."""
+    assert spec.adaptive is not None   # on by default
+    steps = spec.adaptive.steps_by_gamma
+    short = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)   # greedy: the first 10 of `expected`
+    set_costs(spec, 50.0)
+    before = list(steps)
+    assert [o.token_ids for o in spec.generate(PROMPTS[:2], short)] == [e[:10] for e in expected[:2]]
+    plain_steps, speculating = steps[0] - before[0], sum(steps[1:]) - sum(before[1:])
+    assert plain_steps >= 5 and speculating == 0
+    set_costs(spec, 0.0)
+    before = list(steps)
+    out = spec.generate(PROMPTS[2], short)
+    assert out.token_ids == expected[2][:10]
+    assert sum(steps[1:]) - sum(before[1:]) > 0 and out.spec_decode["gamma"]["reason"] == "best"
+    assert idle(spec)
+
+
 def test_a_prefix_cache_hit_keeps_the_tokens(spec, expected):
     before = spec.stats().prefix_hit_tokens
     out = spec.generate(PROMPTS[0], GREEDY)   # its blocks (accepted tokens only) are cached from the batch
@@ -167,6 +199,7 @@ def test_draft_model_without_a_draft_is_refused(smollm2_engine):
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "prompt_lookup_min": 5}, "prompt_lookup_min 5 is above prompt_lookup_max 4"),
     ({"method": "ngram", "gamma": 3}, "unknown keys \\['gamma'\\]"),
+    ({"method": "ngram", "adaptive": "yes"}, "adaptive must be true or false"),
     ('{"method": ', "not valid JSON"),
 ])
 def test_bad_speculative_configs_say_what_is_wrong(bad, message):
@@ -194,6 +227,10 @@ def test_generate_cli_speculates_and_reports_it(smollm2_engine):
     out = json.loads(res.stdout)
     assert out["spec_decode"]["num_accepted_tokens"] > 0
     assert out["spec_decode"]["num_draft_tokens"] >= out["spec_decode"]["num_accepted_tokens"]
+    gamma = out["spec_decode"]["gamma"]   # the last γ chosen, and why
+    assert 0 <= gamma["gamma"] <= 5 and gamma["reason"] in ("best", "probe", "measure")
+    assert len(gamma["acceptance"]) == 5 and set(gamma["expected_tokens_per_s"]) == {str(g) for g in range(6)}
+    assert "plain_ms" in gamma["step_costs"] and sum(gamma["steps_by_gamma"].values()) > 0
     plain = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=384))
     assert out["token_ids"] == plain.generate(prompt, SamplingParams(temperature=0, max_tokens=12)).token_ids
 
@@ -262,3 +299,24 @@ def test_a_thinking_budget_closes_the_block_where_plain_decoding_does(spec, plai
     end = plain.tokenizer(THINK_END, add_special_tokens=False)["input_ids"]
     assert got.token_ids == want.token_ids and want.token_ids[6:6 + len(end)] == end
     assert got.spec_decode["num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_bench_adaptive_spec_smoke(tiny_draft_engine, tmp_path):
+    """The adaptive benchmark's code end to end on the tiny self-draft engine: every configuration, both clocks,
+    the ratios computed from the table, plain decoding's tokens everywhere."""
+    out = tmp_path / "adaptive.json"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "scripts/bench_adaptive_spec.py", "--smoke", "--engine", str(tiny_draft_engine),
+                    "--out", str(out)], cwd=root, check=True, timeout=600, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(root)})
+    result = json.loads(out.read_text())
+    assert all(result["identical_to_plain"].values()) and len(result["identical_to_plain"]) == 7
+    for clock in ("cpu", "wall"):
+        table, ratios = result["tokens_per_s"][clock], result["ratios"][clock]
+        for short in ("draft", "ngram"):
+            r = ratios[short]
+            assert r["prose_adaptive_over_plain"] == pytest.approx(table[f"{short}_adaptive"]["prose"] / table["plain"]["prose"])
+            assert r["quoting_adaptive_over_best_fixed"] == pytest.approx(
+                r["quoting_speedup"][f"{short}_adaptive"] / max(r["quoting_speedup"][f"{short}_fixed_{g}"] for g in (2, 5)))
+    assert set(result["adaptive_choices"]) == {"draft_adaptive", "ngram_adaptive"}

@@ -26,6 +26,7 @@ from ..errors import RequestError
 from ..plan import planned_step_tokens
 from ..reasoning import PROMPT_TAIL_TOKENS, resolve_parser, split_reasoning, starts_inside
 from ..sampling import make_generator, sample_next, top_logprobs
+from ..spec_decode.adaptive import AdaptiveGamma
 from ..spec_decode.proposer import Proposal
 from ..spec_decode.rejection import verify
 from ..spec_decode.select import make_proposer, resolve_speculative
@@ -67,10 +68,14 @@ class BieEngine:
         check_progress(kv, self.max_model_len, chunked_prefill_size, pools.num_fp_blocks, budget, max_num_seqs,
                        num_speculative_tokens)
         self.proposer = make_proposer(self.speculative, engine_dir, self.runner)
+        # each request's γ chosen every step (None: always num_speculative_tokens)
+        self.adaptive = (AdaptiveGamma(num_speculative_tokens, per_token=self.speculative.method == "draft_model")
+                         if self.proposer is not None and self.speculative.adaptive else None)
         self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching,
                                    self.runner.host_bytes, self.runner.block_bytes)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, budget, chunked_prefill_size, num_speculative_tokens,
-                                   self.max_model_len, self.proposer.free if self.proposer else None)
+                                   self.max_model_len, self._free_speculation if self.proposer else None,
+                                   self.adaptive.gamma if self.adaptive else None)
         cfg = self.runner.model_config
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -206,13 +211,23 @@ class BieEngine:
         batch = self.scheduler.schedule()
         if not batch.chunks:
             raise RuntimeError("the scheduler made no progress with requests waiting (a KV accounting bug)")
+        # decodes of generated tokens only: the steps whose time says what a step of r rows a sequence costs
+        decodes = all(n == 1 and seq.output_ids for seq, n in batch.chunks)
         proposals = self._propose(batch.lookahead)
+        rows = [1 + len(proposals[seq].token_ids) if seq in proposals else 1 for seq, _ in batch.chunks]
+        if self.adaptive is not None and decodes:
+            for (seq, _), r in zip(batch.chunks, rows):
+                self.adaptive.record_decode(seq, r - 1)
+        start = time.perf_counter()
         logits = self.runner.execute(batch, {seq: p.token_ids for seq, p in proposals.items()})
-        for (seq, n), rows in zip(batch.chunks, logits):
+        for (seq, n), logit_rows in zip(batch.chunks, logits):
             try:
-                self._postprocess(self._requests[seq], n, rows, proposals.get(seq), seq in batch.lookahead)
+                self._postprocess(self._requests[seq], n, logit_rows, proposals.get(seq), seq in batch.lookahead)
             except GrammarError as e:   # one request's grammar failed: that request ends, the batch goes on
                 self._fail([self._requests[seq]], e)
+        if self.adaptive is not None and decodes:
+            # the tokens are on the host by now (sampled or verified there): the time is the device's too
+            self.adaptive.record_step(rows, time.perf_counter() - start)
 
     def _postprocess(self, request: RequestState, n: int, rows: torch.Tensor, proposal: Proposal | None,
                      had_lookahead: bool) -> None:
@@ -255,7 +270,10 @@ class BieEngine:
         if not lookahead or self.proposer is None:
             return {}
         seqs = list(lookahead)
+        start, before = time.perf_counter(), self._draft_work()
         proposals = self.proposer.propose([seq.proposal_request(lookahead[seq]) for seq in seqs])
+        if self.adaptive is not None:
+            self._time_proposals(len(seqs), time.perf_counter() - start, before)
         for seq, proposal in zip(seqs, proposals):
             if len(proposal.token_ids) > lookahead[seq]:
                 raise RuntimeError(f"the proposer returned {len(proposal.token_ids)} tokens where "
@@ -266,10 +284,35 @@ class BieEngine:
                 proposal.probs = None if proposal.probs is None else proposal.probs[:keep]
         return {seq: p for seq, p in zip(seqs, proposals) if p.token_ids}
 
+    def _draft_work(self) -> tuple[int, int]:
+        """The draft's forwards and the tokens it ran so far ((0, 0) for n-gram lookup)."""
+        steps = getattr(self.proposer, "steps", None)
+        return (sum(steps.values()), self.proposer.tokens_forwarded) if steps is not None else (0, 0)
+
+    def _time_proposals(self, num_seqs: int, seconds: float, before: tuple[int, int]) -> None:
+        """A proposal round's time, per sequence and draft step. A draft round that first caught up on many
+        tokens (after plain steps) is not a draft step's cost: it is left out."""
+        if self.speculative.method != "draft_model":
+            self.adaptive.record_proposal(seconds, num_seqs, 1)
+            return
+        steps, fed = (now - then for now, then in zip(self._draft_work(), before))
+        if fed <= num_seqs * (2 * self.speculative.num_speculative_tokens + 1):
+            self.adaptive.record_proposal(seconds, num_seqs, steps)
+
+    def _free_speculation(self, seq: Sequence) -> None:
+        """The request's blocks went (finished, aborted, preempted): its draft cache and γ state go too; its last
+        γ choice stays on the sequence for its output."""
+        self.proposer.free(seq)
+        if self.adaptive is not None:
+            seq.gamma_choice = self.adaptive.explain(seq) or seq.gamma_choice
+            self.adaptive.free(seq)
+
     def _count_spec(self, seq: Sequence, proposed: int, accepted: int) -> None:
         seq.num_drafts += 1
         seq.num_draft_tokens += proposed
         seq.num_accepted_tokens += accepted
+        if self.adaptive is not None:
+            self.adaptive.record_verify(seq, proposed, accepted)
         self._spec["num_drafts"] += 1
         self._spec["num_draft_tokens"] += proposed
         self._spec["num_accepted_tokens"] += accepted
@@ -325,8 +368,15 @@ class BieEngine:
         return RequestOutput(seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), seq.finish_reason,
                              Usage(len(seq.prompt_ids), n, seq.num_prompt_cached or 0), first - seq.arrival_time, rate,
                              list(seq.logprobs) if seq.params.logprobs is not None else None,
-                             {"num_drafts": seq.num_drafts, "num_draft_tokens": seq.num_draft_tokens,
-                              "num_accepted_tokens": seq.num_accepted_tokens} if self.proposer else None)
+                             self._spec_output(seq) if self.proposer else None)
+
+    def _spec_output(self, seq: Sequence) -> dict:
+        """A request's speculation counters, and with adaptive γ its last choice and why."""
+        out = {"num_drafts": seq.num_drafts, "num_draft_tokens": seq.num_draft_tokens,
+               "num_accepted_tokens": seq.num_accepted_tokens}
+        if self.adaptive is not None:
+            out["gamma"] = seq.gamma_choice or self.adaptive.explain(seq)
+        return out
 
     # -- public API ----------------------------------------------------------------------------
     def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
@@ -480,8 +530,7 @@ class BieEngine:
             pools["quant"] = self.blocks.usage(True)
         return EngineStats(dict(self._finished), self._prompt_tokens, self._generation_tokens, s.num_preemptions,
                            s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting),
-                           {**self._spec, "accepted_by_position": list(self._accepted_by_position)},
-                           self._host_stats(), self._graph_stats(), self._disk_stats())
+                           self._spec_stats(), self._host_stats(), self._graph_stats(), self._disk_stats())
 
     def _graph_stats(self) -> dict[str, dict[str, int]]:
         graphs = self.runner.graphs
@@ -500,6 +549,15 @@ class BieEngine:
         engine on the same directory may then write it). The engine still serves, persisting nothing."""
         if self.disk is not None:
             self.disk.close()
+
+    def _spec_stats(self) -> dict:
+        out = {**self._spec, "accepted_by_position": list(self._accepted_by_position)}
+        if self.adaptive is not None:
+            out["adaptive"] = self.adaptive.stats()
+        drawn = getattr(self.proposer, "drawn", None)
+        if drawn is not None:   # the draft's proposals by where they were drawn (host: a grammar or penalties)
+            out["draft_proposals"] = dict(drawn)
+        return out
 
     def _host_stats(self) -> dict[str, float]:
         host, pool = self.blocks.host, self.runner.host_pool

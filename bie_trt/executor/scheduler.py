@@ -49,9 +49,11 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill_size: int,
                  num_speculative_tokens: int = 0, max_model_len: int | None = None,
-                 on_free: Callable[[Sequence], None] | None = None):
+                 on_free: Callable[[Sequence], None] | None = None,
+                 gamma_for: Callable[[Sequence], int] | None = None):
         self.blocks = blocks
         self.num_speculative_tokens = num_speculative_tokens   # proposals per decode step (0: no speculation)
+        self.gamma_for = gamma_for           # a decode's proposals this step, at most the above (None: all of them)
         self.max_model_len = max_model_len
         self.on_free = on_free               # a sequence's blocks went (finished, aborted, preempted)
         self.max_num_seqs = max_num_seqs
@@ -187,6 +189,8 @@ class Scheduler:
             k = min(self.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1, budget())
             if self.max_model_len is not None:
                 k = min(k, self.max_model_len - seq.num_tokens - 1)
+            if k > 0 and self.gamma_for is not None:   # asked only where proposals fit at all
+                k = min(k, self.gamma_for(seq))
             while k > 0 and not self.blocks.can_grow(seq, seq.num_cached + 1 + k):
                 k -= 1
             if k > 0:

@@ -51,6 +51,7 @@ class Sequence:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    gamma_choice: dict | None = None   # adaptive γ: the last choice and why, kept when the request's state goes
 
     @property
     def token_ids(self) -> list[int]:

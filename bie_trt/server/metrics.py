@@ -70,6 +70,7 @@ def engine_metrics(stats: EngineStats) -> list[Metric]:
         _counter("bie_spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.get("num_draft_tokens", 0)),
         _counter("bie_spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.get("num_accepted_tokens", 0)),
         by_position,
+        *adaptive_metrics(spec),
         *host_tier_metrics(stats.host_kv),
         graph_steps(stats.cuda_graphs),
         *disk_tier_metrics(stats.disk_kv),
@@ -86,6 +87,43 @@ def graph_steps(counts: dict) -> Metric:
         for result in ("graph", "eager"):
             steps.add_metric([step, result], counts.get(step, {}).get(result, 0))
     return steps
+
+
+def adaptive_metrics(spec: dict) -> list[Metric]:
+    """Adaptive γ: the steps taken at each γ, the probes, and why (the running acceptance by position and the
+    step costs the choice weighs); the draft's proposals by where they were drawn."""
+    out: list[Metric] = []
+    adaptive = spec.get("adaptive")
+    if adaptive:
+        steps = CounterMetricFamily("bie_spec_decode_gamma_steps", "Decode steps by the proposals they carried "
+                                    "(gamma 0: plain decoding).", labels=["gamma"])
+        for gamma, n in enumerate(adaptive["steps_by_gamma"]):
+            steps.add_metric([str(gamma)], n)
+        acceptance = GaugeMetricFamily("bie_spec_decode_acceptance_rate", "Running acceptance of a proposal at this "
+                                       "position when all before it were accepted.", labels=["position"])
+        for position, rate in enumerate(adaptive["acceptance"]):
+            acceptance.add_metric([str(position)], rate)
+        costs = adaptive["step_costs"]
+        seconds = GaugeMetricFamily("bie_spec_decode_step_seconds", "Running cost per sequence of a step: plain "
+                                    "decoding, the verify of rows (gamma + 1), a draft step or a lookup.",
+                                    labels=["step", "rows"])
+        seconds.add_metric(["plain", "1"], costs["plain_ms"] / 1e3)
+        for rows, ms in costs["verify_ms"].items():
+            seconds.add_metric(["verify", rows], ms / 1e3)
+        for key in ("draft_step_ms", "lookup_ms"):
+            if key in costs:
+                seconds.add_metric([key[:-3], "0"], costs[key] / 1e3)
+        out += [steps, _counter("bie_spec_decode_gamma_probes", "Probes: one proposal from a request decoding "
+                                "plainly, to see whether speculation pays again.", adaptive["probes"]),
+                acceptance, seconds]
+    drawn = spec.get("draft_proposals")
+    if drawn:
+        where = CounterMetricFamily("bie_spec_decode_draft_proposals", "Draft proposals by where they were drawn "
+                                    "(host: a grammar, penalties, logit_bias or min_tokens).", labels=["drawn"])
+        for place, n in drawn.items():
+            where.add_metric([place], n)
+        out.append(where)
+    return out
 
 
 def host_tier_metrics(host: dict) -> list[Metric]:

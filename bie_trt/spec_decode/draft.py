@@ -15,12 +15,19 @@ of its full head (draft/head.safetensors, kept in host memory) for the ids of th
 text outside it (request_vocab.py). Its logits over that union are scattered into the whole
 vocabulary (-inf elsewhere) and processed exactly as the target's are (penalties, temperature,
 top-k/p, min-p), so q(x) = 0 outside the union and rejection sampling stays exact.
+
+Proposals are drawn on the device: each draft step's token, drawn there by the one sampler with the
+request's draft generator on that device, is the next step's input without visiting the host, and
+its distribution q stays there for verification; the round's tokens come to the host once, after
+its last step. A request whose proposals depend on the tokens drawn before them on the host (a
+grammar, whose mask follows each token; penalties, which count them; logit_bias and min_tokens,
+kept on the host) is drawn there instead, one transfer a step, as before; `drawn` counts both.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Hashable, Sequence as Seq
 
@@ -56,9 +63,19 @@ def draft_generator(target_seed: int) -> torch.Generator:
     return g
 
 
+def drawn_on_host(request: ProposalRequest) -> bool:
+    """Whether a request's proposals must be drawn on the host, one at a time: its constraint (a grammar's
+    mask follows each token; logit_bias and min_tokens live on the host) or penalties (they count the
+    tokens drawn before) need each token there."""
+    p = request.params
+    return (request.constraint is not None or p.repetition_penalty != 1.0 or bool(p.presence_penalty)
+            or bool(p.frequency_penalty))
+
+
 @dataclass
 class _DraftSeq:
-    """One sequence's draft cache: slot i of its block table holds token ids[i] at position pos[i]."""
+    """One sequence's draft cache: slot i of its block table holds token ids[i] at position pos[i] (-1 while a
+    token drawn on the device this round is not on the host yet)."""
 
     blocks: list[int]
     generator: torch.Generator
@@ -66,6 +83,8 @@ class _DraftSeq:
     ids: list[int]
     vocab: RequestVocab
     head_slot: int   # its rows in the proposer's extra head (-1: none)
+    vocab_ids: torch.Tensor | None = None   # vocab.ids on the device (None: none yet, or changed)
+    device_generator: torch.Generator | None = None   # the generator's seed on the device (off the CPU)
 
 
 class DraftModelProposer:
@@ -107,6 +126,8 @@ class DraftModelProposer:
         self.chunked_prefill_size = runner.chunked_prefill_size
         self.seqs: dict[Hashable, _DraftSeq] = {}   # request key -> its cache
         self.tokens_forwarded = 0   # tokens run through the draft, for tests and benchmarks
+        self.vocab_ids_device = self.vocab_ids.to(self.device)
+        self.drawn = {"device": 0, "host": 0}   # proposals by where they were drawn (host: see drawn_on_host)
 
     # -- the Proposer protocol ----------------------------------------------------------------
 
@@ -124,10 +145,12 @@ class DraftModelProposer:
             p.probs = torch.stack(q) if q else None
         return proposals
 
-    def _draft(self, requests: Seq[ProposalRequest], feeds: dict[int, list[tuple[int, int]]],
+    def _draft(self, requests: Seq[ProposalRequest], feeds: dict[int, list[tuple[int, int | torch.Tensor]]],
                proposals: list[Proposal], probs: list[list[torch.Tensor]]) -> None:
-        """Run the draft over each request's unseen tokens, then one proposal after another; each proposal
-        advances its request's grammar."""
+        """Run the draft over each request's unseen tokens, then one proposal after another. A proposal drawn on
+        the device feeds the next step as it is (a one-element tensor there); one drawn on the host advances its
+        request's grammar. The device's proposals come to the host together, after the last step."""
+        on_device: dict[int, list[torch.Tensor]] = {}   # request -> its proposals still on the device
         while feeds:
             budget, inputs, fed = self.chunked_prefill_size, [], []
             for i, feed in feeds.items():
@@ -143,22 +166,50 @@ class DraftModelProposer:
                 if feeds[i]:
                     continue   # more of its context first
                 request, state = requests[i], self.seqs[requests[i].key]
-                drawn = self._sample(request, state, self._logits(state, row), proposals[i].token_ids)
-                if drawn is None:   # the grammar allows nothing the draft can say
-                    del feeds[i]
-                    continue
-                token, q = drawn
-                proposals[i].token_ids.append(token)
+                if drawn_on_host(request):
+                    drawn = self._sample(request, state, self._logits(state, row).cpu(), proposals[i].token_ids)
+                    if drawn is None:   # the grammar allows nothing the draft can say
+                        del feeds[i]
+                        continue
+                    token, q = drawn
+                    proposals[i].token_ids.append(token)
+                    count, done = len(proposals[i].token_ids), request.constraint is not None and request.constraint.finished
+                    self.drawn["host"] += 1
+                else:
+                    token, q = draw(self._logits(state, row), request.params, self._generator(state))
+                    on_device.setdefault(i, []).append(token)
+                    count, done = len(on_device[i]), False
+                    self.drawn["device"] += 1
                 if q is not None:
                     probs[i].append(q)
-                done = request.constraint is not None and request.constraint.finished
-                if len(proposals[i].token_ids) < request.num_tokens and not done:
+                if count < request.num_tokens and not done:
                     feeds[i] = [(state.pos[-1] + 1, token)]
                 else:
                     del feeds[i]
+        if on_device:   # the round's one transfer: every proposal drawn on the device, in one copy
+            drawn = torch.cat([t for i in on_device for t in on_device[i]]).tolist()
+            for i, tokens in on_device.items():
+                proposals[i].token_ids, drawn = drawn[:len(tokens)], drawn[len(tokens):]
+                state = self.seqs[requests[i].key]
+                # the slots that hold them (the last proposal is not run through the draft)
+                slots = [k for k, t in enumerate(state.ids) if t < 0]
+                for k, t in zip(slots, proposals[i].token_ids):
+                    state.ids[k] = t
+
+    def _generator(self, state: _DraftSeq) -> torch.Generator:
+        """The request's draft generator where its proposals are drawn: itself on the CPU, else one on the device
+        seeded as it was (as the target's own sampling does)."""
+        if self.device.type == "cpu":
+            return state.generator
+        if state.device_generator is None:
+            state.device_generator = torch.Generator(device=self.device)
+            state.device_generator.manual_seed(state.generator.initial_seed())
+        return state.device_generator
 
     def _hidden(self, inputs: list[SeqInput]) -> list[torch.Tensor] | torch.Tensor:
         """Each input's last hidden state: from a graph when one fits (a decode step), else eagerly."""
+        if len({s.token_ids.device for s in inputs}) > 1:   # proposals drawn on the device beside host ones
+            inputs = [replace(s, token_ids=s.token_ids.to(self.device)) for s in inputs]
         rows = self.graphs.run(inputs) if self.graphs is not None else None
         self.steps["eager" if rows is None else "graph"] += 1
         return self.model.final_hidden(inputs, self.pools) if rows is None else rows
@@ -239,16 +290,20 @@ class DraftModelProposer:
             state.blocks.append(state.blocks.pop(first))
             del state.pos[self.sink_slots:self.sink_slots + self.block_size]
             del state.ids[self.sink_slots:self.sink_slots + self.block_size]
-        n = 1
+        n = 1   # a device proposal comes alone: its feed is that one token
         limit = min(len(feed), capacity - len(state.pos), budget)
         while n < limit and feed[n][0] == feed[n - 1][0] + 1:
             n += 1
         piece, feed[:n] = feed[:n], []
         slot = len(state.pos)
         state.pos += [p for p, _ in piece]
-        state.ids += [t for _, t in piece]
-        return SeqInput(torch.tensor([self._embeddable(t) for _, t in piece], dtype=torch.long), slot,
-                        state.blocks, rope_offset=piece[0][0] - slot)
+        if isinstance(piece[0][1], torch.Tensor):   # a proposal drawn on the device: its id comes after the round
+            state.ids.append(-1)
+            ids = piece[0][1]
+        else:
+            state.ids += [t for _, t in piece]
+            ids = torch.tensor([self._embeddable(t) for _, t in piece], dtype=torch.long)
+        return SeqInput(ids, slot, state.blocks, rope_offset=piece[0][0] - slot)
 
     def _embeddable(self, token: int) -> int:
         """An id the draft can read: a target id past the draft's vocabulary (a padded row the target
@@ -279,6 +334,7 @@ class DraftModelProposer:
         ids = torch.tensor([i for _, i in writes])
         for name, buf in self.request_head.items():
             buf[state.head_slot, rows.to(buf.device)] = self.host_head[name][ids].to(buf.device, buf.dtype)
+        state.vocab_ids = torch.tensor(state.vocab.ids, device=self.device)   # before the round, not in it
 
     def request_ids(self, key: Hashable) -> list[int]:
         """The ids outside the static head the draft holds rows for, for a request (row order)."""
@@ -286,15 +342,15 @@ class DraftModelProposer:
         return list(state.vocab.ids) if state else []
 
     def _logits(self, state: _DraftSeq, row: torch.Tensor) -> torch.Tensor:
-        """The draft's logits over the whole vocabulary: its static head's and the sequence's own
+        """The draft's logits over the whole vocabulary, on the device: its static head's and the sequence's own
         rows', -inf elsewhere."""
-        full = torch.full((self.target_vocab,), -torch.inf)
-        full[self.vocab_ids] = self.model.head_logits(row[None])[0].float().cpu()
+        full = torch.full((self.target_vocab,), -torch.inf, device=self.device)
+        full[self.vocab_ids_device] = self.model.head_logits(row[None])[0].float()
         n = len(state.vocab.ids)
         if n:
             heads = {name: buf[state.head_slot, :n] for name, buf in self.request_head.items()}
             head = heads["lm_head"] if "lm_head" in heads else Int8Rows(heads["lm_head.q"], heads["lm_head.scale"])
-            full[torch.tensor(state.vocab.ids)] = self.model.head_logits(row[None], head)[0].float().cpu()
+            full[state.vocab_ids] = self.model.head_logits(row[None], head)[0].float()
         return full
 
     # -- sampling -----------------------------------------------------------------------------

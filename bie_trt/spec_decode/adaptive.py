@@ -1,0 +1,266 @@
+"""Choosing each request's proposal length γ every step, from what speculation buys it and what it costs.
+
+A request's recent acceptance, by position: of the proposals at position i that were verified with
+every proposal before them accepted, the share accepted (counts decayed each verify, so recent
+steps weigh most; a position with little evidence leans on the one before it, the first on the
+engine's own rate). With those rates a_1, a_2, ..., a step proposing γ tokens emits on average
+
+    E(γ) = 1 + a_1 + a_1·a_2 + ... + a_1···a_γ   tokens,
+
+and costs T(γ) = proposing γ tokens (γ draft steps, or one n-gram lookup) + the target's step over
+γ + 1 rows; γ = 0 is a plain decode, T(0) the target's one-row step. The costs are running figures
+the engine measures on its own steps, whatever the device (`StepCosts`), each kept relative to the
+plain step so that a device slowed for everyone (a shared host, a throttled GPU) moves them together. Each step takes the γ in
+0..γ_max with the highest E(γ) / T(γ) tokens a second.
+
+At γ = 0 a request learns nothing about its acceptance, so every so often (8 plain steps, doubling
+while probes change nothing, up to 256) it proposes one token as a probe: a request that turns
+quotable gets speculation back. A probe costs what proposing one token and verifying two rows cost
+beyond a plain step (for a draft, one more draft step: it catches up on the tokens it missed); the
+probes are spaced so that they take at most 2 % of the plain steps' time, and there are none where
+speculation would not pay even if every proposal were accepted (a draft as costly as the target). Figures not measured yet are measured first: the plain step, then
+a step with proposals (γ_max), a couple of times each; other row counts are read off the line
+through the measured ones until they are measured themselves.
+
+The choice is only of how many tokens are proposed: verification and rejection sampling are as
+exact at any γ as at a fixed one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+DECAY = 0.8            # a request's counts shrink by this each verify: recent steps weigh most
+ENGINE_DECAY = 0.98    # the engine-wide rates (a new request's prior) follow all requests, slowly
+PRIOR_WEIGHT = 2.0     # how many verifies' worth of evidence the prior of a position is worth
+COST_WEIGHT = 0.2      # the weight of a new timing in a running cost figure
+MEASURE_SAMPLES = 2    # steps timed before a figure is trusted
+FIRST_PROBE = 8        # plain steps before the first probe; doubled while probes change nothing
+LAST_PROBE = 256
+PROBE_GAMMA = 1
+PROBE_BUDGET = 0.02    # the most of the plain steps' time probes may take
+
+
+@dataclass
+class Running:
+    """A running mean that forgets: the first sample sets it, each next one moves it by COST_WEIGHT."""
+
+    value: float = 0.0
+    samples: int = 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.samples == 0 else self.value + COST_WEIGHT * (x - self.value)
+        self.samples += 1
+
+
+class Acceptance:
+    """Decayed counts, by position, of proposals verified with all before them accepted, and accepted."""
+
+    def __init__(self, gamma_max: int, decay: float) -> None:
+        self.tried = [0.0] * gamma_max
+        self.accepted = [0.0] * gamma_max
+        self.decay = decay
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.tried = [t * self.decay for t in self.tried]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for i in range(min(accepted + 1, proposed)):
+            self.tried[i] += 1
+            self.accepted[i] += i < accepted
+
+    def rates(self, first_prior: float) -> list[float]:
+        """a_i by position; a position's prior is the rate before it (the first's: `first_prior`)."""
+        out, prior = [], first_prior
+        for tried, accepted in zip(self.tried, self.accepted):
+            prior = (accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
+
+
+def expected_tokens(rates: list[float], gamma: int) -> float:
+    """Tokens a step proposing `gamma` emits on average: the accepted run, then the target's own token."""
+    total, run = 1.0, 1.0
+    for a in rates[:gamma]:
+        run *= a
+        total += run
+    return total
+
+
+class StepCosts:
+    """Running figures, per sequence of a step: the target's plain decode step (r = 1 row a sequence) in seconds,
+    and relative to it the target's step at each r = γ + 1 rows and proposing: a draft step (a draft model
+    proposes one token a step) or one lookup (the n-gram proposer proposes them all at once). Kept relative,
+    a shared or throttled device that slows every step alike leaves the choice where it was. Only steps of
+    decodes that all carried the same number of rows are timed (a prompt chunk or mixed lengths would say
+    nothing about one r).
+
+    The choice reads the verify at r rows off one line, 1 + slope·(r - 1) plain steps, fitted by least squares
+    (through the plain step) to every verify timed at any width, older timings fading: a width seen a few
+    times would otherwise weigh one noisy timing as much as the plain step's hundreds, and a narrow verify's
+    noise is the least telling about the slope (the figure at each width is kept too, for the reports)."""
+
+    def __init__(self, gamma_max: int, per_token: bool) -> None:
+        self.plain = Running()
+        self.relative = [Running() for _ in range(gamma_max)]   # r = 2 .. gamma_max + 1
+        self._fit = [0.0, 0.0]   # the slope's least squares, fading: sums of (r - 1)·(ratio - 1) and (r - 1)²
+        self.proposal = Running()
+        self.per_token = per_token
+
+    def record_target(self, rows: int, seconds: float) -> None:
+        if rows == 1:
+            self.plain.add(seconds)
+        elif self.plain.samples:
+            ratio = seconds / self.plain.value
+            self.relative[rows - 2].add(ratio)
+            fade = 1 - COST_WEIGHT
+            self._fit = [fade * self._fit[0] + (rows - 1) * (ratio - 1), fade * self._fit[1] + (rows - 1) ** 2]
+
+    @property
+    def slope(self) -> float:
+        """A verify's cost per row past the first, in plain steps."""
+        return max(0.0, self._fit[0] / self._fit[1]) if self._fit[1] else 0.0
+
+    def record_proposal(self, seconds: float) -> None:
+        if self.plain.samples:
+            self.proposal.add(seconds / self.plain.value)
+
+    def measured(self, rows: int) -> bool:
+        return (self.plain if rows == 1 else self.relative[rows - 2]).samples >= MEASURE_SAMPLES
+
+    def ratio(self, rows: int) -> float:
+        """T(rows) / T(1) on the line."""
+        return 1.0 + self.slope * (rows - 1)
+
+    def step_seconds(self, gamma: int) -> float:
+        """A step proposing `gamma` tokens: the proposals, then the target over gamma + 1 rows."""
+        proposing = 0.0 if gamma == 0 else self.proposal.value * (gamma if self.per_token else 1)
+        return self.plain.value * (proposing + self.ratio(gamma + 1))
+
+    def to_dict(self) -> dict:
+        ms = 1e3 * self.plain.value
+        return {"plain_ms": round(ms, 3),
+                "verify_ms": {str(r + 2): round(ms * f.value, 3) for r, f in enumerate(self.relative) if f.samples},
+                "verify_row_ms": round(ms * self.slope, 3),
+                ("draft_step_ms" if self.per_token else "lookup_ms"): round(ms * self.proposal.value, 3)}
+
+
+@dataclass
+class Decision:
+    """A request's γ for one step, and why."""
+
+    gamma: int
+    reason: str                      # best | probe | measure
+    acceptance: list[float]          # a_1.. the choice used
+    tokens_per_s: dict[int, float]   # expected, at each γ considered
+
+    def to_dict(self) -> dict:
+        return {"gamma": self.gamma, "reason": self.reason, "acceptance": [round(a, 3) for a in self.acceptance],
+                "expected_tokens_per_s": {str(g): round(v, 2) for g, v in self.tokens_per_s.items()}}
+
+
+@dataclass
+class _Request:
+    acceptance: Acceptance
+    plain_steps: int = 0
+    probe_after: int = FIRST_PROBE
+    last: Decision | None = None
+    steps_by_gamma: dict[int, int] = field(default_factory=dict)
+
+
+class AdaptiveGamma:
+    """Each request's γ, step by step (see the module docstring). `gamma(key)` is asked once for every decode
+    that may speculate; `record_verify`, `record_step` and `record_proposal` feed it what happened."""
+
+    def __init__(self, gamma_max: int, per_token: bool) -> None:
+        self.gamma_max = gamma_max
+        self.costs = StepCosts(gamma_max, per_token)
+        self.engine = Acceptance(gamma_max, ENGINE_DECAY)
+        self.requests: dict[Hashable, _Request] = {}
+        self.steps_by_gamma = [0] * (gamma_max + 1)
+        self.probes = 0
+
+    def _request(self, key: Hashable) -> _Request:
+        if key not in self.requests:
+            self.requests[key] = _Request(Acceptance(self.gamma_max, DECAY))
+        return self.requests[key]
+
+    def first_prior(self) -> float:
+        """The engine's own rate at position 1 (0.5 before any verify)."""
+        return self.engine.rates(0.5)[0] if self.gamma_max else 0.5
+
+    def decide(self, key: Hashable) -> Decision:
+        """This step's γ for the request (and its bookkeeping: plain steps towards the next probe)."""
+        state = self._request(key)
+        rates = state.acceptance.rates(self.first_prior())
+        rates_per_gamma = {g: expected_tokens(rates, g) / max(self.costs.step_seconds(g), 1e-9)
+                           for g in range(self.gamma_max + 1)}
+        if not self.costs.measured(1):
+            decision = Decision(0, "measure", rates, rates_per_gamma)
+        elif not any(self.costs.measured(r) for r in range(2, self.gamma_max + 2)):
+            decision = Decision(self.gamma_max, "measure", rates, rates_per_gamma)
+        else:
+            best = max(rates_per_gamma, key=lambda g: (rates_per_gamma[g], -g))
+            decision = Decision(best, "best", rates, rates_per_gamma)
+            if best > 0:   # speculation pays (again): probe soon after it stops paying
+                state.plain_steps, state.probe_after = 0, FIRST_PROBE
+            elif self._could_pay():
+                state.plain_steps += 1
+                if state.plain_steps >= max(state.probe_after, self._probe_spacing()):
+                    decision = Decision(min(PROBE_GAMMA, self.gamma_max), "probe", rates, rates_per_gamma)
+                    state.plain_steps, state.probe_after = 0, min(2 * state.probe_after, LAST_PROBE)
+                    self.probes += 1
+        state.last = decision
+        return decision
+
+    def _could_pay(self) -> bool:
+        """Whether some γ would beat plain decoding if every proposal were accepted."""
+        plain = self.costs.step_seconds(0)
+        return any((g + 1) / self.costs.step_seconds(g) > 1 / plain for g in range(1, self.gamma_max + 1))
+
+    def _probe_spacing(self) -> int:
+        """Plain steps between probes for them to take at most PROBE_BUDGET of the time."""
+        costs = self.costs
+        extra = costs.step_seconds(min(PROBE_GAMMA, self.gamma_max)) / costs.step_seconds(0) - 1
+        if costs.per_token:   # the draft first catches up on the tokens it missed: about one more step
+            extra += costs.proposal.value
+        return int(extra / PROBE_BUDGET)
+
+    def gamma(self, key: Hashable) -> int:
+        return self.decide(key).gamma
+
+    def record_decode(self, key: Hashable, gamma: int) -> None:
+        """The step ran with `gamma` proposals for the request (fewer than decided when lookup found fewer)."""
+        state = self.requests.get(key)
+        if state is not None:
+            state.steps_by_gamma[gamma] = state.steps_by_gamma.get(gamma, 0) + 1
+        self.steps_by_gamma[gamma] += 1
+
+    def record_verify(self, key: Hashable, proposed: int, accepted: int) -> None:
+        self._request(key).acceptance.record(proposed, accepted)
+        self.engine.record(proposed, accepted)
+
+    def record_step(self, rows: list[int], seconds: float) -> None:
+        """A step of decodes only, `rows` a sequence (1 + its proposals), took `seconds` on the target (its
+        forward, the sampling or verification, the bookkeeping)."""
+        if rows and len(set(rows)) == 1:
+            self.costs.record_target(rows[0], seconds / len(rows))
+
+    def record_proposal(self, seconds: float, sequences: int, steps: int) -> None:
+        """Proposing for `sequences` took `seconds` in `steps` draft steps (a lookup: steps is 1)."""
+        if sequences and steps:
+            self.costs.record_proposal(seconds / sequences / (steps if self.costs.per_token else 1))
+
+    def free(self, key: Hashable) -> None:
+        self.requests.pop(key, None)
+
+    def explain(self, key: Hashable) -> dict | None:
+        """The request's last choice and why, with its steps by γ (None before its first)."""
+        state = self.requests.get(key)
+        if state is None or state.last is None:
+            return None
+        return {**state.last.to_dict(), "steps_by_gamma": {str(g): n for g, n in sorted(state.steps_by_gamma.items())},
+                "step_costs": self.costs.to_dict()}
+
+    def stats(self) -> dict:
+        return {"gamma_max": self.gamma_max, "steps_by_gamma": list(self.steps_by_gamma), "probes": self.probes,
+                "acceptance": [round(a, 4) for a in self.engine.rates(0.5)], "step_costs": self.costs.to_dict()}
