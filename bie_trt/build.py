@@ -82,10 +82,7 @@ def resolve_kv(opts: BuildOptions, profile: BuildProfile) -> KVCacheConfig:
 
 def _repack_layer(ckpt: Checkpoint, i: int) -> dict[str, torch.Tensor]:
     m, p = ckpt.model, f"model.layers.{i}."
-    out = {
-        f"layers.{i}.attn_norm": ckpt.tensor(p + "input_layernorm.weight").half(),
-        f"layers.{i}.mlp_norm": ckpt.tensor(p + "post_attention_layernorm.weight").half(),
-    }
+    out = {f"layers.{i}.{name}": ckpt.tensor(p + f"{hf}.weight").half() for name, hf in layer_norms(m).items()}
     for fused, parts in FUSED.items():
         packed = [awq_to_w4(*(ckpt.tensor(p + part + s) for s in (".qweight", ".qzeros", ".scales"))) for part in parts]
         for key in ("qweight", "scales", "zeros"):
@@ -97,6 +94,15 @@ def _repack_layer(ckpt: Checkpoint, i: int) -> dict[str, torch.Tensor]:
         out[f"layers.{i}.qkv.bias"] = torch.cat(
             [ckpt.tensor(p + f"self_attn.{x}_proj.bias") for x in "qkv"]).half()
     return out
+
+
+def layer_norms(m: ModelConfig) -> dict[str, str]:
+    """The engine's name of each of a layer's norms -> the checkpoint's. Gemma 3 has four: its
+    post_attention_layernorm follows the attention; pre_feedforward_layernorm is the one in front of the MLP."""
+    if m.sandwich_norms:
+        return {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
+    return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
 def _lm_head(ckpt: Checkpoint, dtype: str, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
