@@ -150,12 +150,15 @@ def paged_prefills_dense(q: torch.Tensor, pools: KVPools, layer: int, plan: Dens
     out = []
     for tile in plan.tiles:
         k, v = (side[:, tile.take].flatten(1, 2) for side in staged)
-        if tile.unseen is not None:
+        visible = _visible(tile, B, window)
+        # with a window, the slots below every row's window too (their blocks may be gone)
+        unseen = tile.unseen if not window else ~visible.any(0)
+        if unseen is not None:
             # Slots no row sees (past a sequence's end in its last block) may hold stale data, even NaN:
             # zero them, as the kernel's masked loads never read them.
-            k, v = (side.masked_fill_(tile.unseen[None, :, None], 0) for side in (k, v))
+            k, v = (side.masked_fill_(unseen[None, :, None], 0) for side in (k, v))
         qt = torch.cat([q[s:s + n] for s, n in tile.rows]).float().transpose(0, 1)
-        o = F.scaled_dot_product_attention(qt[None], k[None], v[None], attn_mask=_visible(tile, B, window), scale=scale,
+        o = F.scaled_dot_product_attention(qt[None], k[None], v[None], attn_mask=visible, scale=scale,
                                            enable_gqa=H_kv != q.shape[1])
         out += o[0].transpose(0, 1).to(q.dtype).split([n for _, n in tile.rows])
     return out

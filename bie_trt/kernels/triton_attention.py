@@ -257,12 +257,13 @@ def _merge_partitions(m_ws_ptr, l_ws_ptr, acc_ws_ptr, ws_row, row_ok, num_partit
 
 
 @_jit()
-def _tile_rows(table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+def _tile_rows(table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
                stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
     """Tile t's token positions, which of them are FP16 (`plain`) and quantised (`quant`) rows, and
-    the quantised rows' code and record offsets (other rows point at block 0, never read)."""
+    the quantised rows' code and record offsets (other rows point at block 0, never read). Positions
+    below first_kv (under every row's sliding window) are not live: their blocks may be gone."""
     kv = t * TILE + tl.arange(0, TILE)
-    live = kv < context
+    live = (kv < context) & (kv >= first_kv)
     entry = tl.load(table + kv // BLOCK_SIZE, mask=live, other=0)
     plain = live & (entry >= 0)
     quant = live & (entry < 0)
@@ -304,7 +305,7 @@ def _partition_start(q_ptr, q_off, row_ok, ROWS: tl.constexpr, HEAD_DIM: tl.cons
 
 
 @_jit()
-def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, kv_head, qk_scale,
+def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
                   k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
                   stride_fp_blk, stride_fp_head, stride_fp_tok,
                   stride_qd_blk, stride_qd_head, stride_qd_tok,
@@ -316,7 +317,7 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
     ch_a, ch_b, q_a, q_b, m_i, l_i, acc_a, acc_b = _partition_start(q_ptr, q_off, row_ok, ROWS, HEAD_DIM, KV_MODE)
     for t in range(tile_begin, tile_end):
         kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
-            table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+            table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE)
 
         # The quantised body is nearly every tile, so its loads stay unconditional (and free to be
@@ -418,7 +419,7 @@ def _spread_groups(x, ROWS: tl.constexpr, NG: tl.constexpr, HG: tl.constexpr):
 
 
 @_jit()
-def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, kv_head, qk_scale,
+def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
                   k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr,
                   stride_fp_blk, stride_fp_head, stride_fp_tok,
                   stride_qd_blk, stride_qd_head, stride_qd_tok,
@@ -438,7 +439,7 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
     q_sum = tl.sum(tl.reshape(q_a.to(tl.float32) + q_b.to(tl.float32), (ROWS, NG, HG)), 2)
     for t in range(tile_begin, tile_end):
         kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
-            table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+            table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE)
         v_a, v_b = _codes_v2(vq_ptr, qd_off, quant, ch_a, ch_b, HEAD_DIM, KV_MODE, DTYPE)
         v_scale, v_zero = _record_v2(vs_ptr, sc_off, quant, TILE, NG, KV_MODE)
@@ -528,7 +529,8 @@ def _paged_attention_kernel(
     # A sliding-window layer (window > 0): a row sees positions pos - window + 1 .. pos, and the tiles
     # wholly below every row's window are never read.
     lo = tl.where(window > 0, pos - window + 1, 0)
-    first_tile = tl.maximum(tl.min(tl.where(row_ok, lo, context), 0), 0) // TILE
+    first_kv = tl.maximum(tl.min(tl.where(row_ok, lo, context), 0), 0)
+    first_tile = first_kv // TILE
 
     # This partition's tiles: the tiles from the first one a row sees to the context's end, split into
     # num_partitions runs of whole tiles.
@@ -540,14 +542,14 @@ def _paged_attention_kernel(
 
     if V2:
         m_i, l_i, acc_a, acc_b = _partition_v2(
-            q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, kv_head, qk_scale,
+            q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
             k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr,
             stride_fp_blk, stride_fp_head, stride_fp_tok, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok,
             ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
     else:
         m_i, l_i, acc_a, acc_b = _partition_v1(
-            q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, kv_head, qk_scale,
+            q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
             k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
             stride_fp_blk, stride_fp_head, stride_fp_tok, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, stride_sc_grp,
