@@ -27,7 +27,8 @@ from .model.llama import LlamaModel, fused_linear_shapes
 from .plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, solve_plan
 from .profiles import BuildProfile, resolve_profile
 from .spec_decode.draft_vocab import RANKING, reduced_vocabulary
-from .templates import render
+from .config_gemma3 import CHAT_TEMPLATE
+from .templates import has_chat_template, read_chat_template, render
 
 # Fused at build time: one GEMM reads the shared input once.
 FUSED = {
@@ -291,6 +292,8 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         for f in TOKENIZER_FILES + EXTRA_TOKENIZER_FILES:
             if (ckpt.path / f).exists():
                 shutil.copyfile(ckpt.path / f, tmp / f)
+        if m.family == "gemma3" and not has_chat_template(tmp):   # the GGUF releases carry none
+            (tmp / "chat_template.jinja").write_text(read_chat_template(CHAT_TEMPLATE))
         log("calibrating the KV key mean (one forward pass over a fixed text)")
         weights["kv.key_mean"] = calibrate_key_mean(m, weights, tmp)
         save_file(weights, str(tmp / ef.WEIGHTS))

