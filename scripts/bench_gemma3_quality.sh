@@ -23,7 +23,7 @@ for C in $CONTEXTS; do
         $PY -m bie_trt.cli eval --engine "$ENGINE" --text builtin:python-docs --context "$C" --max-windows 1 \
             --kv-cache-dtype "$KV" --json > "$OUT/gemma3_kv_ctx${C}_${KV}.json"
     done
-    $PY scripts/needle.py --engine "$ENGINE" --context "$C" --trials 5 --kv fp16,fp8,int4_asym \
+    $PY scripts/needle.py --engine "$ENGINE" --context "$C" --trials 5 --ending recall --kv fp16,fp8,int4_asym \
         --filler builtin:python-docs --out "$OUT/gemma3_needle_ctx${C}.json"
 done
 for C in $CONTEXTS; do
