@@ -19,6 +19,7 @@ from bie_trt.eval_texts import load_eval_text
 from bie_trt.executor.engine import BieEngine
 from bie_trt.kernels import triton_ops
 from bie_trt.kv.centering import CALIBRATION_TEXT
+from bie_trt.templates import read_chat_template
 from hf_reference import hf_model, run_engine_logits
 from tiny_model import TINY_GEMMA3, write_tiny_hf
 
@@ -140,3 +141,13 @@ def test_real_gemma3_returning_prompt_is_served_from_cache(real_gemma3):
     engine.generate(ids, params)
     again = engine.generate(ids, params)
     assert again.usage.cached_tokens >= 0.9 * len(ids) and again.token_ids == continuation
+
+
+@pytest.mark.slow
+def test_real_gemma3_chats_with_the_shipped_template_and_ends_replies_at_the_end_of_its_turn(real_gemma3):
+    """The GGUF carries no chat template: the build gave the engine the shipped one; <end_of_turn> ends a reply."""
+    engine = real_gemma3[0]
+    end_of_turn = engine.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert end_of_turn in engine.eos_ids and engine.tokenizer.chat_template == read_chat_template("gemma3")
+    ids = engine.encode([{"role": "user", "content": "Hi"}])
+    assert engine.tokenizer.decode(ids) == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
