@@ -27,7 +27,8 @@ from .model.llama import LlamaModel, fused_linear_shapes
 from .plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, solve_plan
 from .profiles import BuildProfile, resolve_profile
 from .spec_decode.draft_vocab import RANKING, reduced_vocabulary
-from .templates import render
+from .config_gemma3 import CHAT_TEMPLATE
+from .templates import has_chat_template, read_chat_template, render
 
 # Fused at build time: one GEMM reads the shared input once.
 FUSED = {
@@ -89,10 +90,7 @@ def open_checkpoint(name_or_path: str | Path, log: Callable[[str], None] = lambd
 
 def _repack_layer(ckpt: Checkpoint | GGUFCheckpoint, i: int) -> dict[str, torch.Tensor]:
     m, p = ckpt.model, f"model.layers.{i}."
-    out = {
-        f"layers.{i}.attn_norm": ckpt.tensor(p + "input_layernorm.weight").half(),
-        f"layers.{i}.mlp_norm": ckpt.tensor(p + "post_attention_layernorm.weight").half(),
-    }
+    out = {f"layers.{i}.{name}": ckpt.tensor(p + f"{hf}.weight").half() for name, hf in layer_norms(m).items()}
     for fused, parts in FUSED.items():
         packed = [ckpt.w4(p + part + ".weight") for part in parts]
         for key in ("qweight", "scales", "zeros"):
@@ -104,6 +102,15 @@ def _repack_layer(ckpt: Checkpoint | GGUFCheckpoint, i: int) -> dict[str, torch.
         out[f"layers.{i}.qkv.bias"] = torch.cat(
             [ckpt.tensor(p + f"self_attn.{x}_proj.bias") for x in "qkv"]).half()
     return out
+
+
+def layer_norms(m: ModelConfig) -> dict[str, str]:
+    """The engine's name of each of a layer's norms -> the checkpoint's. Gemma 3 has four: its
+    post_attention_layernorm follows the attention; pre_feedforward_layernorm is the one in front of the MLP."""
+    if m.sandwich_norms:
+        return {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
+    return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
 def _lm_head(ckpt: Checkpoint | GGUFCheckpoint, dtype: str, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
@@ -312,6 +319,8 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         m = ckpt.model
         weights = _model_weights(ckpt, plan.inputs["lm_head_dtype"])
         write_tokenizer(ckpt, tmp)
+        if m.family == "gemma3" and not has_chat_template(tmp):   # the GGUF releases carry none
+            (tmp / "chat_template.jinja").write_text(read_chat_template(CHAT_TEMPLATE))
         log("calibrating the KV key mean (one forward pass over a fixed text)")
         weights["kv.key_mean"] = calibrate_key_mean(m, weights, tmp)
         save_file(weights, str(tmp / ef.WEIGHTS))

@@ -16,9 +16,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",   # the text tower of the multimodal releases
 }
 # Architectures with an RMSNorm over each q and k head (own weights, the model's eps) before RoPE.
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # transformers' Qwen3Config: head_dim is its own field, 128 when config.json leaves it out.
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 KV_DTYPES = ("fp16", "fp8", "int4_asym")
@@ -28,7 +30,7 @@ KV_ROTATIONS = ("hadamard", "hadamard_kv", "none")   # keys only, keys and value
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
 
 
-ROPE_TYPES = ("default", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class RopeScaling:
         # a YaRN factor left null is the ratio of the two.
         original = int(rope.get("original_max_position_embeddings") or max_position_embeddings)
         try:
+            if kind == "linear":   # every frequency divided by factor (Gemma 3's full layers)
+                return cls(factor=float(rope["factor"]), original_max_position_embeddings=original, rope_type="linear")
             if kind == "llama3":
                 return cls(factor=float(rope["factor"]), original_max_position_embeddings=original,
                            low_freq_factor=float(rope["low_freq_factor"]),
@@ -102,6 +106,31 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3's differences from the Llama decoder (config_gemma3.py reads them); the defaults are Llama's.
+    hidden_act: str = "silu"                 # the MLP gate: "silu" or "gelu_tanh"
+    norm_offset: float = 0.0                 # RMSNorm scales by (norm_offset + w): Gemma's (1 + w)
+    sandwich_norms: bool = False             # a norm after attention and after the MLP too (four a layer)
+    embed_scale: float = 1.0                 # embeddings multiplied by it (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None   # the softmax scale is its -1/2 power (None: head_dim's)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    sliding_window: int | None = None        # the positions a sliding layer sees, its own included
+    layer_types: tuple[str, ...] = ()        # "sliding_attention" / "full_attention" per layer; () all full
+    local_rope_theta: float | None = None    # sliding layers' RoPE base (plain RoPE; rope_scaling is the full layers')
+
+    def window_of(self, layer: int) -> int:
+        """How many positions layer `layer` attends back (its own included); 0 for the whole context."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return int(self.sliding_window or 0)
+        return 0
+
+    @property
+    def family(self) -> str:
+        """"llama", "qwen2", "qwen3" or "gemma3"."""
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.window_of(i))
 
     @property
     def q_size(self) -> int:
@@ -129,6 +158,7 @@ class ModelConfig:
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["layer_types"] = tuple(d.get("layer_types") or ())
         return cls(**d)
 
     @classmethod
@@ -141,6 +171,12 @@ class ModelConfig:
                 f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
                 f"bie-trt supports {sorted(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
             )
+        gemma = {}
+        if SUPPORTED_ARCHITECTURES[arch] == "gemma3":
+            from .config_gemma3 import gemma3_fields, gemma3_text_config
+
+            hf = gemma3_text_config(hf, source)
+            gemma = gemma3_fields(hf, source)
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
@@ -159,7 +195,8 @@ class ModelConfig:
             )
         except KeyError as e:
             raise CheckpointError(f"{source}: required field {e.args[0]!r} is missing.") from None
-        _refuse_sliding_window(hf, source)
+        if not gemma:
+            _refuse_sliding_window(hf, source)
         # transformers 5 moved rope_theta/rope_scaling into rope_parameters. A rope_scaling block added
         # to such a config (as Qwen documents YaRN) replaces its type, whichever key spells it.
         rope = dict(hf.get("rope_parameters") or {})
@@ -184,6 +221,7 @@ class ModelConfig:
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **gemma,
         )
         if cfg.num_heads % cfg.num_kv_heads:
             raise CheckpointError(

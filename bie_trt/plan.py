@@ -244,8 +244,9 @@ def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding:
         ))
     else:
         items.append(PlanItem("embedding", v * h * FP16, "fp16 table in device memory"))
-    head_norms = 2 * model.num_layers * model.head_dim * FP16 if model.qk_norm else 0   # Qwen3's q/k norms
-    items.append(PlanItem("norms", (2 * model.num_layers + 1) * h * FP16 + head_norms, "fp16 RMSNorm weights"))
+    head_norms = 2 * model.num_layers * model.head_dim * FP16 if model.qk_norm else 0   # Qwen3's, Gemma 3's q/k norms
+    per_layer = 4 if model.sandwich_norms else 2   # Gemma 3: a norm after attention and after the MLP too
+    items.append(PlanItem("norms", (per_layer * model.num_layers + 1) * h * FP16 + head_norms, "fp16 RMSNorm weights"))
     return items
 
 

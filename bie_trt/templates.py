@@ -32,6 +32,13 @@ def load_tokenizer(engine_dir: str, chat_template: str | None = None):
     return tokenizer
 
 
+def has_chat_template(tokenizer_dir: Path) -> bool:
+    """Whether a tokenizer directory carries a chat template (its own file, or in tokenizer_config.json)."""
+    config = tokenizer_dir / "tokenizer_config.json"
+    return (tokenizer_dir / "chat_template.jinja").exists() or (
+        config.exists() and bool(json.loads(config.read_text()).get("chat_template")))
+
+
 def shipped_chat_templates() -> list[str]:
     """The names `--chat-template` takes besides a file: `qwen3` for templates/chat_qwen3.jinja."""
     return sorted(p.name.removeprefix("chat_").removesuffix(".jinja") for p in TEMPLATES_DIR.glob("chat_*.jinja"))

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
+from bie_trt.eval_texts import load_eval_text
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lee_background.txt"
 INTRO = "There is a pass key hidden inside a lot of irrelevant text. Find it and remember it.\n\n"
@@ -58,6 +59,9 @@ def main() -> None:
     ap.add_argument("--ending", choices=sorted(ENDINGS), default="question",
                     help="how the prompt asks for the key (see ENDINGS)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--filler", default=str(DATA),
+                    help="the haystack's text: a file or builtin:NAME as `bie-trt eval --text` takes (default: the "
+                         "news text)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--resume", action="store_true",
                     help="keep the results already in --out, run only the missing (trial, variant) pairs, "
@@ -80,7 +84,7 @@ def main() -> None:
         trials.sort()
     engines = {v: BieEngine(engine_config(args.engine, v)) for v in variants}
     tokenizer = next(iter(engines.values())).tokenizer
-    filler = tokenizer(DATA.read_text(), add_special_tokens=False)["input_ids"]
+    filler = tokenizer(load_eval_text(args.filler), add_special_tokens=False)["input_ids"]
     start = time.time() - previous.get("seconds", 0.0)
     for depth, key in trials:
         todo = [v for v in variants if not any((r["depth"], r["key"]) == (depth, key) for r in rows[v])]

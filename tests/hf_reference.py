@@ -1,4 +1,4 @@
-"""transformers' own model class (LlamaForCausalLM, Qwen3ForCausalLM, ...) on a checkpoint's dequantised
+"""transformers' own model class (LlamaForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, ...) on a checkpoint's dequantised
 weights: the independent reference model; and the engine's logits of a prompt and a continuation."""
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def hf_model(ckpt: Checkpoint):
           "model.norm.weight": ckpt.tensor("model.norm.weight").float()}
     G = ckpt.quant.group_size
     norms = ["input_layernorm", "post_attention_layernorm"]
+    if ckpt.model.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     if ckpt.model.qk_norm:
         norms += ["self_attn.q_norm", "self_attn.k_norm"]
     for i in range(ckpt.model.num_layers):

@@ -245,3 +245,29 @@ def test_dense_prefills_read_each_chunks_own_blocks() -> None:
     mixed = paged_prefills_dense(q, pools, 0, DensePrefills.build([first, swapped], pos, B), SCALE)
     own = paged_prefills_dense(q, pools, 0, DensePrefills.build([first, later], pos, B), SCALE)
     assert (mixed[0] - own[0]).abs().max().item() <= 1e-5 and (mixed[1] - own[1]).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["int4_asym", "fp16"])
+def test_a_sliding_window_reads_its_window_only(dtype: str) -> None:
+    """A sliding-window layer (window 9 over blocks of 4): each query sees the last 9 positions up to its own,
+    as dense attention with the window does; the blocks wholly below every query's window are poisoned, so a
+    read of any of them (one block too many) shows as NaN, in the paged reference and in the dense CPU path."""
+    window, seq_len = 9, 37
+    kv = KVCacheConfig(dtype=dtype, group_size=32, block_size=4)
+    pools = poisoned_pools(kv, fp_blocks=12, quant_blocks=9)
+    k, v = random_kv(seq_len, seed=31)
+    quantised = set(range(1, 6)) if dtype != "fp16" else set()
+    table = build_sequence(pools, k, v, quantised, fp_ids=list(range(11)), q_ids=[6, 1, 8, 3, 0, 4, 7])
+    positions = [30, 31, 35, 36]
+    lowest = (min(positions) - window + 1) // 4   # the first block any query's window reaches
+    table[:lowest] = [10] * lowest   # a poisoned FP16 block (10 is never written)
+    q, pos = queries(positions, seed=32)
+    kd, vd = dequantised_cache(pools, 1, table[lowest:], seq_len - lowest * 4)
+    expected = dense_attention_ref(q, kd, vd, pos - lowest * 4, SCALE, window)
+    out = paged_attention_ref(q, pools, 1, table, pos, SCALE, window=window)
+    assert torch.isfinite(out).all() and (out - expected).abs().max().item() <= 1e-5
+    # a window of positions changes the answer: without it the query would read older positions
+    assert (dense_attention_ref(q, kd, vd, pos - lowest * 4, SCALE) - expected).abs().max().item() > 1e-2
+    plan = DensePrefills.build([(0, len(positions), torch.tensor(table))], pos, 4)
+    (dense,) = paged_prefills_dense(q, pools, 1, plan, SCALE, window)
+    assert torch.isfinite(dense).all() and (dense - expected).abs().max().item() <= 1e-5

@@ -71,7 +71,7 @@ def test_earlier_turns_lose_their_reasoning(qwen3):
 
 
 def test_a_name_that_is_neither_file_nor_shipped(smollm2_checkpoint):
-    with pytest.raises(RequestError, match=r"chat template qwen9: cannot be read .*shipped template \(qwen3\)"):
+    with pytest.raises(RequestError, match=r"chat template qwen9: cannot be read .*shipped template \(gemma3, qwen3\)"):
         load_tokenizer(str(smollm2_checkpoint), "qwen9")
 
 
@@ -92,3 +92,14 @@ def test_template_kwargs_flag():
         parse_template_kwargs("enable_thinking=false", "--x")
     with pytest.raises(RequestError, match=r"--x must be a JSON object .*; got \[1\]\."):
         parse_template_kwargs("[1]", "--x")
+
+
+def test_gemma3_turns_with_the_system_text_in_the_first_user_turn(smollm2_checkpoint):
+    """Gemma 3 has no system role: its text opens the next user turn; assistant turns are the model's; the
+    prompt ends by opening the model's turn (the reply then ends at <end_of_turn>, a stop token)."""
+    gemma3 = load_tokenizer(str(smollm2_checkpoint), "gemma3")
+    bos = gemma3.bos_token
+    assert render(gemma3, HI) == f"{bos}<start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\n"
+    turns = HI + [{"role": "assistant", "content": " Hello. "}, {"role": "user", "content": [{"type": "text", "text": "bye"}]}]
+    assert render(gemma3, turns) == (f"{bos}<start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\n"
+                                     "Hello.<end_of_turn>\n<start_of_turn>user\nbye<end_of_turn>\n<start_of_turn>model\n")

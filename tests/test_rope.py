@@ -113,7 +113,13 @@ def test_yarn_round_trips_through_the_manifest_dict() -> None:
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "longrope", "linear"])
+def test_linear_scaling_divides_every_frequency_by_its_factor() -> None:
+    """transformers' "linear" RoPE (Gemma 3's full layers): positions, hence frequencies, divided by factor."""
+    plain = inverse_frequencies(ModelConfig.from_hf(QWEN25_7B))
+    assert torch.allclose(inverse_frequencies(ours(QWEN25_7B, {"rope_type": "linear", "factor": 8.0})), plain / 8)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
 def test_unsupported_rope_types_are_named(kind: str) -> None:
     with pytest.raises(CheckpointError) as e:
         ours(QWEN25_7B, {"rope_type": kind, "factor": 2.0})

@@ -172,6 +172,8 @@ def test_completion_errors_name_the_problem_and_param(client, model_id, bad, mes
      "messages[1].content: must not be null in a user message", "messages[1].content"),
     ([{"role": "system", "content": None}], "must not be null in a system message", "messages[0].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content: image_url parts are not supported: this server reads text only", "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}],
      "messages[0].content must be a string or a list of text parts", "messages[0].content"),
     ([], "messages: list should have at least 1 item", "messages"),
     ("hello", "messages: input should be a valid list", "messages"),

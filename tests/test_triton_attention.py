@@ -320,3 +320,29 @@ def test_engine_switch_picks_the_variant(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("BIE_TRT_ATTENTION", "v3")
     with pytest.raises(ValueError, match="variant 'v3'"):
         ops.paged_decode_attention(q, pools, 0, tables, lens, SCALE)
+
+
+@pytest.mark.parametrize("variant,kind", [p if p.id == "v1-fp16" else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+                                          for p in VARIANT_KINDS if p.id in ("v1-fp16", "v2-int4-g32")])
+def test_a_sliding_window_skips_the_blocks_below_it(variant: str, kind: tuple[str, int]) -> None:
+    """Decode, a prefill chunk and a tiled verify of a sliding-window layer (window 20): each query reads the
+    last 20 positions up to its own, as the reference does; the blocks wholly below every query's window point
+    at a poisoned block, so a read of one of them shows as NaN. One tile of one block, so the first tile
+    read holds positions below the window too (masked, not loaded)."""
+    window = 20
+    pools = poisoned_pools(*kind, torch.float32)
+    cache = Cache(pools, seed=21)
+    table = cache.sequence(70, {1, 2} if kind[0] != "fp16" else set())
+    config = {"variant": variant, "tile_blocks": 2, "num_partitions": 2, "block_m": 2}
+    q = torch.randn(5, HQ, D, generator=torch.Generator().manual_seed(22)).to(DEVICE)
+    positions = torch.arange(65, 70, dtype=torch.int32, device=DEVICE)
+    below = (65 - window + 1) // B
+    table[:below] = [cache.scratch] * below
+    t = padded([table])
+    ref = paged_attention_ref(q, pools, 1, t[0], positions, SCALE, window=window)
+    assert torch.isfinite(ref).all()
+    assert_close(paged_prefill_attention(q, pools, 1, t[0], positions, SCALE, config=config, window=window), ref)
+    lens = torch.tensor([70], dtype=torch.int32, device=DEVICE)
+    assert_close(paged_decode_attention(q[-1:], pools, 1, t, lens, SCALE, config=config, window=window), ref[-1:])
+    tiles = torch.tensor(StepTiles.layout([5], 2), dtype=torch.int32, device=DEVICE)
+    assert_close(paged_tile_attention(q, pools, 1, tiles, t, positions, SCALE, 2, config=config, window=window), ref)

@@ -22,6 +22,24 @@ LINEARS = {
 }
 
 
+# Multimodal checkpoints whose text tower the engine runs (the vision tower is never read).
+MULTIMODAL = ("Gemma3ForConditionalGeneration",)
+# Where their text tower's tensors live: transformers >= 4.52 writes model.language_model.*, earlier
+# releases language_model.model.* (and language_model.lm_head.*).
+TEXT_TOWER_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                       "language_model.lm_head.": "lm_head."}
+
+
+def text_tower_names(names) -> dict[str, str]:
+    """The text model's name of each text-tower tensor among `names` -> its name in the checkpoint."""
+    out = {}
+    for name in names:
+        for prefix, ours in TEXT_TOWER_PREFIXES.items():
+            if name.startswith(prefix):
+                out[ours + name[len(prefix):]] = name
+    return out
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     bits: int
@@ -89,6 +107,9 @@ class Checkpoint:
                 f"{self.path}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})."
             )
         self._index = self._weight_index()
+        # the text tower of a multimodal checkpoint, under the names of the text model
+        self._source = text_tower_names(self._index) if self.model.architecture in MULTIMODAL else {}
+        self._index.update({name: self._index[src] for name, src in self._source.items()})
         self._check_tensors()
 
     # -- weights -----------------------------------------------------------------
@@ -117,7 +138,7 @@ class Checkpoint:
 
     def _meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         with _open_safetensors(self._index[name]) as h:
-            sl = h.get_slice(name)
+            sl = h.get_slice(self._source.get(name, name))
             dtype = {"I32": torch.int32, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}.get(
                 sl.get_dtype(), sl.get_dtype())
             return dtype, tuple(sl.get_shape())
@@ -126,7 +147,7 @@ class Checkpoint:
         if name not in self._index:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the weights.")
         with _open_safetensors(self._index[name]) as h:
-            return h.get_tensor(name)
+            return h.get_tensor(self._source.get(name, name))
 
     def w4(self, name: str) -> dict[str, torch.Tensor]:
         """The linear `name` (`...q_proj.weight`) in the runtime's W4 layout, repacked from AWQ."""
@@ -181,8 +202,11 @@ class Checkpoint:
             if m.qk_norm:
                 for sub in ("q_norm", "k_norm"):
                     self._expect(p + f"self_attn.{sub}.weight", floats, (m.head_dim,))
-            self._expect(p + "input_layernorm.weight", floats, (m.hidden_size,))
-            self._expect(p + "post_attention_layernorm.weight", floats, (m.hidden_size,))
+            norms = ("input_layernorm", "post_attention_layernorm")
+            if m.sandwich_norms:   # Gemma 3: a norm after attention and around the MLP too
+                norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+            for norm in norms:
+                self._expect(p + norm + ".weight", floats, (m.hidden_size,))
         self._expect("model.embed_tokens.weight", floats, (m.vocab_size, m.hidden_size))
         self._expect("model.norm.weight", floats, (m.hidden_size,))
         if not m.tie_word_embeddings:

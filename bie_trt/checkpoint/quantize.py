@@ -21,7 +21,7 @@ from ..plan import AWQ_GROUP_SIZES
 from ..errors import CheckpointError
 from .awq import quantize_rtn
 from .gguf_header import gguf_linear_sizes
-from .loader import TOKENIZER_FILES
+from .loader import MULTIMODAL, TEXT_TOWER_PREFIXES, TOKENIZER_FILES
 
 _QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TOKENIZER_EXTRA = ("special_tokens_map.json", "generation_config.json", "chat_template.jinja")
@@ -125,8 +125,11 @@ def _quantize_into(src: Path, out: Path, group_size: int) -> None:
     choose_group_size(_linear_sizes(model), group_size)   # the loaded config must agree with the header
 
     result: dict[str, torch.Tensor] = {}
+    text_only = model.architecture in MULTIMODAL   # the engine runs the text tower: the vision tower is left out
     for name, t in tqdm(tensors, total=total, desc="quantize", unit="tensor", leave=False):
         if name == "lm_head.weight" and model.tie_word_embeddings:
+            continue
+        if text_only and not name.startswith(tuple(TEXT_TOWER_PREFIXES)):
             continue
         base, _, leaf = name.rpartition(".")
         if leaf == "weight" and base.rsplit(".", 1)[-1] in _QUANTISED:

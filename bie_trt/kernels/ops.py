@@ -65,15 +65,18 @@ def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: W4Weight,
-                silu_mul: bool = False) -> torch.Tensor:
-    """w4_linear(rms_norm(x)), then SiLU(gate)·up when w is gate_up: one launch on the GPU."""
+                glu: str | None = None) -> torch.Tensor:
+    """w4_linear(rms_norm(x)), then act(gate)·up when w is gate_up and `glu` names act ("silu", "gelu_tanh"):
+    one launch on the GPU for SiLU; GELU's gating runs behind the fused norm and GEMM (`glu_ref`)."""
     if use_triton(x):
         from .triton_w4 import w4_linear_triton
 
-        return w4_linear_triton(x, w, w.gemv_config if x.shape[0] == 1 else None, norm_weight=norm_weight, eps=eps,
-                                silu_mul=silu_mul)
+        fused = glu == "silu"
+        y = w4_linear_triton(x, w, w.gemv_config if x.shape[0] == 1 else None, norm_weight=norm_weight, eps=eps,
+                             silu_mul=fused)
+        return y if fused or glu is None else ref.glu_ref(y, glu)
     y = ref.w4_linear_ref(ref.rms_norm_ref(x, norm_weight, eps)[0], w)
-    return ref.silu_mul_ref(y) if silu_mul else y
+    return ref.glu_ref(y, glu) if glu else y
 
 
 def linear_residual(x: torch.Tensor, w: W4Weight, residual: torch.Tensor) -> torch.Tensor:
@@ -146,31 +149,34 @@ def attention_config() -> dict:
 
 
 def paged_decode_attention(q: torch.Tensor, pools: KVPools, layer: int, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence, q [S, H_q, D]; block_tables int32 [S, max_blocks]."""
+                           context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """One query per sequence, q [S, H_q, D]; block_tables int32 [S, max_blocks]. `window` > 0 (a
+    sliding-window layer): each query sees the last `window` positions only, the blocks below unread."""
     if use_triton(q):
         from .triton_attention import paged_decode_attention as kernel
 
-        return kernel(q, pools, layer, block_tables, context_lens, scale, config=attention_config())
-    return paged_decode_attention_ref(q, pools, layer, block_tables, context_lens, scale, CPU_BLOCKS_PER_TILE)
+        return kernel(q, pools, layer, block_tables, context_lens, scale, config=attention_config(), window=window)
+    return paged_decode_attention_ref(q, pools, layer, block_tables, context_lens, scale, CPU_BLOCKS_PER_TILE,
+                                      window)
 
 
 def paged_prefill_attentions(q: torch.Tensor, pools: KVPools, layer: int, meta: StepMetadata,
-                             scale: float) -> list[torch.Tensor]:
+                             scale: float, window: int = 0) -> list[torch.Tensor]:
     """Attention of each multi-token chunk of a step, meta.prefills' (first row, tokens, table) each, q [T, H_q, D]
     (the chunks already written). On the CPU, dense masked attention over tiles of the chunks' rows, laid out
     at the first layer and kept in `meta` for the others."""
     if use_triton(q):
         from .triton_attention import paged_prefill_attention as kernel
 
-        return [kernel(q[s:s + n], pools, layer, table, meta.positions[s:s + n], scale, config=attention_config())
-                for s, n, table in meta.prefills]
+        return [kernel(q[s:s + n], pools, layer, table, meta.positions[s:s + n], scale, config=attention_config(),
+                       window=window) for s, n, table in meta.prefills]
     if meta.dense_prefills is None:
         meta.dense_prefills = DensePrefills.build(meta.prefills, meta.positions, pools.cfg.block_size)
-    return paged_prefills_dense(q, pools, layer, meta.dense_prefills, scale)
+    return paged_prefills_dense(q, pools, layer, meta.dense_prefills, scale, window)
 
 
-def paged_tile_attention(q: torch.Tensor, pools: KVPools, layer: int, tiles: StepTiles, scale: float) -> torch.Tensor:
+def paged_tile_attention(q: torch.Tensor, pools: KVPools, layer: int, tiles: StepTiles, scale: float,
+                         window: int = 0) -> torch.Tensor:
     """Every row of a tiled step (a speculative verify of many sequences, decodes beside it) in one launch,
     each query tile through its own table (`StepTiles`), q [T, H_q, D]. On the CPU, dense masked
     attention over the tiles, laid out at the first layer and kept in `tiles` for the others."""
@@ -178,7 +184,8 @@ def paged_tile_attention(q: torch.Tensor, pools: KVPools, layer: int, tiles: Ste
         from .triton_attention import paged_tile_attention as kernel
 
         return kernel(q, pools, layer, tiles.tiles, tiles.tables, tiles.positions, scale, tiles.block_m,
-                      config=attention_config())
+                      config=attention_config(), window=window)
     if tiles.dense is None:
         tiles.dense = DensePrefills.build(tile_chunks(tiles.tiles, tiles.tables), tiles.positions, pools.cfg.block_size)
-    return paged_tile_attention_ref(q, pools, layer, tiles.tiles, tiles.tables, tiles.positions, scale, tiles.dense)
+    return paged_tile_attention_ref(q, pools, layer, tiles.tiles, tiles.tables, tiles.positions, scale, tiles.dense,
+                                    window)

@@ -27,6 +27,14 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)   # in place: one [T, I] buffer, as the fused kernel has
 
 
+def glu_ref(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate)·up of a gate_up output: act "silu" (Llama) or "gelu_tanh" (Gemma's gelu_pytorch_tanh)."""
+    if act == "silu":
+        return silu_mul_ref(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
 def w4_linear_ref(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     return F.linear(x, w.dense(x.dtype), None if w.bias is None else w.bias.to(x.dtype))
 

@@ -257,12 +257,13 @@ def _merge_partitions(m_ws_ptr, l_ws_ptr, acc_ws_ptr, ws_row, row_ok, num_partit
 
 
 @_jit()
-def _tile_rows(table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+def _tile_rows(table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
                stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
     """Tile t's token positions, which of them are FP16 (`plain`) and quantised (`quant`) rows, and
-    the quantised rows' code and record offsets (other rows point at block 0, never read)."""
+    the quantised rows' code and record offsets (other rows point at block 0, never read). Positions
+    below first_kv (under every row's sliding window) are not live: their blocks may be gone."""
     kv = t * TILE + tl.arange(0, TILE)
-    live = kv < context
+    live = (kv < context) & (kv >= first_kv)
     entry = tl.load(table + kv // BLOCK_SIZE, mask=live, other=0)
     plain = live & (entry >= 0)
     quant = live & (entry < 0)
@@ -276,12 +277,13 @@ def _tile_rows(table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride
 
 
 @_jit()
-def _softmax_step(s, m_i, l_i, kv, pos, qk_scale):
-    """Online softmax over one tile of raw scores s [ROWS, TILE] -> (p, alpha, m_i, l_i).
+def _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale):
+    """Online softmax over one tile of raw scores s [ROWS, TILE] -> (p, alpha, m_i, l_i); a row sees
+    positions lo..pos (lo > 0 in a sliding-window layer).
 
     A row may see nothing in this tile or even this whole partition (an early query of a chunk, a
     padding row): subtracting 0 instead of a -inf max keeps exp2 at a clean 0 rather than NaN."""
-    s = tl.where(kv[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
+    s = tl.where((kv[None, :] <= pos[:, None]) & (kv[None, :] >= lo[:, None]), s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_ref[:, None])
@@ -303,7 +305,7 @@ def _partition_start(q_ptr, q_off, row_ok, ROWS: tl.constexpr, HEAD_DIM: tl.cons
 
 
 @_jit()
-def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, kv_head, qk_scale,
+def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
                   k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
                   stride_fp_blk, stride_fp_head, stride_fp_tok,
                   stride_qd_blk, stride_qd_head, stride_qd_tok,
@@ -315,7 +317,7 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
     ch_a, ch_b, q_a, q_b, m_i, l_i, acc_a, acc_b = _partition_start(q_ptr, q_off, row_ok, ROWS, HEAD_DIM, KV_MODE)
     for t in range(tile_begin, tile_end):
         kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
-            table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+            table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE)
 
         # The quantised body is nearly every tile, so its loads stay unconditional (and free to be
@@ -334,7 +336,7 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
             if has_plain:
                 s = _plain_scores(s, q_a, q_b, k_ptr, table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
                                   stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, qk_scale)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale)
 
         if KV_MODE == 0:
             v_a, v_b = _load_plain_tile(v_ptr, fp_off, plain, ch_a, ch_b, DTYPE)
@@ -417,7 +419,7 @@ def _spread_groups(x, ROWS: tl.constexpr, NG: tl.constexpr, HG: tl.constexpr):
 
 
 @_jit()
-def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, kv_head, qk_scale,
+def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
                   k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr,
                   stride_fp_blk, stride_fp_head, stride_fp_tok,
                   stride_qd_blk, stride_qd_head, stride_qd_tok,
@@ -437,7 +439,7 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
     q_sum = tl.sum(tl.reshape(q_a.to(tl.float32) + q_b.to(tl.float32), (ROWS, NG, HG)), 2)
     for t in range(tile_begin, tile_end):
         kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
-            table, t, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+            table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE)
         v_a, v_b = _codes_v2(vq_ptr, qd_off, quant, ch_a, ch_b, HEAD_DIM, KV_MODE, DTYPE)
         v_scale, v_zero = _record_v2(vs_ptr, sc_off, quant, TILE, NG, KV_MODE)
@@ -454,7 +456,7 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
         if has_plain:
             s = _plain_scores(s, q_a, q_b, k_ptr, table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
                               stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, qk_scale)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale)
 
         acc_a = acc_a * alpha[:, None]
         acc_b = acc_b * alpha[:, None]
@@ -484,7 +486,7 @@ def _paged_attention_kernel(
     q_ptr, pos_ptr, table_ptr, tile_ptr,
     k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
     m_ws_ptr, l_ws_ptr, acc_ws_ptr, cnt_ptr, out_ptr,
-    num_queries, num_partitions, qk_scale,
+    num_queries, num_partitions, qk_scale, window,
     stride_q_tok, stride_q_head, stride_table, stride_out_tok, stride_out_head,
     stride_fp_blk, stride_fp_head, stride_fp_tok,
     stride_qd_blk, stride_qd_head, stride_qd_tok,
@@ -524,24 +526,30 @@ def _paged_attention_kernel(
     else:
         pos = tl.load(pos_ptr + qi, mask=row_ok, other=-1)
     context = tl.max(pos, 0) + 1
+    # A sliding-window layer (window > 0): a row sees positions pos - window + 1 .. pos, and the tiles
+    # wholly below every row's window are never read.
+    lo = tl.where(window > 0, pos - window + 1, 0)
+    first_kv = tl.maximum(tl.min(tl.where(row_ok, lo, context), 0), 0)
+    first_tile = first_kv // TILE
 
-    # This partition's tiles: the tile's context split into num_partitions runs of whole tiles.
+    # This partition's tiles: the tiles from the first one a row sees to the context's end, split into
+    # num_partitions runs of whole tiles.
     num_tiles = tl.cdiv(context, TILE)
-    tiles_per_part = tl.cdiv(num_tiles, num_partitions)
-    tile_begin = part * tiles_per_part
+    tiles_per_part = tl.cdiv(num_tiles - first_tile, num_partitions)
+    tile_begin = first_tile + part * tiles_per_part
     tile_end = tl.minimum(tile_begin + tiles_per_part, num_tiles)
     table = table_ptr + table_row * stride_table
 
     if V2:
         m_i, l_i, acc_a, acc_b = _partition_v2(
-            q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, kv_head, qk_scale,
+            q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
             k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr,
             stride_fp_blk, stride_fp_head, stride_fp_tok, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok,
             ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
     else:
         m_i, l_i, acc_a, acc_b = _partition_v1(
-            q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, kv_head, qk_scale,
+            q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
             k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
             stride_fp_blk, stride_fp_head, stride_fp_tok, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, stride_sc_grp,
@@ -658,9 +666,10 @@ def _check_inputs(q: torch.Tensor, pools: KVPools, table: torch.Tensor) -> None:
 def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.Tensor, stride_table: int,
                      table_width: int, positions: torch.Tensor, lengths: bool, scale: float, block_m: int,
                      num_partitions: int | None, cfg: dict, out: torch.Tensor | None = None,
-                     tiles: torch.Tensor | None = None) -> torch.Tensor:
+                     tiles: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """One launch over (query tiles, kv heads, partitions); `positions` holds lengths when `lengths`;
-    `tiles` int32 [N, 3] lays the query tiles out (the kernel's TILE_MAP), else BLOCK_M queries each."""
+    `tiles` int32 [N, 3] lays the query tiles out (the kernel's TILE_MAP), else BLOCK_M queries each;
+    `window` > 0: each query sees only the last `window` positions up to its own."""
     num_queries, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = pools.k.shape[2], pools.k.shape[3]
     group = num_q_heads // num_kv_heads
@@ -694,7 +703,7 @@ def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.T
         q, positions, table, table if tiles is None else tiles,
         k, v, kq, vq, ks, vs, kz, vz,
         m_ws, l_ws, acc_ws, arrival_counters(q.device, num_q_tiles * num_kv_heads), out,
-        num_queries, parts, scale * math.log2(math.e),
+        num_queries, parts, scale * math.log2(math.e), window,
         q.stride(0), q.stride(1), stride_table, out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         kq.stride(0), kq.stride(1), kq.stride(2),
@@ -717,6 +726,7 @@ def paged_decode_attention(
     num_partitions: int | None = None,
     config: dict | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence, q [S, H_q, D], attending all context_lens[s] cached tokens -> [S, H_q, D].
 
@@ -731,7 +741,7 @@ def paged_decode_attention(
     # the kernel reads lengths: each query sits at its sequence's last position
     context_lens = context_lens.to(device=q.device, dtype=torch.int32)   # no copy when it already is
     return _paged_attention(q, pools, layer, block_tables, block_tables.stride(0), block_tables.shape[1],
-                            context_lens, True, scale, 1, num_partitions, cfg, out)
+                            context_lens, True, scale, 1, num_partitions, cfg, out, window=window)
 
 
 def paged_prefill_attention(
@@ -742,6 +752,7 @@ def paged_prefill_attention(
     positions: torch.Tensor,
     scale: float,
     config: dict | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Chunk attention of one sequence, q [T, H_q, D]: query t sees cached tokens j <= positions[t] -> [T, H_q, D].
 
@@ -755,7 +766,7 @@ def paged_prefill_attention(
                           quantised_prefill=_kv_mode(pools) != _FP16_ONLY)
     pos = positions.to(device=q.device, dtype=torch.int32)
     return _paged_attention(q, pools, layer, block_table, 0, block_table.shape[0], pos, False, scale,
-                            cfg["block_m"], None, cfg)
+                            cfg["block_m"], None, cfg, window=window)
 
 
 def paged_tile_attention(
@@ -769,6 +780,7 @@ def paged_tile_attention(
     block_m: int,
     config: dict | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of every row of a step in one launch, q [T, H_q, D]: query tile i holds rows
     tiles[i, 0] .. + tiles[i, 1] (at most `block_m`), which read the cache through tables[tiles[i, 2]];
@@ -786,4 +798,4 @@ def paged_tile_attention(
                           quantised_prefill=_kv_mode(pools) != _FP16_ONLY)
     pos = positions.to(device=q.device, dtype=torch.int32)   # no copy when it already is
     return _paged_attention(q, pools, layer, tables, tables.stride(0), tables.shape[1], pos, False, scale,
-                            block_m, None, cfg, out, tiles)
+                            block_m, None, cfg, out, tiles, window)

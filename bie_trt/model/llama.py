@@ -1,4 +1,8 @@
-"""Llama-family forward (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache, written against `kernels.ops`."""
+"""Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Gemma 3) over the paged KV cache, written against `kernels.ops`.
+
+Gemma 3 is the same decoder with a few switches from its config: embeddings scaled, RMSNorm weights
+(1 + w), a norm after attention and after the MLP too, GELU-tanh gating, its own softmax scale, sliding-window
+layers with their own RoPE base, and logit soft-capping."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,7 +49,10 @@ class Layer:
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
     linears: dict[str, W4Weight] = field(default_factory=dict)
-    qk_norm: QKNorm | None = None   # Qwen3's per-head q/k RMSNorm (in the qkv epilogue)
+    qk_norm: QKNorm | None = None   # Qwen3's and Gemma 3's per-head q/k RMSNorm (in the qkv epilogue)
+    # Gemma 3's sandwich norms: the attention's and the MLP's output normalised before the residual add
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -56,6 +63,10 @@ class LlamaModel:
 
         def t(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
+
+        def norm(name: str) -> torch.Tensor:
+            # Gemma's (1 + w), added in the activation dtype as transformers adds it in fp32 on the CPU
+            return weights[name].to(device=device, dtype=dtype) + cfg.norm_offset if cfg.norm_offset else t(name)
 
         # On the host, only the gathered rows (2·hidden bytes a token) cross the bus each step.
         self.embed_on_host = embedding_on_host and device.type != "cpu"
@@ -69,7 +80,7 @@ class LlamaModel:
             self.lm_head = t("lm_head")
         else:  # tied, fp16: share the table, or keep a device copy when the table lives on the host
             self.lm_head = embed.to(device=device, dtype=dtype) if self.embed_on_host else self.embed
-        self.norm = t("norm")
+        self.norm = norm("norm")
         self.key_mean = t("kv.key_mean") if "kv.key_mean" in weights else None   # [L, Hkv, D]
         self.layers = []
         for i in range(cfg.num_layers):
@@ -82,12 +93,13 @@ class LlamaModel:
                     zeros=weights[q + "zeros"].to(device),
                     bias=weights[q + "bias"].to(device=device, dtype=dtype) if q + "bias" in weights else None,
                     gemv_config=(gemv_configs or {}).get(name), keep_dense=keep_dense)
-            qk_norm = QKNorm(t(p + "q_norm"), t(p + "k_norm"), cfg.rms_norm_eps) if cfg.qk_norm else None
-            self.layers.append(Layer(t(p + "attn_norm"), t(p + "mlp_norm"), lin, qk_norm))
+            qk_norm = QKNorm(norm(p + "q_norm"), norm(p + "k_norm"), cfg.rms_norm_eps) if cfg.qk_norm else None
+            post = (norm(p + "post_attn_norm"), norm(p + "post_mlp_norm")) if cfg.sandwich_norms else (None, None)
+            self.layers.append(Layer(norm(p + "attn_norm"), norm(p + "mlp_norm"), lin, qk_norm, *post))
         self.rope = Rope(cfg, device)
         # YaRN multiplies cos and sin by its attention factor; rotation is linear, so every q·k grows by the
         # factor squared: folded into the softmax scale, the same for the torch and Triton paths.
-        self.scale = cfg.head_dim ** -0.5 * self.rope.attention_factor ** 2
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5 * self.rope.attention_factor ** 2
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], pools: KVPools,
@@ -120,24 +132,34 @@ class LlamaModel:
         # in front of a sub-block is folded into the linear that starts it.
         for li, layer in enumerate(self.layers):
             h = self._attention(li, layer, h, meta, pools)
-            act = ops.norm_linear(h, layer.mlp_norm, cfg.rms_norm_eps, layer.linears["gate_up"], silu_mul=True)
-            h = ops.linear_residual(act, layer.linears["down"], h)
+            act = ops.norm_linear(h, layer.mlp_norm, cfg.rms_norm_eps, layer.linears["gate_up"], glu=cfg.hidden_act)
+            h = self._residual(act, layer.linears["down"], h, layer.post_mlp_norm)
         if meta.logit_rows.numel() != h.shape[0]:   # build() lists rows in order: as many means all of them
             h = h[meta.logit_rows]
         return self.head_logits(h).float() if head else h
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_on_host:
-            return self.embed[ids.cpu()].to(self.device, self.dtype, non_blocking=True)
-        return F.embedding(ids.to(self.device), self.embed)
+            rows = self.embed[ids.cpu()].to(self.device, self.dtype, non_blocking=True)
+        else:
+            rows = F.embedding(ids.to(self.device), self.embed)
+        return rows * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else rows
+
+    def _residual(self, x: torch.Tensor, w: W4Weight, h: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+        """h + w4_linear(x) (one launch on the GPU), or with Gemma's sandwich norm h + norm(w4_linear(x))."""
+        if post_norm is None:
+            return ops.linear_residual(x, w, h)
+        return h + ops.rms_norm(ops.w4_linear(x, w), post_norm, self.cfg.rms_norm_eps)[0]
 
     def head_logits(self, rows: torch.Tensor, head: Int8Rows | torch.Tensor | None = None) -> torch.Tensor:
         """The final norm, then `head` (the model's own by default; any rows of it, in its dtype): one
         launch when the head is int8 (the norm rides in front)."""
-        eps, head = self.cfg.rms_norm_eps, self.lm_head if head is None else head
+        eps, head, cap = self.cfg.rms_norm_eps, self.lm_head if head is None else head, self.cfg.final_logit_softcapping
         if isinstance(head, Int8Rows):
-            return ops.norm_int8_rows_linear(rows, self.norm, eps, head)
-        return F.linear(ops.rms_norm(rows, self.norm, eps)[0], head)
+            logits = ops.norm_int8_rows_linear(rows, self.norm, eps, head)
+        else:
+            logits = F.linear(ops.rms_norm(rows, self.norm, eps)[0], head)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _attention(self, li: int, layer: Layer, h: torch.Tensor, meta: StepMetadata, pools: KVPools) -> torch.Tensor:
         """h + o_proj(attention(norm(h))): the residual stream after the attention sub-block."""
@@ -145,28 +167,30 @@ class LlamaModel:
         qkv = ops.norm_linear(h, layer.attn_norm, cfg.rms_norm_eps, layer.linears["qkv"])
         # The q/k head norms (Qwen3), RoPE, the calibrated key centering and the Hadamard rotation of q and
         # k (v too with hadamard_kv), K/V into the FP16 tail: one launch (the runner checked key_mean exists).
-        q = ops.qkv_epilogue(qkv, cfg.num_heads, cfg.num_kv_heads, meta.rope_positions, self.rope.inv_freq,
+        q = ops.qkv_epilogue(qkv, cfg.num_heads, cfg.num_kv_heads, meta.rope_positions, self.rope.inv_freq_of(li),
                              self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
                              rotates_values(pools.cfg), pools, li, meta.slot_blocks, meta.slot_offsets,
                              layer.qk_norm)
         if meta.quantise:
             ops.quantize_layer_blocks(pools, li, *meta.quantise)
+        window = self.rope.windows[li]
         if meta.all_decode:   # a decode-only step (the graphs'): no gather and scatter of rows
-            out = ops.paged_decode_attention(q, pools, li, meta.decode_tables, meta.decode_lens, self.scale)
+            out = ops.paged_decode_attention(q, pools, li, meta.decode_tables, meta.decode_lens, self.scale, window)
         elif meta.tiles is not None:   # short inputs (a verify): one launch, each through its own table
-            out = ops.paged_tile_attention(q, pools, li, meta.tiles, self.scale)
+            out = ops.paged_tile_attention(q, pools, li, meta.tiles, self.scale, window)
         else:
-            out = self._mixed_attention(li, q, meta, pools)
+            out = self._mixed_attention(li, q, meta, pools, window)
         if rotates_values(pools.cfg):
             out = rotate(out)
-        return ops.linear_residual(out.reshape(-1, cfg.q_size), layer.linears["o"], h)
+        return self._residual(out.reshape(-1, cfg.q_size), layer.linears["o"], h, layer.post_attn_norm)
 
-    def _mixed_attention(self, li: int, q: torch.Tensor, meta: StepMetadata, pools: KVPools) -> torch.Tensor:
+    def _mixed_attention(self, li: int, q: torch.Tensor, meta: StepMetadata, pools: KVPools,
+                         window: int) -> torch.Tensor:
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = ops.paged_decode_attention(q[meta.decode_rows], pools, li, meta.decode_tables,
-                                                               meta.decode_lens, self.scale)
-        chunks = ops.paged_prefill_attentions(q, pools, li, meta, self.scale)
+                                                               meta.decode_lens, self.scale, window)
+        chunks = ops.paged_prefill_attentions(q, pools, li, meta, self.scale, window)
         for (start, n, _), rows in zip(meta.prefills, chunks):
             out[start:start + n] = rows
         return out

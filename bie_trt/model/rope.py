@@ -8,14 +8,18 @@ import torch
 from ..config import ModelConfig, RopeScaling
 
 
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+def inverse_frequencies(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
+    """The full layers' frequencies (the config's base and scaling), or with `theta` plain RoPE of that base
+    (Gemma 3's sliding layers)."""
     d = cfg.head_dim
-    s = cfg.rope_scaling
+    s = None if theta is not None else cfg.rope_scaling
     if s is not None and s.rope_type == "yarn":
         return yarn_inverse_frequencies(d, cfg.rope_theta, s)
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv = 1.0 / ((theta or cfg.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     if s is None:
         return inv.float()
+    if s.rope_type == "linear":   # positions divided by factor: every frequency too
+        return (inv / s.factor).float()
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -77,7 +81,14 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype)
 class Rope:
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.inv_freq = inverse_frequencies(cfg).to(device)
+        # Gemma 3's sliding layers rotate with their own base (and no scaling)
+        self.local_inv_freq = (inverse_frequencies(cfg, cfg.local_rope_theta).to(device)
+                               if cfg.local_rope_theta is not None else self.inv_freq)
+        self.windows = [cfg.window_of(i) for i in range(cfg.num_layers)]
         self.attention_factor = attention_factor(cfg.rope_scaling)
+
+    def inv_freq_of(self, layer: int) -> torch.Tensor:
+        return self.local_inv_freq if self.windows[layer] else self.inv_freq
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

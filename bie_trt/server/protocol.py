@@ -241,6 +241,9 @@ class CompletionRequest(SamplingRequest):
         return echo
 
 
+MEDIA_PARTS = ("image_url", "input_audio", "file")
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -254,6 +257,16 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
     refusal: str | None = None             # sent back by clients that replay a reply; not shown to the model
     reasoning_content: str | None = None   # a reply's reasoning, replayed: the chat template decides if it is shown
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _no_media(cls, content: Any) -> Any:
+        """An image, audio or file part is refused by name (of a multimodal checkpoint only the text tower runs)."""
+        media = [p["type"] for p in content if isinstance(p, dict) and p.get("type") in MEDIA_PARTS] \
+            if isinstance(content, list) else []
+        if media:
+            raise ValueError(f"{media[0]} parts are not supported: this server reads text only")
+        return content
 
     @field_validator("content")
     @classmethod
