@@ -28,12 +28,15 @@ def tiny(tiny_draft_engine):
 
 @pytest.fixture(scope="module")
 def tiny_draft_spec(tiny_draft_engine):
-    return make(tiny_draft_engine, {"method": "draft_model", "num_speculative_tokens": 4})
+    # a fixed γ: these tests are about proposals under a grammar, and a draft as costly as its target (the
+    # target's own weights) is one adaptive γ rightly stops proposing from
+    return make(tiny_draft_engine, {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False})
 
 
 @pytest.fixture(scope="module")
 def tiny_ngram_spec(tiny_draft_engine):
-    return make(tiny_draft_engine, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    return make(tiny_draft_engine, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                    "adaptive": False})
 
 
 def schema_params(schema: dict, **kw) -> SamplingParams:
