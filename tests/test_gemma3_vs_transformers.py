@@ -107,14 +107,18 @@ def test_logits_equal_transformers(tiny_gemma3, scatter, chunk, kernels, monkeyp
     assert_logits_equal(tiny_gemma3, scatter, chunk, kernels, MAX_LOGIT_DIFF_TINY, monkeypatch)
 
 
-def test_a_returning_prompt_is_served_from_cache_with_the_same_answer(tiny_gemma3):
-    engine, ids, continuation, _ = tiny_gemma3
+def assert_a_returning_prompt_is_cached(model) -> None:
+    engine, ids, continuation, _ = model
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     # the logits tests wrote their own blocks into these pools, under the engine's cached ones
     engine.reset_prefix_cache()
     engine.generate(ids, params)
     again = engine.generate(ids, params)
     assert again.usage.cached_tokens >= 0.9 * len(ids) and again.token_ids == continuation
+
+
+def test_a_returning_prompt_is_served_from_cache_with_the_same_answer(tiny_gemma3):
+    assert_a_returning_prompt_is_cached(tiny_gemma3)
 
 
 @pytest.mark.slow
@@ -127,20 +131,17 @@ def test_real_gemma3_greedy_tokens_equal_transformers(real_gemma3):
 @pytest.mark.slow
 @pytest.mark.parametrize("scatter, chunk, kernels", [pytest.param(False, 2048, "reference", id="one-chunk"),
                                                      pytest.param(True, 384, "reference", id="chunks-scattered"),
-                                                     pytest.param(True, 384, "triton", id="chunks-scattered-triton")])
+                                                     # interpreted Triton over 18 layers and a 262k vocabulary
+                                                     # takes far too long on a CPU: a GPU test
+                                                     pytest.param(True, 384, "triton", id="chunks-scattered-triton",
+                                                                  marks=pytest.mark.gpu)])
 def test_real_gemma3_logits_equal_transformers(real_gemma3, scatter, chunk, kernels, monkeypatch):
     assert_logits_equal(real_gemma3, scatter, chunk, kernels, MAX_LOGIT_DIFF_REAL, monkeypatch)
 
 
 @pytest.mark.slow
 def test_real_gemma3_returning_prompt_is_served_from_cache(real_gemma3):
-    engine, ids, continuation, _ = real_gemma3
-    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
-    # the logits tests wrote their own blocks into these pools, under the engine's cached ones
-    engine.reset_prefix_cache()
-    engine.generate(ids, params)
-    again = engine.generate(ids, params)
-    assert again.usage.cached_tokens >= 0.9 * len(ids) and again.token_ids == continuation
+    assert_a_returning_prompt_is_cached(real_gemma3)
 
 
 @pytest.mark.slow
