@@ -412,8 +412,16 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        """The one field that is set (validate() guarantees there is exactly one)."""
-        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+        """The one field that is set; a RequestError naming the fields when not exactly one is (a bare
+        next() would raise StopIteration, which an async route turns into a 500)."""
+        set_ = self._set_kinds()
+        if len(set_) != 1:
+            raise RequestError(f"structured_outputs must set exactly one of {list(STRUCTURED_KINDS)}; "
+                               f"got {set_ or 'none'}.")
+        return set_[0]
+
+    def _set_kinds(self) -> list[str]:
+        return [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
 
     def key(self) -> str:
         """A canonical text of the constraint: equal constraints, equal keys (the compiled-grammar cache's)."""
@@ -431,10 +439,7 @@ class StructuredOutputs:
 
     def validate(self) -> None:
         """Cheap checks that need no tokenizer; the grammar compiler checks the rest (unsupported keywords)."""
-        set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
-        if len(set_) != 1:
-            raise RequestError(f"structured_outputs must set exactly one of {list(STRUCTURED_KINDS)}; "
-                               f"got {set_ or 'none'}.")
+        self.kind   # exactly one set
         if self.json_object is not True and self.json_object is not False:
             raise RequestError(f"structured_outputs.json_object must be true or false; got {self.json_object!r}.")
         if not isinstance(self.lenient, bool):

@@ -241,3 +241,10 @@ def test_a_finished_grammar_stays_finished_when_nothing_more_is_taken(compiler, 
     assert c.finished and c.grammar.num_accepted == 3 and c.grammar.allowed() is None
     c.rollback(1)   # the stop token itself: the grammar is open again, complete
     assert not c.finished and c.allowed_prefix([EOS]) == 1
+
+
+def test_a_constraint_with_no_kind_set_is_a_request_error_not_stop_iteration():
+    """An empty structured_outputs ({}) reached `kind` before validation on the server, whose async route
+    turned the bare next()'s StopIteration into a 500."""
+    with pytest.raises(RequestError, match="exactly one of"):
+        StructuredOutputs().kind

@@ -258,12 +258,15 @@ def _merge_partitions(m_ws_ptr, l_ws_ptr, acc_ws_ptr, ws_row, row_ok, num_partit
 
 @_jit()
 def _tile_rows(table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
-               stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
+               stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+               SLIDING: tl.constexpr):
     """Tile t's token positions, which of them are FP16 (`plain`) and quantised (`quant`) rows, and
     the quantised rows' code and record offsets (other rows point at block 0, never read). Positions
     below first_kv (under every row's sliding window) are not live: their blocks may be gone."""
     kv = t * TILE + tl.arange(0, TILE)
-    live = (kv < context) & (kv >= first_kv)
+    live = kv < context
+    if SLIDING:   # a constexpr: full-attention kernels compile without the bound (registers)
+        live = live & (kv >= first_kv)
     entry = tl.load(table + kv // BLOCK_SIZE, mask=live, other=0)
     plain = live & (entry >= 0)
     quant = live & (entry < 0)
@@ -277,13 +280,16 @@ def _tile_rows(table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_he
 
 
 @_jit()
-def _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale):
+def _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale, SLIDING: tl.constexpr):
     """Online softmax over one tile of raw scores s [ROWS, TILE] -> (p, alpha, m_i, l_i); a row sees
     positions lo..pos (lo > 0 in a sliding-window layer).
 
     A row may see nothing in this tile or even this whole partition (an early query of a chunk, a
     padding row): subtracting 0 instead of a -inf max keeps exp2 at a clean 0 rather than NaN."""
-    s = tl.where((kv[None, :] <= pos[:, None]) & (kv[None, :] >= lo[:, None]), s * qk_scale, float("-inf"))
+    seen = kv[None, :] <= pos[:, None]
+    if SLIDING:
+        seen = seen & (kv[None, :] >= lo[:, None])
+    s = tl.where(seen, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_ref[:, None])
@@ -311,14 +317,14 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
                   stride_qd_blk, stride_qd_head, stride_qd_tok,
                   stride_sc_blk, stride_sc_head, stride_sc_tok, stride_sc_grp,
                   ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
+                  KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr, SLIDING: tl.constexpr):
     """v1: each tile's quantised K and V are dequantised into [TILE, HEAD_DIM // 2] halves that tl.dot
     takes as they are. Returns the partition's (m, l, acc_a, acc_b) over channel halves a and b."""
     ch_a, ch_b, q_a, q_b, m_i, l_i, acc_a, acc_b = _partition_start(q_ptr, q_off, row_ok, ROWS, HEAD_DIM, KV_MODE)
     for t in range(tile_begin, tile_end):
         kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
             table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
-            stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE)
+            stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE, SLIDING)
 
         # The quantised body is nearly every tile, so its loads stay unconditional (and free to be
         # software-pipelined); only the few tiles holding sink or window blocks visit the FP16 pool,
@@ -336,7 +342,7 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
             if has_plain:
                 s = _plain_scores(s, q_a, q_b, k_ptr, table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
                                   stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale, SLIDING)
 
         if KV_MODE == 0:
             v_a, v_b = _load_plain_tile(v_ptr, fp_off, plain, ch_a, ch_b, DTYPE)
@@ -425,7 +431,7 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
                   stride_qd_blk, stride_qd_head, stride_qd_tok,
                   stride_sc_blk, stride_sc_head, stride_sc_tok,
                   ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
+                  KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr, SLIDING: tl.constexpr):
     """v2 over a quantised pool: no dequantised K/V tile. Per group g of a quantised row,
         score = scale_g · (q_g · codes_g) + zero_g · Σ_{c∈g} q_c          (INT4; FP8: scale · (q · codes))
         acc_g += max(scale_g) · ((P ⊙ scale_g / max(scale_g)) · codes_g) + (P · zero_g) ⊗ 1
@@ -440,7 +446,7 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
     for t in range(tile_begin, tile_end):
         kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
             table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
-            stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE)
+            stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE, SLIDING)
         v_a, v_b = _codes_v2(vq_ptr, qd_off, quant, ch_a, ch_b, HEAD_DIM, KV_MODE, DTYPE)
         v_scale, v_zero = _record_v2(vs_ptr, sc_off, quant, TILE, NG, KV_MODE)
         k_a, k_b = _codes_v2(kq_ptr, qd_off, quant, ch_a, ch_b, HEAD_DIM, KV_MODE, DTYPE)
@@ -456,7 +462,7 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
         if has_plain:
             s = _plain_scores(s, q_a, q_b, k_ptr, table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
                               stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale, SLIDING)
 
         acc_a = acc_a * alpha[:, None]
         acc_b = acc_b * alpha[:, None]
@@ -494,7 +500,7 @@ def _paged_attention_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr,
-    LENGTHS: tl.constexpr, V2: tl.constexpr, TILE_MAP: tl.constexpr,
+    LENGTHS: tl.constexpr, V2: tl.constexpr, TILE_MAP: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """pos_ptr: each query's position, or with LENGTHS each decode sequence's length (position + 1).
     V2 picks `_partition_v2` for the tile loop (a quantised pool only), else `_partition_v1`.
@@ -528,8 +534,12 @@ def _paged_attention_kernel(
     context = tl.max(pos, 0) + 1
     # A sliding-window layer (window > 0): a row sees positions pos - window + 1 .. pos, and the tiles
     # wholly below every row's window are never read.
-    lo = tl.where(window > 0, pos - window + 1, 0)
-    first_kv = tl.maximum(tl.min(tl.where(row_ok, lo, context), 0), 0)
+    if SLIDING:   # (window > 0; a constexpr so that full-attention kernels carry no bound)
+        lo = pos - window + 1
+        first_kv = tl.maximum(tl.min(tl.where(row_ok, lo, context), 0), 0)
+    else:
+        lo = pos
+        first_kv = 0
     first_tile = first_kv // TILE
 
     # This partition's tiles: the tiles from the first one a row sees to the context's end, split into
@@ -546,14 +556,14 @@ def _paged_attention_kernel(
             k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr,
             stride_fp_blk, stride_fp_head, stride_fp_tok, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok,
-            ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
+            ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE, SLIDING)
     else:
         m_i, l_i, acc_a, acc_b = _partition_v1(
             q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
             k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
             stride_fp_blk, stride_fp_head, stride_fp_tok, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, stride_sc_grp,
-            ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
+            ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE, SLIDING)
 
     ch_a, ch_b = _channel_halves(HEAD_DIM, KV_MODE == 1)
     out_row = qi * stride_out_tok + q_head * stride_out_head
@@ -711,7 +721,8 @@ def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.T
         NUM_Q_HEADS=num_q_heads, GROUP_HEADS=group, GROUP_PAD=group_pad, BLOCK_M=block_m, ROWS=rows,
         BLOCK_SIZE=block_size, TILE=tile, HEAD_DIM=head_dim, KV_MODE=mode,
         QUANT_GROUP=pools.cfg.group_size if mode == _INT4 else 1, DTYPE=_tl_dtype(q.dtype), LENGTHS=lengths,
-        V2=cfg["variant"] == "v2" and mode != _FP16_ONLY, TILE_MAP=tiles is not None, **launch,
+        V2=cfg["variant"] == "v2" and mode != _FP16_ONLY, TILE_MAP=tiles is not None, SLIDING=window > 0,
+        **launch,
     )
     return out
 
