@@ -90,15 +90,16 @@ def test_eval_reference_scores_the_engine_against_the_files_own_weights(q4_0_eng
     assert engine["kld"] < 1e-5, engine
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_qwen_files_read_as_transformers_reads_them(arch, tmp_path):
-    """Every tensor the engine takes from a Qwen2 (q, k, v biased) or Qwen3 (q/k head norms) GGUF equals
-    transformers' reading of the file: no Llama row interleave undone, each name mapped."""
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_qwen_and_gemma3_files_read_as_transformers_reads_them(arch, tmp_path):
+    """Every tensor the engine takes from a Qwen2 (q, k, v biased), Qwen3 (q/k head norms) or Gemma 3 (four
+    norms a layer, stored as 1 + w) GGUF equals transformers' reading of the file: no Llama row interleave
+    undone, each name mapped, Gemma's norms shifted back."""
     from transformers import AutoModelForCausalLM
 
     path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch)
     ckpt = GGUFCheckpoint(path)
-    assert ckpt.model.qkv_bias == (arch == "qwen2") and ckpt.model.qk_norm == (arch == "qwen3")
+    assert ckpt.model.qkv_bias == (arch == "qwen2") and ckpt.model.qk_norm == (arch in ("qwen3", "gemma3"))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
     for name in ckpt.expected_shapes():
         if name.endswith("proj.weight"):
@@ -107,6 +108,41 @@ def test_qwen_files_read_as_transformers_reads_them(arch, tmp_path):
         else:
             got = ckpt.tensor(name)
         assert torch.equal(got, hf[name]), name
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf-gemma3") / "tiny-gemma3.gguf", arch="gemma3")
+
+
+def test_a_gemma3_file_reads_as_transformers_configures_it(tiny_gemma3):
+    """The file states the full layers' RoPE base and the window; the sliding layers' base (10,000), one
+    full layer in six and query_pre_attn_scalar 256 are transformers' Gemma 3 defaults."""
+    m = GGUFCheckpoint(tiny_gemma3).model
+    assert m.architecture == "Gemma3ForCausalLM" and m.sandwich_norms and m.tie_word_embeddings
+    assert m.sliding_layers == (0, 1, 2, 3, 4) and m.window_of(0) == 16 and m.window_of(5) == 0
+    assert (m.rope_theta, m.local_rope_theta, m.query_pre_attn_scalar) == (1e6, 1e4, 256.0)
+    assert (m.head_dim, m.norm_offset, m.hidden_act, m.embed_scale) == (32, 1.0, "gelu_tanh", 8.0)
+
+
+def test_gemma3_greedy_tokens_equal_transformers_on_the_gguf(build, tiny_gemma3):
+    """40 prompt tokens and 16 more: past two of the sliding layers' 16-position windows."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma3.parent, gguf_file=tiny_gemma3.name, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    engine_dir = build(checkpoint=str(tiny_gemma3), max_model_len=TINY_GGUF["context"], kv_cache_dtype="fp16")
+    engine = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu"))
+    # the file's own tokenizer: saved as a GemmaTokenizer, this file's byte-level vocabulary reloads without
+    # its byte alphabet (unknown pieces become id 0, which transformers' generate would take for padding)
+    ids = GGUFCheckpoint(tiny_gemma3).tokenizer(CALIBRATION_TEXT.read_text())["input_ids"][:40]
+    assert 0 not in ids
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                          do_sample=False)[0].tolist()[len(ids):]
+    out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
+    assert out.token_ids == ref
 
 
 def _w4_error_in_steps(ckpt: GGUFCheckpoint, name: str) -> float:
@@ -172,7 +208,7 @@ MALFORMED = {
     "shape": (lambda good, path: write_tiny_gguf(path, metadata={"feed_forward_length": 256}),
               "tensor 'blk.0.ffn_gate.weight' has shape [128, 64] but the metadata implies [256, 64]"),
     "architecture": (lambda good, path: write_tiny_gguf(path, arch="mamba"),
-                     "unsupported GGUF architecture 'mamba'; bie-trt reads llama, qwen2, qwen3"),
+                     "unsupported GGUF architecture 'mamba'; bie-trt reads gemma3, llama, qwen2, qwen3"),
 }
 
 
