@@ -13,6 +13,10 @@ from bie_trt.checkpoint.registry import BUILTIN, _gguf_path
 
 TINY_GGUF = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, context=1024)
 QWEN3_HEAD_DIM = 128   # q_size 512 over hidden 64, as Qwen3's head_dim is its own
+# Gemma 3: six layers (five sliding over 16 positions, then a full one: transformers' default pattern),
+# heads of 32 over hidden 64, its RoPE base for the full layers; the sliding layers' 10,000 is implied.
+GEMMA3_GGUF = {"block_count": 6, "attention.sliding_window": 16, "attention.key_length": 32,
+               "attention.value_length": 32, "rope.freq_base": 1_000_000.0, "attention.layer_norm_rms_epsilon": 1e-6}
 
 
 @lru_cache(maxsize=1)
@@ -40,7 +44,9 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
                     rope_freqs: np.ndarray | None = None) -> Path:
     """Linear weights in `linear_type`, the embedding and head in Q8_0, norms in F32. `metadata` overrides
     (or adds) header keys after the architecture prefix, e.g. {"feed_forward_length": 256}; `rope_freqs`
-    is written as llama.cpp writes Llama 3's RoPE scaling."""
+    is written as llama.cpp writes Llama 3's RoPE scaling. A gemma3 file has GEMMA3_GGUF's keys, a tied
+    head, four norms a layer and q/k head norms, each stored as llama.cpp's converter stores a Gemma
+    norm: 1 + w."""
     c = TINY_GGUF
     rng = np.random.default_rng(seed)
     tok = smollm2_tokenizer_fields()
@@ -51,7 +57,8 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
             "attention.head_count_kv": c["kv_heads"], "attention.layer_norm_rms_epsilon": 1e-5,
             "rope.freq_base": 10000.0, "vocab_size": vocab,
             # Qwen3 files state head_dim; transformers' GGUF reader ignores it and takes Qwen3's 128
-            **({"attention.key_length": QWEN3_HEAD_DIM} if arch == "qwen3" else {}), **(metadata or {})}
+            **({"attention.key_length": QWEN3_HEAD_DIM} if arch == "qwen3" else {}),
+            **(GEMMA3_GGUF if arch == "gemma3" else {}), **(metadata or {})}
     for key, value in keys.items():
         kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
         w.add_key_value(f"{arch}.{key}", value, kind)
@@ -62,6 +69,8 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
     w.add_token_merges(tok["ggml.merges"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if arch == "gemma3":   # transformers saves its tokenizer as a GemmaTokenizer, which needs one
+        w.add_unk_token_id(0)
     if chat_template:
         w.add_chat_template(tok["chat_template"])
     qtype = gguf.GGMLQuantizationType[linear_type]
@@ -76,23 +85,24 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
             w.add_tensor(name, gguf.quants.quantize(t, kind), raw_dtype=kind)
 
     h, i = c["hidden"], c["intermediate"]
-    d = QWEN3_HEAD_DIM if arch == "qwen3" else h // c["heads"]
+    d = keys.get("attention.key_length", h // c["heads"])
     add("token_embd.weight", rnd(vocab, h), gguf.GGMLQuantizationType.Q8_0)
-    add("output.weight", rnd(vocab, h), gguf.GGMLQuantizationType.Q8_0)
+    if arch != "gemma3":   # Gemma ties its head to the embedding
+        add("output.weight", rnd(vocab, h), gguf.GGMLQuantizationType.Q8_0)
     add("output_norm.weight", 1 + rnd(h), gguf.GGMLQuantizationType.F32)
     if rope_freqs is not None:
         add("rope_freqs.weight", rope_freqs.astype(np.float32), gguf.GGMLQuantizationType.F32)
     # llama.cpp interleaves a Llama's q/k rows for its RoPE; Qwen files keep transformers' order
     q_rows, k_rows = ((lambda w: _llama_cpp_permute(w, c["heads"]), lambda w: _llama_cpp_permute(w, c["kv_heads"]))
                       if arch == "llama" else (lambda w: w, lambda w: w))
-    for layer in range(c["layers"]):
+    for layer in range(keys["block_count"]):
         p = f"blk.{layer}."
         add(p + "attn_q.weight", q_rows(rnd(c["heads"] * d, h)), qtype)
         add(p + "attn_k.weight", k_rows(rnd(c["kv_heads"] * d, h)), qtype)
         if arch == "qwen2":
             for x, n in (("q", c["heads"] * d), ("k", c["kv_heads"] * d), ("v", c["kv_heads"] * d)):
                 add(p + f"attn_{x}.bias", rnd(n), gguf.GGMLQuantizationType.F32)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             for x in "qk":
                 add(p + f"attn_{x}_norm.weight", 1 + rnd(d), gguf.GGMLQuantizationType.F32)
         add(p + "attn_v.weight", rnd(c["kv_heads"] * d, h), qtype)
@@ -102,6 +112,9 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
         add(p + "ffn_down.weight", rnd(h, i), qtype)
         add(p + "attn_norm.weight", 1 + rnd(h), gguf.GGMLQuantizationType.F32)
         add(p + "ffn_norm.weight", 1 + rnd(h), gguf.GGMLQuantizationType.F32)
+        if arch == "gemma3":
+            for norm in ("post_attention_norm", "post_ffw_norm"):
+                add(p + f"{norm}.weight", 1 + rnd(h), gguf.GGMLQuantizationType.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

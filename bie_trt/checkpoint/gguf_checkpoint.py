@@ -37,6 +37,12 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# Gemma 3's four norms a layer: GGUF's ffn_norm is the one in front of the MLP, as in a Llama, but the
+# Hugging Face name of that one is pre_feedforward_layernorm (post_attention_layernorm follows attention).
+_GEMMA3_LAYER = _LAYER | {"post_attention_layernorm": "post_attention_norm",
+                          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+# llama.cpp's converter stores a Gemma norm's (1 + w) as its weight; the engine (as transformers) wants w.
+_NORM_SHIFT = {"gemma3": 1.0}
 # Types carried bit for bit, and those the engine rounds to W4 (or keeps in float) after the
 # `gguf` package dequantises them. Anything else is refused by name.
 EXACT_TYPES = ("Q4_0",)
@@ -53,13 +59,13 @@ _LLAMA3_FACTORS = (8.0, 32.0)
 _LLAMA3_ORIGINAL = 8192
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight (and the global tensors)."""
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     base, _, leaf = rest.rpartition(".")
-    return f"blk.{layer}.{_LAYER[base]}.{leaf}"
+    return f"blk.{layer}.{(_GEMMA3_LAYER if arch == 'gemma3' else _LAYER)[base]}.{leaf}"
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -157,11 +163,14 @@ class GGUFCheckpoint:
         if "rope_freqs.weight" in self.tensors:
             self._read_rope_freqs()
         self._check_tensors()
-        linear_types = {self.tensors[gguf_name(n)].tensor_type.name for n in self._linear_names()}
+        linear_types = {self.tensors[self._gguf(n)].tensor_type.name for n in self._linear_names()}
         group = GGUF_GROUP_SIZE if linear_types & set(_BLOCK32_TYPES) else default_weight_group_size(self.model)
         self.quant = QuantConfig(4, group, "gguf", True)
         # A Q4_1 / Q4_K block's minimum is a fractional zero point: carried as fp16 (the kernels' FLOAT_ZERO).
         self.float_zeros = bool(linear_types & set(_FLOAT_ZERO_TYPES))
+
+    def _gguf(self, name: str) -> str:
+        return gguf_name(name, self.meta.arch)
 
     # -- checks, before any weight is read --------------------------------------------------------
     def _fill_vocab(self) -> None:
@@ -205,6 +214,8 @@ class GGUFCheckpoint:
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face name -> [out, in] (nn.Linear orientation) of every tensor the engine reads."""
+        from ..build import layer_norms   # build imports this module; the norms' names are its
+
         m = self.model
         lin = {"self_attn.q_proj": (m.q_size, m.hidden_size), "self_attn.k_proj": (m.kv_size, m.hidden_size),
                "self_attn.v_proj": (m.kv_size, m.hidden_size), "self_attn.o_proj": (m.hidden_size, m.q_size),
@@ -218,7 +229,7 @@ class GGUFCheckpoint:
         for i in range(m.num_layers):
             p = f"model.layers.{i}."
             out.update({p + sub + ".weight": shape for sub, shape in lin.items()})
-            out[p + "input_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] = (m.hidden_size,)
+            out.update({p + norm + ".weight": (m.hidden_size,) for norm in layer_norms(m).values()})
             if m.qkv_bias:
                 for x, n in (("q", m.q_size), ("k", m.kv_size), ("v", m.kv_size)):
                     out[p + f"self_attn.{x}_proj.bias"] = (n,)
@@ -229,9 +240,9 @@ class GGUFCheckpoint:
     def _check_tensors(self) -> None:
         allowed = EXACT_TYPES + CARRIED_TYPES + REQUANTISED_TYPES + FLOAT_TYPES
         for name, shape in self.expected_shapes().items():
-            t = self.tensors.get(gguf_name(name))
+            t = self.tensors.get(self._gguf(name))
             if t is None:
-                raise CheckpointError(f"{self.path}: tensor {gguf_name(name)!r} is missing (the metadata implies "
+                raise CheckpointError(f"{self.path}: tensor {self._gguf(name)!r} is missing (the metadata implies "
                                       f"shape {list(shape)}).")
             found = tuple(int(d) for d in reversed(t.shape.tolist()))   # GGUF lists dims innermost first
             if found != shape:
@@ -244,12 +255,12 @@ class GGUFCheckpoint:
     # -- what was found and how it is converted -----------------------------------------------------
     def tensor_types(self) -> dict[str, int]:
         """GGUF type -> how many of the tensors the engine reads have it."""
-        return dict(sorted(Counter(self.tensors[gguf_name(n)].tensor_type.name
+        return dict(sorted(Counter(self.tensors[self._gguf(n)].tensor_type.name
                                    for n in self.expected_shapes()).items()))
 
     def conversion(self, lm_head_dtype: str) -> dict[str, Any]:
         """The manifest's record of what was carried exactly and what was rounded, by GGUF type."""
-        linear = Counter(self.tensors[gguf_name(n)].tensor_type.name for n in self._linear_names())
+        linear = Counter(self.tensors[self._gguf(n)].tensor_type.name for n in self._linear_names())
         G = self.quant.group_size
         head = "model.embed_tokens.weight" if self.model.tie_word_embeddings else "lm_head.weight"
         return {
@@ -262,7 +273,7 @@ class GGUFCheckpoint:
             "zeros": "fp16" if self.float_zeros else "uint8",
             "weight_group_size": G,
             "embedding": f"{self._type(self.tensors['token_embd.weight'])} -> fp16",
-            "lm_head": f"{self._type(self.tensors[gguf_name(head)])} -> {lm_head_dtype}"
+            "lm_head": f"{self._type(self.tensors[self._gguf(head)])} -> {lm_head_dtype}"
                        + (" (per-row scale)" if lm_head_dtype == "int8" else ""),
         }
 
@@ -272,7 +283,7 @@ class GGUFCheckpoint:
 
     # -- weights, one tensor per call ------------------------------------------------------------------
     def has(self, name: str) -> bool:
-        return gguf_name(name) in self.tensors
+        return self._gguf(name) in self.tensors
 
     def _rows(self, name: str, n: int) -> torch.Tensor | None:
         """The row order undoing llama.cpp's q/k interleave (Llama GGUFs only), or None."""
@@ -288,9 +299,11 @@ class GGUFCheckpoint:
         """The tensor `name` (Hugging Face naming) as float32, dequantised by the `gguf` package."""
         import gguf
 
-        t = self.tensors[gguf_name(name)]
+        t = self.tensors[self._gguf(name)]
         # a copy: an F32 tensor dequantises to a read-only view of the memory-mapped file
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        if name.endswith("norm.weight") and self.meta.arch in _NORM_SHIFT:
+            w -= _NORM_SHIFT[self.meta.arch]
         rows = self._rows(name, w.shape[0])
         return w if rows is None else w[rows]
 
@@ -301,7 +314,7 @@ class GGUFCheckpoint:
         qkv or gate_up is one tensor)."""
         from ..kernels.w4_layout import awq_to_w4, pack_w4
 
-        t = self.tensors[gguf_name(name)]
+        t = self.tensors[self._gguf(name)]
         kind = t.tensor_type.name
         if kind in _BLOCK32_TYPES:
             q, scales, zeros = _decode_blocks(kind, np.array(t.data), int(t.shape[1]))

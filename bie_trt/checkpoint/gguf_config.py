@@ -67,11 +67,27 @@ def _decoder(meta: GGUFMeta, hf_arch: str, model_type: str) -> dict[str, Any]:
     return hf
 
 
-# GGUF architecture -> its config builder. Gemma 3 ("gemma3") is added here with its model.
+def _gemma3(meta: GGUFMeta) -> dict[str, Any]:
+    """Gemma 3 as transformers' GGUF loader reads it: the file states the full layers' RoPE base
+    (rope.freq_base) and the window; what it leaves out (the sliding layers' base 10,000, one full layer
+    in six, query_pre_attn_scalar 256, GELU-tanh) takes Gemma3TextConfig's defaults (config_gemma3.py)."""
+    hf = _decoder(meta, "Gemma3ForCausalLM", "gemma3_text")
+    if meta.get("rope.freq_base") is None:
+        del hf["rope_theta"]   # Gemma 3's own default (1,000,000), not the Llama one
+    head_dim, value_dim = hf["head_dim"], meta.get("attention.value_length")
+    if value_dim is not None and int(value_dim) != head_dim:
+        raise CheckpointError(f"{meta.source}: gemma3.attention.value_length {value_dim} differs from key_length "
+                              f"{head_dim}; Gemma 3's heads have one size.")
+    hf["sliding_window"] = int(meta.need("attention.sliding_window"))
+    return hf
+
+
+# GGUF architecture -> its config builder.
 GGUF_ARCHITECTURES: dict[str, Callable[[GGUFMeta], dict[str, Any]]] = {
     "llama": lambda meta: _decoder(meta, "LlamaForCausalLM", "llama"),
     "qwen2": lambda meta: _decoder(meta, "Qwen2ForCausalLM", "qwen2") | {"attention_bias": True},
     "qwen3": lambda meta: _decoder(meta, "Qwen3ForCausalLM", "qwen3"),
+    "gemma3": _gemma3,
 }
 
 
