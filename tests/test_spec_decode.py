@@ -46,7 +46,7 @@ def plain(smollm2_engine):
 
 @pytest.fixture(scope="module")
 def spec(smollm2_engine):
-    return make(smollm2_engine, {"method": "ngram", "num_speculative_tokens": 5})
+    return make(smollm2_engine, {"method": "ngram", "num_speculative_tokens": 5, "adaptive": True})
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def set_costs(engine: BieEngine, proposal_ratio: float) -> None:
 def test_adaptive_gamma_steps_aside_and_back_and_changes_no_token(spec, expected):
     """Proposing made to look 50 plain steps dear: the requests decode plainly (no probes either: nothing could
     pay); made free: they speculate. The tokens are plain decoding's either way."""
-    assert spec.adaptive is not None   # on by default
+    assert spec.adaptive is not None
     steps = spec.adaptive.steps_by_gamma
     short = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)   # greedy: the first 10 of `expected`
     set_costs(spec, 50.0)
@@ -207,6 +207,12 @@ def test_bad_speculative_configs_say_what_is_wrong(bad, message):
         SpeculativeConfig.parse(bad)
 
 
+def test_adaptive_gamma_is_the_drafts_default_and_not_lookups():
+    assert SpeculativeConfig("draft_model").adaptive and not SpeculativeConfig("ngram").adaptive
+    assert SpeculativeConfig.parse({"method": "ngram", "adaptive": True}).adaptive
+    assert not SpeculativeConfig.parse({"method": "draft_model", "adaptive": False}).adaptive
+
+
 def test_the_default_comes_from_the_manifest_else_a_draft_else_off(tmp_path):
     assert resolve_speculative(None, {}, tmp_path) == SpeculativeConfig("none")
     stored = {"method": "ngram", "num_speculative_tokens": 3}
@@ -222,7 +228,7 @@ def test_generate_cli_speculates_and_reports_it(smollm2_engine):
     prompt = "Repeat after me: one two three four, one two three four, one two"
     res = CliRunner().invoke(main, ["generate", "--engine", str(smollm2_engine), "--prompt", prompt, "--max-tokens",
                                     "12", "--temperature", "0", "--device", "cpu", "--json",
-                                    "--speculative-config", '{"method": "ngram"}'])
+                                    "--speculative-config", '{"method": "ngram", "adaptive": true}'])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["spec_decode"]["num_accepted_tokens"] > 0
