@@ -41,7 +41,7 @@ INVALID = [
     {"prompt": "Hi", "max_tokens": True},
     {"prompt": "Hi", "temperature": 7},
     {"prompt": ["Hi", 3]},
-    {"prompt": "Hi", "max_tokens": 10 ** 9},
+    {"prompt": "Hi", "max_tokens": -1},   # (10 ** 9 is valid: clamped to what the context leaves)
     {"messages": [{"role": "robot", "content": "hi"}]},
     {"messages": [{"role": "user", "content": None}]},
     {"messages": []},
