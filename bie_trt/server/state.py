@@ -7,8 +7,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import anyio
-
 from ..executor.engine import BieEngine
 from ..executor.streams import RequestStream
 from ..reasoning import resolve_parser
@@ -17,8 +15,6 @@ from .limits import longest_token_chars, min_tokens
 from .metrics import Metrics
 from .response_store import DEFAULT_CAPACITY, ResponseStore
 from .sealing import ReasoningSeal
-
-EVENT_WAITERS = 1024      # threads waiting for engine events (one per streaming choice in flight)
 
 
 @dataclass
@@ -52,17 +48,11 @@ class ServerState:
         self.capacity = math.inf if waiting is None else engine.scheduler.max_num_seqs + waiting
         self.in_flight = 0
         self.live: set[RequestStream] = set()   # the engine requests of every HTTP request in flight
-        self._waiters: anyio.CapacityLimiter | None = None
         self.responses = ResponseStore(self.options.response_store_size)
         self.seal = ReasoningSeal.from_environment(self.options.reasoning_key)
 
     def decode(self, token: int) -> str:
         return self.engine.tokenizer.decode([token])
-
-    def waiters(self) -> anyio.CapacityLimiter:
-        if self._waiters is None:   # made inside the event loop, on first use
-            self._waiters = anyio.CapacityLimiter(EVENT_WAITERS)
-        return self._waiters
 
     def check_fits(self, texts: list[str], chat: bool) -> None:
         """Refuses a prompt whose length alone rules out the context, before it is tokenised."""
