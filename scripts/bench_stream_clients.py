@@ -4,7 +4,8 @@ Starts `bie-trt serve` on a free 127.0.0.1 port in a child process (CPU), then r
 streamed completions over real HTTP (httpx, server-sent events), each asking for the same number of tokens
 (ignore_eos). The server's threads are read from /proc/PID/task: before the first round, every 20 ms during
 the rounds (the most seen), and a second after the last. Tokens/s is all rounds' completion tokens over their
-wall time; time to first token is per request, from sending it to its first streamed token.
+wall time (on a shared machine it moves with the load: the server's CPU seconds per token do not, and are
+reported beside it); time to first token is per request, from sending it to its first streamed token.
 
     python scripts/bench_stream_clients.py --label after --out benchmarks/results/stream_clients_cpu.json
 
@@ -57,6 +58,12 @@ def free_port() -> int:
 
 def threads_of(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU time so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class ThreadWatch:
@@ -133,16 +140,19 @@ def run(engine: Path, clients: int, max_tokens: int, count: int) -> dict:
             if time.time() > deadline:
                 raise SystemExit("the server did not start within 300 s")
             time.sleep(0.2)
-        before = threads_of(server.pid)
+        before, cpu = threads_of(server.pid), cpu_seconds(server.pid)
         with ThreadWatch(server.pid) as watch:
             result = asyncio.run(rounds(base, clients, max_tokens, count))
+        cpu = cpu_seconds(server.pid) - cpu
         time.sleep(1.0)
         after = threads_of(server.pid)
     finally:
         server.terminate()
         server.wait(timeout=60)
     return {"clients": clients, "max_tokens": max_tokens, "rounds": count,
-            "server_threads": {"before": before, "during_max": watch.most, "after": after}, **result}
+            "server_threads": {"before": before, "during_max": watch.most, "after": after},
+            # the server's CPU time per token: what the request path costs, whatever else loads the machine
+            "server_cpu_s": round(cpu, 3), "tokens_per_server_cpu_s": round(result["tokens"] / cpu, 2), **result}
 
 
 def main() -> None:

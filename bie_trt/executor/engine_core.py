@@ -28,13 +28,13 @@ from ..templates import load_tokenizer
 from .block_manager import BlockManager
 from .disk_blocks import load_from_disk, open_disk_tier, persist_prompt
 from .model_runner import ModelRunner
-from .outputs import RequestOutput, StreamEvent, Usage
+from .outputs import StreamEvent
 from .request_builder import RequestBuilder
 from .sampler import sample_step
 from .scheduler import Scheduler, check_progress, step_budget
 from .sequence import Sequence
 from .speculation import Speculation
-from .streams import RequestState
+from .request_state import RequestState
 
 Event = tuple[RequestState, StreamEvent | Exception]
 
@@ -155,7 +155,8 @@ class EngineCore:
                  had_lookahead: bool) -> Event:
         """Append the new tokens, let the scheduler account for what the cache now holds, -> the event."""
         seq, prefilled = request.seq, not request.seq.output_ids
-        new, delta, reason = self._append(request, tokens)
+        new, delta, reason = request.append(tokens, self.requests.eos_ids, self.max_model_len)
+        self.generation_tokens += len(new)
         # K/V hold for the pending token and the accepted proposals: as many as were appended when the
         # request stopped inside the run (its blocks are freed just after; prefix caching keeps them).
         self.scheduler.postprocess(seq, min(len(tokens), len(new) + 1) if verified else n, had_lookahead)
@@ -165,41 +166,5 @@ class EngineCore:
             seq.logprobs += tops[:len(new)]
         if reason:
             self._end(request, reason)
-        return request, StreamEvent(delta, new, reason, self._output(seq) if reason else None,
+        return request, StreamEvent(delta, new, reason, request.output(self.spec.output(seq)) if reason else None,
                                     tops[:len(new)] if seq.params.logprobs is not None else None)
-
-    def _append(self, request: RequestState, tokens: list[int]) -> tuple[list[int], str, str | None]:
-        """Append tokens one at a time, stopping exactly where decoding them one per step would.
-        -> (tokens appended, new text, finish reason)."""
-        seq, new, delta, reason = request.seq, [], "", None
-        for token in tokens:
-            seq.output_ids.append(token)
-            new.append(token)
-            if seq.constraint is not None:
-                seq.constraint.accept(token)
-            reason = self._finish_reason(seq, token)
-            # a stop token ends the text but is not part of it (OpenAI semantics)
-            text, hit = request.detok.update(seq, final=reason is not None, drop_last=reason == "stop")
-            delta, reason = delta + text, "stop" if hit else reason
-            if reason:
-                break
-        seq.first_token_time = seq.first_token_time or time.perf_counter()
-        self.generation_tokens += len(new)
-        return new, delta, reason
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.requests.eos_ids):
-            return "stop"
-        if seq.constraint is not None and seq.constraint.finished:   # the grammar took a stop token
-            return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        now, n, first = time.perf_counter(), len(seq.output_ids), seq.first_token_time
-        rate = (n - 1) / (now - first) if n > 1 and now > first else 0.0
-        return RequestOutput(seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), seq.finish_reason,
-                             Usage(len(seq.prompt_ids), n, seq.num_prompt_cached or 0), first - seq.arrival_time, rate,
-                             list(seq.logprobs) if seq.params.logprobs is not None else None, self.spec.output(seq))

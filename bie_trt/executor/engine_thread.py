@@ -8,7 +8,8 @@ import threading
 from typing import Callable
 
 from .engine_core import EngineCore
-from .streams import RequestState, RequestStream, deliver
+from .request_state import RequestState
+from .streams import RequestStream, deliver
 
 
 class EngineThread:

@@ -14,7 +14,7 @@ from ..structured import GrammarCompiler, LogitsConstraint
 from ..thinking_budget import ThinkingBudget
 from .prompts import check_prompt_ids
 from .sequence import Detokenizer, Sequence
-from .streams import RequestState
+from .request_state import RequestState
 
 
 def stop_token_ids(cfg: ModelConfig, tokenizer) -> set[int]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from .outputs import StreamEvent
-from .sequence import Detokenizer, Sequence
+
+if TYPE_CHECKING:
+    from .request_state import RequestState
 
 
 class Mailbox:
@@ -80,34 +81,6 @@ def deliver(events: Iterable[tuple[Mailbox, object]]) -> None:
         call_in_loop(loop, _put_all, items)
 
 
-@dataclass(eq=False)
-class RequestState:
-    """A request as the loop holds it: its sequence, its text so far, and the events its stream reads."""
-
-    seq: Sequence
-    detok: Detokenizer
-    events: Mailbox = field(default_factory=Mailbox)
-    done: threading.Event = field(default_factory=threading.Event)   # set once its blocks are free
-    _watchers: list[Callable[[], None]] = field(default_factory=list)
-
-    def finish(self) -> None:
-        """On the loop thread, once the request's blocks are free: wake whoever waits for that."""
-        with _WATCH_LOCK:
-            self.done.set()
-            watchers, self._watchers = self._watchers, []
-        for wake in watchers:
-            wake()
-
-    def on_finish(self, wake: Callable[[], None]) -> bool:
-        """Call `wake` (on the loop thread) when the request finishes; False, and no call, if it has."""
-        with _WATCH_LOCK:
-            if self.done.is_set():
-                return False
-            self._watchers.append(wake)
-            return True
-
-
-_WATCH_LOCK = threading.Lock()
 _CLOSED = object()   # wakes a reader blocked on a closed stream
 
 

@@ -7,7 +7,6 @@ import time
 import uuid
 from typing import Any, Callable
 
-import anyio
 import jinja2
 import pydantic
 from fastapi import Request
@@ -75,7 +74,7 @@ async def completions(state: ServerState, req: CompletionRequest, http: Request)
     for p in prompts:
         if isinstance(p, str):
             state.check_fits([p], chat=False)
-    ids = [await anyio.to_thread.run_sync(engine.encode, p, False) for p in prompts]
+    ids = [await state.prepare(engine.encode, p, False) for p in prompts]
     streams = await submit(state, ids, req, req.max_tokens, req.logprobs, chat=False)
     # echo: each choice's text starts with its prompt (token-id prompts decoded)
     echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if req.echo else "" for p in prompts]
@@ -137,8 +136,8 @@ async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], 
                             "function, response_format, structured_outputs): a constraint shapes the whole reply, "
                             "not the rest of one begun; send one of them.", "continue_final_message")
     try:
-        ids = await anyio.to_thread.run_sync(state.engine.encode_chat, messages, tools.tools,
-                                             req.chat_template_kwargs, req.continue_final_message)
+        ids = await state.prepare(state.engine.encode_chat, messages, tools.tools, req.chat_template_kwargs,
+                                  req.continue_final_message)
     except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
         raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
     return ids, tools

@@ -158,7 +158,7 @@ async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequ
         return streams
 
     try:
-        started = await anyio.to_thread.run_sync(start)
+        started = await state.prepare(start)
     except BaseException:
         state.in_flight -= count
         raise
