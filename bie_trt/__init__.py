@@ -2,9 +2,10 @@
 from .config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams, SpeculativeConfig, StructuredOutputs
 from .errors import BieError, CheckpointError, EngineError, PlanError, RequestError
 from .executor.engine import BieEngine
+from .executor.engine_core import EngineCore
 from .executor.outputs import ChatOutput, RequestOutput, StreamEvent
 
 __all__ = [
-    "BieEngine", "ChatOutput", "EngineConfig", "SamplingParams", "KVCacheConfig", "ModelConfig", "RequestOutput",
+    "BieEngine", "ChatOutput", "EngineCore", "EngineConfig", "SamplingParams", "KVCacheConfig", "ModelConfig", "RequestOutput",
     "SpeculativeConfig", "StreamEvent", "StructuredOutputs", "BieError", "CheckpointError", "EngineError", "PlanError", "RequestError",
 ]

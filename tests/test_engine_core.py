@@ -7,8 +7,7 @@ import threading
 
 import pytest
 
-from bie_trt import EngineConfig, SamplingParams
-from bie_trt.executor.engine_core import EngineCore
+from bie_trt import EngineConfig, EngineCore, SamplingParams
 from bie_trt.executor.engine_stats import engine_stats
 
 PROMPTS = [[1, 504, 3458, 314, 253], [1, 2683, 2115, 253, 655, 28, 1115], [1, 47, 48, 49]]
