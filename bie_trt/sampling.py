@@ -37,16 +37,22 @@ def make_generator(params: SamplingParams, fallback_seed: int, device: torch.dev
     return g
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on `device`, copied without waiting (`torch.tensor(..., device=cuda)` would wait
+    for the stream: a sync)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _column(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A per-row parameter as a [B, 1] tensor beside the logits (a host-to-device copy, no sync)."""
-    return torch.tensor(values, dtype=dtype or like.dtype, device=like.device)[:, None]
+    """A per-row parameter as a [B, 1] tensor beside the logits."""
+    return to_device(values, dtype or like.dtype, like.device)[:, None]
 
 
 def _rows_and_ids(lists: list[tuple[int, list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """[(row, token ids)] -> (row index of each id, the ids), flat, for indexing a [B, V] tensor at once."""
     rows = [row for row, ids in lists for _ in ids]
     ids = [i for _, ids in lists for i in ids]
-    return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(ids, dtype=torch.long, device=device))
+    return to_device(rows, torch.long, device), to_device(ids, torch.long, device)
 
 
 def penalise_rows(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
@@ -167,12 +173,18 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def exponential(hashes: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> Exp(1) draws, float32, all finite and > 0: a masked token's p = 0 over E = 0 would be
+    NaN, which argmax takes. The top 23 bits plus a half are exact in float32 and their uniform stays below
+    1 - 2**-24, whose log is not 0 (24 bits plus a half would round the largest to 1.0)."""
+    return -torch.log(((hashes >> 9).float() + 0.5) * 2.0 ** -23)
+
+
 def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys [B, 2] int64 (`race_key`s) -> E [B, vocab] float32, Exp(1) draws that are a function of (key,
     token id) alone."""
     ids = torch.arange(vocab, dtype=torch.long, device=keys.device)
-    bits = _mix32(_mix32(ids ^ keys[:, :1]) ^ keys[:, 1:]) >> 8   # 24 bits: exact in float32
-    return -torch.log((bits.float() + 0.5) * 2.0 ** -24)
+    return exponential(_mix32(_mix32(ids ^ keys[:, :1]) ^ keys[:, 1:]))
 
 
 def sample_rows(processed: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor | None) -> torch.Tensor:
@@ -183,7 +195,7 @@ def sample_rows(processed: torch.Tensor, params: list[SamplingParams], keys: tor
     drawn = [i for i, p in enumerate(params) if p.temperature != 0]
     if drawn:
         every = len(drawn) == len(params)
-        at = slice(None) if every else torch.tensor(drawn, device=processed.device)
+        at = slice(None) if every else to_device(drawn, torch.long, processed.device)
         probs = probability_rows(processed[at], [params[i] for i in drawn])
         tokens[at] = (probs / race_noise(keys[at], processed.shape[-1])).argmax(-1)
     return tokens
@@ -208,5 +220,5 @@ def top_logprobs_of(row: list[float], token: int, n: int) -> dict[int, float]:
 
 def top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
     """The top n and the sampled token's log-probabilities of one row [V], in one transfer from its device."""
-    row = logprob_rows(logits[None], torch.tensor([token], device=logits.device), [n])[0].tolist()
+    row = logprob_rows(logits[None], to_device([token], torch.long, logits.device), [n])[0].tolist()
     return top_logprobs_of(row, token, n)

@@ -224,9 +224,9 @@ def apply_constraints(logits: torch.Tensor, rows: list[RowConstraint | None]) ->
         keep = has_grammar.to(device, non_blocking=True) & ~torch.isfinite(banned).any(-1)
         logits.copy_(torch.where(keep[:, None], logits, banned))
     if forced := [(i, r.forced) for i, r in enumerate(rows) if r is not None and r.forced is not None]:
-        at = torch.tensor([i for i, _ in forced], device=device)
+        at = torch.tensor([i for i, _ in forced]).to(device, non_blocking=True)
         logits[at] = float("-inf")   # the budget is spent: the end of thinking, whatever the model prefers
-        logits[at, torch.tensor([t for _, t in forced], device=device)] = 0.0
+        logits[at, torch.tensor([t for _, t in forced]).to(device, non_blocking=True)] = 0.0
     return logits
 
 

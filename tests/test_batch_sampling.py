@@ -10,8 +10,8 @@ import torch
 from bie_trt.config import SamplingParams
 from bie_trt.executor.sampler import sample_step
 from bie_trt.executor.sequence import Sequence
-from bie_trt.sampling import (apply_penalties, make_generator, penalise_rows, probabilities, process_logits, race_key,
-                              race_noise, sample_next, top_logprobs)
+from bie_trt.sampling import (apply_penalties, exponential, make_generator, penalise_rows, probabilities, process_logits,
+                              race_key, race_noise, sample_next, top_logprobs)
 from bie_trt.structured import LogitsConstraint, RowConstraint, apply_constraints
 
 V = 300
@@ -102,6 +102,15 @@ def test_the_race_follows_the_distribution():
     dof = int(kept.sum()) - 1
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
     assert p_value > 1e-3, (p_value, counts.tolist(), expected.tolist())
+
+
+def test_the_noise_is_finite_and_positive_at_both_ends_of_the_hash():
+    """E = 0 at the largest hash would make a masked token's 0 / E a NaN, which argmax picks: a token outside
+    the grammar."""
+    e = exponential(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1]))
+    assert bool(torch.isfinite(e).all()) and bool((e > 0).all()), e.tolist()
+    p = torch.tensor([0.0, 1.0, 0.0])   # a grammar allows only token 1
+    assert int((p / exponential(torch.tensor([2**32 - 1, 7, 2**32 - 1]))).argmax()) == 1
 
 
 def test_logprobs_of_a_batch_are_each_rows_own():

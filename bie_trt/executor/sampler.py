@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import logprob_rows, penalise_rows, race_key, sample_rows, top_logprobs_of
+from ..sampling import logprob_rows, penalise_rows, race_key, sample_rows, to_device, top_logprobs_of
 from ..structured import RowConstraint, apply_constraints
 from .sequence import Sequence
 
@@ -25,13 +25,13 @@ def sample_step(seqs: list[Sequence], rows: list[torch.Tensor], constraints: lis
     penalise_rows(logits, params, [seq.prompt_ids for seq in seqs], [seq.output_ids for seq in seqs])
     keys = None
     if any(p.temperature != 0 for p in params):
-        keys = torch.tensor([race_key(seq.generator.initial_seed(), len(seq.output_ids)) for seq in seqs],
-                            dtype=torch.long).to(logits.device, non_blocking=True)
+        keys = to_device([race_key(seq.generator.initial_seed(), len(seq.output_ids)) for seq in seqs], torch.long,
+                         logits.device)
     tokens = sample_rows(logits, params, keys)
     if not asking:
         return tokens.tolist(), [None] * len(seqs)   # the step's one read back
     counts = [params[i].logprobs for i in asking]
-    at = torch.tensor(asking, device=raw.device)
+    at = to_device(asking, torch.long, raw.device)
     logprobs = logprob_rows(raw[at], tokens[at], counts)
     host = torch.cat([tokens.double(), logprobs.flatten()]).tolist()   # the step's one read back
     ids, width = [int(t) for t in host[:len(seqs)]], logprobs.shape[1]
