@@ -114,12 +114,12 @@ def run_self_draft_part(args: argparse.Namespace) -> dict:
     for task, prompt in list(self_draft_prompts(text).items())[:1 if args.smoke else None]:
         row: dict = {"task": task}
         for name, engine in engines.items():
-            draft = engine.runner.manifest["draft"]
+            draft = engine.runner.manifest.draft
             out = engine.generate(prompt, params)
             s = out.spec_decode
             row["prompt_tokens"] = out.usage.prompt_tokens
-            row[name] = {"draft_vocab_size": draft["vocab_size"], "request_vocab": draft.get("request_vocab", 0),
-                         "draft_window": draft["window"],
+            row[name] = {"draft_vocab_size": draft.vocab_size, "request_vocab": draft.request_vocab,
+                         "draft_window": draft.window,
                          **s, "acceptance_rate": s["num_accepted_tokens"] / max(s["num_draft_tokens"], 1)}
             row.setdefault("tokens", out.token_ids)
             row[f"{name}_identical"] = out.token_ids == row["tokens"]

@@ -10,6 +10,7 @@ import torch
 from ..config import KVCacheConfig, ModelConfig, SamplingParams
 
 if TYPE_CHECKING:
+    from ..engine_format import Manifest
     from ..executor.cuda_graphs import DecodeGraphs
     from ..structured import LogitsConstraint
 
@@ -64,7 +65,7 @@ class TargetRuntime(Protocol):
     dtype: torch.dtype
     kv_config: KVCacheConfig
     model_config: ModelConfig      # the target's: its vocab_size is the proposals' length
-    manifest: dict
+    manifest: Manifest
     max_num_seqs: int
     chunked_prefill_size: int
     graphs: DecodeGraphs | None    # the target's CUDA graphs (None: eager), whose batch sizes and pool a draft shares
