@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -97,8 +98,12 @@ def _stderr_lines(result) -> list[str]:
 
 def test_replicas_refuse_a_context_above_the_engines_like_one_engine(tiny_engine):
     limit = read_manifest(tiny_engine).max_model_len
-    args = ["serve", str(tiny_engine), "--device", "cpu", "--max-model-len", str(limit + 1)]
-    one, many = CliRunner().invoke(main, args), CliRunner().invoke(main, args + ["--replicas", "2"])
+    with socket.socket() as taken:   # were the option let through, serving would stop at the bind, not run on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = ["serve", str(tiny_engine), "--device", "cpu", "--max-model-len", str(limit + 1),
+                "--port", str(taken.getsockname()[1])]
+        one, many = CliRunner().invoke(main, args), CliRunner().invoke(main, args + ["--replicas", "2"])
     assert one.exit_code == many.exit_code == 2
     assert _stderr_lines(one) == _stderr_lines(many) == [
         f"error: Invalid value for '--max-model-len': {limit + 1} is above this engine's {limit} (its memory plan "
