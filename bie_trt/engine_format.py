@@ -141,10 +141,12 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
     try:
         return _typed(path, manifest)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise EngineError(f"{path}: malformed ({type(e).__name__}: {e}); rebuild the engine with `bie-trt build`.") from None
+        raise EngineError(f"{path}: malformed ({type(e).__name__}: {e}); rebuild the engine with "
+                          f"`bie-trt build`.") from None
 
 
 def _typed(path: Path, m: dict[str, Any]) -> Manifest:
+    """The JSON as `build` writes it -> Manifest; KeyError/TypeError/ValueError where it is not."""
     plan, profile, target = m["plan"], m["profile"], m.get("target", {})
     inputs, source, draft = plan["inputs"], m["source"], m.get("draft")
     return Manifest(
@@ -160,8 +162,9 @@ def _typed(path: Path, m: dict[str, Any]) -> Manifest:
                          str(inputs.get("embedding_placement", "gpu")),
                          int(inputs.get("num_speculative_tokens") or 0), inputs),
         files=m["files"],
-        source=Source(str(source["checkpoint"]), int(source["weight_group_size"]), source.get("gguf")), w4_gemv_configs=(m.get("kernels") or {}).get("w4_gemv"),
-        triton_version=m.get("toolchain", {}).get("triton"), speculative=m.get("speculative"),
+        source=Source(str(source["checkpoint"]), int(source["weight_group_size"]), source.get("gguf")),
+        w4_gemv_configs=(m.get("kernels") or {}).get("w4_gemv"), triton_version=m.get("toolchain", {}).get("triton"),
+        speculative=m.get("speculative"),
         draft=None if draft is None else DraftInfo(
             str(draft["name"]), ModelConfig.from_dict(draft["config"]), int(draft["vocab_size"]),
             int(draft.get("request_vocab", 0)), int(draft["sink_tokens"]), int(draft["window"])),
