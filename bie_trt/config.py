@@ -38,7 +38,7 @@ class RopeScaling:
     """RoPE frequency scaling as config.json states it; `None` on ModelConfig means plain RoPE.
 
     "llama3" (Llama-3.1) uses low/high_freq_factor; "yarn" uses beta_fast/beta_slow and an attention
-    factor on cos/sin, given directly or derived from factor, mscale and mscale_all_dim (model/rope.py).
+    factor on cos/sin, given directly or derived from factor, mscale and mscale_all_dim (kernels/rope.py).
     None keeps a field unset, as transformers reads it."""
 
     factor: float
@@ -250,7 +250,7 @@ class KVCacheConfig:
     sink_tokens: int = 8
     window: int = 128
     rotation: str = "hadamard"
-    # Subtract the engine's calibrated mean key before quantising (kv/centering.py); exact for attention.
+    # Subtract the engine's calibrated mean key before quantising (builder/key_centering.py); exact for attention.
     # Off by default: it lowers KL divergence but not perplexity (docs/kv-cache-quality.md).
     key_centering: bool = False
     block_size: int = 16

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import engine_format as ef
-from .checkpoint.registry import cache_dir
+from .builder.checkpoint.registry import cache_dir
 from .errors import EngineError
 
 LEDGER = "verified-files.json"

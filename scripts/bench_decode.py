@@ -25,7 +25,7 @@ import torch
 from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.model_runner import quantise_blocks
-from bie_trt.executor.cuda_graphs import DecodeGraphs
+from bie_trt.model.cuda_graphs import DecodeGraphs
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools, encode_quant_block
 from bie_trt.model.llama import LlamaModel, SeqInput

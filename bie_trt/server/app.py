@@ -23,13 +23,13 @@ from fastapi import FastAPI, Request
 
 from ..executor.engine import BieEngine
 from . import cache_routes, completions, info, messages, responses, tokens
-from .anthropic_protocol import CountTokensRequest, MessagesRequest
+from .protocols.anthropic import CountTokensRequest, MessagesRequest
 from .auth import ApiKeyMiddleware
 from .errors import install_error_handlers
 from .file_check import BackgroundFileCheck, DamagedEngineMiddleware
 from .limits import BodySizeLimit, default_max_request_bytes
-from .protocol import CacheRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .responses_protocol import ResponsesRequest
+from .protocols.openai import CacheRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocols.responses import ResponsesRequest
 from .state import ServerOptions, ServerState
 
 __all__ = ["ServerOptions", "ServerState", "create_app", "install_routes"]

@@ -11,7 +11,7 @@ import jinja2
 from ..errors import BieError
 from ..executor.cache_file import CacheFileError
 from .errors import ApiError
-from .protocol import CacheRequest
+from .protocols.openai import CacheRequest
 from .state import ServerState
 
 

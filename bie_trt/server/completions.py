@@ -16,13 +16,13 @@ from fastapi.responses import Response
 from ..errors import BieError
 from ..executor.outputs import RequestOutput, StreamEvent
 from ..executor.streams import RequestStream
-from ..executor.prompts import check_prompt
-from ..reasoning import ReasoningStream, split_reasoning
+from ..executor.prompt_checks import check_prompt
+from ..chat.reasoning import ReasoningStream, split_reasoning
 from .errors import ApiError
 from .generation import respond, submit, usage
-from .protocol import ChatRequest, CompletionRequest, describe_error
+from .protocols.openai import ChatRequest, CompletionRequest, describe_error
 from .state import ServerState
-from .structured import ParamError, ToolPlan, tool_plan
+from .reply_format import ParamError, ToolPlan, tool_plan
 
 MAX_REQUESTS = 64         # prompts x n in one HTTP request: each is a request on the loop
 

@@ -21,9 +21,9 @@ from ..executor.outputs import RequestOutput, StreamEvent
 from ..executor.streams import RequestStream
 from .errors import ApiError, error_body
 from .metrics import Metrics
-from .protocol import SamplingRequest
+from .protocols.openai import SamplingRequest
 from .state import ServerState
-from .structured import ParamError, ToolPlan, error_param, output_constraint
+from .reply_format import ParamError, ToolPlan, error_param, output_constraint
 
 DISCONNECT_POLL_S = 0.1   # how often a non-streamed request checks that its client is still there
 RETRY_AFTER_S = 1         # what a 503 (queue full) asks the client to wait

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..executor.outputs import RequestOutput, StreamEvent
-from .anthropic_protocol import CountTokensRequest, MessagesRequest, MessagesBody
+from .protocols.anthropic import CountTokensRequest, MessagesRequest, MessagesBody
 from .blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, call_input, reply_blocks
 from .completions import as_chat_request, chat_prompt, reasoning_start, start_chat
 from .errors import anthropic_error_body

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
-from ..executor.cuda_graphs import STEP_KINDS
+from ..model.cuda_graphs import STEP_KINDS
 from ..executor.outputs import EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4

@@ -19,13 +19,13 @@ from pydantic import BaseModel
 
 from ..errors import RequestError
 from ..executor.outputs import RequestOutput, StreamEvent
-from ..tool_calls import new_call_id
+from ..chat.tool_calls import new_call_id
 from .blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, assistant_message, reply_blocks
 from .completions import as_chat_request, reasoning_start, start_chat
 from .errors import ApiError, error_body
 from .generation import Wire, respond, typed_sse
 from .response_store import StoredResponse
-from .responses_protocol import ReasoningText, ResponsesRequest, input_messages
+from .protocols.responses import ReasoningText, ResponsesRequest, input_messages
 from .responses_tools import LOCAL_SHELL, Toolbox, call_input, shell_action
 from .sealing import ReasoningSeal, SealError
 from .state import ServerState

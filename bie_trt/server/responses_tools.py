@@ -19,8 +19,8 @@ import jsonschema
 from pydantic import Field
 
 from ..config import StructuredOutputs
-from ..tool_calls import CallCheck, ToolCall
-from .protocol import NAME_PATTERN, _Strict
+from ..chat.tool_calls import CallCheck, ToolCall
+from .protocols.openai import NAME_PATTERN, _Strict
 
 LOCAL_SHELL = "local_shell"
 HOSTED_TOOLS = frozenset({

@@ -11,7 +11,7 @@ import anyio
 
 from ..executor.engine import BieEngine
 from ..executor.streams import RequestStream
-from ..reasoning import resolve_parser
+from ..chat.reasoning import resolve_parser
 from .errors import ApiError
 from .limits import longest_token_chars, min_tokens
 from .metrics import Metrics

@@ -6,7 +6,7 @@ import jinja2
 
 from ..errors import BieError
 from .errors import ApiError
-from .protocol import DetokenizeRequest, TokenizeRequest
+from .protocols.openai import DetokenizeRequest, TokenizeRequest
 from .state import ServerState
 
 

@@ -10,8 +10,8 @@ import torch
 from ..config import KVCacheConfig, ModelConfig, SamplingParams
 
 if TYPE_CHECKING:
-    from ..executor.cuda_graphs import DecodeGraphs
-    from ..structured import LogitsConstraint
+    from ..model.cuda_graphs import DecodeGraphs
+    from ..logits_constraint import LogitsConstraint
 
 
 @dataclass

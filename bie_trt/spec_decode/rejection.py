@@ -19,7 +19,7 @@ from ..sampling import probabilities, process_logits
 from .proposer import Proposal
 
 if TYPE_CHECKING:
-    from ..structured import LogitsConstraint
+    from ..logits_constraint import LogitsConstraint
 
 
 def rejection_sample(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..config import ModelConfig
-from ..errors import CheckpointError
-from ..jsonio import read_json_object
+from ...config import ModelConfig
+from ...errors import CheckpointError
+from ...jsonio import read_json_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 LINEARS = {
@@ -151,7 +151,7 @@ class Checkpoint:
 
     def w4(self, name: str) -> dict[str, torch.Tensor]:
         """The linear `name` (`...q_proj.weight`) in the runtime's W4 layout, repacked from AWQ."""
-        from ..kernels.w4_layout import awq_to_w4
+        from ...kernels.w4_layout import awq_to_w4
 
         base = name.removesuffix(".weight")
         return awq_to_w4(*(self.tensor(base + s) for s in (".qweight", ".qzeros", ".scales")))

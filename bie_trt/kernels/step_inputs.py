@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.attention_ref import DensePrefills
+from .attention_ref import DensePrefills
 from ..plan import TILED_INPUT_ROWS
 
 # A step whose sequences each bring at most TILED_INPUT_ROWS rows (a speculative verify, with decodes

@@ -14,21 +14,21 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from . import engine_format as ef
+from .. import engine_format as ef
 from .checkpoint.gguf_checkpoint import GGUFCheckpoint, conversion_summary
 from .checkpoint.loader import TOKENIZER_FILES, Checkpoint
 from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
-from .config import KVCacheConfig, ModelConfig, SpeculativeConfig
-from .errors import BieError, CheckpointError, PlanError
-from .kernels.int8_rows import quantize_rows_int8
-from .kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
-from .model.llama import LlamaModel, fused_linear_shapes
-from .plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, solve_plan
-from .profiles import BuildProfile, resolve_profile
-from .spec_decode.draft_vocab import RANKING, reduced_vocabulary
-from .config_gemma3 import CHAT_TEMPLATE
-from .templates import has_chat_template, read_chat_template, render
+from ..config import KVCacheConfig, ModelConfig, SpeculativeConfig
+from ..errors import BieError, CheckpointError, PlanError
+from ..kernels.int8_rows import quantize_rows_int8
+from ..kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
+from ..model.llama import LlamaModel, fused_linear_shapes
+from ..plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, solve_plan
+from ..profiles import BuildProfile, resolve_profile
+from ..spec_decode.draft_vocab import RANKING, reduced_vocabulary
+from ..config_gemma3 import CHAT_TEMPLATE
+from ..chat.templates import has_chat_template, read_chat_template, render
 
 # Fused at build time: one GEMM reads the shared input once.
 FUSED = {
@@ -137,7 +137,7 @@ def _model_weights(ckpt: Checkpoint | GGUFCheckpoint, lm_head_dtype: str, head_r
 
 
 def calibrate_key_mean(model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path) -> torch.Tensor:
-    """The mean key each layer's KV heads subtract before quantising (kv/centering.py), measured by
+    """The mean key each layer's KV heads subtract before quantising (builder/key_centering.py), measured by
     running the repacked model once on the CPU in fp32 over a fixed text: the same on every host.
 
     Memory stays near one layer's dequantised weights: none is kept once used, and the lm_head is
@@ -145,7 +145,7 @@ def calibrate_key_mean(model: ModelConfig, weights: dict[str, torch.Tensor], tok
     them would need 4 bytes a parameter, 28 GB for an 8B."""
     from transformers import AutoTokenizer
 
-    from .kv.centering import calibration_ids, key_means
+    from .key_centering import calibration_ids, key_means
 
     ids = calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
     body = {name: t for name, t in weights.items() if not name.startswith("lm_head")}
@@ -157,7 +157,7 @@ def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> 
     go into the manifest and `run` uses them. Elsewhere (CPU builds, another GPU) nothing is tuned."""
     if profile.is_cpu or ef.present_gpu_sm() != profile.sm:
         return {}
-    from .kernels.triton_w4 import tune_w4
+    from ..kernels.triton_w4 import tune_w4
 
     return {"w4_gemv": {name: tune_w4(1, n, k, "cuda", group_size)
                         for name, (n, k) in fused_linear_shapes(model).items()}}
@@ -166,8 +166,8 @@ def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> 
 def compile_kernels(engine_dir: Path) -> None:
     """Load the finished engine on this GPU with Triton's cache pointed into it; loading warms the
     runner up (`ModelRunner.warm_up`), which compiles each kernel its steps launch."""
-    from .config import EngineConfig
-    from .executor.model_runner import ModelRunner
+    from ..config import EngineConfig
+    from ..executor.model_runner import ModelRunner
 
     with triton_cache_at(engine_dir / KERNELS_DIR):
         forget_compiled_kernels()   # tuning compiled the GEMVs in this process: compile them again, here

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..kv.pool import KVPools
-from ..model.llama import LlamaModel
-from ..model.step_inputs import TILE_ROWS, SeqInput, StepMetadata, StepTiles, write_blocks
+from .llama import LlamaModel
+from ..kernels.step_inputs import TILE_ROWS, SeqInput, StepMetadata, StepTiles, write_blocks
 from ..plan import verify_graph_buckets
 
 STEP_KINDS = ("decode", "verify")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 
 @dataclass(frozen=True)

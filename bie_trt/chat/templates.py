@@ -10,9 +10,9 @@ from typing import Any
 
 import jinja2
 
-from .errors import RequestError
+from ..errors import RequestError
 
-TEMPLATES_DIR = Path(__file__).parent / "data" / "templates"
+TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "data" / "templates"
 
 
 def render(name: str, **context) -> str:

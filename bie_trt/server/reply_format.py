@@ -10,8 +10,8 @@ from typing import Any
 
 from ..config import StructuredOutputs
 from ..errors import RequestError
-from ..tool_calls import CallCheck, ReplyParser, ToolsError, plan_tools
-from .protocol import ChatRequest, SamplingRequest
+from ..chat.tool_calls import CallCheck, ReplyParser, ToolsError, plan_tools
+from .protocols.openai import ChatRequest, SamplingRequest
 
 
 class ParamError(Exception):

@@ -19,9 +19,9 @@ from ..config import KVCacheConfig, SamplingParams
 from ..executor.block_manager import BlockManager
 from ..executor.sequence import Sequence
 from ..model.llama import LlamaModel
-from ..model.step_inputs import SeqInput
+from ..kernels.step_inputs import SeqInput
 from ..sampling import make_generator
-from .pool import allocate_pools
+from ..kv.pool import allocate_pools
 
 CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
 CALIBRATION_TOKENS = 512
