@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import engine_format as ef
-from .builder.checkpoint.registry import cache_dir
+from .user_cache import cache_dir
 from .errors import EngineError
 
 LEDGER = "verified-files.json"

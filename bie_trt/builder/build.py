@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from .. import engine_format as ef
 from .checkpoint.gguf_checkpoint import GGUFCheckpoint, conversion_summary
-from .checkpoint.loader import TOKENIZER_FILES, Checkpoint
+from .checkpoint.loader import TOKENIZER_FILES, Checkpoint, layer_norms
 from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
 from ..config import KVCacheConfig, ModelConfig, SpeculativeConfig
@@ -102,15 +102,6 @@ def _repack_layer(ckpt: Checkpoint | GGUFCheckpoint, i: int) -> dict[str, torch.
         out[f"layers.{i}.qkv.bias"] = torch.cat(
             [ckpt.tensor(p + f"self_attn.{x}_proj.bias") for x in "qkv"]).half()
     return out
-
-
-def layer_norms(m: ModelConfig) -> dict[str, str]:
-    """The engine's name of each of a layer's norms -> the checkpoint's. Gemma 3 has four: its
-    post_attention_layernorm follows the attention; pre_feedforward_layernorm is the one in front of the MLP."""
-    if m.sandwich_norms:
-        return {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
-                "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
-    return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
 def _lm_head(ckpt: Checkpoint | GGUFCheckpoint, dtype: str, rows: list[int] | None = None) -> dict[str, torch.Tensor]:

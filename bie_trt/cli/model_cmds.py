@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from . import main
+from .group import main
 from .options import (DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, NON_NEGATIVE, POSITIVE,
                       chat_template_kwargs_option, chat_template_option, device_option, host_kv_cache_option,
                       kv_options, speculative_config)

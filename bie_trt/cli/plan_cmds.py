@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from . import main
+from .group import main
 from ..config import KV_DTYPES, KVCacheConfig, ModelConfig
 from ..errors import CheckpointError, PlanError
 from ..jsonio import read_json_object

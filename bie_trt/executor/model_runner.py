@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .. import engine_format as ef
-from ..builder.checkpoint.registry import cache_dir
+from ..user_cache import cache_dir
 from ..config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
 from ..devices import available_host_memory as _available_memory, check_device_name, concrete
 from ..errors import EngineError

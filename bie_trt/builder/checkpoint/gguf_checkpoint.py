@@ -28,7 +28,7 @@ from ...errors import CheckpointError
 from ...plan import default_weight_group_size
 from ...kernels.awq import quantize_rtn
 from .gguf_config import GGUFMeta, hf_config_from_gguf
-from .loader import QuantConfig
+from .loader import QuantConfig, layer_norms
 
 # GGUF names of the tensors the engine reads, by their Hugging Face names.
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -214,8 +214,6 @@ class GGUFCheckpoint:
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face name -> [out, in] (nn.Linear orientation) of every tensor the engine reads."""
-        from ..build import layer_norms   # build imports this module; the norms' names are its
-
         m = self.model
         lin = {"self_attn.q_proj": (m.q_size, m.hidden_size), "self_attn.k_proj": (m.kv_size, m.hidden_size),
                "self_attn.v_proj": (m.kv_size, m.hidden_size), "self_attn.o_proj": (m.hidden_size, m.q_size),

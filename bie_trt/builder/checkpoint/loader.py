@@ -40,6 +40,15 @@ def text_tower_names(names) -> dict[str, str]:
     return out
 
 
+def layer_norms(m: ModelConfig) -> dict[str, str]:
+    """The engine's name of each of a layer's norms -> the checkpoint's. Gemma 3 has four: its
+    post_attention_layernorm follows the attention; pre_feedforward_layernorm is the one in front of the MLP."""
+    if m.sandwich_norms:
+        return {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
+    return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     bits: int
