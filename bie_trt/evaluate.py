@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from .config import EngineConfig, KVCacheConfig, SamplingParams
+from .config import EngineConfig, KVCacheConfig
+from .sampling_params import SamplingParams
 from .errors import BieError
 from .executor.block_manager import BlockManager
 from .executor.model_runner import ModelRunner

@@ -16,7 +16,7 @@ from typing import Iterable
 import torch
 
 from .closed_schema import close_schema
-from .config import SamplingParams, StructuredOutputs, check_json_schema
+from .sampling_params import SamplingParams, StructuredOutputs, check_json_schema
 from .errors import RequestError
 from .chat.thinking_budget import ThinkingBudget
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
+from bie_trt.config import KVCacheConfig, ModelConfig
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.model_runner import quantise_blocks
 from bie_trt.model.cuda_graphs import DecodeGraphs

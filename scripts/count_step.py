@@ -382,7 +382,8 @@ def draft_syncs(engine_dir: Path, gamma: int = 5, batches: tuple[int, ...] = (1,
     """`draft_round_syncs` of the engine's draft on the CPU at each batch size and temperature, its decode steps
     from static steps as on a GPU (run eagerly, as the CPU tests check them): the first round (the prompts run
     through the draft first), then one after a rejection."""
-    from bie_trt.config import EngineConfig, SamplingParams
+    from bie_trt.config import EngineConfig
+    from bie_trt.sampling_params import SamplingParams
     from bie_trt.executor.model_runner import ModelRunner
     from bie_trt.executor.sequence import Sequence
     from bie_trt.sampling import make_generator

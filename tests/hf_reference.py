@@ -9,7 +9,7 @@ import torch
 
 from bie_trt.kernels.awq import awq_dequantize
 from bie_trt.builder.checkpoint.loader import Checkpoint
-from bie_trt.config import SamplingParams
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.model_runner import ModelRunner

@@ -12,7 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
+from bie_trt.config import KVCacheConfig, ModelConfig
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.exact_rows import quantised_end, sink_blocks
 from bie_trt.executor.model_runner import copy_blocks, quantise_blocks

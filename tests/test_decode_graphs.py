@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bie_trt.config import KVCacheConfig, SamplingParams
+from bie_trt.config import KVCacheConfig
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.model.cuda_graphs import DecodeGraphs
 from bie_trt.executor.exact_rows import join_runs

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bie_trt.config import SamplingParams
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.sampling import make_generator, sample_next, top_logprobs
 
 PARAMS = [

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from bie_trt.builder.checkpoint.loader import Checkpoint
-from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.config import EngineConfig
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.executor.sequence import Sequence

@@ -10,7 +10,8 @@ import torch
 from click.testing import CliRunner
 
 from bie_trt.cli import main
-from bie_trt.config import EngineConfig, KVCacheConfig, SamplingParams
+from bie_trt.config import EngineConfig, KVCacheConfig
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.evaluate import evaluate
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.model_runner import ModelRunner, quantise_blocks

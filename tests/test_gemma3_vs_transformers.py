@@ -13,7 +13,8 @@ import torch
 from bie_trt.builder.checkpoint.loader import Checkpoint
 from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.builder.checkpoint.registry import resolve_checkpoint
-from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.config import EngineConfig
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.errors import CheckpointError
 from bie_trt.eval_texts import load_eval_text
 from bie_trt.executor.engine import BieEngine

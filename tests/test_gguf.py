@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from bie_trt.builder.build import BuildOptions, build_engine, write_tokenizer
 from bie_trt.builder.checkpoint.gguf_checkpoint import GGUFCheckpoint, _decode_blocks
 from bie_trt.cli import main
-from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.config import EngineConfig
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.builder.checkpoint.registry import resolve_checkpoint
 from bie_trt.errors import CheckpointError, RequestError
 from bie_trt.eval_texts import load_eval_text

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from bie_trt.builder.checkpoint.loader import Checkpoint
-from bie_trt.config import EngineConfig, KVCacheConfig, SamplingParams
+from bie_trt.config import EngineConfig, KVCacheConfig
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.evaluate import evaluate
 from bie_trt.executor.engine import BieEngine
 from bie_trt.kernels import triton_ops

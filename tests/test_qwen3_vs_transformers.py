@@ -9,7 +9,8 @@ import torch
 
 from bie_trt.builder.checkpoint.loader import Checkpoint
 from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
-from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.config import EngineConfig
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.executor.engine import BieEngine
 from bie_trt.kernels import triton_ops
 from bie_trt.builder.key_centering import CALIBRATION_TEXT

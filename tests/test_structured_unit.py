@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from bie_trt.config import SamplingParams, StructuredOutputs
+from bie_trt.sampling_params import SamplingParams, StructuredOutputs
 from bie_trt.errors import RequestError
 from bie_trt.sampling import make_generator, sample_next, top_logprobs
 from bie_trt.spec_decode.proposer import Proposal

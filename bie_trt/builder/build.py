@@ -28,7 +28,8 @@ from ..plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, s
 from ..profiles import BuildProfile, resolve_profile
 from ..spec_decode.draft_vocab import RANKING, reduced_vocabulary
 from ..config_gemma3 import CHAT_TEMPLATE
-from ..chat.templates import has_chat_template, read_chat_template, render
+from ..chat.templates import has_chat_template, read_chat_template
+from .engine_docs import render
 
 # Fused at build time: one GEMM reads the shared input once.
 FUSED = {

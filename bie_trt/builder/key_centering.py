@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import KVCacheConfig, SamplingParams
+from ..config import KVCacheConfig
+from ..sampling_params import SamplingParams
 from ..executor.block_manager import BlockManager
 from ..executor.sequence import Sequence
 from ..model.llama import LlamaModel

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..config import StructuredOutputs
+from ..sampling_params import StructuredOutputs
 from ..errors import RequestError
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"

@@ -219,7 +219,7 @@ def ci_workflow_cmd(profiles: str, checkpoint: str, python_version: str, out: Pa
       bie-trt verify engines/P
     and uploads engines/P as the artifact engine-P.
     """
-    from ..chat.templates import render  # lazy: jinja2 only for this command
+    from ..builder.engine_docs import render  # lazy: jinja2 only for this command
 
     names = [n.strip() for n in profiles.split(",") if n.strip()]
     if not names:

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from ..config import SamplingParams
+from ..sampling_params import SamplingParams
 from ..sampling import make_generator
 from .block_manager import BlockManager
 from .cache_file import CachedBlock

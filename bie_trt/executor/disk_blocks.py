@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
+from ..config import EngineConfig
+from ..sampling_params import SamplingParams
 from ..errors import EngineError
 from ..sampling import make_generator
 from .block_manager import BlockManager

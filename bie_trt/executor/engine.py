@@ -21,7 +21,8 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
+from ..config import EngineConfig
+from ..sampling_params import SamplingParams
 from ..config_gemma3 import STOP_TOKENS
 from ..errors import RequestError
 from ..plan import planned_step_tokens

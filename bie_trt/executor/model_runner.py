@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from .. import engine_format as ef
 from ..user_cache import cache_dir
-from ..config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
+from ..config import EngineConfig, KVCacheConfig, ModelConfig
+from ..sampling_params import SamplingParams
 from ..devices import available_host_memory as _available_memory, check_device_name, concrete
 from ..errors import EngineError
 from ..integrity import check_engine_files

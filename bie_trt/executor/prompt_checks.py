@@ -1,7 +1,7 @@
 """Checks on what a caller sends as a prompt, before it reaches the engine loop."""
 from __future__ import annotations
 
-from ..config import SamplingParams
+from ..sampling_params import SamplingParams
 from ..errors import RequestError
 
 

@@ -4,7 +4,7 @@ directory, so the ids it routes by are the ids the replica's prefix cache is key
 from __future__ import annotations
 
 from ..errors import RequestError
-from ..chat.templates import load_tokenizer
+from ..chat.tokenizer import load_tokenizer
 from ..chat.tool_calls import template_messages, template_renders_tools
 from .prompt_checks import check_prompt
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import SamplingParams
+from ..sampling_params import SamplingParams
 from ..spec_decode.proposer import ProposalRequest
 
 if TYPE_CHECKING:

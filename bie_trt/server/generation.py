@@ -15,7 +15,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from ..config import SamplingParams, StructuredOutputs
+from ..sampling_params import SamplingParams, StructuredOutputs
 from ..errors import BieError, RequestError
 from ..executor.outputs import RequestOutput, StreamEvent
 from ..executor.streams import RequestStream

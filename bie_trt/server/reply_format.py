@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import StructuredOutputs
+from ..sampling_params import StructuredOutputs
 from ..errors import RequestError
 from ..chat.tool_calls import CallCheck, ReplyParser, ToolsError, plan_tools
 from .protocols.openai import ChatRequest, SamplingRequest

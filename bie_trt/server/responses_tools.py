@@ -18,7 +18,7 @@ from typing import Any, Callable, Literal, Union
 import jsonschema
 from pydantic import Field
 
-from ..config import StructuredOutputs
+from ..sampling_params import StructuredOutputs
 from ..chat.tool_calls import CallCheck, ToolCall
 from .protocols.openai import NAME_PATTERN, _Strict
 

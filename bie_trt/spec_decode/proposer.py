@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Hashable, Protocol, Sequence as Seq
 
 import torch
 
-from ..config import KVCacheConfig, ModelConfig, SamplingParams
+from ..config import KVCacheConfig, ModelConfig
+from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ..model.cuda_graphs import DecodeGraphs

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import SamplingParams
+from ..sampling_params import SamplingParams
 from ..sampling import probabilities, process_logits
 from .proposer import Proposal
 

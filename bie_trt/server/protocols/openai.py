@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from ...config import LOGIT_BIAS_RANGE, REPETITION_PENALTY_RANGE
+from ...sampling_params import LOGIT_BIAS_RANGE, REPETITION_PENALTY_RANGE
 from ...chat.templates import template_kwargs_problem
 
 MAX_CHOICES = 16                      # n per request: each choice is a request on the loop
