@@ -8,9 +8,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling_params import StructuredOutputs
-from ..errors import RequestError
 from ..chat.tool_calls import CallCheck, ReplyParser, ToolsError, plan_tools
+from ..errors import RequestError
+from ..sampling_params import StructuredOutputs
 from .protocols.openai import ChatRequest, SamplingRequest
 
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Literal, Union
 import jsonschema
 from pydantic import Field
 
-from ..sampling_params import StructuredOutputs
 from ..chat.tool_calls import CallCheck, ToolCall
+from ..sampling_params import StructuredOutputs
 from .protocols.openai import NAME_PATTERN, _Strict
 
 LOCAL_SHELL = "local_shell"
