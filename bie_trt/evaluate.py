@@ -19,16 +19,16 @@ import torch
 from tqdm import tqdm
 
 from .config import EngineConfig, KVCacheConfig
-from .sampling_params import SamplingParams
 from .errors import BieError
 from .executor.block_manager import BlockManager
 from .executor.model_runner import ModelRunner
 from .executor.sequence import Sequence
+from .kernels.step_inputs import SeqInput
 from .kv.pool import KVPools, allocate_pools
 from .model.llama import LlamaModel
-from .kernels.step_inputs import SeqInput
 from .plan import kv_bytes_per_token
 from .sampling import make_generator
+from .sampling_params import SamplingParams
 
 
 @dataclass

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sampling_params import SamplingParams
 from .devices import concrete
+from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .logits_constraint import LogitsConstraint

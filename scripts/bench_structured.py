@@ -26,8 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from bie_trt.sampling_params import StructuredOutputs  # noqa: E402
 from bie_trt.logits_constraint import apply_bitmask, grammar_text  # noqa: E402
+from bie_trt.sampling_params import StructuredOutputs  # noqa: E402
 from structured_cases import SCHEMAS  # noqa: E402
 
 LLAMA3_VOCAB = 128_256

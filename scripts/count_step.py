@@ -45,13 +45,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
-from bie_trt.model.cuda_graphs import DecodeGraphs, _StaticStep  # noqa: E402
 from bie_trt.executor.exact_rows import runs  # noqa: E402
-from bie_trt.kernels.triton_w4 import gemv_grid_for, sm_limits  # noqa: E402
-from bie_trt.kv.pool import allocate_pools  # noqa: E402
-from bie_trt.model.llama import LlamaModel, fused_linear_shapes  # noqa: E402
 from bie_trt.kernels.int8_rows import Int8Rows  # noqa: E402
 from bie_trt.kernels.step_inputs import SeqInput, StepTiles  # noqa: E402
+from bie_trt.kernels.triton_w4 import gemv_grid_for, sm_limits  # noqa: E402
+from bie_trt.kv.pool import allocate_pools  # noqa: E402
+from bie_trt.model.cuda_graphs import DecodeGraphs, _StaticStep  # noqa: E402
+from bie_trt.model.llama import LlamaModel, fused_linear_shapes  # noqa: E402
 from report import emit  # noqa: E402
 from bie_trt.model.synthetic import llama32_1b, llama3_8b, qwen3_8b, random_weights, tiny_llama  # noqa: E402
 from bie_trt.plan import (DEFAULT_DRAFT_SINK_TOKENS, DEFAULT_DRAFT_WINDOW_TOKENS, draft_kv_blocks_per_seq,  # noqa: E402

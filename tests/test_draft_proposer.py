@@ -9,11 +9,11 @@ import torch
 
 from bie_trt.builder.checkpoint.loader import Checkpoint
 from bie_trt.config import EngineConfig
-from bie_trt.sampling_params import SamplingParams
 from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.executor.sequence import Sequence
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.spec_decode.draft import DraftModelProposer
 from hf_reference import hf_model
 

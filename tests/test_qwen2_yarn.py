@@ -8,10 +8,10 @@ import torch
 
 from bie_trt.builder.checkpoint.loader import Checkpoint
 from bie_trt.config import EngineConfig, KVCacheConfig
-from bie_trt.sampling_params import SamplingParams
 from bie_trt.evaluate import evaluate
 from bie_trt.executor.engine import BieEngine
 from bie_trt.kernels import triton_ops
+from bie_trt.sampling_params import SamplingParams
 from hf_reference import hf_model
 from test_model_vs_transformers import run_engine_logits
 from tiny_model import write_tiny_hf

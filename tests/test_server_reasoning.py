@@ -20,8 +20,8 @@ import pytest
 from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.chat.reasoning import THINK_CLOSE, split_reasoning
 from bie_trt.chat.thinking_budget import THINK_END, ThinkingBudget
-from bie_trt.server.app import ServerOptions
 from bie_trt.chat.tool_calls import parse_tool_calls
+from bie_trt.server.app import ServerOptions
 from test_server import serving
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

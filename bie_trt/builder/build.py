@@ -15,11 +15,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .. import engine_format as ef
-from .checkpoint.gguf_checkpoint import GGUFCheckpoint, conversion_summary
-from .checkpoint.loader import TOKENIZER_FILES, Checkpoint, layer_norms
-from .checkpoint.registry import resolve_checkpoint
-from .checkpoint.tokenizer_match import check_same_tokenizer
+from ..chat.templates import has_chat_template, read_chat_template
 from ..config import KVCacheConfig, ModelConfig, SpeculativeConfig
+from ..config_gemma3 import CHAT_TEMPLATE
 from ..errors import BieError, CheckpointError, PlanError
 from ..kernels.int8_rows import quantize_rows_int8
 from ..kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
@@ -27,8 +25,10 @@ from ..model.llama import LlamaModel, fused_linear_shapes
 from ..plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, solve_plan
 from ..profiles import BuildProfile, resolve_profile
 from ..spec_decode.draft_vocab import RANKING, reduced_vocabulary
-from ..config_gemma3 import CHAT_TEMPLATE
-from ..chat.templates import has_chat_template, read_chat_template
+from .checkpoint.gguf_checkpoint import GGUFCheckpoint, conversion_summary
+from .checkpoint.loader import TOKENIZER_FILES, Checkpoint, layer_norms
+from .checkpoint.registry import resolve_checkpoint
+from .checkpoint.tokenizer_match import check_same_tokenizer
 from .engine_docs import render
 
 # Fused at build time: one GEMM reads the shared input once.

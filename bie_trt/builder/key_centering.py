@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from ..config import KVCacheConfig
-from ..sampling_params import SamplingParams
 from ..executor.block_manager import BlockManager
 from ..executor.sequence import Sequence
-from ..model.llama import LlamaModel
 from ..kernels.step_inputs import SeqInput
-from ..sampling import make_generator
 from ..kv.pool import allocate_pools
+from ..model.llama import LlamaModel
+from ..sampling import make_generator
+from ..sampling_params import SamplingParams
 
 CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
 CALIBRATION_TOKENS = 512

@@ -6,10 +6,10 @@ import json
 
 import click
 
-from .group import main
-from .options import NON_NEGATIVE, POSITIVE, kv_options
 from ..errors import BieError
 from ..eval_texts import BUILTIN_PREFIX, BUILTIN_TEXTS, load_eval_text, text_token_ids
+from .group import main
+from .options import NON_NEGATIVE, POSITIVE, kv_options
 
 
 @main.command("eval")

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import click
 
+from ..errors import EngineError, RequestError
+from ..plan import AWQ_GROUP_SIZES
+from ..profiles import profiles_epilog
+from ..sampling_params import SamplingParams, StructuredOutputs, check_json_schema
 from .group import main
 from .options import (DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, NON_NEGATIVE, POSITIVE,
                       chat_template_kwargs_option, chat_template_option, device_option, host_kv_cache_option,
                       kv_options, speculative_config)
-from ..sampling_params import SamplingParams, StructuredOutputs, check_json_schema
-from ..plan import AWQ_GROUP_SIZES
-from ..profiles import profiles_epilog
-from ..errors import EngineError, RequestError
 
 if TYPE_CHECKING:
     from ..executor.outputs import RequestOutput

@@ -9,11 +9,9 @@ from typing import Any
 
 import click
 
-from .group import main
 from ..config import KV_DTYPES, KVCacheConfig, ModelConfig
 from ..errors import CheckpointError, PlanError
 from ..jsonio import read_json_object
-from .options import DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, POSITIVE, host_kv_cache_option
 from ..plan import (
     DEFAULT_DRAFT_WINDOW_TOKENS,
     MemoryPlan,
@@ -24,6 +22,8 @@ from ..plan import (
 )
 from ..profiles import (EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile, load_profile, profiles_epilog,
                         resolve_profile)
+from .group import main
+from .options import DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, POSITIVE, host_kv_cache_option
 
 EXIT_DOES_NOT_FIT = 3
 

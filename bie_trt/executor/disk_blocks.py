@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig
-from ..sampling_params import SamplingParams
 from ..errors import EngineError
 from ..sampling import make_generator
+from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .cache_blocks import adopt, cache_identity
 from .cache_file import CachedBlock

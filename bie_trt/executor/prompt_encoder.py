@@ -3,9 +3,9 @@ the chat template. The engine encodes with one; a scale-out ingress holds its ow
 directory, so the ids it routes by are the ids the replica's prefix cache is keyed by."""
 from __future__ import annotations
 
-from ..errors import RequestError
 from ..chat.tokenizer import load_tokenizer
 from ..chat.tool_calls import template_messages, template_renders_tools
+from ..errors import RequestError
 from .prompt_checks import check_prompt
 
 

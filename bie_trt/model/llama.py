@@ -14,11 +14,11 @@ from ..config import KVCacheConfig, ModelConfig
 from ..kernels import ops
 from ..kernels.int8_rows import Int8Rows
 from ..kernels.reference import QKNorm
+from ..kernels.rope import Rope
+from ..kernels.step_inputs import SeqInput, StepMetadata
 from ..kernels.w4_layout import W4Weight
 from ..kv.pool import KVPools
 from ..kv.rotation import rotate
-from ..kernels.rope import Rope
-from ..kernels.step_inputs import SeqInput, StepMetadata
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..sampling_params import SamplingParams
 from ..sampling import probabilities, process_logits
+from ..sampling_params import SamplingParams
 from .proposer import Proposal
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ import torch
 
 from ...config import ModelConfig, RopeScaling
 from ...errors import CheckpointError
-from ...plan import default_weight_group_size
 from ...kernels.awq import quantize_rtn
+from ...plan import default_weight_group_size
 from .gguf_config import GGUFMeta, hf_config_from_gguf
 from .loader import QuantConfig, layer_norms
 
