@@ -1,5 +1,5 @@
 """The handlers of Anthropic's POST /v1/messages and /v1/messages/count_tokens: the body converted once
-into the chat request (anthropic_protocol), run on the chat route's request path, and the reply's
+into the chat request (protocols/anthropic.py), run on the chat route's request path, and the reply's
 blocks (a thinking model's reasoning split off as the chat route splits it) rendered as Anthropic's
 content blocks, whole or as its stream of typed events."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The handlers of OpenAI's Responses API: POST /v1/responses (the body converted once into the chat
-request (responses_protocol), run on the chat route's request path, the reply's blocks (a thinking
+request (protocols/responses.py), run on the chat route's request path, the reply's blocks (a thinking
 model's reasoning split off as the chat route splits it) rendered as output items (messages, reasoning,
 function, custom-tool and local-shell calls: responses_tools), whole or as the API's typed, numbered
 events), GET and DELETE /v1/responses/{id} over the stored responses that `previous_response_id`
