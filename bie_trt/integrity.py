@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 
 from . import engine_format as ef
-from .checkpoint.registry import cache_dir
 from .errors import EngineError
+from .user_cache import cache_dir
 
 LEDGER = "verified-files.json"
 

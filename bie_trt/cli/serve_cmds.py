@@ -9,7 +9,7 @@ from ..config import EngineConfig
 from ..engine_format import Manifest
 from ..errors import SettingsError
 from ..resolve import resolve
-from . import main
+from .group import main
 from .options import (chat_template_kwargs_option, chat_template_option, device_option, host_kv_cache_option,
                       reasoning_parser_option, speculative_config)
 
@@ -131,7 +131,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
     if (engine is None) == (engine_opt is None):
         raise click.UsageError("give the engine directory once: as the first argument or as --engine.")
     engine_dir = engine or engine_opt
-    from ..checkpoint.registry import cache_dir
+    from ..user_cache import cache_dir
     from ..engine_format import read_manifest
 
     manifest = read_manifest(engine_dir)

@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING, Hashable, Protocol, Sequence as Seq
 
 import torch
 
-from ..config import KVCacheConfig, ModelConfig, SamplingParams
+from ..config import KVCacheConfig, ModelConfig
+from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ..engine_format import Manifest
-    from ..executor.cuda_graphs import DecodeGraphs
-    from ..structured import LogitsConstraint
+    from ..logits_constraint import LogitsConstraint
+    from ..model.cuda_graphs import DecodeGraphs
 
 
 @dataclass
