@@ -39,9 +39,9 @@ def tiny_engine(work: Path) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_model import write_tiny_hf
 
-    from bie_trt.build import BuildOptions, build_engine
-    from bie_trt.checkpoint.quantize import quantize_checkpoint
-    from bie_trt.checkpoint.registry import resolve_checkpoint
+    from bie_trt.builder.build import BuildOptions, build_engine
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
+    from bie_trt.builder.checkpoint.registry import resolve_checkpoint
 
     hf = write_tiny_hf(work / "hf", resolve_checkpoint("smollm2-135m"), num_attention_heads=2,
                        num_key_value_heads=1, max_position_embeddings=8192)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bie_trt.config import SamplingParams
 from bie_trt.executor.sampler import sample_step
 from bie_trt.executor.sequence import Sequence
 from bie_trt.sampling import (apply_penalties, exponential, make_generator, penalise_rows, probabilities, process_logits,
                               race_key, race_noise, sample_next, top_logprobs)
-from bie_trt.structured import LogitsConstraint, RowConstraint, apply_constraints
+from bie_trt.logits_constraint import LogitsConstraint, RowConstraint, apply_constraints
+from bie_trt.sampling_params import SamplingParams
 
 V = 300
 EOS = 2

@@ -12,19 +12,20 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Sequence as Seq
 
-from ..config import EngineConfig, SamplingParams
+from ..chat.reasoning import PROMPT_TAIL_TOKENS, resolve_parser, split_reasoning, starts_inside
+from ..chat.tool_calls import ReplyParser, plan_tools
+from ..config import EngineConfig
 from ..errors import RequestError
-from ..reasoning import PROMPT_TAIL_TOKENS, resolve_parser, split_reasoning, starts_inside
-from ..structured import GrammarCompiler
-from ..tool_calls import ReplyParser, plan_tools
+from ..logits_constraint import GrammarCompiler
+from ..sampling_params import SamplingParams
 from .cache_blocks import adopt, cache_identity, copy_out
 from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
 from .engine_core import EngineCore
 from .engine_stats import engine_stats
 from .engine_thread import EngineThread
 from .outputs import ChatOutput, EngineStats, RequestOutput
+from .prompt_checks import check_prompt
 from .prompt_encoder import PromptEncoder
-from .prompts import check_prompt
 from .streams import RequestStream
 
 
@@ -38,7 +39,7 @@ class BieEngine:
         self.loop = EngineThread(self.core)
         core = self.core
         self.runner, self.scheduler, self.blocks, self.disk = core.runner, core.scheduler, core.blocks, core.disk
-        self.model_name = self.runner.manifest["model"]["name"]
+        self.model_name = self.runner.manifest.model_name
         self.max_model_len = core.max_model_len
         self.speculative, self.proposer, self.adaptive = core.spec.config, core.spec.proposer, core.spec.adaptive
         self.eos_ids = core.requests.eos_ids

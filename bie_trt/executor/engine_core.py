@@ -20,21 +20,22 @@ from pathlib import Path
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
+from ..chat.tokenizer import load_tokenizer
+from ..config import EngineConfig
+from ..logits_constraint import GrammarError
 from ..plan import planned_step_tokens
 from ..sampling import top_logprobs
-from ..structured import GrammarError
-from ..templates import load_tokenizer
+from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .disk_blocks import load_from_disk, open_disk_tier, persist_prompt
 from .model_runner import ModelRunner
 from .outputs import StreamEvent
 from .request_builder import RequestBuilder
+from .request_state import RequestState
 from .sampler import sample_step
 from .scheduler import Scheduler, check_progress, step_budget
 from .sequence import Sequence
 from .speculation import Speculation
-from .request_state import RequestState
 
 Event = tuple[RequestState, StreamEvent | Exception]
 
@@ -45,9 +46,9 @@ class EngineCore:
         self.config, self.runner = config, ModelRunner(config)
         self.tokenizer = tokenizer or load_tokenizer(config.engine_dir, config.chat_template)
         self.max_model_len, pools, kv = self.runner.max_model_len, self.runner.pools, self.runner.kv_config
-        self.spec = Speculation(config.speculative, self.runner, Path(config.engine_dir))
+        self.spec = Speculation(self.runner, Path(config.engine_dir))
         chunk, seqs, gamma = self.runner.chunked_prefill_size, self.runner.max_num_seqs, self.spec.num_tokens
-        budget = step_budget(planned_step_tokens(self.runner.manifest["plan"]["inputs"]),
+        budget = step_budget(planned_step_tokens(self.runner.manifest.plan.inputs),
                              config.max_num_batched_tokens, chunk, seqs, gamma)
         check_progress(kv, self.max_model_len, chunk, pools.num_fp_blocks, budget, seqs, gamma)
         self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, config.enable_prefix_caching,
@@ -56,7 +57,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, seqs, budget, chunk, gamma, self.max_model_len,
                                    self.spec.free if self.spec.proposer else None, adaptive.gamma if adaptive else None)
         self.requests = RequestBuilder(self.tokenizer, self.runner.model_config, self.max_model_len, config.seed)
-        self.disk = open_disk_tier(config, self.runner, self.runner.manifest["model"]["name"])
+        self.disk = open_disk_tier(config, self.runner, self.runner.manifest.model_name)
         self.live: dict[Sequence, RequestState] = {}
         self.finished: collections.Counter[str] = collections.Counter()
         self.prompt_tokens = self.generation_tokens = 0

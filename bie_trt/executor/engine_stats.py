@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .cuda_graphs import STEP_KINDS
+from ..model.cuda_graphs import STEP_KINDS
 from .outputs import EngineStats
 
 if TYPE_CHECKING:

@@ -8,8 +8,9 @@ import threading
 from typing import Callable
 
 from .engine_core import EngineCore
+from .mailbox import deliver
 from .request_state import RequestState
-from .streams import RequestStream, deliver
+from .streams import RequestStream
 
 
 class EngineThread:

@@ -7,14 +7,15 @@ import itertools
 import secrets
 import threading
 
-from ..config import ModelConfig, SamplingParams
+from ..chat.thinking_budget import ThinkingBudget
+from ..config import ModelConfig
 from ..config_gemma3 import STOP_TOKENS
+from ..logits_constraint import GrammarCompiler, LogitsConstraint
 from ..sampling import make_generator
-from ..structured import GrammarCompiler, LogitsConstraint
-from ..thinking_budget import ThinkingBudget
-from .prompts import check_prompt_ids
-from .sequence import Detokenizer, Sequence
+from ..sampling_params import SamplingParams
+from .prompt_checks import check_prompt_ids
 from .request_state import RequestState
+from .sequence import Detokenizer, Sequence
 
 
 def stop_token_ids(cfg: ModelConfig, tokenizer) -> set[int]:

@@ -9,7 +9,7 @@ from typing import Callable
 
 from .outputs import RequestOutput, Usage
 from .sequence import Detokenizer, Sequence
-from .streams import Mailbox
+from .mailbox import Mailbox
 
 _WATCH_LOCK = threading.Lock()
 

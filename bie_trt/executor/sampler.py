@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import logprob_rows, penalise_rows, race_key, sample_rows, to_device, top_logprobs_of
-from ..structured import RowConstraint, apply_constraints
+from ..logits_constraint import RowConstraint, apply_constraints
 from .sequence import Sequence
 
 

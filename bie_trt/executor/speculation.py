@@ -11,14 +11,14 @@ import torch
 from ..spec_decode.adaptive import AdaptiveGamma
 from ..spec_decode.proposer import Proposal
 from ..spec_decode.rejection import verify
-from ..spec_decode.select import make_proposer, resolve_speculative
+from ..spec_decode.select import make_proposer
 from .model_runner import ModelRunner
 from .sequence import Sequence
 
 
 class Speculation:
-    def __init__(self, config: object, runner: ModelRunner, engine_dir: Path):
-        self.config = resolve_speculative(config, runner.manifest, engine_dir)
+    def __init__(self, runner: ModelRunner, engine_dir: Path):
+        self.config = runner.settings.speculative   # the caller's, else the engine's default (resolve.py)
         self.num_tokens = self.config.num_speculative_tokens if self.config.enabled else 0
         runner.capture_verify_graphs(self.num_tokens)
         self.proposer = make_proposer(self.config, engine_dir, runner)
