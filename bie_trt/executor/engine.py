@@ -34,7 +34,6 @@ from ..spec_decode.select import make_proposer, resolve_speculative
 from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
 from ..thinking_budget import ThinkingBudget
 from ..tool_calls import ReplyParser, plan_tools
-from .block_manager import BlockManager
 from .cache_blocks import adopt, cache_identity, copy_out
 from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
 from .cuda_graphs import STEP_KINDS
@@ -72,8 +71,7 @@ class BieEngine:
         # each request's γ chosen every step (None: always num_speculative_tokens)
         self.adaptive = (AdaptiveGamma(num_speculative_tokens, per_token=self.speculative.method == "draft_model")
                          if self.proposer is not None and self.speculative.adaptive else None)
-        self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching,
-                                   self.runner.host_bytes, self.runner.block_bytes)
+        self.blocks = self.runner.block_manager(self.config.enable_prefix_caching, self.runner.host_bytes)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, budget, chunked_prefill_size, num_speculative_tokens,
                                    self.max_model_len, self._free_speculation if self.proposer else None,
                                    self.adaptive.gamma if self.adaptive else None)
@@ -532,6 +530,8 @@ class BieEngine:
         pools = {"fp16": self.blocks.usage(False)}
         if self.blocks.quantised:
             pools["quant"] = self.blocks.usage(True)
+        if self.blocks.sliding is not None:   # a hybrid model's sliding-window layers, apart
+            pools["sliding"] = self.blocks.sliding.usage()
         return EngineStats(dict(self._finished), self._prompt_tokens, self._generation_tokens, s.num_preemptions,
                            s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting),
                            self._spec_stats(), self._host_stats(), self._graph_stats(), self._disk_stats())
