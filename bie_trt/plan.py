@@ -152,7 +152,11 @@ def host_bytes(gib: float | None, available: int | None) -> int:
 
 def host_tier(model: ModelConfig, kv: KVCacheConfig, size: int) -> dict[str, Any]:
     """What a KV host tier of `size` bytes holds, in host RAM beside the device plan (not in its budget):
-    blocks of the body's format (quantised, or FP16 for an FP16 cache) and the tokens they cover."""
+    blocks of the body's format (quantised, or FP16 for an FP16 cache) and the tokens they cover. Off for a
+    hybrid model: its sliding-window layers' blocks stay on the device (executor/sliding_blocks.py)."""
+    if model.sliding_layers:
+        return {"bytes": 0, "block_bytes": 0, "blocks": 0, "tokens": 0,
+                "off": "a hybrid model's sliding-window layers keep their blocks on the device"}
     per_token = (fp16_kv_bytes_per_token(model) if kv.dtype == "fp16"
                  else quant_bytes_per_token_per_layer(model, kv) * model.num_layers)
     block = per_token * kv.block_size
@@ -162,7 +166,7 @@ def host_tier(model: ModelConfig, kv: KVCacheConfig, size: int) -> dict[str, Any
 
 def format_host_tier(tier: dict[str, Any], kv_dtype: str) -> str:
     if not tier["bytes"]:
-        return "host KV tier: off"
+        return "host KV tier: off" + (f" ({tier['off']})" if "off" in tier else "")
     return (f"host KV tier: {format_bytes(tier['bytes'])} of host RAM (outside the budget): {tier['blocks']:,} "
             f"{kv_dtype} blocks of {format_bytes(tier['block_bytes'])}, {tier['tokens']:,} tokens of evicted "
             f"prefixes")

@@ -17,6 +17,8 @@ import torch
 
 from bie_trt.config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
 from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.cache_file import CacheFileError
+from bie_trt.executor.disk_blocks import open_disk_tier
 from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.sequence import Sequence
 from bie_trt.executor.sliding_blocks import PAD, SlidingBlocks
@@ -225,3 +227,14 @@ def test_sliding_blocks_stay_bounded_over_a_4096_token_generation(build, tmp_pat
     for c, n, sliding, _ in steps:
         assert sliding == -(-(c + n) // B) - max(0, c - WINDOW + 1) // B
     assert max(s for _, n, s, _ in steps if n == 1) == DECODE_BOUND
+
+
+def test_a_hybrid_engine_keeps_no_host_or_disk_tier_and_refuses_cache_files(tiny_gemma3_engine, tmp_path):
+    """The tiers would have to carry the sliding layers' blocks with the full layers' ones: off, and said so."""
+    engine = tiny_gemma3_engine
+    assert engine.blocks.host is None and engine.stats().host_kv["capacity_bytes"] == 0
+    config = dataclasses.replace(engine.config, kv_cache_dir=str(tmp_path))
+    assert open_disk_tier(config, engine.runner, engine.model_name) is None
+    with pytest.raises(CacheFileError, match="sliding-window layers"):
+        engine.save_cache(prompt(engine, 40), tmp_path / "prompt.kv")
+    assert not (tmp_path / "prompt.kv").exists()
