@@ -220,7 +220,7 @@ def test_sliding_blocks_stay_bounded_over_a_4096_token_generation(build, tmp_pat
     hf = write_tiny_hf(tmp_path / "hf", smollm2_checkpoint, **TINY_GEMMA3, max_position_embeddings=8192)
     awq = quantize_checkpoint(hf, tmp_path / "awq", group_size=32)
     engine = BieEngine(EngineConfig(engine_dir=str(build(checkpoint=str(awq), max_model_len=4608,
-                                                         kv_cache_dtype="int4_asym")), device="cpu"))
+                                                         kv_cache_dtype="int4_asym", kv_group_size=32)), device="cpu"))
     steps = record_steps(engine, monkeypatch)
     out = engine.generate(prompt(engine, 100), SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True))
     assert len(out.token_ids) == 4096
