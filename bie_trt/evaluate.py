@@ -18,16 +18,17 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from .config import EngineConfig, KVCacheConfig, SamplingParams
+from .config import EngineConfig, KVCacheConfig
 from .errors import BieError
 from .executor.block_manager import BlockManager
 from .executor.model_runner import ModelRunner
 from .executor.sequence import Sequence
+from .kernels.step_inputs import SeqInput
 from .kv.pool import KVPools, allocate_kv
 from .model.llama import LlamaModel
-from .model.step_inputs import SeqInput
 from .plan import kv_bytes_per_token
 from .sampling import make_generator
+from .sampling_params import SamplingParams
 
 
 @dataclass
@@ -80,7 +81,7 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
              reference: tuple[str, Callable[[list[int]], torch.Tensor]] | None = None) -> list[EvalResult]:
     """Perplexity and mean KL(P_base || P_variant) per variant; the baseline comes first. The baseline is the
     engine with an FP16 cache, or `reference` = (label, ids -> logits [len(ids), V]): another model's logits,
-    such as the source GGUF's own weights (eval_reference.py)."""
+    such as the source GGUF's own weights (builder/eval_reference.py)."""
     stride = stride or context
     if not 0 < stride <= context:
         raise BieError(f"stride must be in (0, context]; got {stride}.")

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from . import engine_format as ef
-from .checkpoint.registry import cache_dir
 from .errors import EngineError
+from .user_cache import cache_dir
 
 LEDGER = "verified-files.json"
 

@@ -39,13 +39,13 @@ import torch
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.config import KVCacheConfig, ModelConfig
-from bie_trt.executor.cuda_graphs import DecodeGraphs
 from bie_trt.kernels.int8_rows import Int8Rows
+from bie_trt.kv.pool import allocate_pools
+from bie_trt.model.cuda_graphs import DecodeGraphs
 from bie_trt.model.llama import LlamaModel, SeqInput
 from bie_trt.model.synthetic import llama32_1b, llama3_8b, random_weights, tiny_llama
 from bie_trt.plan import (DEFAULT_DRAFT_SINK_TOKENS, DEFAULT_DRAFT_WINDOW_TOKENS, draft_kv_blocks_per_seq,
                           draft_request_rows, draft_vocab_rows, kv_pool_blocks)
-from bie_trt.kv.pool import allocate_pools
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import GiB, cuda_peak_gib, fill_cache, sync  # noqa: E402

@@ -31,7 +31,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from bie_trt.config import EngineConfig, SamplingParams
+    from bie_trt.config import EngineConfig
+    from bie_trt.sampling_params import SamplingParams
     from bie_trt.eval_texts import load_eval_text, text_token_ids
     from bie_trt.executor.engine import BieEngine
 

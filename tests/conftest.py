@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402
 
-from bie_trt.build import BuildOptions, build_engine
-from bie_trt.checkpoint.registry import resolve_checkpoint
+from bie_trt.builder.build import BuildOptions, build_engine
+from bie_trt.builder.checkpoint.registry import resolve_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):
@@ -81,7 +81,7 @@ def smollm2_engine(build):
 @pytest.fixture(scope="session")
 def tiny_draft(tmp_path_factory, smollm2_checkpoint):
     """A model sharing SmolLM2's tokenizer but nothing else: random, 2 layers, RTN-quantised."""
-    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
     from tiny_model import write_tiny_hf
 
     root = tmp_path_factory.mktemp("tiny")
@@ -94,7 +94,7 @@ def tiny_engine(build, tmp_path_factory, smollm2_checkpoint):
     """A tiny random model alone (head_dim 32, so every KV cache dtype fits): for what does not depend on
     the model's text (the server's protocol, limits, batching). Its near-flat logits make it the harder
     case for "batched equals alone"."""
-    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
     from tiny_model import write_tiny_hf
 
     root = tmp_path_factory.mktemp("tiny-target")
@@ -107,7 +107,7 @@ def tiny_engine(build, tmp_path_factory, smollm2_checkpoint):
 def tiny_gemma3_awq(tmp_path_factory, smollm2_checkpoint) -> Path:
     """A tiny random Gemma 3 (three layers, two sliding over a 24-position window; tests/tiny_model.py),
     AWQ-packed."""
-    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
     from tiny_model import TINY_GEMMA3, write_tiny_hf
 
     root = tmp_path_factory.mktemp("tiny-gemma3")

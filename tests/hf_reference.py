@@ -7,14 +7,14 @@ from collections import deque
 
 import torch
 
-from bie_trt.checkpoint.awq import awq_dequantize
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.config import SamplingParams
+from bie_trt.builder.checkpoint.loader import Checkpoint
 from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.executor.sequence import Sequence
-from bie_trt.model.step_inputs import SeqInput
+from bie_trt.kernels.awq import awq_dequantize
+from bie_trt.kernels.step_inputs import SeqInput
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 
 
 def hf_model(ckpt: Checkpoint):

@@ -45,7 +45,7 @@ def test_bench_decode_smoke(tmp_path):
 def test_random_awq_checkpoint_builds_and_generates(tmp_path):
     """The full-scale stand-in checkpoint (here with tiny shapes) is a valid AWQ checkpoint end to end."""
     from bie_trt import BieEngine, EngineConfig, SamplingParams
-    from bie_trt.build import BuildOptions, build_engine
+    from bie_trt.builder.build import BuildOptions, build_engine
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,

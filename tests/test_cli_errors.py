@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.cli import main
 from tiny_model import write_tiny_hf
 

@@ -16,19 +16,20 @@ import dataclasses
 import pytest
 import torch
 
-from bie_trt.config import KVCacheConfig, SamplingParams
+from bie_trt.config import KVCacheConfig
 from bie_trt.executor.block_manager import BlockManager
-from bie_trt.executor.cuda_graphs import DecodeGraphs
 from bie_trt.executor.exact_rows import join_runs
 from bie_trt.executor.model_runner import ModelRunner, apply_moves, copy_blocks
 from bie_trt.executor.scheduler import Scheduler
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kernels import triton_ops
+from bie_trt.kernels.step_inputs import TILE_ROWS, StepTiles
 from bie_trt.kv.pool import allocate_kv, allocate_pools
+from bie_trt.model.cuda_graphs import DecodeGraphs
 from bie_trt.model.llama import LlamaModel, SeqInput
-from bie_trt.model.step_inputs import TILE_ROWS, StepTiles
 from bie_trt.model.synthetic import random_weights, tiny_llama
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 
 CFG = tiny_llama()   # head_dim 32, GQA 2:1
 # A hybrid model: two sliding layers over 20 positions (their own cache group, blocks given back as the window

@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.builder.checkpoint.loader import Checkpoint
+from bie_trt.config import EngineConfig
 from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.executor.sequence import Sequence
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.spec_decode.draft import DraftModelProposer
 from hf_reference import hf_model
 
@@ -239,7 +240,7 @@ def one_layer(build, smollm2_checkpoint, tmp_path_factory):
     """A one-layer random model as its own draft (head over 4,096 ids, window 64). With one layer a
     cached token's K/V depend only on that token and its position, not on what it saw, so after the
     window wraps the draft's distribution must be transformers' over exactly the tokens it holds."""
-    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
     from tiny_model import write_tiny_hf
 
     root = tmp_path_factory.mktemp("one-layer")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from bie_trt.build import BuildOptions, build_engine
+from bie_trt.builder.build import BuildOptions, build_engine
 from bie_trt.cli import main
 from bie_trt.config import EngineConfig
 from bie_trt.engine_format import (

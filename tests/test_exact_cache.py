@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
-from bie_trt.build import BuildOptions, build_engine
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.build import BuildOptions, build_engine
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.model.synthetic import write_word_tokenizer
 from tiny_model import TINY_GEMMA3, write_tiny_hf
 

@@ -10,15 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.checkpoint.registry import resolve_checkpoint
-from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.builder.checkpoint.loader import Checkpoint
+from bie_trt.builder.checkpoint.registry import resolve_checkpoint
+from bie_trt.builder.key_centering import CALIBRATION_TEXT
+from bie_trt.chat.templates import read_chat_template
+from bie_trt.config import EngineConfig
 from bie_trt.errors import CheckpointError
 from bie_trt.eval_texts import load_eval_text
 from bie_trt.executor.engine import BieEngine
 from bie_trt.kernels import triton_ops
-from bie_trt.kv.centering import CALIBRATION_TEXT
-from bie_trt.templates import read_chat_template
+from bie_trt.sampling_params import SamplingParams
 from hf_reference import hf_model, run_engine_logits
 
 GREEDY_TOKENS = 16

@@ -15,19 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from bie_trt.config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
+from bie_trt.builder.key_centering import CALIBRATION_TEXT
+from bie_trt.config import EngineConfig, KVCacheConfig, ModelConfig
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.cache_file import CacheFileError
 from bie_trt.executor.disk_blocks import open_disk_tier
 from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.sequence import Sequence
 from bie_trt.executor.sliding_blocks import PAD, SlidingBlocks
-from bie_trt.kv.centering import CALIBRATION_TEXT
 from bie_trt.kv.pool import allocate_kv
 from bie_trt.kv.sizing import kv_pool_blocks, sliding_blocks_per_seq, sliding_pool_blocks
 from bie_trt.plan import solve_plan
 from bie_trt.profiles import load_profile
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.server.metrics import Metrics
 from tiny_model import TINY_GEMMA3, write_tiny_hf
 
@@ -215,7 +216,7 @@ def test_a_hit_inside_an_earlier_prompt_shares_its_slid_out_blocks_exactly(tiny_
 
 @pytest.mark.slow
 def test_sliding_blocks_stay_bounded_over_a_4096_token_generation(build, tmp_path, smollm2_checkpoint, monkeypatch):
-    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 
     hf = write_tiny_hf(tmp_path / "hf", smollm2_checkpoint, **TINY_GEMMA3, max_position_embeddings=8192)
     awq = quantize_checkpoint(hf, tmp_path / "awq", group_size=32)

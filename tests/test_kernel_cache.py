@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bie_trt.build import BuildOptions, build_engine
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.build import BuildOptions, build_engine
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import EngineConfig
 from bie_trt.executor import model_runner
 from bie_trt.executor.model_runner import ModelRunner

@@ -14,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from bie_trt import BieEngine, EngineConfig, EngineError, SamplingParams, SpeculativeConfig
+from bie_trt.chat.thinking_budget import THINK_END
 from bie_trt.cli import main
 from bie_trt.spec_decode.select import resolve_speculative
-from bie_trt.thinking_budget import THINK_END
 
 PASSAGE = ("The river rises in the hills above the old mill and runs south through three villages before it "
            "meets the sea. In spring the water is high and fast; in late summer children walk across it on the "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bie_trt.build import build_speculation
+from bie_trt.builder.build import build_speculation
 from bie_trt.config import SpeculativeConfig
 from bie_trt.errors import EngineError
 from bie_trt.profiles import load_profile

@@ -6,10 +6,10 @@ import json
 
 import click
 
-from . import main
-from .options import NON_NEGATIVE, POSITIVE, kv_options
 from ..errors import BieError
 from ..eval_texts import BUILTIN_PREFIX, BUILTIN_TEXTS, load_eval_text, text_token_ids
+from .group import main
+from .options import NON_NEGATIVE, POSITIVE, kv_options
 
 
 @main.command("eval")
@@ -69,9 +69,9 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
     variants = ablation_variants(chosen) if ablations else {chosen.dtype: chosen}
     against = None
     if reference is not None:
-        from ..eval_reference import gguf_reference
+        from ..builder.eval_reference import gguf_reference
 
-        from ..checkpoint.registry import resolve_checkpoint
+        from ..builder.checkpoint.registry import resolve_checkpoint
 
         path = resolve_checkpoint(reference)
         against = (f"reference {path.name}", gguf_reference(path, ModelConfig.from_dict(manifest["model"]["config"])))

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import click
 
-from . import main
+from ..errors import EngineError, RequestError
+from ..plan import AWQ_GROUP_SIZES
+from ..profiles import profiles_epilog
+from ..sampling_params import SamplingParams, StructuredOutputs, check_json_schema
+from .group import main
 from .options import (DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, NON_NEGATIVE, POSITIVE,
                       chat_template_kwargs_option, chat_template_option, device_option, host_kv_cache_option,
                       kv_options, speculative_config)
-from ..config import SamplingParams, StructuredOutputs, check_json_schema
-from ..plan import AWQ_GROUP_SIZES
-from ..profiles import profiles_epilog
-from ..errors import EngineError, RequestError
 
 if TYPE_CHECKING:
     from ..executor.outputs import RequestOutput
@@ -36,7 +36,7 @@ def quantize(src: str, out: str, group_size: int | None, force: bool) -> None:
     For users without AutoAWQ: the result is a checkpoint `bie-trt build` accepts.
     (Real AWQ calibration gives better quality; RTN is the no-data baseline.)
     """
-    from ..checkpoint.quantize import quantize_checkpoint
+    from ..builder.checkpoint.quantize import quantize_checkpoint
 
     written = quantize_checkpoint(src, out, group_size, force=force)
     click.echo(f"wrote {written}")
@@ -74,7 +74,7 @@ def build(**kw) -> None:
     measures each layer's mean key on a fixed text (for KV key centering), and writes
     manifest.json with the sha256 of every file.
     """
-    from ..build import BuildOptions, build_engine
+    from ..builder.build import BuildOptions, build_engine
 
     build_engine(BuildOptions(**kw), log=lambda m: click.echo(m, err=True))
 
@@ -127,7 +127,7 @@ def _summary(engine_dir: str, m: dict) -> list[str]:
         f"plan        {plan['total_bytes'] / 2**30:.2f} GiB of {plan['budget_bytes'] / 2**30:.2f} GiB budget",
     ]
     if "gguf" in m["source"]:
-        from ..checkpoint.gguf_checkpoint import conversion_summary
+        from ..builder.checkpoint.gguf_checkpoint import conversion_summary
 
         lines.append(f"gguf        {conversion_summary(m['source']['gguf'])}")
     # items this engine does not have (a tied head, CUDA graphs on the CPU) are left out

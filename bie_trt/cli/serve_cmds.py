@@ -5,7 +5,7 @@ import copy
 
 import click
 
-from . import main
+from .group import main
 from .options import (chat_template_kwargs_option, chat_template_option, device_option, host_kv_cache_option,
                       reasoning_parser_option, speculative_config)
 
@@ -137,7 +137,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
     _check_against_engine(manifest, max_num_seqs, max_model_len, gpu_memory_utilization, device)
 
     from .. import BieEngine, EngineConfig
-    from ..checkpoint.registry import cache_dir
+    from ..user_cache import cache_dir
     from ..server.app import ServerOptions, create_app
     from ..server.sealing import new_key
     from ..server.serve import bind, serve as run_server

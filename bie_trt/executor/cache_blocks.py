@@ -7,8 +7,8 @@ import dataclasses
 
 import torch
 
-from ..config import SamplingParams
 from ..sampling import make_generator
+from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .cache_file import CachedBlock, CacheFileError
 from .model_runner import ModelRunner

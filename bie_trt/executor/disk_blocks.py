@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
+from ..config import EngineConfig
 from ..errors import EngineError
 from ..sampling import make_generator
+from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .cache_blocks import adopt, cache_identity
 from .cache_file import CachedBlock

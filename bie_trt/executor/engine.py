@@ -21,27 +21,28 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
+from ..chat.reasoning import PROMPT_TAIL_TOKENS, resolve_parser, split_reasoning, starts_inside
+from ..chat.thinking_budget import ThinkingBudget
+from ..chat.tool_calls import ReplyParser, plan_tools
+from ..config import EngineConfig
 from ..config_gemma3 import STOP_TOKENS
 from ..errors import RequestError
+from ..logits_constraint import GrammarCompiler, GrammarError, LogitsConstraint
+from ..model.cuda_graphs import STEP_KINDS
 from ..plan import planned_step_tokens
-from ..reasoning import PROMPT_TAIL_TOKENS, resolve_parser, split_reasoning, starts_inside
 from ..sampling import make_generator, sample_next, top_logprobs
+from ..sampling_params import SamplingParams
 from ..spec_decode.adaptive import AdaptiveGamma
 from ..spec_decode.proposer import Proposal
 from ..spec_decode.rejection import verify
 from ..spec_decode.select import make_proposer, resolve_speculative
-from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
-from ..thinking_budget import ThinkingBudget
-from ..tool_calls import ReplyParser, plan_tools
 from .cache_blocks import adopt, cache_identity, copy_out
 from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
-from .cuda_graphs import STEP_KINDS
 from .disk_blocks import load_from_disk, open_disk_tier, persist_prompt
 from .model_runner import ModelRunner
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
+from .prompt_checks import check_prompt, check_prompt_ids
 from .prompt_encoder import PromptEncoder
-from .prompts import check_prompt, check_prompt_ids
 from .scheduler import Scheduler, check_progress, step_budget
 from .sequence import Detokenizer, Sequence
 from .streams import RequestState, RequestStream

@@ -11,22 +11,23 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .. import engine_format as ef
-from ..checkpoint.registry import cache_dir
-from ..config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
+from ..config import EngineConfig, KVCacheConfig, ModelConfig
 from ..devices import available_host_memory as _available_memory, check_device_name, concrete
 from ..errors import EngineError
 from ..integrity import check_engine_files
+from ..kernels import ops
 from ..kernels.kernel_cache import use_engine_kernels
+from ..kernels.step_inputs import SeqInput
 from ..kv.host_pool import HostPool, block_bytes
 from ..kv.pool import KVPools, allocate_kv
-from ..kernels import ops
-from ..model.llama import LlamaModel, centres_keys
-from ..model.step_inputs import SeqInput
 from ..kv.sizing import kv_pool_blocks, sliding_pool_blocks
+from ..model.cuda_graphs import DecodeGraphs
+from ..model.llama import LlamaModel, centres_keys
 from ..plan import host_bytes, linear_shapes
 from ..sampling import make_generator
+from ..sampling_params import SamplingParams
+from ..user_cache import cache_dir
 from .block_manager import BlockManager, Copy, OutOfBlocks, Quantisation
-from .cuda_graphs import DecodeGraphs
 from .exact_rows import join_runs
 from .host_cache import Drop, Offload, Restore
 from .scheduler import Move, ScheduledBatch, Scheduler

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import SamplingParams
+from ..sampling_params import SamplingParams
 from ..spec_decode.proposer import ProposalRequest
 
 if TYPE_CHECKING:
-    from ..structured import LogitsConstraint
+    from ..logits_constraint import LogitsConstraint
 
 _ids = itertools.count()
 
@@ -31,7 +31,7 @@ class Sequence:
     generator: torch.Generator
     # the same seed's generator on the GPU, made at the first token sampled there
     device_generator: torch.Generator | None = None
-    # logit_bias, min_tokens, the grammar and a thinking budget (structured.py); None when the request sets none
+    # logit_bias, min_tokens, the grammar and a thinking budget (logits_constraint.py); None when the request sets none
     constraint: "LogitsConstraint | None" = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)

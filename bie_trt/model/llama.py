@@ -14,11 +14,11 @@ from ..config import KVCacheConfig, ModelConfig
 from ..kernels import ops
 from ..kernels.int8_rows import Int8Rows
 from ..kernels.reference import QKNorm
+from ..kernels.rope import Rope
+from ..kernels.step_inputs import SeqInput, StepMetadata
 from ..kernels.w4_layout import W4Weight
 from ..kv.pool import KVPools
 from ..kv.rotation import rotate
-from .rope import Rope
-from .step_inputs import SeqInput, StepMetadata
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -35,7 +35,7 @@ def rotates_keys(kv: KVCacheConfig) -> bool:
 
 
 def centres_keys(kv: KVCacheConfig) -> bool:
-    """The calibrated mean key is subtracted whenever keys may be quantised (kv/centering.py)."""
+    """The calibrated mean key is subtracted whenever keys may be quantised (builder/key_centering.py)."""
     return kv.dtype != "fp16" and kv.key_centering
 
 

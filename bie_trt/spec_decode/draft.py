@@ -37,14 +37,14 @@ from safetensors.torch import load_file
 from .. import engine_format as ef
 from ..config import KVCacheConfig, ModelConfig
 from ..errors import EngineError
-from ..executor.cuda_graphs import DecodeGraphs
 from ..kernels.int8_rows import Int8Rows
+from ..kernels.step_inputs import SeqInput
 from ..kv.pool import allocate_pools
+from ..logits_constraint import GrammarError
+from ..model.cuda_graphs import DecodeGraphs
 from ..model.llama import LlamaModel
-from ..model.step_inputs import SeqInput
 from ..plan import draft_kv_blocks_per_seq
 from ..sampling import draw, process_logits
-from ..structured import GrammarError
 from .proposer import Proposal, ProposalRequest, TargetRuntime
 from .request_vocab import RequestVocab
 

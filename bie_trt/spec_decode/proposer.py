@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING, Hashable, Protocol, Sequence as Seq
 
 import torch
 
-from ..config import KVCacheConfig, ModelConfig, SamplingParams
+from ..config import KVCacheConfig, ModelConfig
+from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ..executor.cuda_graphs import DecodeGraphs
-    from ..structured import LogitsConstraint
+    from ..model.cuda_graphs import DecodeGraphs
+    from ..logits_constraint import LogitsConstraint
 
 
 @dataclass

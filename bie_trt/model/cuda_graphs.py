@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.step_inputs import TILE_ROWS, SeqInput, StepMetadata, StepTiles, write_blocks
 from ..kv.pool import KVPools
-from ..model.llama import LlamaModel
-from ..model.step_inputs import TILE_ROWS, SeqInput, StepMetadata, StepTiles, write_blocks
 from ..plan import verify_graph_buckets
+from .llama import LlamaModel
 
 STEP_KINDS = ("decode", "verify")
 # The rows of the staged buffer: position, slot block, slot offset, RoPE position, context length, and the

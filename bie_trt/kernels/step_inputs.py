@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.attention_ref import DensePrefills
 from ..plan import TILED_INPUT_ROWS
+from .attention_ref import DensePrefills
 
 # A step whose sequences each bring at most TILED_INPUT_ROWS rows (a speculative verify, with decodes
 # beside it) attends all of them in one launch, in query tiles of at most TILE_ROWS rows of one input.
