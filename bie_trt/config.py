@@ -348,7 +348,7 @@ class EngineConfig:
     device: str = "auto"            # auto | cpu | cuda[:N]
     dtype: str = "auto"             # activations: auto = fp16 on CUDA, fp32 on CPU (exact reference)
     max_model_len: int | None = None  # None: the engine's
-    max_num_seqs: int = 8
+    max_num_seqs: int | None = None   # None: the engine's
     chunked_prefill_size: int | None = None   # None: the engine's (the chunk its memory plan was solved for)
     max_num_batched_tokens: int | None = None  # tokens per step; None: chunked_prefill_size + max_num_seqs
     enable_prefix_caching: bool = True

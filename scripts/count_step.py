@@ -390,7 +390,7 @@ def draft_syncs(engine_dir: Path, gamma: int = 5, batches: tuple[int, ...] = (1,
     from bie_trt.spec_decode.draft import DraftModelProposer
 
     runner = ModelRunner(EngineConfig(engine_dir=str(engine_dir), device="cpu", max_num_seqs=max(batches)))
-    proposer = DraftModelProposer(engine_dir, runner, gamma)
+    proposer = DraftModelProposer(engine_dir, runner)
     # the GPU's draft: its pools with a scratch block for padding rows, decode steps from static buffers
     proposer.pools = allocate_pools(proposer.cfg, proposer.pools.cfg, runner.max_num_seqs * proposer.blocks_per_seq, 0,
                                     runner.dtype, runner.device, scratch_block=True)

@@ -40,6 +40,8 @@ MANIFEST_DAMAGE = {
     "a JSON list": (lambda m: b"[1, 2, 3]", "holds a JSON list, not an object"),
     **{f"without {key}": ((lambda key: lambda m: json.dumps({k: v for k, v in m.items() if k != key}).encode())(key),
                           f"missing {key}") for key in ("model", "kv", "plan", "files")},
+    "a KV field this version lacks": (lambda m: json.dumps({**m, "kv": {**m["kv"], "bits": 3}}).encode(),
+                                      "manifest.json: malformed (TypeError"),
 }
 
 

@@ -35,7 +35,7 @@ from ..sampling_params import SamplingParams
 from ..spec_decode.adaptive import AdaptiveGamma
 from ..spec_decode.proposer import Proposal
 from ..spec_decode.rejection import verify
-from ..spec_decode.select import make_proposer, resolve_speculative
+from ..spec_decode.select import make_proposer
 from .cache_blocks import adopt, cache_identity, copy_out
 from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
 from .disk_blocks import load_from_disk, open_disk_tier, persist_prompt
@@ -55,15 +55,15 @@ class BieEngine:
         self.prompts = PromptEncoder.load(self.config.engine_dir, self.config.chat_template,
                                          self.config.chat_template_kwargs)
         self.tokenizer = self.prompts.tokenizer
-        self.model_name = self.runner.manifest["model"]["name"]
+        self.model_name = self.runner.manifest.model_name
         self.max_model_len = self.runner.max_model_len
         pools, kv, max_num_seqs = self.runner.pools, self.runner.kv_config, self.runner.max_num_seqs
         chunked_prefill_size = self.runner.chunked_prefill_size
         engine_dir = Path(self.config.engine_dir)
-        self.speculative = resolve_speculative(self.config.speculative, self.runner.manifest, engine_dir)
+        self.speculative = self.runner.settings.speculative
         num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative.enabled else 0
         self.runner.capture_verify_graphs(num_speculative_tokens)
-        budget = step_budget(planned_step_tokens(self.runner.manifest["plan"]["inputs"]),
+        budget = step_budget(planned_step_tokens(self.runner.manifest.plan.inputs),
                              self.config.max_num_batched_tokens, chunked_prefill_size, max_num_seqs,
                              num_speculative_tokens)
         check_progress(kv, self.max_model_len, chunked_prefill_size, pools.num_fp_blocks, budget, max_num_seqs,

@@ -3,7 +3,6 @@ device work (copies, quantisations and host-tier moves the block manager decided
 CUDA graphs)."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -11,7 +10,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .. import engine_format as ef
-from ..config import EngineConfig, KVCacheConfig, ModelConfig
+from ..config import EngineConfig
 from ..devices import available_host_memory as _available_memory, check_device_name, concrete
 from ..errors import EngineError
 from ..integrity import check_engine_files
@@ -24,6 +23,7 @@ from ..kv.sizing import kv_pool_blocks, sliding_pool_blocks
 from ..model.cuda_graphs import DecodeGraphs
 from ..model.llama import LlamaModel, centres_keys
 from ..plan import host_bytes, linear_shapes
+from ..resolve import resolve
 from ..sampling import make_generator
 from ..sampling_params import SamplingParams
 from ..user_cache import cache_dir
@@ -69,10 +69,10 @@ def copy_blocks(pools: KVPools, copies: list[Copy]) -> None:
         pools.v[:, dst] = pools.v[:, src]
 
 
-def pick_device(config: EngineConfig, manifest: dict) -> torch.device:
+def pick_device(config: EngineConfig, manifest: ef.Manifest) -> torch.device:
     if config.device != "auto":
         return concrete(check_device_name(config.device))
-    if torch.cuda.is_available() and ef.check_target(manifest, ef.present_gpu_sm()) is None:
+    if torch.cuda.is_available() and ef.check_target(manifest.target, ef.present_gpu_sm()) is None:
         return concrete("cuda")
     return torch.device("cpu")
 
@@ -82,37 +82,30 @@ class ModelRunner:
         self.engine_dir = Path(config.engine_dir)
         self.manifest = ef.read_manifest(self.engine_dir)
         self.manifest_digest = ef.sha256_file(self.engine_dir / ef.MANIFEST)
+        self.settings = resolve(config, self.manifest)   # before hashing: refuse what the plan cannot hold
         if not config.skip_verify:
             check_engine_files(self.engine_dir, self.manifest)
         self.device = pick_device(config, self.manifest)
         if self.device.type == "cuda":
-            problem = ef.check_target(self.manifest, ef.present_gpu_sm())
+            problem = ef.check_target(self.manifest.target, ef.present_gpu_sm())
             if problem:
                 raise EngineError(problem)
         self.dtype = {"auto": torch.float16 if self.device.type == "cuda" else torch.float32,
                       "float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-        self.model_config = ModelConfig.from_dict(self.manifest["model"]["config"])
-        self.kv_config = dataclasses.replace(KVCacheConfig(**self.manifest["kv"]), **config.kv_overrides())
-        try:
-            self.kv_config.validate(self.model_config.head_dim)
-        except ValueError as e:
-            raise EngineError(str(e)) from None
-        built_len = int(self.manifest["max_model_len"])
-        self.max_model_len = min(config.max_model_len or built_len, built_len)
-        self.max_num_seqs = min(config.max_num_seqs, int(self.manifest["max_num_seqs"]))
-        built_chunk = int(self.manifest.get("chunked_prefill_size", 512))
-        # never above the build's: the plan's activation workspace is sized for it
-        self.chunked_prefill_size = min(config.chunked_prefill_size or built_chunk, built_chunk)
+        self.model_config = self.manifest.model
+        self.kv_config = self.settings.kv
+        self.max_model_len = self.settings.max_model_len
+        self.max_num_seqs = self.settings.max_num_seqs
+        self.chunked_prefill_size = self.settings.chunked_prefill_size
         weights_path = self.engine_dir / ef.WEIGHTS
         if not weights_path.exists():
             raise EngineError(f"{weights_path}: missing; the engine directory is incomplete (rebuild it).")
         self._cap_memory()
         if self.device.type == "cuda":   # before the first kernel compiles
-            use_engine_kernels(self.engine_dir, self.manifest, cache_dir())
-        placement = self.manifest["plan"]["inputs"].get("embedding_placement", "gpu")
+            use_engine_kernels(self.engine_dir, self.manifest.files, self.manifest.triton_version, cache_dir())
         self.model = LlamaModel(self.model_config, load_weights(weights_path), self.device, self.dtype,
-                                embedding_on_host=placement == "host",
-                                gemv_configs=self.manifest.get("kernels", {}).get("w4_gemv"),
+                                embedding_on_host=self.manifest.plan.embedding_placement == "host",
+                                gemv_configs=self.manifest.w4_gemv_configs,
                                 keep_dense=self._dense_fits())
         if centres_keys(self.kv_config) and self.model.key_mean is None:
             raise EngineError(f"{self.engine_dir}: key centering needs the calibrated kv.key_mean this engine "
@@ -135,9 +128,9 @@ class ModelRunner:
         self.block_bytes = block_bytes(self.pools)
         self.graphs = None
         if use_graphs:
-            sizes = [b for b in self.manifest["profile"]["defaults"]["cuda_graph_batch_sizes"] if b <= self.max_num_seqs]
-            if sizes:
-                self.graphs = DecodeGraphs(self.model, self.pools, sizes, self.max_model_len, self.pools.scratch_block)
+            if self.settings.cuda_graph_batch_sizes:
+                self.graphs = DecodeGraphs(self.model, self.pools, list(self.settings.cuda_graph_batch_sizes),
+                                           self.max_model_len, self.pools.scratch_block)
         if self.device.type == "cuda":
             self.warm_up()
 
@@ -163,7 +156,7 @@ class ModelRunner:
         """On CUDA, exceeding the plan must be an error, never a silent spill to host memory."""
         if self.device.type != "cuda":
             return
-        budget = int(self.manifest["plan"]["budget_bytes"])
+        budget = self.manifest.plan.budget_bytes
         total = torch.cuda.get_device_properties(self.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
 

@@ -11,8 +11,9 @@ from ..config import KVCacheConfig, ModelConfig
 from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ..model.cuda_graphs import DecodeGraphs
+    from ..engine_format import Manifest
     from ..logits_constraint import LogitsConstraint
+    from ..model.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -65,7 +66,7 @@ class TargetRuntime(Protocol):
     dtype: torch.dtype
     kv_config: KVCacheConfig
     model_config: ModelConfig      # the target's: its vocab_size is the proposals' length
-    manifest: dict
+    manifest: Manifest
     max_num_seqs: int
     chunked_prefill_size: int
     graphs: DecodeGraphs | None    # the target's CUDA graphs (None: eager), whose batch sizes and pool a draft shares
