@@ -104,6 +104,28 @@ def tiny_engine(build, tmp_path_factory, smollm2_checkpoint):
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_awq(tmp_path_factory, smollm2_checkpoint) -> Path:
+    """A tiny random Gemma 3 (three layers, two sliding over a 24-position window; tests/tiny_model.py),
+    AWQ-packed."""
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
+    from tiny_model import TINY_GEMMA3, write_tiny_hf
+
+    root = tmp_path_factory.mktemp("tiny-gemma3")
+    return quantize_checkpoint(write_tiny_hf(root / "hf", smollm2_checkpoint, **TINY_GEMMA3), root / "awq",
+                               group_size=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_engine(build, tiny_gemma3_awq):
+    """The tiny Gemma 3 as a CPU engine with an FP16 cache and a 512-token context (a BieEngine, shared)."""
+    from bie_trt.config import EngineConfig
+    from bie_trt.executor.engine import BieEngine
+
+    return BieEngine(EngineConfig(engine_dir=str(build(checkpoint=str(tiny_gemma3_awq), max_model_len=512,
+                                                       kv_cache_dtype="fp16")), device="cpu"))
+
+
+@pytest.fixture(scope="session")
 def tiny_draft_engine(build, tiny_draft):
     """The tiny model, with itself as the draft: the draft's head over 4,096 ids, a 64-token window.
     (Seconds to build, where a SmolLM2 target takes minutes on two cores.)"""

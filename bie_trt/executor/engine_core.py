@@ -26,7 +26,6 @@ from ..logits_constraint import GrammarError
 from ..plan import planned_step_tokens
 from ..sampling import top_logprobs
 from ..sampling_params import SamplingParams
-from .block_manager import BlockManager
 from .disk_blocks import load_from_disk, open_disk_tier, persist_prompt
 from .model_runner import ModelRunner
 from .outputs import StreamEvent
@@ -51,8 +50,7 @@ class EngineCore:
         budget = step_budget(planned_step_tokens(self.runner.manifest.plan.inputs),
                              config.max_num_batched_tokens, chunk, seqs, gamma)
         check_progress(kv, self.max_model_len, chunk, pools.num_fp_blocks, budget, seqs, gamma)
-        self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, config.enable_prefix_caching,
-                                   self.runner.host_bytes, self.runner.block_bytes)
+        self.blocks = self.runner.block_manager(config.enable_prefix_caching, self.runner.host_bytes)
         adaptive = self.spec.adaptive
         self.scheduler = Scheduler(self.blocks, seqs, budget, chunk, gamma, self.max_model_len,
                                    self.spec.free if self.spec.proposer else None, adaptive.gamma if adaptive else None)

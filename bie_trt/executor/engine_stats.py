@@ -17,6 +17,8 @@ def engine_stats(core: "EngineCore") -> EngineStats:
     pools = {"fp16": blocks.usage(False)}
     if blocks.quantised:
         pools["quant"] = blocks.usage(True)
+    if blocks.sliding is not None:   # a hybrid model's sliding-window layers, apart
+        pools["sliding"] = blocks.sliding.usage()
     return EngineStats(dict(core.finished), core.prompt_tokens, core.generation_tokens, s.num_preemptions,
                        s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting),
                        core.spec.stats(), _host(core), _graphs(core), _disk(core))

@@ -18,10 +18,11 @@ from ..kernels import ops
 from ..kernels.kernel_cache import use_engine_kernels
 from ..kernels.step_inputs import SeqInput
 from ..kv.host_pool import HostPool, block_bytes
-from ..kv.pool import KVPools, allocate_pools
+from ..kv.pool import KVPools, allocate_kv
+from ..kv.sizing import kv_pool_blocks, sliding_pool_blocks
 from ..model.cuda_graphs import DecodeGraphs
 from ..model.llama import LlamaModel, centres_keys
-from ..plan import host_bytes, kv_pool_blocks, linear_shapes
+from ..plan import host_bytes, linear_shapes
 from ..resolve import resolve
 from ..sampling import make_generator
 from ..sampling_params import SamplingParams
@@ -109,13 +110,16 @@ class ModelRunner:
         if centres_keys(self.kv_config) and self.model.key_mean is None:
             raise EngineError(f"{self.engine_dir}: key centering needs the calibrated kv.key_mean this engine "
                               "lacks; rebuild it with this version of bie-trt.")
-        n_fp, n_q = kv_pool_blocks(self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunked_prefill_size)
+        sizes = (self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunked_prefill_size)
+        n_fp, n_q = kv_pool_blocks(*sizes)
+        n_sliding = sliding_pool_blocks(*sizes)
         if config.num_kv_blocks is not None:  # tests and small hosts shrink the pool on purpose
             n_fp = config.num_kv_blocks
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         # "fp16" KV is stored in the activation dtype: exact fp32 on the CPU reference.
-        self.pools: KVPools = allocate_pools(self.model_config, self.kv_config, n_fp, n_q, self.dtype, self.device,
-                                             scratch_block=use_graphs)
+        # a hybrid model's sliding layers in pools.sliding, sized by the same formula as the plan's
+        self.pools: KVPools = allocate_kv(self.model_config, self.kv_config, n_fp, n_q, n_sliding, self.dtype,
+                                          self.device, scratch_block=use_graphs)
         try:
             self.host_bytes = host_bytes(config.host_kv_cache_gb, _available_memory())
         except ValueError as e:
@@ -129,6 +133,14 @@ class ModelRunner:
                                            self.max_model_len, self.pools.scratch_block)
         if self.device.type == "cuda":
             self.warm_up()
+
+    def block_manager(self, enable_prefix_caching: bool = False, host_bytes: int = 0) -> BlockManager:
+        """A block manager over this runner's pools: both cache groups of a hybrid model."""
+        sliding = self.pools.sliding
+        return BlockManager(self.kv_config, self.pools.num_fp_blocks, self.pools.num_quant_blocks, enable_prefix_caching,
+                            host_bytes, self.block_bytes,
+                            sliding_window=int(self.model_config.sliding_window or 0) if sliding else 0,
+                            num_sliding_blocks=sliding.num_fp_blocks if sliding else 0)
 
     def _dense_fits(self) -> bool:
         """The CPU path keeps every dequantised weight matrix (fast, but 4 bytes a weight in fp32) only
@@ -158,7 +170,7 @@ class ModelRunner:
         Chunk sizes: Triton specialises integer arguments on being a multiple of 16, and the W4
         tiles grow with the rows (16, 32, 64), so one size of each kind, at start positions that
         are and are not multiples of 16."""
-        blocks = BlockManager(self.kv_config, self.pools.num_fp_blocks, self.pools.num_quant_blocks)
+        blocks = self.block_manager()
         n, chunk = self.max_num_seqs, self.chunked_prefill_size
         scheduler = Scheduler(blocks, n, chunk + n, chunk)
         chunks = [k for k in (chunk, chunk - 1, 15, 16, 31, 32) if 0 < k <= chunk]
@@ -229,8 +241,9 @@ class ModelRunner:
             ids = torch.tensor(seq.token_slice(seq.num_cached, seq.num_cached + n) + extra)
             views = [(row, min(rows, len(ids) - row), table)
                      for row, rows, table in batch.views.get(seq, [(0, len(ids), seq.block_table)]) if row < len(ids)]
-            inputs += [SeqInput(ids[row:row + rows], seq.num_cached + row, table, all_logits=bool(extra))
-                       for row, rows, table in views]
+            # (a dense model's sequences have no sliding table: [] -> None)
+            inputs += [SeqInput(ids[row:row + rows], seq.num_cached + row, table, all_logits=bool(extra),
+                                sliding_table=seq.sliding_table or None) for row, rows, table in views]
             num_runs.append(len(views))
             all_logits.append(bool(extra))
         return inputs, num_runs, all_logits

@@ -36,6 +36,10 @@ class Sequence:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    # A hybrid model's sliding-window layers: their own table (sliding_blocks.py), entries below
+    # `sliding_first` given back
+    sliding_table: list[int] = field(default_factory=list)
+    sliding_first: int = 0
     num_cached: int = 0            # tokens whose K/V are in the cache
     num_prompt_cached: int | None = None   # prompt tokens the prefix cache held at first admission (both tiers)
     # Prefix-cache keys of the first full blocks of token_ids, in order; they depend on the tokens
