@@ -32,10 +32,10 @@ from .streams import RequestStream
 class BieEngine:
     def __init__(self, config: EngineConfig | str):
         self.config = config if isinstance(config, EngineConfig) else EngineConfig(engine_dir=str(config))
-        self.prompts = PromptEncoder.load(self.config.engine_dir, self.config.chat_template,
-                                         self.config.chat_template_kwargs)
-        self.tokenizer = self.prompts.tokenizer
-        self.core = EngineCore(self.config, self.tokenizer)
+        # the core first: it checks the manifest before anything reads the tokenizer files
+        self.core = EngineCore(self.config)
+        self.tokenizer = self.core.tokenizer
+        self.prompts = PromptEncoder(self.tokenizer, self.config.chat_template_kwargs)
         self.loop = EngineThread(self.core)
         core = self.core
         self.runner, self.scheduler, self.blocks, self.disk = core.runner, core.scheduler, core.blocks, core.disk
