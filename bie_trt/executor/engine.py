@@ -27,7 +27,7 @@ from ..errors import RequestError
 from ..plan import planned_step_tokens
 from ..reasoning import PROMPT_TAIL_TOKENS, resolve_parser, split_reasoning, starts_inside
 from ..sampling import make_generator, sample_next, top_logprobs
-from ..spec_decode.adaptive import AdaptiveGamma
+from ..spec_decode.adaptive import AdaptiveGamma, step_clock
 from ..spec_decode.proposer import Proposal
 from ..spec_decode.rejection import verify
 from ..spec_decode.select import make_proposer, resolve_speculative
@@ -70,13 +70,14 @@ class BieEngine:
                        num_speculative_tokens)
         self.proposer = make_proposer(self.speculative, engine_dir, self.runner)
         # each request's γ chosen every step (None: always num_speculative_tokens)
-        self.adaptive = (AdaptiveGamma(num_speculative_tokens, per_token=self.speculative.method == "draft_model")
+        self.adaptive = (AdaptiveGamma(num_speculative_tokens, per_token=self.speculative.method == "draft_model",
+                                       clock=step_clock(self.runner.device.type))
                          if self.proposer is not None and self.speculative.adaptive else None)
         self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching,
                                    self.runner.host_bytes, self.runner.block_bytes)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, budget, chunked_prefill_size, num_speculative_tokens,
                                    self.max_model_len, self._free_speculation if self.proposer else None,
-                                   self.adaptive.gamma if self.adaptive else None)
+                                   self.adaptive.room if self.adaptive else None)
         cfg = self.runner.model_config
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -222,7 +223,7 @@ class BieEngine:
         if self.adaptive is not None and decodes:
             for (seq, _), r in zip(batch.chunks, rows):
                 self.adaptive.record_decode(seq, r - 1)
-        start = time.perf_counter()
+        start = self.adaptive.clock() if self.adaptive is not None else 0.0
         logits = self.runner.execute(batch, {seq: p.token_ids for seq, p in proposals.items()})
         for (seq, n), logit_rows in zip(batch.chunks, logits):
             try:
@@ -231,7 +232,7 @@ class BieEngine:
                 self._fail([self._requests[seq]], e)
         if self.adaptive is not None and decodes:
             # the tokens are on the host by now (sampled or verified there): the time is the device's too
-            self.adaptive.record_step(rows, time.perf_counter() - start)
+            self.adaptive.record_step(rows, self.adaptive.clock() - start)
 
     def _postprocess(self, request: RequestState, n: int, rows: torch.Tensor, proposal: Proposal | None,
                      had_lookahead: bool) -> None:
@@ -270,20 +271,25 @@ class BieEngine:
 
     def _propose(self, lookahead: dict[Sequence, int]) -> dict[Sequence, Proposal]:
         """Proposals for the decodes the scheduler kept room for, each cut where its grammar refuses a token
-        (the target could never accept it: verifying it is wasted); empty ones are left out."""
+        (the target could never accept it: verifying it is wasted), and a lookup's to the γ adaptive γ takes
+        of them; empty ones are left out."""
         if not lookahead or self.proposer is None:
             return {}
         seqs = list(lookahead)
-        start, before = time.perf_counter(), self._draft_work()
+        start, before = (self.adaptive.clock() if self.adaptive is not None else 0.0), self._draft_work()
         proposals = self.proposer.propose([seq.proposal_request(lookahead[seq]) for seq in seqs])
         if self.adaptive is not None:
-            self._time_proposals(len(seqs), time.perf_counter() - start, before)
+            self._time_proposals(len(seqs), self.adaptive.clock() - start, before)
         for seq, proposal in zip(seqs, proposals):
             if len(proposal.token_ids) > lookahead[seq]:
                 raise RuntimeError(f"the proposer returned {len(proposal.token_ids)} tokens where "
                                    f"{lookahead[seq]} fit (a proposer bug)")
-            if seq.constraint is not None and proposal.token_ids:
+            keep = len(proposal.token_ids)
+            if seq.constraint is not None and keep:
                 keep = seq.constraint.allowed_prefix(proposal.token_ids)
+            if self.adaptive is not None:   # a lookup's γ is chosen over what it found
+                keep = self.adaptive.take(seq, keep)
+            if keep < len(proposal.token_ids):
                 proposal.token_ids = proposal.token_ids[:keep]
                 proposal.probs = None if proposal.probs is None else proposal.probs[:keep]
         return {seq: p for seq, p in zip(seqs, proposals) if p.token_ids}
