@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
+from bie_trt.spec_decode.adaptive import AdaptiveGamma
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_spec import FALLBACK, tasks  # noqa: E402
@@ -93,6 +94,23 @@ def timed_generate(engine: BieEngine, prompt: str, params: SamplingParams) -> di
             "spec_decode": out.spec_decode}
 
 
+def bookkeeping_seconds(gamma_max: int, steps: int = 20000) -> float:
+    """What adaptive γ's own work costs a plain step of one request, in CPU seconds: the choice (`room`, which
+    for a draft decides every step), the step's record and its timing, as the engine calls them."""
+    g = AdaptiveGamma(gamma_max, per_token=True, clock=time.process_time)
+    for rows in [1] * 3 + [gamma_max + 1] * 3:
+        g.record_step([rows], 0.05 * (1 + 0.1 * (rows - 1)))
+        g.record_proposal(0.05, 1, 1)
+    for _ in range(5):
+        g.record_verify("request", gamma_max, 0)
+    start = time.process_time()
+    for _ in range(steps):
+        t = g.clock()
+        g.record_decode("request", g.room("request"))
+        g.record_step([1], 0.05 + (g.clock() - t))
+    return (time.process_time() - start) / steps
+
+
 def run(args: argparse.Namespace) -> dict:
     configs = configurations(args.methods.split(","), [int(g) for g in args.gammas.split(",")])
     quoting = tasks(Path(args.prose_file).read_text()[:args.passage_chars] if args.prose_file else FALLBACK)
@@ -112,6 +130,8 @@ def run(args: argparse.Namespace) -> dict:
             engines[name].adaptive.trace = []
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = {name: {task: [] for task in prompts} for name in configs}
+    # the tokens each draft ran before the timed requests
+    forwarded = {name: getattr(engine.proposer, "tokens_forwarded", 0) for name, engine in engines.items()}
     for repeat in range(args.repeats):
         for task, prompt in prompts.items():
             for name, engine in engines.items():   # round-robin: the host's noise falls on all alike
@@ -122,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
             print(json.dumps({"repeat": repeat, "task": task, "tokens_per_s": {
                 name: round(r[task][-1]["decode_tokens"] / max(r[task][-1]["decode_s"], 1e-9), 2)
                 for name, r in runs.items()}}), flush=True)
-    return summarise(args, configs, prompts, engines, runs)
+    return summarise(args, configs, prompts, engines, runs, forwarded)
 
 
 def ratios_of(table: dict, configs: dict, methods: list[str]) -> dict:
@@ -148,7 +168,8 @@ def expected_vs_emitted(trace: list) -> list[tuple[float, int]]:
             if isinstance(choice, list) and choice[0] > 0 and isinstance(emitted, int)]
 
 
-def summarise(args: argparse.Namespace, configs: dict, prompts: dict, engines: dict, runs: dict) -> dict:
+def summarise(args: argparse.Namespace, configs: dict, prompts: dict, engines: dict, runs: dict,
+              forwarded: dict[str, int]) -> dict:
     kinds = {"prose": [t for t in prompts if t.startswith("prose")], "quoting": ["quote_passage", "edit_code"]}
     methods = args.methods.split(",")
     clocks = (("cpu", "decode_cpu_s"), ("wall", "decode_s"))
@@ -187,6 +208,9 @@ def summarise(args: argparse.Namespace, configs: dict, prompts: dict, engines: d
             "note": "configurations interleaved round-robin within each repeat; a shared host's load varies, so the "
                     "cpu clock (decode tokens per CPU second of this process) is the steadier one, wall beside it",
             "warmup_tokens": args.warmup_tokens,
+            "adaptive_bookkeeping_us_per_step": round(1e6 * bookkeeping_seconds(max(int(g) for g in args.gammas.split(","))), 2),
+            "draft_tokens_forwarded_timed": {n: e.proposer.tokens_forwarded - forwarded[n]
+                                             for n, e in engines.items() if hasattr(e.proposer, "tokens_forwarded")},
             "tokens_per_s": tables, "ratios": ratios, "ratio_spread_over_repeats": spread,
             "ratios_per_repeat": per_repeat, "identical_to_plain": identical,
             "adaptive_expected_vs_emitted": realised,

@@ -70,16 +70,16 @@ def test_batched_greedy_is_identical_and_proposals_are_accepted(spec, expected):
     assert idle(spec)
 
 
-def set_costs(engine: BieEngine, verify_ratio: float) -> None:
-    """The adaptive engine's step costs as if measured: a verify of any width `verify_ratio` plain steps, the
-    lookup free (on the loop thread, between steps)."""
+def set_costs(engine: BieEngine, verify_ratio: float, proposal_ratio: float = 0.0) -> None:
+    """The adaptive engine's step costs as if measured: a verify of any width `verify_ratio` plain steps,
+    proposing (a draft step, a lookup) `proposal_ratio` (on the loop thread, between steps)."""
     def put() -> None:
         costs = engine.adaptive.costs
         costs.plain.value, costs.plain.samples = 1.0, 2
         for figure in costs.relative:
             figure.value, figure.samples = verify_ratio, 2
         costs._fit = [verify_ratio - 1.0, 1.0]   # the line through them at two rows
-        costs.proposal.value, costs.proposal.samples = 0.0, 2
+        costs.proposal.value, costs.proposal.samples = proposal_ratio, 2
         engine.adaptive.requests.clear()
 
     engine._run_on_loop(put)
@@ -102,6 +102,23 @@ def test_adaptive_gamma_steps_aside_and_back_and_changes_no_token(spec, expected
     assert out.token_ids == expected[2][:10]
     assert sum(steps[1:]) - sum(before[1:]) > 0 and out.spec_decode["gamma"]["reason"] == "best"
     assert idle(spec)
+
+
+def test_a_draft_that_does_not_pay_runs_no_draft_step_and_no_verify(tiny_draft_engine):
+    """A draft step made to cost a plain step (itself as its draft, as on the CPU): every step is a plain decode,
+    the draft reads no token (not even the ones it missed, until a probe that never comes) and nothing is
+    verified; the tokens are plain decoding's."""
+    spec = BieEngine(EngineConfig(engine_dir=str(tiny_draft_engine), device="cpu",
+                                  speculative={"method": "draft_model", "num_speculative_tokens": 4}))
+    assert spec.adaptive is not None and spec.adaptive.costs.per_token   # the draft's default
+    plain = BieEngine(EngineConfig(engine_dir=str(tiny_draft_engine), device="cpu", speculative={"method": "none"}))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    set_costs(spec, 1.1, 1.0)
+    out = spec.generate(PROMPTS[2], params)
+    assert out.token_ids == plain.generate(PROMPTS[2], params).token_ids
+    assert spec.proposer.tokens_forwarded == 0 and sum(spec.proposer.steps.values()) == 0
+    assert out.spec_decode["num_drafts"] == 0 and spec.adaptive.steps_by_gamma == [11, 0, 0, 0, 0]
+    assert spec.adaptive.probes == 0
 
 
 def test_a_prefix_cache_hit_keeps_the_tokens(spec, expected):
