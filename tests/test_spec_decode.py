@@ -196,7 +196,8 @@ def test_after_each_verify_a_table_holds_only_the_blocks_its_cached_tokens_fill(
 
 
 def test_preemption_in_a_tiny_pool_keeps_the_tokens(smollm2_engine, expected):
-    engine = make(smollm2_engine, {"method": "ngram"}, num_kv_blocks=10, enable_prefix_caching=False)
+    # a fixed γ: every step proposes what lookup finds, so the batch outgrows the pool and preempts
+    engine = make(smollm2_engine, {"method": "ngram", "adaptive": False}, num_kv_blocks=10, enable_prefix_caching=False)
     outs = engine.generate(PROMPTS, GREEDY)
     assert engine.stats().preemptions > 0
     assert [o.token_ids for o in outs] == expected
@@ -226,9 +227,10 @@ def test_bad_speculative_configs_say_what_is_wrong(bad, message):
         SpeculativeConfig.parse(bad)
 
 
-def test_adaptive_gamma_is_the_drafts_default_and_not_lookups():
-    assert SpeculativeConfig("draft_model").adaptive and not SpeculativeConfig("ngram").adaptive
-    assert SpeculativeConfig.parse({"method": "ngram", "adaptive": True}).adaptive
+def test_adaptive_gamma_is_the_default_for_both_methods():
+    assert SpeculativeConfig("draft_model").adaptive and SpeculativeConfig("ngram").adaptive
+    assert SpeculativeConfig.parse({"method": "ngram"}).adaptive
+    assert not SpeculativeConfig.parse({"method": "ngram", "adaptive": False}).adaptive
     assert not SpeculativeConfig.parse({"method": "draft_model", "adaptive": False}).adaptive
 
 

@@ -123,10 +123,11 @@ class StepCosts:
     decodes that all carried the same number of rows are timed (a prompt chunk or mixed lengths would say
     nothing about one r).
 
-    The choice reads the verify at r rows off one line, 1 + slope·(r - 1) plain steps, fitted by least squares
-    (through the plain step) to every verify timed at any width, older timings fading: a width seen a few
-    times would otherwise weigh one noisy timing as much as the plain step's hundreds, and a narrow verify's
-    noise is the least telling about the slope (the figure at each width is kept too, for the reports)."""
+    The verify at r rows is its own figure shrunk towards one line, 1 + slope·(r - 1) plain steps, fitted by
+    least squares (through the plain step) to every verify timed at any width, older timings fading and
+    those above the line weighing less: a width timed a few times stands on a few noisy timings, and one
+    never timed is read off the line; the cost need not be linear in r (on a CPU a product over 2 or 3
+    rows can cost more than over 6), which a width's own figure shows once it has been timed."""
 
     def __init__(self, gamma_max: int, per_token: bool) -> None:
         self.plain = Running()
