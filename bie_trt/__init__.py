@@ -1,8 +1,9 @@
 """bie-trt: AWQ 4-bit Llama-family engines with a fixed memory plan (64k context in 8 GB)."""
-from .config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams, SpeculativeConfig, StructuredOutputs
+from .config import EngineConfig, KVCacheConfig, ModelConfig, SpeculativeConfig
 from .errors import BieError, CheckpointError, EngineError, PlanError, RequestError
 from .executor.engine import BieEngine
 from .executor.outputs import ChatOutput, RequestOutput, StreamEvent
+from .sampling_params import SamplingParams, StructuredOutputs
 
 __all__ = [
     "BieEngine", "ChatOutput", "EngineConfig", "SamplingParams", "KVCacheConfig", "ModelConfig", "RequestOutput",

@@ -11,8 +11,9 @@ import os
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
+from .config import KVCacheConfig, ModelConfig
 from .errors import EngineError
 from .jsonio import read_json_object
 
@@ -56,7 +57,72 @@ def write_manifest(engine_dir: Path, manifest: dict[str, Any]) -> None:
     (engine_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
-def read_manifest(engine_dir: str | Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Target:
+    gpu: str    # the profile's description of the GPU
+    sm: int     # its compute capability (0: any, a CPU build)
+
+
+@dataclass(frozen=True)
+class Source:
+    """The checkpoint the engine was built from."""
+
+    checkpoint: str
+    weight_group_size: int
+    gguf: Mapping[str, Any] | None   # how a GGUF file was converted, tensor type by type (None: AWQ safetensors)
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What the runtime reads of the memory plan solved at build."""
+
+    budget_bytes: int
+    total_bytes: int
+    items: tuple[tuple[str, int], ...]   # (name, bytes), item by item
+    embedding_placement: str             # "gpu" | "host"
+    num_speculative_tokens: int          # the verify rows the plan holds room for (0: none)
+    inputs: Mapping[str, Any]            # what it was solved for, as `plan.planned_step_tokens` reads it
+
+
+@dataclass(frozen=True)
+class DraftInfo:
+    """The speculative draft model under draft/."""
+
+    name: str
+    config: ModelConfig
+    vocab_size: int       # ids its own head covers
+    request_vocab: int    # rows of each request's own ids added to that head (0: none)
+    sink_tokens: int
+    window: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An engine's manifest.json, read and checked once (`read_manifest`); the JSON on disk is what
+    `build` writes."""
+
+    path: Path
+    schema_version: int
+    bie_trt_version: str
+    model_name: str
+    model: ModelConfig
+    kv: KVCacheConfig
+    max_model_len: int
+    max_num_seqs: int
+    chunked_prefill_size: int
+    profile_name: str
+    cuda_graph_batch_sizes: tuple[int, ...]
+    target: Target
+    plan: PlanSummary
+    files: Mapping[str, str]              # path in the engine -> sha256
+    source: Source
+    w4_gemv_configs: Mapping[str, Any] | None   # tuned W4 GEMV configs per fused linear (None: none tuned)
+    triton_version: str | None            # the Triton that compiled kernels/
+    speculative: Mapping[str, Any] | None  # the build's speculation default, in vLLM's spelling
+    draft: DraftInfo | None
+
+
+def read_manifest(engine_dir: str | Path) -> Manifest:
     path = Path(engine_dir) / MANIFEST
     if not path.exists():
         raise EngineError(f"{engine_dir}: no {MANIFEST}; this is not an engine directory (make one with `bie-trt build`).")
@@ -72,7 +138,37 @@ def read_manifest(engine_dir: str | Path) -> dict[str, Any]:
         raise EngineError(f"{path}: missing {', '.join(missing)}; the engine is damaged: rebuild it with `bie-trt build`.")
     if not isinstance(manifest["files"], dict) or not manifest["files"]:
         raise EngineError(f"{path}: 'files' must map each file to its sha256; rebuild the engine with `bie-trt build`.")
-    return manifest
+    try:
+        return _typed(path, manifest)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise EngineError(f"{path}: malformed ({type(e).__name__}: {e}); rebuild the engine with "
+                          f"`bie-trt build`.") from None
+
+
+def _typed(path: Path, m: dict[str, Any]) -> Manifest:
+    """The JSON as `build` writes it -> Manifest; KeyError/TypeError/ValueError where it is not."""
+    plan, profile, target = m["plan"], m["profile"], m.get("target", {})
+    inputs, source, draft = plan["inputs"], m["source"], m.get("draft")
+    return Manifest(
+        path=path, schema_version=int(m["schema_version"]), bie_trt_version=str(m["bie_trt_version"]),
+        model_name=str(m["model"]["name"]), model=ModelConfig.from_dict(m["model"]["config"]),
+        kv=KVCacheConfig(**m["kv"]), max_model_len=int(m["max_model_len"]), max_num_seqs=int(m["max_num_seqs"]),
+        chunked_prefill_size=int(m.get("chunked_prefill_size", 512)),   # engines of before the key: 512
+        profile_name=str(profile["name"]),
+        cuda_graph_batch_sizes=tuple(int(b) for b in profile["defaults"]["cuda_graph_batch_sizes"]),
+        target=Target(str(target.get("gpu", "?")), int(target.get("sm", 0))),
+        plan=PlanSummary(int(plan["budget_bytes"]), int(plan["total_bytes"]),
+                         tuple((str(i["name"]), int(i["bytes"])) for i in plan["items"]),
+                         str(inputs.get("embedding_placement", "gpu")),
+                         int(inputs.get("num_speculative_tokens") or 0), inputs),
+        files=m["files"],
+        source=Source(str(source["checkpoint"]), int(source["weight_group_size"]), source.get("gguf")),
+        w4_gemv_configs=(m.get("kernels") or {}).get("w4_gemv"), triton_version=m.get("toolchain", {}).get("triton"),
+        speculative=m.get("speculative"),
+        draft=None if draft is None else DraftInfo(
+            str(draft["name"]), ModelConfig.from_dict(draft["config"]), int(draft["vocab_size"]),
+            int(draft.get("request_vocab", 0)), int(draft["sink_tokens"]), int(draft["window"])),
+    )
 
 
 def set_umask_permissions(root: Path) -> None:
@@ -101,14 +197,12 @@ def present_gpu_sm() -> int | None:
     return major * 10 + minor
 
 
-def check_target(manifest: dict[str, Any], sm: int | None) -> str | None:
+def check_target(target: Target, sm: int | None) -> str | None:
     """A problem sentence when the engine cannot run on a GPU of compute capability `sm`."""
-    target = int(manifest.get("target", {}).get("sm", 0))
-    if sm is None or target == 0:
+    if sm is None or target.sm == 0:
         return None
-    if sm != target:
-        name = manifest.get("target", {}).get("gpu", "?")
-        return (f"engine was built for SM {target} ({name}) but this GPU is SM {sm}; "
+    if sm != target.sm:
+        return (f"engine was built for SM {target.sm} ({target.gpu}) but this GPU is SM {sm}; "
                 f"rebuild it here with `bie-trt build --profile auto`.")
     return None
 
@@ -134,7 +228,7 @@ def verify_engine(engine_dir: str | Path, sm: int | None = None, check_gpu: bool
         manifest = read_manifest(engine_dir)
     except EngineError as e:
         return VerifyReport(False, [str(e)], [])
-    listed = manifest["files"]
+    listed = manifest.files
     problems, notes = file_problems(engine_dir, listed), []
     present = {str(p.relative_to(engine_dir)) for p in engine_dir.rglob("*") if p.is_file()}
     for extra in sorted(present - set(listed) - {MANIFEST, *UNHASHED}):
@@ -143,6 +237,6 @@ def verify_engine(engine_dir: str | Path, sm: int | None = None, check_gpu: bool
         sm = sm if sm is not None else present_gpu_sm()
         if sm is None:
             notes.append("no CUDA GPU here: SM compatibility not checked (pass --sm to check against one)")
-        elif (p := check_target(manifest, sm)):
+        elif (p := check_target(manifest.target, sm)):
             problems.append(p)
     return VerifyReport(not problems, problems, notes)

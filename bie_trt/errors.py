@@ -20,3 +20,12 @@ class PlanError(BieError):
 class RequestError(BieError, ValueError):
     """A generation request is invalid (prompt too long, bad sampling parameters); a ValueError, as
     other inference libraries raise for bad input."""
+
+
+class SettingsError(PlanError, ValueError):
+    """A runtime setting asks for more than the engine was built for (its memory plan is sized for the
+    built value); a ValueError, as for any bad argument. `setting` is the EngineConfig field."""
+
+    def __init__(self, setting: str, detail: str):
+        super().__init__(f"{setting} {detail}")
+        self.setting, self.detail = setting, detail

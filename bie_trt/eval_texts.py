@@ -91,6 +91,6 @@ def text_token_ids(engine_dir: str | Path, text: str) -> list[int]:
             tokenizer.no_truncation()   # as transformers runs it for one text
             tokenizer.no_padding()
             return tokenizer.encode(text).ids
-    from .templates import load_tokenizer
+    from .chat.tokenizer import load_tokenizer
 
     return load_tokenizer(str(engine_dir))(text)["input_ids"]

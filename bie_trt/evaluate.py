@@ -18,16 +18,17 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from .config import EngineConfig, KVCacheConfig, SamplingParams
+from .config import EngineConfig, KVCacheConfig
 from .errors import BieError
 from .executor.block_manager import BlockManager
 from .executor.model_runner import ModelRunner
 from .executor.sequence import Sequence
-from .kv.pool import KVPools, allocate_pools
+from .kernels.step_inputs import SeqInput
+from .kv.pool import KVPools, allocate_kv
 from .model.llama import LlamaModel
-from .model.step_inputs import SeqInput
 from .plan import kv_bytes_per_token
 from .sampling import make_generator
+from .sampling_params import SamplingParams
 
 
 @dataclass
@@ -80,7 +81,7 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
              reference: tuple[str, Callable[[list[int]], torch.Tensor]] | None = None) -> list[EvalResult]:
     """Perplexity and mean KL(P_base || P_variant) per variant; the baseline comes first. The baseline is the
     engine with an FP16 cache, or `reference` = (label, ids -> logits [len(ids), V]): another model's logits,
-    such as the source GGUF's own weights (eval_reference.py)."""
+    such as the source GGUF's own weights (builder/eval_reference.py)."""
     stride = stride or context
     if not 0 < stride <= context:
         raise BieError(f"stride must be in (0, context]; got {stride}.")
@@ -97,12 +98,14 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
     for kv in variants.values():
         kv.validate(model_cfg.head_dim)
     n_blocks = -(-context // base_kv.block_size) + 1
+    n_sliding = n_blocks if model_cfg.sliding_layers else 0   # a hybrid model's sliding layers stay FP16 (kv/pool.py)
     fp16 = dataclasses.replace(base_kv, dtype="fp16")
     all_variants = [_Variant(reference[0], fp16, None) if reference else
-                    _Variant("fp16", fp16, allocate_pools(model_cfg, fp16, n_blocks, 0, runner.dtype, runner.device))]
+                    _Variant("fp16", fp16, allocate_kv(model_cfg, fp16, n_blocks, 0, n_sliding, runner.dtype,
+                                                       runner.device))]
     for label, kv in variants.items():
-        all_variants.append(_Variant(label, kv, allocate_pools(model_cfg, kv, n_blocks, n_blocks, runner.dtype,
-                                                              runner.device)))
+        all_variants.append(_Variant(label, kv, allocate_kv(model_cfg, kv, n_blocks, n_blocks, n_sliding, runner.dtype,
+                                                            runner.device)))
     scored = 0
     bar = tqdm(total=len(starts) * len(all_variants), desc=f"eval ctx {context}", unit="pass", disable=not progress)
     for start in starts:
@@ -140,8 +143,10 @@ def _teacher_forced_logits(model: LlamaModel, v: _Variant, ids: list[int]) -> to
     bs = v.kv.block_size
     # Each run in block-sized slices: the rows of a slice go through attention together, as decode's
     # prefill chunks of one block would, so the sums round alike for any variant.
-    inputs = [SeqInput(torch.tensor(ids[pos:min(pos + bs - pos % bs, row + rows)]), pos, table, all_logits=True)
-              for row, rows, table in views for pos in _slice_starts(row, row + rows, bs)]
+    # a hybrid model's sliding layers hold the whole window in FP16 (the kernels read only each row's window)
+    sliding = list(range(v.pools.sliding.num_fp_blocks)) if v.pools.sliding is not None else None
+    inputs = [SeqInput(torch.tensor(ids[pos:min(pos + bs - pos % bs, row + rows)]), pos, table, all_logits=True,
+                       sliding_table=sliding) for row, rows, table in views for pos in _slice_starts(row, row + rows, bs)]
     return torch.cat(model.forward(inputs, v.pools, quantise))
 
 

@@ -10,11 +10,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from . import engine_format as ef
-from .checkpoint.registry import cache_dir
 from .errors import EngineError
+from .user_cache import cache_dir
 
 LEDGER = "verified-files.json"
 
@@ -48,7 +47,7 @@ def _stamp(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
-def check_engine_files(engine_dir: str | Path, manifest: dict[str, Any]) -> None:
+def check_engine_files(engine_dir: str | Path, manifest: ef.Manifest) -> None:
     """Raise EngineError unless every file the manifest lists is present with its sha256."""
     engine_dir = Path(engine_dir).resolve()
     ledger_path = _ledger_path()
@@ -65,7 +64,7 @@ def check_engine_files(engine_dir: str | Path, manifest: dict[str, Any]) -> None
         ledger[key], changed = [*stamp, digest], True
         return digest
 
-    problems = ef.file_problems(engine_dir, manifest["files"], sha256)
+    problems = ef.file_problems(engine_dir, manifest.files, sha256)
     if changed:
         _save_ledger(ledger_path, ledger)
     if problems:
@@ -73,16 +72,16 @@ def check_engine_files(engine_dir: str | Path, manifest: dict[str, Any]) -> None
                           f"or pass --skip-verify to serve it anyway.")
 
 
-def recheck_engine_files(engine_dir: str | Path, manifest: dict[str, Any]) -> list[str]:
+def recheck_engine_files(engine_dir: str | Path, manifest: ef.Manifest) -> list[str]:
     """Hash every listed file again, trusting no remembered digest: bit rot changes bytes but keeps a
     file's size and mtime, which the remembered stamps cannot see. On a problem the engine's files are
     forgotten, so that the next load hashes them and refuses."""
     engine_dir = Path(engine_dir).resolve()
-    problems = ef.file_problems(engine_dir, manifest["files"])
+    problems = ef.file_problems(engine_dir, manifest.files)
     if problems:
         ledger_path = _ledger_path()
         ledger = _load_ledger(ledger_path)
-        for name in manifest["files"]:
+        for name in manifest.files:
             ledger.pop(str(engine_dir / name), None)
         _save_ledger(ledger_path, ledger)
     return problems

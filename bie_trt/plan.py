@@ -15,6 +15,8 @@ from typing import Any
 from .config import KVCacheConfig, ModelConfig
 from .errors import PlanError
 from .kv.pool import quant_bytes_per_token_per_layer
+from .kv.sizing import (check_max_model_len, fp16_kv_bytes_per_token, full_layers, kv_bytes_per_token, kv_pool_blocks,
+                        kv_pool_bytes, sliding_pool_blocks, sliding_pool_bytes)
 from .profiles import EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile
 
 MIB = 2**20
@@ -61,6 +63,9 @@ class MemoryPlan:
     num_fp_blocks: int
     num_quant_blocks: int
     inputs: dict[str, Any]
+    num_sliding_blocks: int = 0   # a hybrid model's sliding-window layers' pool
+    # a hybrid model's KV bytes and largest context if every layer attended the whole context (for comparison)
+    all_full: dict[str, int] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -83,6 +88,8 @@ class MemoryPlan:
             "max_model_len_that_fits": self.max_model_len_that_fits,
             "num_fp_blocks": self.num_fp_blocks,
             "num_quant_blocks": self.num_quant_blocks,
+            "num_sliding_blocks": self.num_sliding_blocks,
+            "all_full": self.all_full,
             "items": [dataclasses.asdict(i) for i in self.items],
             "inputs": self.inputs,
         }
@@ -112,6 +119,14 @@ class MemoryPlan:
         verdict = (f"fits, {format_bytes(spare)} spare" if self.fits
                    else f"DOES NOT FIT: {format_bytes(-spare)} over budget")
         lines.append(f"{verdict}; the largest max_model_len that fits is {self.max_model_len_that_fits:,}.")
+        if self.all_full is not None:
+            m = i["model"]
+            sliding = sum(t == "sliding_attention" for t in m["layer_types"])
+            kv_now = sum(it.bytes for it in self.items if it.name.startswith("kv_"))
+            lines.append(f"sliding-window layers: {sliding} of {m['num_layers']} hold only their window; with all "
+                         f"{m['num_layers']} layers full the KV cache would take {format_bytes(self.all_full['kv_bytes'])} "
+                         f"(here {format_bytes(kv_now)}) and the largest max_model_len that fits would be "
+                         f"{self.all_full['max_model_len_that_fits']:,}.")
         return "\n".join(lines)
 
 
@@ -137,7 +152,11 @@ def host_bytes(gib: float | None, available: int | None) -> int:
 
 def host_tier(model: ModelConfig, kv: KVCacheConfig, size: int) -> dict[str, Any]:
     """What a KV host tier of `size` bytes holds, in host RAM beside the device plan (not in its budget):
-    blocks of the body's format (quantised, or FP16 for an FP16 cache) and the tokens they cover."""
+    blocks of the body's format (quantised, or FP16 for an FP16 cache) and the tokens they cover. Off for a
+    hybrid model: its sliding-window layers' blocks stay on the device (executor/sliding_blocks.py)."""
+    if model.sliding_layers:
+        return {"bytes": 0, "block_bytes": 0, "blocks": 0, "tokens": 0,
+                "off": "a hybrid model's sliding-window layers keep their blocks on the device"}
     per_token = (fp16_kv_bytes_per_token(model) if kv.dtype == "fp16"
                  else quant_bytes_per_token_per_layer(model, kv) * model.num_layers)
     block = per_token * kv.block_size
@@ -147,7 +166,7 @@ def host_tier(model: ModelConfig, kv: KVCacheConfig, size: int) -> dict[str, Any
 
 def format_host_tier(tier: dict[str, Any], kv_dtype: str) -> str:
     if not tier["bytes"]:
-        return "host KV tier: off"
+        return "host KV tier: off" + (f" ({tier['off']})" if "off" in tier else "")
     return (f"host KV tier: {format_bytes(tier['bytes'])} of host RAM (outside the budget): {tier['blocks']:,} "
             f"{kv_dtype} blocks of {format_bytes(tier['block_bytes'])}, {tier['tokens']:,} tokens of evicted "
             f"prefixes")
@@ -250,50 +269,7 @@ def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding:
     return items
 
 
-# --- KV cache --------------------------------------------------------------------------------
-
-def fp16_kv_bytes_per_token(model: ModelConfig) -> int:
-    """K and V of one token in every layer, fp16."""
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * FP16
-
-
-def kv_bytes_per_token(model: ModelConfig, kv: KVCacheConfig) -> int:
-    """What one more token of context costs: the quantised body's bytes, or fp16 when KV is fp16."""
-    if kv.dtype == "fp16":
-        return fp16_kv_bytes_per_token(model)
-    return quant_bytes_per_token_per_layer(model, kv) * model.num_layers
-
-
-def bounded_fp_blocks_per_seq(kv: KVCacheConfig, window: int, chunked_prefill_size: int) -> int:
-    """FP16 blocks one sequence needs when only its sinks and recent window stay FP16.
-
-    Sinks and window as blocks, plus one prefill chunk (its tokens land in FP16 before older
-    blocks are quantised or dropped; speculative tokens also land here), plus one block because
-    the window rarely starts on a block boundary.
-    """
-    b = kv.block_size
-    return math.ceil(kv.sink_tokens / b) + math.ceil(window / b) + math.ceil(chunked_prefill_size / b) + 1
-
-
-def kv_pool_blocks(
-    model: ModelConfig, kv: KVCacheConfig, max_model_len: int, max_num_seqs: int, chunked_prefill_size: int
-) -> tuple[int, int]:
-    """(FP16 blocks, quantised blocks) the runtime allocates with `kv.pool.allocate_pools`."""
-    _check_max_model_len(model, max_model_len)
-    full = max_num_seqs * math.ceil(max_model_len / kv.block_size)
-    if kv.dtype == "fp16":
-        return full, 0
-    return max_num_seqs * bounded_fp_blocks_per_seq(kv, kv.window, chunked_prefill_size), full
-
-
-def kv_pool_bytes(model: ModelConfig, kv: KVCacheConfig, num_fp_blocks: int, num_quant_blocks: int) -> tuple[int, int]:
-    """Bytes of the FP16 pool and the quantised pool with fp16 activations (= `KVPools.nbytes()`)."""
-    b = kv.block_size
-    fp = num_fp_blocks * b * fp16_kv_bytes_per_token(model)
-    if kv.dtype == "fp16":
-        return fp, 0
-    return fp, num_quant_blocks * b * quant_bytes_per_token_per_layer(model, kv) * model.num_layers
-
+# --- KV cache (the pools' sizes per layer type: kv/sizing.py) -------------------------------
 
 def verify_graph_buckets(batch_sizes: Sequence[int], rows: int) -> list[tuple[int, int]]:
     """The (batch, rows a sequence) of the verify graphs captured for γ+1 = `rows` at `batch_sizes`."""
@@ -390,23 +366,11 @@ def activation_workspace_bytes(
 
 # --- validation ------------------------------------------------------------------------------
 
-def _check_max_model_len(model: ModelConfig, max_model_len: int) -> None:
-    if max_model_len <= 0:
-        raise PlanError(f"max_model_len must be positive; got {max_model_len}.")
-    if max_model_len > model.max_positions:
-        where = ("YaRN's factor x original_max_position_embeddings in config.json"
-                 if model.max_positions != model.max_position_embeddings else "max_position_embeddings in config.json")
-        raise PlanError(
-            f"max_model_len {max_model_len:,} is beyond the model's limit of {model.max_positions:,} "
-            f"tokens ({where}); use --max-model-len <= {model.max_positions:,}."
-        )
-
-
 def _check_inputs(
     model: ModelConfig, kv: KVCacheConfig, max_model_len: int, max_num_seqs: int, chunked_prefill_size: int,
     weight_group_size: int, draft: ModelConfig | None, lm_head_dtype: str, embedding: str, utilisation: float,
 ) -> None:
-    _check_max_model_len(model, max_model_len)
+    check_max_model_len(model, max_model_len)
     try:
         kv.validate(model.head_dim)
     except ValueError as e:
@@ -531,17 +495,31 @@ def solve_plan(
     ]
     fixed_bytes = sum(it.bytes for it in weights + runtime)
 
-    def kv_items(length: int) -> tuple[list[PlanItem], int, int]:
-        n_fp, n_q = kv_pool_blocks(model, kv, length, max_num_seqs, chunked_prefill_size)
-        fp_bytes, q_bytes = kv_pool_bytes(model, kv, n_fp, n_q)
+    def kv_items(length: int, groups: ModelConfig = model) -> tuple[list[PlanItem], tuple[int, int, int]]:
+        n_fp, n_q = kv_pool_blocks(groups, kv, length, max_num_seqs, chunked_prefill_size)
+        n_sliding = sliding_pool_blocks(groups, kv, length, max_num_seqs, chunked_prefill_size)
+        fp_bytes, q_bytes = kv_pool_bytes(groups, kv, n_fp, n_q)
         q_note = f"{kv.dtype}, {n_q:,} blocks" if kv.dtype != "fp16" else "fp16 KV: no quantised pool"
-        return [PlanItem("kv_fp16_pool", fp_bytes, f"{n_fp:,} blocks of {kv.block_size} tokens"),
-                PlanItem("kv_quant_pool", q_bytes, q_note)], n_fp, n_q
+        items = [PlanItem("kv_fp16_pool", fp_bytes, f"{n_fp:,} blocks of {kv.block_size} tokens"),
+                 PlanItem("kv_quant_pool", q_bytes, q_note)]
+        if n_sliding:   # a hybrid model: the full layers above, the sliding ones bounded by their window
+            layers = f" x {full_layers(groups)} full-attention layers"
+            items = [dataclasses.replace(it, note=it.note + layers) for it in items]
+            items.append(PlanItem("kv_sliding_pool", sliding_pool_bytes(groups, kv, n_sliding), (
+                f"fp16, {n_sliding:,} blocks x {len(groups.sliding_layers)} sliding layers: {max_num_seqs} seq(s) x "
+                f"(window {groups.sliding_window:,} + a block + a {chunked_prefill_size}-token chunk)")))
+        return items, (n_fp, n_q, n_sliding)
 
-    def fits(length: int) -> bool:
-        return fixed_bytes + sum(it.bytes for it in kv_items(length)[0]) <= budget
+    def fits(length: int, groups: ModelConfig = model) -> bool:
+        return fixed_bytes + sum(it.bytes for it in kv_items(length, groups)[0]) <= budget
 
-    kv_list, n_fp, n_q = kv_items(max_model_len)
+    kv_list, (n_fp, n_q, n_sliding) = kv_items(max_model_len)
+    all_full = None
+    if n_sliding:   # what the same cache would need if every layer attended the whole context
+        dense = dataclasses.replace(model, layer_types=())
+        all_full = {"kv_bytes": sum(it.bytes for it in kv_items(max_model_len, dense)[0]),
+                    "max_model_len_that_fits": _largest_fitting_len(model.max_positions, kv.block_size,
+                                                                    lambda n: fits(n, dense))}
     inputs = {
         "model": model.to_dict(),
         "profile": profile.name,
@@ -570,6 +548,8 @@ def solve_plan(
         num_fp_blocks=n_fp,
         num_quant_blocks=n_q,
         inputs=inputs,
+        num_sliding_blocks=n_sliding,
+        all_full=all_full,
     )
 
 

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import SamplingParams
 from .devices import concrete
+from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .structured import LogitsConstraint
+    from .logits_constraint import LogitsConstraint
 
 # Probabilities from float32 softmax carry rounding of about 1e-7, so a threshold met exactly in
 # intent (top_p 0.75 over [0.5, 0.25, 0.25]; a token at exactly min_p x the top one) can miss by an

@@ -22,17 +22,18 @@ from pathlib import Path
 
 import torch
 
-from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
+from bie_trt.config import KVCacheConfig, ModelConfig
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.model_runner import quantise_blocks
-from bie_trt.executor.cuda_graphs import DecodeGraphs
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools, encode_quant_block
+from bie_trt.model.cuda_graphs import DecodeGraphs
 from bie_trt.model.llama import LlamaModel, SeqInput
 from bie_trt.model.synthetic import llama3_8b, random_weights, tiny_llama
 from bie_trt.plan import kv_bytes_per_token, kv_pool_blocks, solve_plan
 from bie_trt.profiles import load_profile
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 
 GiB = 2**30
 

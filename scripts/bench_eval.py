@@ -42,10 +42,9 @@ def time_reference(engine: str, context: int, runs: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bie_trt.config import ModelConfig
     from bie_trt.engine_format import read_manifest
 
-    cfg = ModelConfig.from_dict(read_manifest(engine)["model"]["config"])
+    cfg = read_manifest(engine).model
     model = LlamaForCausalLM(LlamaConfig(
         hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,

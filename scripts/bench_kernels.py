@@ -124,7 +124,7 @@ def bench_fused_layer(args: argparse.Namespace, time_ms: Callable[[Callable], fl
     from bie_trt.kernels.triton_ops import qkv_epilogue_triton
     from bie_trt.kernels.triton_w4 import random_w4, w4_linear_triton
     from bie_trt.kv.pool import allocate_pools
-    from bie_trt.model.rope import inverse_frequencies
+    from bie_trt.kernels.rope import inverse_frequencies
 
     cfg = cfg or llama3_8b()
     hid, inter = cfg.hidden_size, cfg.intermediate_size

@@ -39,13 +39,14 @@ import torch
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.config import KVCacheConfig, ModelConfig
-from bie_trt.executor.cuda_graphs import DecodeGraphs
+from bie_trt.engine_format import read_manifest
 from bie_trt.kernels.int8_rows import Int8Rows
+from bie_trt.kv.pool import allocate_pools
+from bie_trt.model.cuda_graphs import DecodeGraphs
 from bie_trt.model.llama import LlamaModel, SeqInput
 from bie_trt.model.synthetic import llama32_1b, llama3_8b, random_weights, tiny_llama
 from bie_trt.plan import (DEFAULT_DRAFT_SINK_TOKENS, DEFAULT_DRAFT_WINDOW_TOKENS, draft_kv_blocks_per_seq,
                           draft_request_rows, draft_vocab_rows, kv_pool_blocks)
-from bie_trt.kv.pool import allocate_pools
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import GiB, cuda_peak_gib, fill_cache, sync  # noqa: E402
@@ -114,12 +115,12 @@ def run_self_draft_part(args: argparse.Namespace) -> dict:
     for task, prompt in list(self_draft_prompts(text).items())[:1 if args.smoke else None]:
         row: dict = {"task": task}
         for name, engine in engines.items():
-            draft = engine.runner.manifest["draft"]
+            draft = engine.runner.manifest.draft
             out = engine.generate(prompt, params)
             s = out.spec_decode
             row["prompt_tokens"] = out.usage.prompt_tokens
-            row[name] = {"draft_vocab_size": draft["vocab_size"], "request_vocab": draft.get("request_vocab", 0),
-                         "draft_window": draft["window"],
+            row[name] = {"draft_vocab_size": draft.vocab_size, "request_vocab": draft.request_vocab,
+                         "draft_window": draft.window,
                          **s, "acceptance_rate": s["num_accepted_tokens"] / max(s["num_draft_tokens"], 1)}
             row.setdefault("tokens", out.token_ids)
             row[f"{name}_identical"] = out.token_ids == row["tokens"]
@@ -299,8 +300,8 @@ def main() -> None:
     out = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "smoke": args.smoke, "gamma": args.num_speculative_tokens,
            "max_tokens": args.max_tokens, "engine": None, "tasks": None, "self_draft": None, "verify": None}
     if args.engine:
-        manifest = json.loads((Path(args.engine) / "manifest.json").read_text())
-        out["engine"] = {"model": manifest["model"]["name"], "kv": manifest["kv"]["dtype"]}
+        manifest = read_manifest(args.engine)
+        out["engine"] = {"model": manifest.model_name, "kv": manifest.kv.dtype}
         out["tasks"] = run_engine_part(args)
     if args.self_draft:
         out["self_draft"] = run_self_draft_part(args)

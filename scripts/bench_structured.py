@@ -26,8 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from bie_trt.config import StructuredOutputs  # noqa: E402
-from bie_trt.structured import apply_bitmask, grammar_text  # noqa: E402
+from bie_trt.logits_constraint import apply_bitmask, grammar_text  # noqa: E402
+from bie_trt.sampling_params import StructuredOutputs  # noqa: E402
 from structured_cases import SCHEMAS  # noqa: E402
 
 LLAMA3_VOCAB = 128_256
@@ -216,7 +216,7 @@ def main() -> None:
 
     source = args.tokenizer or args.engine
     if source is None:
-        from bie_trt.checkpoint.registry import resolve_checkpoint
+        from bie_trt.builder.checkpoint.registry import resolve_checkpoint
         source = str(resolve_checkpoint("smollm2-135m"))
     hf = AutoTokenizer.from_pretrained(source)
     base = token_bytes(hf)

@@ -55,10 +55,10 @@ from bie_trt.kernels import triton_ops as ops
 from bie_trt.kernels import triton_w4 as w4
 from bie_trt.kernels.int8_rows import Int8Rows
 from bie_trt.kernels.reference import QKNorm
+from bie_trt.kernels.step_inputs import TILE_ROWS, StepTiles
 from bie_trt.kernels.w4_layout import W4Weight
 from bie_trt.kv.pool import allocate_pools
 from bie_trt.model.llama import fused_linear_shapes
-from bie_trt.model.step_inputs import TILE_ROWS, StepTiles
 from bie_trt.model.synthetic import llama3_8b
 
 # Per-block limits by compute capability: the opt-in shared memory maximum (what Triton's

@@ -45,13 +45,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
-from bie_trt.executor.cuda_graphs import DecodeGraphs, _StaticStep  # noqa: E402
 from bie_trt.executor.exact_rows import runs  # noqa: E402
+from bie_trt.kernels.int8_rows import Int8Rows  # noqa: E402
+from bie_trt.kernels.step_inputs import SeqInput, StepTiles  # noqa: E402
 from bie_trt.kernels.triton_w4 import gemv_grid_for, sm_limits  # noqa: E402
 from bie_trt.kv.pool import allocate_pools  # noqa: E402
+from bie_trt.model.cuda_graphs import DecodeGraphs, _StaticStep  # noqa: E402
 from bie_trt.model.llama import LlamaModel, fused_linear_shapes  # noqa: E402
-from bie_trt.kernels.int8_rows import Int8Rows  # noqa: E402
-from bie_trt.model.step_inputs import SeqInput, StepTiles  # noqa: E402
 from report import emit  # noqa: E402
 from bie_trt.model.synthetic import llama32_1b, llama3_8b, qwen3_8b, random_weights, tiny_llama  # noqa: E402
 from bie_trt.plan import (DEFAULT_DRAFT_SINK_TOKENS, DEFAULT_DRAFT_WINDOW_TOKENS, draft_kv_blocks_per_seq,  # noqa: E402
@@ -382,14 +382,15 @@ def draft_syncs(engine_dir: Path, gamma: int = 5, batches: tuple[int, ...] = (1,
     """`draft_round_syncs` of the engine's draft on the CPU at each batch size and temperature, its decode steps
     from static steps as on a GPU (run eagerly, as the CPU tests check them): the first round (the prompts run
     through the draft first), then one after a rejection."""
-    from bie_trt.config import EngineConfig, SamplingParams
+    from bie_trt.config import EngineConfig
+    from bie_trt.sampling_params import SamplingParams
     from bie_trt.executor.model_runner import ModelRunner
     from bie_trt.executor.sequence import Sequence
     from bie_trt.sampling import make_generator
     from bie_trt.spec_decode.draft import DraftModelProposer
 
     runner = ModelRunner(EngineConfig(engine_dir=str(engine_dir), device="cpu", max_num_seqs=max(batches)))
-    proposer = DraftModelProposer(engine_dir, runner, gamma)
+    proposer = DraftModelProposer(engine_dir, runner)
     # the GPU's draft: its pools with a scratch block for padding rows, decode steps from static buffers
     proposer.pools = allocate_pools(proposer.cfg, proposer.pools.cfg, runner.max_num_seqs * proposer.blocks_per_seq, 0,
                                     runner.dtype, runner.device, scratch_block=True)

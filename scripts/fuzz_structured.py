@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from bie_trt.tool_calls import parse_required  # noqa: E402
+from bie_trt.chat.tool_calls import parse_required  # noqa: E402
 from structured_cases import FRAMEWORK_SCHEMAS, FRAMEWORK_TOOLS  # noqa: E402
 
 PROMPT = "Answer in JSON:"

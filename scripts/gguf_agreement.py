@@ -31,7 +31,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from bie_trt.config import EngineConfig, SamplingParams
+    from bie_trt.config import EngineConfig
+    from bie_trt.sampling_params import SamplingParams
     from bie_trt.eval_texts import load_eval_text, text_token_ids
     from bie_trt.executor.engine import BieEngine
 
@@ -51,8 +52,8 @@ def main() -> None:
         outs = [engine.generate(p, params).token_ids for p in prompts]
         prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(outs, reference)]
         same = [sum(a == b for a, b in zip(o, r)) for o, r in zip(outs, reference)]
-        result["engines"].append({"engine": engine_dir, "source": engine.runner.manifest["source"]["checkpoint"],
-                                  "weight_group_size": engine.runner.manifest["source"]["weight_group_size"],
+        result["engines"].append({"engine": engine_dir, "source": engine.runner.manifest.source.checkpoint,
+                                  "weight_group_size": engine.runner.manifest.source.weight_group_size,
                                   "prefix": prefix, "prefix_total": sum(prefix), "same_position": same,
                                   "same_position_total": sum(same), "of": args.prompts * args.tokens})
         del engine

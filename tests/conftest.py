@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402
 
-from bie_trt.build import BuildOptions, build_engine
-from bie_trt.checkpoint.registry import resolve_checkpoint
+from bie_trt.builder.build import BuildOptions, build_engine
+from bie_trt.builder.checkpoint.registry import resolve_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):
@@ -81,7 +81,7 @@ def smollm2_engine(build):
 @pytest.fixture(scope="session")
 def tiny_draft(tmp_path_factory, smollm2_checkpoint):
     """A model sharing SmolLM2's tokenizer but nothing else: random, 2 layers, RTN-quantised."""
-    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
     from tiny_model import write_tiny_hf
 
     root = tmp_path_factory.mktemp("tiny")
@@ -94,13 +94,35 @@ def tiny_engine(build, tmp_path_factory, smollm2_checkpoint):
     """A tiny random model alone (head_dim 32, so every KV cache dtype fits): for what does not depend on
     the model's text (the server's protocol, limits, batching). Its near-flat logits make it the harder
     case for "batched equals alone"."""
-    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
     from tiny_model import write_tiny_hf
 
     root = tmp_path_factory.mktemp("tiny-target")
     hf = write_tiny_hf(root / "hf", smollm2_checkpoint, num_attention_heads=2, num_key_value_heads=1,
                        max_position_embeddings=8192)
     return build(checkpoint=str(quantize_checkpoint(hf, root / "awq", group_size=32)))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_awq(tmp_path_factory, smollm2_checkpoint) -> Path:
+    """A tiny random Gemma 3 (three layers, two sliding over a 24-position window; tests/tiny_model.py),
+    AWQ-packed."""
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
+    from tiny_model import TINY_GEMMA3, write_tiny_hf
+
+    root = tmp_path_factory.mktemp("tiny-gemma3")
+    return quantize_checkpoint(write_tiny_hf(root / "hf", smollm2_checkpoint, **TINY_GEMMA3), root / "awq",
+                               group_size=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_engine(build, tiny_gemma3_awq):
+    """The tiny Gemma 3 as a CPU engine with an FP16 cache and a 512-token context (a BieEngine, shared)."""
+    from bie_trt.config import EngineConfig
+    from bie_trt.executor.engine import BieEngine
+
+    return BieEngine(EngineConfig(engine_dir=str(build(checkpoint=str(tiny_gemma3_awq), max_model_len=512,
+                                                       kv_cache_dtype="fp16")), device="cpu"))
 
 
 @pytest.fixture(scope="session")

@@ -7,15 +7,14 @@ from collections import deque
 
 import torch
 
-from bie_trt.checkpoint.awq import awq_dequantize
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.config import SamplingParams
-from bie_trt.executor.block_manager import BlockManager
+from bie_trt.builder.checkpoint.loader import Checkpoint
 from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.executor.sequence import Sequence
-from bie_trt.model.step_inputs import SeqInput
+from bie_trt.kernels.awq import awq_dequantize
+from bie_trt.kernels.step_inputs import SeqInput
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 
 
 def hf_model(ckpt: Checkpoint):
@@ -52,7 +51,7 @@ def run_engine_logits(engine: BieEngine, ids: list[int], continuation: list[int]
                       chunk: int) -> list[torch.Tensor]:
     """Prefill `ids` in chunks (logits for every position), then decode the given continuation."""
     runner: ModelRunner = engine.runner
-    blocks = BlockManager(runner.kv_config, runner.pools.num_fp_blocks, runner.pools.num_quant_blocks)
+    blocks = runner.block_manager()
     if scatter:
         order = list(blocks.free_fp)
         random.Random(0).shuffle(order)
@@ -62,12 +61,18 @@ def run_engine_logits(engine: BieEngine, ids: list[int], continuation: list[int]
     for start in range(0, len(ids), chunk):
         part = ids[start:start + chunk]
         blocks.grow(seq, start + len(part))
-        rows.append(runner.forward([SeqInput(torch.tensor(part), start, seq.block_table, all_logits=True)])[0])
+        rows.append(runner.forward([SeqInput(torch.tensor(part), start, seq.block_table, all_logits=True,
+                                             sliding_table=seq.sliding_table or None)])[0])
         seq.num_cached = start + len(part)
+        if blocks.sliding is not None:   # a hybrid model's sliding layers give back what left their window
+            blocks.sliding.slide(seq)
     for t in continuation:
         blocks.grow(seq, seq.num_cached + 1)
-        rows.append(runner.forward([SeqInput(torch.tensor([t]), seq.num_cached, seq.block_table)])[0][None])
+        rows.append(runner.forward([SeqInput(torch.tensor([t]), seq.num_cached, seq.block_table,
+                                             sliding_table=seq.sliding_table or None)])[0][None])
         seq.num_cached += 1
+        if blocks.sliding is not None:
+            blocks.sliding.slide(seq)
     if scatter:
         assert seq.block_table != sorted(seq.block_table)
     blocks.free(seq)

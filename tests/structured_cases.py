@@ -3,7 +3,7 @@ tests and scripts/bench_structured.py (which walks a grammar matcher along the i
 the shapes agent frameworks send, for scripts/fuzz_structured.py."""
 from __future__ import annotations
 
-from bie_trt.tool_calls import required_schema
+from bie_trt.chat.tool_calls import required_schema
 
 SCHEMAS: dict[str, tuple[dict, object]] = {
     "flat_required": ({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

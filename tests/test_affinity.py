@@ -11,7 +11,7 @@ from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.prompt_encoder import PromptEncoder
 from bie_trt.scale_out.affinity import (AFFINITY, LEAST_LOADED, OVERFLOW, AffinityTable, choose, least_loaded,
                                         prefix_keys)
-from bie_trt.scale_out.prompts import routed_prompt
+from bie_trt.scale_out.routed_prompt import routed_prompt
 from test_block_manager import new_seq
 from test_prefix_cache import run
 

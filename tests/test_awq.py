@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bie_trt.checkpoint.awq import awq_dequantize, awq_pack, awq_unpack, quantize_rtn
+from bie_trt.kernels.awq import awq_dequantize, awq_pack, awq_unpack, quantize_rtn
 from bie_trt.kernels.w4_layout import W4Weight, awq_to_w4, pack_w4, unpack_w4
 
 # "Nibble slot i (bits 4i..4i+3) of packed column c holds logical column 8c + ORDER[i]"

@@ -45,7 +45,7 @@ def test_bench_decode_smoke(tmp_path):
 def test_random_awq_checkpoint_builds_and_generates(tmp_path):
     """The full-scale stand-in checkpoint (here with tiny shapes) is a valid AWQ checkpoint end to end."""
     from bie_trt import BieEngine, EngineConfig, SamplingParams
-    from bie_trt.build import BuildOptions, build_engine
+    from bie_trt.builder.build import BuildOptions, build_engine
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
@@ -64,7 +64,6 @@ def test_random_awq_checkpoint_builds_and_generates(tmp_path):
 
 @pytest.mark.slow
 def test_bench_eval_times_the_eval_command_and_the_reference(tmp_path, smollm2_engine):
-    from bie_trt.config import KVCacheConfig
     from bie_trt.engine_format import read_manifest
     from bie_trt.eval_texts import load_eval_text, text_token_ids
     from bie_trt.evaluate import evaluate
@@ -74,7 +73,7 @@ def test_bench_eval_times_the_eval_command_and_the_reference(tmp_path, smollm2_e
                     "--reference-runs", "1", "--out", str(out)], cwd=ROOT, check=True, timeout=300, capture_output=True)
     result = json.loads(out.read_text())
     # the numbers are the eval command's own: the same as the library's for that window
-    kv = dataclasses.replace(KVCacheConfig(**read_manifest(smollm2_engine)["kv"]), dtype="int4_asym")
+    kv = dataclasses.replace(read_manifest(smollm2_engine).kv, dtype="int4_asym")
     ids = text_token_ids(smollm2_engine, load_eval_text("builtin:python-docs"))
     expected = evaluate(smollm2_engine, ids, 48, {kv.dtype: kv}, max_windows=1, progress=False)
     # (the test process and the command may run different torch thread counts: the KL sums' last bits follow it)

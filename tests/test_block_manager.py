@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from bie_trt.config import KVCacheConfig, ModelConfig, SamplingParams
+from bie_trt.config import KVCacheConfig, ModelConfig
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.exact_rows import quantised_end, sink_blocks
 from bie_trt.executor.model_runner import copy_blocks, quantise_blocks
@@ -21,6 +21,7 @@ from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools, decode_block
 from bie_trt.kv.quant import dequantize_block, quantize_block
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 
 MODEL = ModelConfig(architecture="LlamaForCausalLM", hidden_size=32, intermediate_size=32, num_layers=1, num_heads=1,
                     num_kv_heads=1, head_dim=32, vocab_size=4, rms_norm_eps=1e-5, rope_theta=1e4,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from bie_trt.chat.tool_calls import ReplyParser
 from bie_trt.server.blocks import REASONING, TEXT, TOOL_CALL, BlockStream, reply_blocks
-from bie_trt.tool_calls import ReplyParser
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Berlin"}}\n</tool_call>'
 REPLIES = {

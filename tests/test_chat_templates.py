@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from bie_trt.chat.templates import parse_template_kwargs, shipped_chat_templates, template_kwargs_problem
+from bie_trt.chat.tokenizer import load_tokenizer
 from bie_trt.errors import RequestError
-from bie_trt.templates import load_tokenizer, parse_template_kwargs, shipped_chat_templates, template_kwargs_problem
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

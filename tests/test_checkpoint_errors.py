@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.checkpoint.quantize import quantize_checkpoint
-from bie_trt.errors import CheckpointError
+from bie_trt.builder.checkpoint.loader import Checkpoint
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import ModelConfig
+from bie_trt.errors import CheckpointError
 from tiny_model import TINY, TINY_QWEN3, write_tiny_hf
 
 

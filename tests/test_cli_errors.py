@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.cli import main
 from tiny_model import write_tiny_hf
 
@@ -40,6 +40,8 @@ MANIFEST_DAMAGE = {
     "a JSON list": (lambda m: b"[1, 2, 3]", "holds a JSON list, not an object"),
     **{f"without {key}": ((lambda key: lambda m: json.dumps({k: v for k, v in m.items() if k != key}).encode())(key),
                           f"missing {key}") for key in ("model", "kv", "plan", "files")},
+    "a KV field this version lacks": (lambda m: json.dumps({**m, "kv": {**m["kv"], "bits": 3}}).encode(),
+                                      "manifest.json: malformed (TypeError"),
 }
 
 

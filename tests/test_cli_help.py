@@ -2,11 +2,14 @@
 shows only what applies to the engine."""
 from __future__ import annotations
 
+import dataclasses
+
 import click
 from click.testing import CliRunner
 
 from bie_trt.cli import main
 from bie_trt.cli.model_cmds import _kv_summary
+from bie_trt.config import KVCacheConfig
 
 def walk(command: click.Command, path: str = "bie-trt"):
     yield path, command
@@ -57,11 +60,11 @@ def test_inspect_of_an_fp16_engine_shows_no_quantisation_fields(smollm2_engine):
 
 
 def test_kv_summary_names_what_each_format_uses():
-    kv = dict(dtype="int4_asym", group_size=64, sink_tokens=8, window=128, rotation="hadamard",
-              key_centering=False, block_size=16)
+    kv = KVCacheConfig(dtype="int4_asym", group_size=64, sink_tokens=8, window=128, rotation="hadamard",
+                       key_centering=False, block_size=16)
     assert _kv_summary(kv) == ("int4_asym (group 64, sinks 8, window 128, rotation hadamard, key centering off, "
                                "block 16)")
-    assert _kv_summary(dict(kv, dtype="fp8")) == ("fp8 (sinks 8, window 128, rotation hadamard, "
+    assert _kv_summary(dataclasses.replace(kv, dtype="fp8")) == ("fp8 (sinks 8, window 128, rotation hadamard, "
                                                   "key centering off, block 16)")
 
 

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from transformers import AutoTokenizer
 
 from bie_trt import SamplingParams
-from bie_trt.checkpoint.registry import resolve_checkpoint
+from bie_trt.builder.checkpoint.registry import resolve_checkpoint
 from bie_trt.cli import main
 
 PROMPT = "The capital of France is"
@@ -79,7 +79,7 @@ def test_generate_takes_template_variables(smollm2_engine, tokenizer):
 def test_generate_json_returns_a_chat_replys_reasoning(smollm2_engine, tmp_path):
     """A template whose generation prompt opens a <think> block: the reply starts inside it, so its
     reasoning is split off as the server splits it; SmolLM2's own template does not think: null."""
-    from bie_trt.reasoning import split_reasoning
+    from bie_trt.chat.reasoning import split_reasoning
 
     template = tmp_path / "think.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

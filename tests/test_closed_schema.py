@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from bie_trt.closed_schema import INT64_BOUND, close_schema
-from bie_trt.config import StructuredOutputs
+from bie_trt.sampling_params import StructuredOutputs
 from test_structured_unit import EOS, compiler, tokenizer  # noqa: F401 (the SmolLM2 tokenizer and its compiler)
 
 CITY = {"type": "object", "properties": {"name": {"type": "string"}, "population": {"type": "integer"}},

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MEASURE = """
 import resource, sys
 from pathlib import Path
-from bie_trt.build import calibrate_key_mean
+from bie_trt.builder.build import calibrate_key_mean
 from bie_trt.model.synthetic import random_weights, tiny_llama
 
 # 16 layers whose dequantised fp32 weights are 36 MB each: 570 MB if every layer kept its own

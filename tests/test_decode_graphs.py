@@ -11,24 +11,32 @@ padding logic); on CUDA it is captured and replayed (the gpu tests).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from bie_trt.config import KVCacheConfig, SamplingParams
+from bie_trt.config import KVCacheConfig
 from bie_trt.executor.block_manager import BlockManager
-from bie_trt.executor.cuda_graphs import DecodeGraphs
 from bie_trt.executor.exact_rows import join_runs
 from bie_trt.executor.model_runner import ModelRunner, apply_moves, copy_blocks
 from bie_trt.executor.scheduler import Scheduler
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kernels import triton_ops
-from bie_trt.kv.pool import allocate_pools
+from bie_trt.kernels.step_inputs import TILE_ROWS, StepTiles
+from bie_trt.kv.pool import allocate_kv, allocate_pools
+from bie_trt.model.cuda_graphs import DecodeGraphs
 from bie_trt.model.llama import LlamaModel, SeqInput
-from bie_trt.model.step_inputs import TILE_ROWS, StepTiles
 from bie_trt.model.synthetic import random_weights, tiny_llama
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 
 CFG = tiny_llama()   # head_dim 32, GQA 2:1
+# A hybrid model: two sliding layers over 20 positions (their own cache group, blocks given back as the window
+# passes), one full layer
+HYBRID = dataclasses.replace(tiny_llama(num_layers=3), sliding_window=20,
+                             layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+SLIDING_BLOCKS = 24
 # A window of 1.5 blocks: blocks leave it mid-block, so a table entry changes while its length does not.
 KV = KVCacheConfig(dtype="int4_asym", group_size=32, sink_tokens=4, window=24)
 PROMPTS = (5, 20, 37)
@@ -43,9 +51,14 @@ class World:
     the graphs or eagerly; `graph_steps` counts the steps a graph took and their runs per sequence."""
 
     def __init__(self, model: LlamaModel, graphs: bool, capture: bool):
-        self.model = model
-        self.pools = allocate_pools(CFG, KV, FP_BLOCKS, QUANT_BLOCKS, model.dtype, model.device, scratch_block=True)
-        self.blocks = BlockManager(KV, FP_BLOCKS, QUANT_BLOCKS)
+        self.model, cfg = model, model.cfg
+        sliding = SLIDING_BLOCKS if cfg.sliding_layers else 0
+        self.pools = allocate_kv(cfg, KV, FP_BLOCKS, QUANT_BLOCKS, sliding, model.dtype, model.device,
+                                 scratch_block=True)
+        self.blocks = BlockManager(KV, FP_BLOCKS, QUANT_BLOCKS, sliding_window=cfg.sliding_window or 0,
+                                   num_sliding_blocks=sliding)
+        if sliding:   # sliding block ids other than the full layers' ones, so a table taken for the other shows
+            self.blocks.sliding.free.reverse()
         self.scheduler = Scheduler(self.blocks, len(PROMPTS), 256, 64, GAMMA)
         self.graphs = DecodeGraphs(model, self.pools, [4, 2], MAX_LEN, self.pools.scratch_block,
                                    capture=capture, verify_rows=[GAMMA + 1]) if graphs else None
@@ -91,9 +104,9 @@ class World:
         return logits
 
 
-def decode_both(device: str, steps: int, capture: bool) -> tuple[World, list[tuple[torch.Tensor, torch.Tensor]]]:
+def decode_both(device: str, steps: int, capture: bool, cfg=CFG) -> tuple[World, list[tuple[torch.Tensor, torch.Tensor]]]:
     dtype = torch.float16 if device == "cuda" else torch.float32
-    model = LlamaModel(CFG, random_weights(CFG, group_size=32), torch.device(device), dtype)
+    model = LlamaModel(cfg, random_weights(cfg, group_size=32), torch.device(device), dtype)
     static, eager = World(model, graphs=True, capture=capture), World(model, graphs=False, capture=False)
     g = torch.Generator().manual_seed(1)
     pairs = []
@@ -105,11 +118,11 @@ def decode_both(device: str, steps: int, capture: bool) -> tuple[World, list[tup
     return static, pairs
 
 
-def verify_both(device: str, steps: int, capture: bool) -> tuple[World, list[tuple[torch.Tensor, torch.Tensor]]]:
+def verify_both(device: str, steps: int, capture: bool, cfg=CFG) -> tuple[World, list[tuple[torch.Tensor, torch.Tensor]]]:
     """As `decode_both`, each step a verify: every row brings 0..γ random drafts (0: a decode beside the
     verifies) and keeps a random prefix of them."""
     dtype = torch.float16 if device == "cuda" else torch.float32
-    model = LlamaModel(CFG, random_weights(CFG, group_size=32), torch.device(device), dtype)
+    model = LlamaModel(cfg, random_weights(cfg, group_size=32), torch.device(device), dtype)
     static, eager = World(model, graphs=True, capture=capture), World(model, graphs=False, capture=False)
     for seq in static.seqs + eager.seqs:   # each prompt's first generated token, pending
         seq.output_ids.append(1)
@@ -149,6 +162,20 @@ def test_static_step_equals_eager_step(step, kernels, steps, monkeypatch):
     monkeypatch.setenv("BIE_TRT_KERNELS", kernels)
     static, pairs = STEPS[step]("cpu", steps, capture=False)
     check(static, pairs, atol=1e-5)
+
+
+@pytest.mark.parametrize("step,steps,device", [
+    ("decode", 6, "cpu"), pytest.param("verify", 40, "cpu", marks=pytest.mark.slow),
+    pytest.param("decode", 60, "cuda", marks=pytest.mark.gpu), pytest.param("verify", 40, "cuda", marks=pytest.mark.gpu)])
+def test_a_hybrid_models_static_step_equals_eager_step(step, steps, device, monkeypatch):
+    """The sliding layers through their own slot row and tables (blocks below the window given back, PAD in
+    their place) in the static step as in the eager forward."""
+    if device == "cpu":
+        monkeypatch.setenv("BIE_TRT_KERNELS", "reference")
+    static, pairs = STEPS[step](device, steps, capture=device == "cuda", cfg=HYBRID)
+    assert any(s.sliding_first > 0 for s in static.seqs), "no sliding block was given back"
+    for a, b in pairs:
+        torch.testing.assert_close(a, b, atol=1e-5 if device == "cpu" else 5e-3, rtol=0)
 
 
 @pytest.mark.gpu

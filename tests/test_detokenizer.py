@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from bie_trt.config import SamplingParams
 from bie_trt.executor.sequence import Detokenizer, Sequence
+from bie_trt.sampling_params import SamplingParams
 
 SAMPLE = "Naïve café: 日本語のテキスト 🙂🚀 — “quotes”, tabs\tand\nnew lines; x = f(1, 2) ≥ 3 ñ ü ß"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bie_trt.config import SamplingParams
 from bie_trt.sampling import make_generator, sample_next, top_logprobs
+from bie_trt.sampling_params import SamplingParams
 
 PARAMS = [
     SamplingParams(temperature=0.0, repetition_penalty=1.3),

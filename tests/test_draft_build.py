@@ -9,9 +9,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from bie_trt.build import BuildOptions, build_engine
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.build import BuildOptions, build_engine
+from bie_trt.builder.checkpoint.loader import Checkpoint
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.cli import main
 from bie_trt.config import ModelConfig
 from bie_trt.engine_format import sha256_file, verify_engine

@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.builder.checkpoint.loader import Checkpoint
+from bie_trt.config import EngineConfig
 from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.executor.sequence import Sequence
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 from bie_trt.spec_decode.draft import DraftModelProposer
 from hf_reference import hf_model
 
@@ -29,7 +30,7 @@ def seq_of(ids: list[int], **params) -> Sequence:
 def tiny(tiny_draft_engine):
     """SmolLM2 target, the random 2-layer draft: head over 4,096 ids, window 64."""
     runner = ModelRunner(EngineConfig(engine_dir=str(tiny_draft_engine), device="cpu", max_num_seqs=2))
-    return runner, DraftModelProposer(tiny_draft_engine, runner, NUM_SPECULATIVE_TOKENS)
+    return runner, DraftModelProposer(tiny_draft_engine, runner)
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +68,11 @@ def test_reduced_vocabulary_zeroes_q_outside_it(tiny, tiny_draft_engine, tmp_pat
     import random
     import shutil
 
-    runner, _ = tiny
     engine = tmp_path / "engine"
     shutil.copytree(tiny_draft_engine, engine)
     ids = sorted(random.Random(0).sample(range(49152), 4096))
     (engine / "draft" / "vocab.json").write_text(json.dumps({"ids": ids}))
-    proposer = DraftModelProposer(engine, runner, NUM_SPECULATIVE_TOKENS)
+    proposer = DraftModelProposer(engine, runner)
     seq = seq_of(text_ids[:40], temperature=1.0, top_p=1.0)
     prop = proposer.propose([seq.proposal_request(4)])[0]
     inside = torch.zeros(49152, dtype=torch.bool)
@@ -86,19 +86,19 @@ def test_reduced_vocabulary_zeroes_q_outside_it(tiny, tiny_draft_engine, tmp_pat
     assert greedy.probs is None and all(inside[t] for t in greedy.token_ids)
 
 
-def test_past_r_ids_the_most_recently_seen_keep_their_rows(tiny, tiny_draft_engine, tmp_path, text_ids):
+def test_past_r_ids_the_most_recently_seen_keep_their_rows(tiny_draft_engine, tmp_path, text_ids):
     """A copy of the engine whose draft may add R = 8 ids a sequence: its rows buffer holds 8 rows, the
     8 most recently seen ids of the prompt outside the static ones get q > 0 (with their own rows of the
     full head), older ones q = 0; new output ids take the oldest rows; a freed sequence's rows are reused."""
     import shutil
 
-    runner, _ = tiny
     engine = tmp_path / "engine"
     shutil.copytree(tiny_draft_engine, engine)
     manifest = json.loads((engine / "manifest.json").read_text())
     manifest["draft"]["request_vocab"] = 8
     (engine / "manifest.json").write_text(json.dumps(manifest))
-    proposer = DraftModelProposer(engine, runner, NUM_SPECULATIVE_TOKENS)
+    runner = ModelRunner(EngineConfig(engine_dir=str(engine), device="cpu", max_num_seqs=2))   # reads it
+    proposer = DraftModelProposer(engine, runner)
     assert {t.shape[:2] for t in proposer.request_head.values()} == {(runner.max_num_seqs, 8)}
 
     def most_recent(ids: list[int]) -> set[int]:
@@ -138,7 +138,7 @@ def test_an_int8_head_gives_the_request_rows_in_int8_too(tiny, tiny_draft_engine
         w = load_file(str(engine / "draft" / name))
         w["lm_head.q"], w["lm_head.scale"] = quantize_rows_int8(w.pop("lm_head"))
         save_file(w, str(engine / "draft" / name))
-    int8 = DraftModelProposer(engine, runner, NUM_SPECULATIVE_TOKENS)
+    int8 = DraftModelProposer(engine, runner)
     assert int8.request_head["lm_head.q"].dtype == torch.int8
     seq, twin = seq_of(text_ids[:120], temperature=1.0), seq_of(text_ids[:120], temperature=1.0)
     q8 = int8.propose([seq.proposal_request(1)])[0].probs[0]
@@ -157,7 +157,7 @@ def test_rollback_equals_a_fresh_draft(tiny, tiny_draft_engine, text_ids):
     guesses = proposer.propose([seq.proposal_request(4)])[0].token_ids
     seq.output_ids += [guesses[0], (guesses[1] + 1) % 4096]       # first accepted, second replaced
     q = proposer.propose([seq.proposal_request(3)])[0].probs[0]
-    fresh = DraftModelProposer(tiny_draft_engine, runner, NUM_SPECULATIVE_TOKENS)
+    fresh = DraftModelProposer(tiny_draft_engine, runner)
     q_fresh = fresh.propose([seq_of(seq.token_ids, temperature=1.0).proposal_request(1)])[0].probs[0]
     assert torch.allclose(q, q_fresh, atol=1e-5), (q - q_fresh).abs().max()
     proposer.free(seq)
@@ -199,7 +199,7 @@ def test_proposals_drawn_on_the_device_are_the_host_samplers(tiny, monkeypatch):
 def test_draft_kv_is_the_same_for_6k_and_1k_prompts(build, tiny_draft, text_ids):
     engine = build(checkpoint=str(tiny_draft), draft_checkpoint=str(tiny_draft))   # default window 1,024
     runner = ModelRunner(EngineConfig(engine_dir=str(engine), device="cpu", max_num_seqs=2))
-    proposer = DraftModelProposer(engine, runner, NUM_SPECULATIVE_TOKENS)
+    proposer = DraftModelProposer(engine, runner)
     held, forwarded = [], []
     for n in (1000, 6000):
         seq = seq_of(text_ids[:n])
@@ -239,7 +239,7 @@ def one_layer(build, smollm2_checkpoint, tmp_path_factory):
     """A one-layer random model as its own draft (head over 4,096 ids, window 64). With one layer a
     cached token's K/V depend only on that token and its position, not on what it saw, so after the
     window wraps the draft's distribution must be transformers' over exactly the tokens it holds."""
-    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
     from tiny_model import write_tiny_hf
 
     root = tmp_path_factory.mktemp("one-layer")
@@ -248,7 +248,7 @@ def one_layer(build, smollm2_checkpoint, tmp_path_factory):
     engine = build(checkpoint=str(awq), draft_checkpoint=str(awq), draft_vocab_size=4096, draft_window_tokens=64,
                    max_model_len=512)
     runner = ModelRunner(EngineConfig(engine_dir=str(engine), device="cpu", max_num_seqs=2))
-    return awq, engine, DraftModelProposer(engine, runner, NUM_SPECULATIVE_TOKENS)
+    return awq, engine, DraftModelProposer(engine, runner)
 
 
 def test_a_long_run_keeps_a_sliding_window_in_its_fixed_blocks(one_layer, text_ids):
@@ -278,7 +278,7 @@ def test_smollm2_as_its_own_draft_proposes_the_targets_greedy_tokens(build, text
     context) proposes 4 tokens a step, accepted up to the first mismatch: >= 95% accepted."""
     engine_dir = build(draft_checkpoint="smollm2-135m", draft_vocab_size=49152)
     target = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu", kv_cache_dtype="int4_asym"))
-    proposer = DraftModelProposer(engine_dir, target.runner, NUM_SPECULATIVE_TOKENS)
+    proposer = DraftModelProposer(engine_dir, target.runner)
     proposed = accepted = 0
     for start in (0, 5000):
         prompt = text_ids[start:start + 120]

@@ -9,11 +9,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from bie_trt.build import BuildOptions, build_engine
+from bie_trt.builder.build import BuildOptions, build_engine
 from bie_trt.cli import main
 from bie_trt.config import EngineConfig
 from bie_trt.engine_format import (
     SCHEMA_VERSION,
+    Target,
     check_target,
     digest_files,
     read_manifest,
@@ -130,11 +131,11 @@ def test_runtime_allocates_exactly_the_plans_kv_pools(build, options):
 
 
 def test_target_check_and_schema_without_a_build(tmp_path):
-    manifest = {"target": {"sm": 89, "gpu": "RTX 4060 Ti"}}
-    assert check_target(manifest, 89) is None
+    target = Target("RTX 4060 Ti", 89)
+    assert check_target(target, 89) is None
     for other in (86, 90):               # any other SM, older or newer, is refused
-        assert f"built for SM 89 (RTX 4060 Ti) but this GPU is SM {other}" in check_target(manifest, other)
-    assert check_target(manifest, None) is None and check_target({"target": {"sm": 0}}, 86) is None
+        assert f"built for SM 89 (RTX 4060 Ti) but this GPU is SM {other}" in check_target(target, other)
+    assert check_target(target, None) is None and check_target(Target("CPU", 0), 86) is None
 
     (tmp_path / "a.bin").write_bytes(b"a")
     (tmp_path / "b.bin").write_bytes(b"b")
@@ -145,6 +146,7 @@ def test_target_check_and_schema_without_a_build(tmp_path):
         with pytest.raises(EngineError, match=f"engine schema version {version}, but"):
             read_manifest(tmp_path)
     required = {"model": {}, "kv": {}, "plan": {}, "max_model_len": 16, "max_num_seqs": 1}
-    write_manifest(tmp_path, {"schema_version": SCHEMA_VERSION, **required})
-    assert read_manifest(tmp_path)["files"].keys() == {"a.bin", "b.bin"}
-    assert verify_engine(tmp_path, check_gpu=False).ok
+    write_manifest(tmp_path, {"schema_version": SCHEMA_VERSION, **required})   # every key there, but hollow
+    with pytest.raises(EngineError, match="manifest.json: malformed .*; rebuild the engine with `bie-trt build`"):
+        read_manifest(tmp_path)
+    assert not verify_engine(tmp_path, check_gpu=False).ok

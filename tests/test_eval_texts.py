@@ -66,7 +66,7 @@ def test_eval_tokenizes_as_the_engines_own_tokenizer(smollm2_engine, tmp_path):
 
     from bie_trt.eval_texts import text_token_ids
     from bie_trt.model.synthetic import write_word_tokenizer
-    from bie_trt.templates import load_tokenizer
+    from bie_trt.chat.tokenizer import load_tokenizer
 
     truncating = tmp_path / "truncating"
     truncating.mkdir()

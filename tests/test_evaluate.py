@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from bie_trt.cli import main
-from bie_trt.config import EngineConfig, KVCacheConfig, SamplingParams
+from bie_trt.config import EngineConfig, KVCacheConfig
 from bie_trt.evaluate import evaluate
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.model_runner import ModelRunner, quantise_blocks
@@ -18,6 +18,7 @@ from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools
 from bie_trt.model.llama import SeqInput
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
-from bie_trt.build import BuildOptions, build_engine
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.build import BuildOptions, build_engine
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.model.synthetic import write_word_tokenizer
-from tiny_model import write_tiny_hf
+from tiny_model import TINY_GEMMA3, write_tiny_hf
 
 VOCAB = 48
 NEW_TOKENS = 100
@@ -137,3 +137,36 @@ def test_a_prefix_hit_and_preemption_do_not_change_the_tokens(flat_engine, token
     got = [o.token_ids for o in small.generate(LONG, LONG_GREEDY)]
     assert small.stats().preemptions > 0
     _assert_same(got, token_by_token)
+
+
+@pytest.fixture(scope="module")
+def flat_gemma3(tmp_path_factory) -> Path:
+    """A hybrid model (tiny Gemma 3: two sliding layers over 24 positions, one full layer) with the flat
+    model's vocabulary, INT4 on its full layer (the sliding layers' own cache group stays FP16)."""
+    root = tmp_path_factory.mktemp("flat-gemma3")
+    hf = write_tiny_hf(root / "hf", write_word_tokenizer(root / "tok"), seed=0, **TINY_GEMMA3, vocab_size=VOCAB,
+                       max_position_embeddings=1024)
+    return build_engine(BuildOptions(checkpoint=str(quantize_checkpoint(hf, root / "awq", group_size=32)),
+                                     out=str(root / "engine"), profile="cpu", max_model_len=512, max_num_seqs=4,
+                                     kv_cache_dtype="int4_asym", kv_group_size=32, kv_sink_tokens=8, kv_window=32),
+                        log=lambda m: None)
+
+
+def test_a_hybrid_model_keeps_speculation_prefix_hits_chunks_and_preemption_exact(flat_gemma3):
+    """The sliding layers give back blocks as their window passes while n-gram speculation verifies rows
+    across block boundaries, prefills run in 16-token chunks, prompts hit cached prefixes (the sliding
+    layers' last window included) and a small pool preempts: the tokens of plain decoding still."""
+    prompts = LONG[:4]
+    want = _run(flat_gemma3, prompts, "int4_asym", 32, LONG_GREEDY)
+    config = dict(engine_dir=str(flat_gemma3), device="cpu", max_num_seqs=len(prompts), speculative=SPEC["ngram"])
+    engine = BieEngine(EngineConfig(**config))
+    engine.generate([p[:100] for p in prompts], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    got = [o.token_ids for o in engine.generate(prompts, LONG_GREEDY)]
+    stats = engine.stats()
+    assert stats.prefix_hit_tokens >= 96 * len(prompts) and stats.spec_decode["num_accepted_tokens"] > 0
+    _assert_same(got, want)
+    # 16-token chunks, and a pool of 8 FP16 blocks for 4 sequences: they preempt each other and recompute
+    small = BieEngine(EngineConfig(**config, num_kv_blocks=8, chunked_prefill_size=16))
+    got = [o.token_ids for o in small.generate(prompts, LONG_GREEDY)]
+    assert small.stats().preemptions > 0 and small.stats().kv_blocks["sliding"]["used"] == 0
+    _assert_same(got, want)

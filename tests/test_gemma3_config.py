@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.checkpoint.loader import Checkpoint
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import ModelConfig
 from bie_trt.errors import CheckpointError
-from bie_trt.model.rope import Rope
+from bie_trt.kernels.rope import Rope
 from tiny_model import TINY_GEMMA3, write_tiny_hf
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"

@@ -10,18 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.checkpoint.quantize import quantize_checkpoint
-from bie_trt.checkpoint.registry import resolve_checkpoint
-from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.builder.checkpoint.loader import Checkpoint
+from bie_trt.builder.checkpoint.registry import resolve_checkpoint
+from bie_trt.builder.key_centering import CALIBRATION_TEXT
+from bie_trt.chat.templates import read_chat_template
+from bie_trt.config import EngineConfig
 from bie_trt.errors import CheckpointError
 from bie_trt.eval_texts import load_eval_text
 from bie_trt.executor.engine import BieEngine
 from bie_trt.kernels import triton_ops
-from bie_trt.kv.centering import CALIBRATION_TEXT
-from bie_trt.templates import read_chat_template
+from bie_trt.sampling_params import SamplingParams
 from hf_reference import hf_model, run_engine_logits
-from tiny_model import TINY_GEMMA3, write_tiny_hf
 
 GREEDY_TOKENS = 16
 TINY_PROMPT = 100            # four 24-position windows, not a whole number of 16-token blocks
@@ -40,16 +39,12 @@ def reference(model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def tiny_gemma3(build, tmp_path_factory, smollm2_checkpoint):
+def tiny_gemma3(tiny_gemma3_engine, tiny_gemma3_awq):
     """(engine, prompt ids, transformers' greedy continuation, its logits)."""
-    root = tmp_path_factory.mktemp("tiny-gemma3")
-    awq = quantize_checkpoint(write_tiny_hf(root / "hf", smollm2_checkpoint, **TINY_GEMMA3), root / "awq",
-                              group_size=32)
-    engine = BieEngine(EngineConfig(engine_dir=str(build(checkpoint=str(awq), max_model_len=512,
-                                                         kv_cache_dtype="fp16")), device="cpu"))
+    engine = tiny_gemma3_engine
     ids = engine.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"][:TINY_PROMPT]
     assert len(ids) == TINY_PROMPT
-    return (engine, ids, *reference(hf_model(Checkpoint(awq)), ids))
+    return (engine, ids, *reference(hf_model(Checkpoint(tiny_gemma3_awq)), ids))
 
 
 @pytest.fixture(scope="module")

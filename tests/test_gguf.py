@@ -15,17 +15,18 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from bie_trt.build import BuildOptions, build_engine, write_tokenizer
-from bie_trt.checkpoint.gguf_checkpoint import GGUFCheckpoint, _decode_blocks
+from bie_trt.builder.build import BuildOptions, build_engine, write_tokenizer
+from bie_trt.builder.checkpoint.gguf_checkpoint import GGUFCheckpoint, _decode_blocks
+from bie_trt.builder.checkpoint.registry import resolve_checkpoint
+from bie_trt.builder.key_centering import CALIBRATION_TEXT
 from bie_trt.cli import main
-from bie_trt.config import EngineConfig, SamplingParams
-from bie_trt.checkpoint.registry import resolve_checkpoint
+from bie_trt.config import EngineConfig
 from bie_trt.errors import CheckpointError, RequestError
 from bie_trt.eval_texts import load_eval_text
 from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.prompt_encoder import PromptEncoder
 from bie_trt.kernels.w4_layout import W4Weight, pack_w4
-from bie_trt.kv.centering import CALIBRATION_TEXT
+from bie_trt.sampling_params import SamplingParams
 from tiny_gguf import TINY_GGUF, write_tiny_gguf
 
 GREEDY_TOKENS = 16

@@ -15,8 +15,8 @@ from hypothesis import settings
 from hypothesis.stateful import invariant, rule
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
-from bie_trt.build import BuildOptions, build_engine
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.build import BuildOptions, build_engine
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import KVCacheConfig
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.model_runner import apply_moves

@@ -59,7 +59,7 @@ def test_verified_files_are_remembered_until_they_change(engine_copy, monkeypatc
     monkeypatch.setattr(ef, "sha256_file", counting)
     manifest = ef.read_manifest(engine_copy)
     check_engine_files(engine_copy, manifest)
-    assert sorted(hashed) == sorted(Path(n).name for n in manifest["files"])
+    assert sorted(hashed) == sorted(Path(n).name for n in manifest.files)
     ledger = json.loads((Path(os.environ["BIE_TRT_CACHE"]) / LEDGER).read_text())
     assert str((engine_copy / "weights.safetensors").resolve()) in ledger
     assert not any(p.name == LEDGER for p in engine_copy.iterdir())   # the engine directory stays as built

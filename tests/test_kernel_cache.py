@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bie_trt.build import BuildOptions, build_engine
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.build import BuildOptions, build_engine
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import EngineConfig
 from bie_trt.executor import model_runner
 from bie_trt.executor.model_runner import ModelRunner
@@ -82,16 +82,14 @@ def test_engine_kernels_are_used_through_a_writable_copy(tmp_path, monkeypatch):
     engine = tmp_path / "engine"
     fake_triton_cache(engine / KERNELS_DIR)
     files = {f"{KERNELS_DIR}/abc/rms_norm_kernel.json": "1", f"{KERNELS_DIR}/def/w4_gemv_kernel.json": "2"}
-    other_triton = {"toolchain": {"triton": "0.0-not-this"}, "files": files}
-    assert use_engine_kernels(engine, other_triton, tmp_path / "cache") is None
+    assert use_engine_kernels(engine, files, "0.0-not-this", tmp_path / "cache") is None
     assert "TRITON_CACHE_DIR" not in os.environ
 
-    manifest = {"toolchain": {"triton": installed_triton()}, "files": files}
-    used = use_engine_kernels(engine, manifest, tmp_path / "cache")
+    used = use_engine_kernels(engine, files, installed_triton(), tmp_path / "cache")
     assert used is not None and used.is_relative_to(tmp_path / "cache")
     assert os.environ["TRITON_CACHE_DIR"] == str(used)
     assert compiled_kernels(used) == {"abc/rms_norm_kernel", "def/w4_gemv_kernel"} == compiled_kernels(engine / KERNELS_DIR)
-    assert use_engine_kernels(engine, manifest, tmp_path / "cache") == used   # a second load reuses the copy
+    assert use_engine_kernels(engine, files, installed_triton(), tmp_path / "cache") == used   # a second load reuses the copy
 
 
 SERVE = """
@@ -148,7 +146,7 @@ os.environ["TRITON_CACHE_DIR"] = str(root / ".engine-build" / "kernels")   # bui
 compile_once()
 (root / ".engine-build").rename(root / "engine")                               # ... and renames it
 files = {str(p.relative_to(root / "engine")): "x" for p in (root / "engine").rglob("*") if p.is_file()}
-use_engine_kernels(root / "engine", {"toolchain": {"triton": installed_triton()}, "files": files}, root / "user")
+use_engine_kernels(root / "engine", files, installed_triton(), root / "user")
 compile_once()
 print(hits)
 """

@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bie_trt.checkpoint.loader import Checkpoint
+from bie_trt.builder.checkpoint.loader import Checkpoint
+from bie_trt.builder.key_centering import SKIP_POSITIONS, calibration_ids
 from bie_trt.config import EngineConfig
 from bie_trt.engine_format import WEIGHTS
 from bie_trt.errors import EngineError
 from bie_trt.executor.model_runner import ModelRunner
-from bie_trt.kv.centering import SKIP_POSITIONS, calibration_ids
 from bie_trt.kv.quant import dequantize_int4_asym, quantize_int4_asym
 from bie_trt.kv.rotation import rotate
 from bie_trt.model.llama import SeqInput

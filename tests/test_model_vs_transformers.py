@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.builder.checkpoint.loader import Checkpoint
+from bie_trt.config import EngineConfig
 from bie_trt.executor.engine import BieEngine
+from bie_trt.sampling_params import SamplingParams
 from hf_reference import hf_model, run_engine_logits
 
 DECODE_STEPS = 32

@@ -23,7 +23,7 @@ def test_the_wheel_ships_profiles_templates_and_data(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("bie_trt-*.whl")
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     # the unpacked wheel first on the path, ahead of the editable install (and not run from the checkout)
-    code = ("import bie_trt, bie_trt.profiles as p, bie_trt.templates as t; from bie_trt.kv.centering import "
+    code = ("import bie_trt, bie_trt.profiles as p, bie_trt.chat.templates as t; from bie_trt.builder.key_centering import "
             "CALIBRATION_TEXT; print(bie_trt.__file__); print(','.join(p.list_profiles())); "
             "print(','.join(sorted(f.name for f in t.TEMPLATES_DIR.iterdir()))); "
             "print(len(CALIBRATION_TEXT.read_text()))")

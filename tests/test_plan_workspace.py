@@ -74,10 +74,9 @@ def test_a_step_never_runs_more_tokens_than_the_plan_holds_activations_for(smoll
     from bie_trt.plan import planned_step_tokens
 
     runner = ModelRunner(EngineConfig(engine_dir=str(smollm2_engine), device="cpu"))
-    plan = runner.manifest["plan"]
-    planned = planned_step_tokens(plan["inputs"])
+    planned = planned_step_tokens(runner.manifest.plan.inputs)
     assert planned == 512 + 4 * 1
-    reserved = next(item["bytes"] for item in plan["items"] if item["name"] == "activations")
+    reserved = dict(runner.manifest.plan.items)["activations"]
     assert reserved == activation_workspace_bytes(runner.model_config, planned, block_size=runner.kv_config.block_size)
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
     engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", speculative=ngram))

@@ -8,14 +8,14 @@ import jsonschema
 import pydantic
 import pytest
 
-from bie_trt.server.anthropic_protocol import MessagesRequest
+from bie_trt.chat.tool_calls import ToolsError, plan_tools
 from bie_trt.server.blocks import TOOL_CALL, Block
 from bie_trt.server.completions import as_chat_request
 from bie_trt.server.messages import content_block, stop_reason
-from bie_trt.server.protocol import ChatRequest
-from bie_trt.server.responses_protocol import ResponsesRequest
-from bie_trt.server.structured import ParamError, tool_plan
-from bie_trt.tool_calls import ToolsError, plan_tools
+from bie_trt.server.protocols.anthropic import MessagesRequest
+from bie_trt.server.protocols.openai import ChatRequest
+from bie_trt.server.protocols.responses import ResponsesRequest
+from bie_trt.server.reply_format import ParamError, tool_plan
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from bie_trt.checkpoint import quantize as quantize_module
-from bie_trt.checkpoint.registry import BUILTIN, _gguf_path
+from bie_trt.builder.checkpoint import quantize as quantize_module
+from bie_trt.builder.checkpoint.registry import BUILTIN, _gguf_path
 from bie_trt.cli import main
 from tiny_model import write_tiny_hf
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.config import EngineConfig, KVCacheConfig, SamplingParams
+from bie_trt.builder.checkpoint.loader import Checkpoint
+from bie_trt.config import EngineConfig, KVCacheConfig
 from bie_trt.evaluate import evaluate
 from bie_trt.executor.engine import BieEngine
 from bie_trt.kernels import triton_ops
+from bie_trt.sampling_params import SamplingParams
 from hf_reference import hf_model
 from test_model_vs_transformers import run_engine_logits
 from tiny_model import write_tiny_hf
@@ -24,7 +25,7 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def qwen2_yarn(build, tmp_path_factory, smollm2_checkpoint):
     """(checkpoint, engine dir) of the tiny Qwen2-YaRN model; head_dim 32, so INT4 KV groups fit."""
-    from bie_trt.checkpoint.quantize import quantize_checkpoint
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("qwen2-yarn")
     hf = write_tiny_hf(root / "hf", smollm2_checkpoint, seed=3, architectures=["Qwen2ForCausalLM"],

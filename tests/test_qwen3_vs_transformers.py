@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bie_trt.checkpoint.loader import Checkpoint
-from bie_trt.checkpoint.quantize import quantize_checkpoint
-from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.builder.checkpoint.loader import Checkpoint
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.key_centering import CALIBRATION_TEXT
+from bie_trt.config import EngineConfig
 from bie_trt.executor.engine import BieEngine
 from bie_trt.kernels import triton_ops
-from bie_trt.kv.centering import CALIBRATION_TEXT
+from bie_trt.sampling_params import SamplingParams
 from hf_reference import hf_model, run_engine_logits
 from tiny_model import TINY_QWEN3, write_tiny_hf
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from bie_trt.reasoning import ReasoningStream, resolve_parser, split_reasoning, starts_inside
-from bie_trt.tool_calls import ReplyParser
+from bie_trt.chat.reasoning import ReasoningStream, resolve_parser, split_reasoning, starts_inside
+from bie_trt.chat.tool_calls import ReplyParser
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 

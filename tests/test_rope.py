@@ -9,7 +9,7 @@ import torch
 
 from bie_trt.config import ModelConfig
 from bie_trt.errors import CheckpointError
-from bie_trt.model.rope import Rope, attention_factor, cos_sin, inverse_frequencies
+from bie_trt.kernels.rope import Rope, attention_factor, cos_sin, inverse_frequencies
 
 QWEN25_7B = dict(architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944,
                  num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,

@@ -120,7 +120,7 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
 def test_a_repetition_penalty_in_range_keeps_the_largest_fp16_logits_finite():
     """The bounds are where dividing an fp16 logit (|x| <= 65504) by the penalty and the smallest temperature
     still gives finite probabilities; 1e-30, which the range refuses, makes them NaN."""
-    from bie_trt.config import REPETITION_PENALTY_RANGE
+    from bie_trt.sampling_params import REPETITION_PENALTY_RANGE
     from bie_trt.sampling import MIN_TEMPERATURE, probabilities
 
     logits = torch.tensor([65504.0, -65504.0, 60000.0, 0.0])

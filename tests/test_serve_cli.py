@@ -38,7 +38,7 @@ def test_bad_options_are_refused_before_the_engine_loads(smollm2_engine, monkeyp
     monkeypatch.setattr("bie_trt.BieEngine", no_load)
     result = CliRunner().invoke(main, [command, str(smollm2_engine), *args])
     assert result.exit_code == 2, result.output
-    assert fragment.format(**read_manifest(smollm2_engine)) in result.output
+    assert fragment.format(**vars(read_manifest(smollm2_engine))) in result.output
 
 
 def test_the_engine_is_given_once(smollm2_engine):
@@ -74,7 +74,7 @@ def test_the_manifest_is_read_once_before_the_engine_loads(smollm2_engine, monke
     monkeypatch.setattr(ef, "read_manifest", counted)
     monkeypatch.setattr("bie_trt.BieEngine", stop_at_load)
     CliRunner().invoke(main, ["serve", str(smollm2_engine), "--max-model-len", "64", "--port", free_port()])
-    assert loaded == [(1, real_read(smollm2_engine)["max_num_seqs"])]
+    assert loaded == [(1, real_read(smollm2_engine).max_num_seqs)]
 
 
 def test_chat_template_and_skip_verify_reach_the_engine(smollm2_engine, monkeypatch, tmp_path):

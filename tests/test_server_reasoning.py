@@ -18,10 +18,10 @@ import openai
 import pytest
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
-from bie_trt.reasoning import THINK_CLOSE, split_reasoning
-from bie_trt.thinking_budget import THINK_END, ThinkingBudget
+from bie_trt.chat.reasoning import THINK_CLOSE, split_reasoning
+from bie_trt.chat.thinking_budget import THINK_END, ThinkingBudget
+from bie_trt.chat.tool_calls import parse_tool_calls
 from bie_trt.server.app import ServerOptions
-from bie_trt.tool_calls import parse_tool_calls
 from test_server import serving
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -373,7 +373,7 @@ def test_anthropic_budget_tokens_bound_the_thinking_block(served, reference):
 
 
 def test_responses_effort_maps_to_a_budget_or_switches_thinking_off(served, reference):
-    from bie_trt.server.responses_protocol import EFFORT_BUDGETS, ResponsesRequest
+    from bie_trt.server.protocols.responses import EFFORT_BUDGETS, ResponsesRequest
     fields = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "low"}}).chat_fields([])
     assert EFFORT_BUDGETS["low"] == 1024
     assert (fields["thinking_token_budget"], fields["chat_template_kwargs"]) == (1024, {"enable_thinking": True})

@@ -14,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from bie_trt import BieEngine, EngineConfig, EngineError, SamplingParams, SpeculativeConfig
+from bie_trt.chat.thinking_budget import THINK_END
 from bie_trt.cli import main
-from bie_trt.spec_decode.select import resolve_speculative
-from bie_trt.thinking_budget import THINK_END
+from bie_trt.resolve import resolve_speculative
 
 PASSAGE = ("The river rises in the hills above the old mill and runs south through three villages before it "
            "meets the sea. In spring the water is high and fast; in late summer children walk across it on the "
@@ -234,15 +234,14 @@ def test_adaptive_gamma_is_the_default_for_both_methods():
     assert not SpeculativeConfig.parse({"method": "draft_model", "adaptive": False}).adaptive
 
 
-def test_the_default_comes_from_the_manifest_else_a_draft_else_off(tmp_path):
-    assert resolve_speculative(None, {}, tmp_path) == SpeculativeConfig("none")
+def test_the_default_comes_from_the_manifest_else_a_draft_else_off():
+    assert resolve_speculative(None, None, 0, False) == SpeculativeConfig("none")
     stored = {"method": "ngram", "num_speculative_tokens": 3}
-    assert resolve_speculative(None, {"speculative": stored}, tmp_path) == SpeculativeConfig("ngram", 3)
-    (tmp_path / "draft").mkdir()
-    assert resolve_speculative(None, {}, tmp_path) == SpeculativeConfig("draft_model", 5)
-    assert resolve_speculative({"method": "none"}, {}, tmp_path) == SpeculativeConfig("none")
+    assert resolve_speculative(None, stored, 0, False) == SpeculativeConfig("ngram", 3)
+    assert resolve_speculative(None, None, 0, True) == SpeculativeConfig("draft_model", 5)   # a draft/
+    assert resolve_speculative({"method": "none"}, None, 0, True) == SpeculativeConfig("none")
     with pytest.raises(EngineError, match="unknown"):
-        resolve_speculative({"method": "medusa"}, {}, tmp_path)
+        resolve_speculative({"method": "medusa"}, None, 0, False)
 
 
 def test_generate_cli_speculates_and_reports_it(smollm2_engine):

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams, SpeculativeConfig
-from bie_trt.build import BuildOptions, build_engine
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.build import BuildOptions, build_engine
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.model.synthetic import write_word_tokenizer
 from tiny_model import write_tiny_hf
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
-from bie_trt.checkpoint.quantize import quantize_checkpoint
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from tiny_model import write_tiny_hf
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

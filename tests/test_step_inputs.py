@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bie_trt.model.step_inputs import SeqInput, StepMetadata, write_blocks
+from bie_trt.kernels.step_inputs import SeqInput, StepMetadata, write_blocks
 
 B = 4
 

@@ -307,7 +307,7 @@ def test_chat_auto_leaves_prose_as_content_and_bad_tool_choices_are_refused(tiny
 def test_a_grammar_failing_mid_run_ends_only_its_request(tiny, monkeypatch):
     """The grammar library failing inside a step (its error state, a limit) cannot be provoked on demand, so
     one request's grammar is made to fail at its third token; its batch-mates must not notice."""
-    from bie_trt.structured import GrammarError, LogitsConstraint
+    from bie_trt.logits_constraint import GrammarError, LogitsConstraint
 
     accept = LogitsConstraint.accept
 

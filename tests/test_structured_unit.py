@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from bie_trt.config import SamplingParams, StructuredOutputs
 from bie_trt.errors import RequestError
+from bie_trt.logits_constraint import GrammarCompiler, LogitsConstraint, apply_bitmask
 from bie_trt.sampling import make_generator, sample_next, top_logprobs
+from bie_trt.sampling_params import SamplingParams, StructuredOutputs
 from bie_trt.spec_decode.proposer import Proposal
 from bie_trt.spec_decode.rejection import verify
-from bie_trt.structured import GrammarCompiler, LogitsConstraint, apply_bitmask
 
 EOS = 2
 

@@ -9,10 +9,10 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from bie_trt.server.protocol import ChatRequest
-from bie_trt.server.structured import tool_plan
-from bie_trt.tool_calls import (ReplyParser, held_back, parse_required, parse_tool_calls, required_schema,
+from bie_trt.chat.tool_calls import (ReplyParser, held_back, parse_required, parse_tool_calls, required_schema,
                                 template_messages, template_renders_tools, tools_prompt)
+from bie_trt.server.protocols.openai import ChatRequest
+from bie_trt.server.reply_format import tool_plan
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

@@ -25,6 +25,7 @@ import torch
 
 from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
 from bie_trt.kernels.attention_ref import paged_attention_ref  # noqa: E402
+from bie_trt.kernels.step_inputs import StepTiles  # noqa: E402
 from bie_trt.kernels.triton_attention import (  # noqa: E402
     available,
     paged_decode_attention,
@@ -35,7 +36,6 @@ from bie_trt.kernels.triton_attention import (  # noqa: E402
 )
 from bie_trt.kv.pool import KVPools, allocate_pools, encode_quant_block  # noqa: E402
 from bie_trt.kv.quant import quantize_block  # noqa: E402
-from bie_trt.model.step_inputs import StepTiles  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not available(), reason="triton is not importable (or no CUDA and no interpreter)")
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bie_trt.build import BuildOptions, build_engine
-from bie_trt.checkpoint.quantize import quantize_checkpoint
-from bie_trt.config import EngineConfig, SamplingParams
+from bie_trt.builder.build import BuildOptions, build_engine
+from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
+from bie_trt.config import EngineConfig
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.model_runner import ModelRunner, quantise_blocks
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kernels import triton_ops
 from bie_trt.model.llama import SeqInput
 from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
 from tiny_model import write_tiny_hf
 
 pytestmark = pytest.mark.skipif(not triton_ops.available(), reason="triton not importable")

@@ -195,7 +195,7 @@ def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v
     rotation as an explicit matrix, RoPE as the complex rotation of pairs)."""
     from bie_trt.kernels.reference import QKNorm, qkv_epilogue_ref
     from bie_trt.kernels.triton_ops import qkv_epilogue_triton
-    from bie_trt.model.rope import inverse_frequencies
+    from bie_trt.kernels.rope import inverse_frequencies
     from bie_trt.kv.rotation import hadamard_matrix
 
     mc, kv = model_config(kv_heads=2, head_dim=64), KVCacheConfig(dtype="int4_asym", group_size=32)

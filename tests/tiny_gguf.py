@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from bie_trt.checkpoint.registry import BUILTIN, _gguf_path
+from bie_trt.builder.checkpoint.registry import BUILTIN, _gguf_path
 
 TINY_GGUF = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, context=1024)
 QWEN3_HEAD_DIM = 128   # q_size 512 over hidden 64, as Qwen3's head_dim is its own

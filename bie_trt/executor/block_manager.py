@@ -9,6 +9,10 @@ LRU) until a hit takes it back or an allocation evicts it. Cached blocks are alw
 the cache can never starve a running sequence. With a host tier, an evicted block's bytes move to
 host memory (an `Offload` before the device block is reused) and a hit there comes back into a free
 device block (a `Restore` before the step that reads it); a full host tier drops its oldest blocks.
+
+A hybrid model's sliding-window layers are a second cache group with tables of their own (`sliding`,
+sliding_blocks.py): every call here keeps both groups in step, a prefix hit needs both, and such an engine
+keeps no host tier (its sliding blocks would have to travel with the full layers' ones).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from .exact_rows import quantised_end, runs, sink_blocks
 from .host_cache import HostCache, HostMove, Offload, Restore
 from .prefix_cache import PrefixCache, block_key, quant_key
 from .sequence import Sequence
+from .sliding_blocks import OutOfBlocks, SlidingBlocks
 
 Copy = tuple[int, int]   # (source, destination) FP16 blocks
 Quantisation = tuple[int, int]   # (FP16 block, quantised block id)
@@ -32,26 +37,26 @@ Hit = int | bytes   # a device block-table entry, or the key of a block waiting 
 HOST_TAIL_TOKENS = 512
 
 
-class OutOfBlocks(RuntimeError):
-    """The pool cannot hold what was asked; the scheduler waits or preempts, never crashes."""
-
-
 class BlockManager:
     def __init__(self, kv: KVCacheConfig, num_fp_blocks: int, num_quant_blocks: int,
                  enable_prefix_caching: bool = False, host_bytes: int = 0,
-                 block_bytes: dict[bool, int] | None = None, host_tail_tokens: int = HOST_TAIL_TOKENS):
+                 block_bytes: dict[bool, int] | None = None, host_tail_tokens: int = HOST_TAIL_TOKENS,
+                 sliding_window: int = 0, num_sliding_blocks: int = 0):
         """`host_bytes` > 0 (with prefix caching) keeps evicted blocks in a host tier of that many bytes;
-        `block_bytes`: is quantised -> bytes of one block, every layer's K and V."""
+        `block_bytes`: is quantised -> bytes of one block, every layer's K and V. `sliding_window` > 0: a hybrid
+        model, whose sliding layers' group has `num_sliding_blocks` FP16 blocks (and no host tier)."""
         self.kv = kv
         self.num_fp_blocks, self.num_quant_blocks = num_fp_blocks, num_quant_blocks
         self.free_fp: deque[int] = deque(range(num_fp_blocks))
         self.free_quant: deque[int] = deque(range(num_quant_blocks))
         self.ref_counts: dict[int, int] = {}   # block-table entry -> tables holding it
         self.cache = PrefixCache() if enable_prefix_caching else None
+        self.sliding = (SlidingBlocks(sliding_window, kv.block_size, num_sliding_blocks, enable_prefix_caching)
+                        if sliding_window else None)
         self.quantised = kv.dtype != "fp16"
         self._slots = itertools.count()   # host slots: the tier's, and blocks loaded from a file
-        self.host = (HostCache(host_bytes, block_bytes, self._slots) if self.cache is not None and host_bytes > 0
-                     else None)
+        self.host = (HostCache(host_bytes, block_bytes, self._slots)
+                     if self.cache is not None and host_bytes > 0 and self.sliding is None else None)
         self.host_moves: list[HostMove] = []   # decided since the scheduler last took them
         self.host_tail_tokens = host_tail_tokens
         self.tail: set[int] = set()   # FP16 entries near a prompt's end: worth the host tier even with a twin
@@ -208,29 +213,39 @@ class BlockManager:
         if self.cache is None:
             return []
         fp, quant = [], []
-        for key in self.prompt_keys(seq):
+        keys = self.prompt_keys(seq)
+
+        def sliding_ok(h: int) -> bool:   # a hybrid model's sliding layers hold the window the hit's end reads
+            return self.sliding is None or self.sliding.hit(keys, h) is not None
+
+        for key in keys:
             fp.append(self._find(key))
             quant.append(self._find(quant_key(key)) if self.quantised else None)
             if fp[-1] is None and quant[-1] is None:
                 fp.pop(), quant.pop()
                 break
         if not self.quantised:
-            return fp
+            return fp[:next(h for h in range(len(fp), -1, -1) if sliding_ok(h))]
         sinks = sink_blocks(self.kv)
         for h in range(len(fp), 0, -1):
             end = min(quantised_end(h * self.block_size, self.kv), h)
-            if all(fp[b] is not None for b in range(min(sinks, h))) and all(fp[b] is not None for b in range(end, h)):
+            if (all(fp[b] is not None for b in range(min(sinks, h))) and all(fp[b] is not None for b in range(end, h))
+                    and sliding_ok(h)):
                 return [quant[b] if sinks <= b < end and quant[b] is not None else fp[b] for b in range(h)]
         return []
 
-    def can_admit(self, hit: list[Hit], num_tokens: int) -> bool:
-        """Whether a sequence can share `hit` (restoring its host blocks) and hold `num_tokens` tokens in all."""
+    def can_admit(self, hit: list[Hit], num_tokens: int, seq: Sequence | None = None) -> bool:
+        """Whether a sequence can share `hit` (restoring its host blocks) and hold `num_tokens` tokens in all.
+        A hybrid model needs `seq` (the hit's keys find its sliding blocks)."""
         need = {False: self._new_blocks(len(hit), num_tokens), True: 0}
         for item in hit:
             if isinstance(item, bytes):        # a restore takes a device block of its kind
                 need[self.host.blocks[item][1]] += 1
             elif item not in self.ref_counts:  # leaves the LRU on sharing
                 need[item < 0] += 1
+        if self.sliding is not None and (self.sliding.admission_need(self.prompt_keys(seq), len(hit), num_tokens)
+                                         > self.sliding.num_free):
+            return False
         return need[False] <= self.num_free_fp and need[True] <= self.num_free_quant
 
     def admit(self, seq: Sequence, hit: list[Hit]) -> None:
@@ -253,6 +268,8 @@ class BlockManager:
                 item = entry
             seq.block_table.append(item)
         seq.num_cached = len(hit) * self.block_size
+        if self.sliding is not None:
+            self.sliding.admit(seq, self.prompt_keys(seq), len(hit))
 
     # -- growth ----------------------------------------------------------------------------------
     def _new_blocks(self, num_held: int, num_tokens: int) -> int:
@@ -271,7 +288,8 @@ class BlockManager:
         return self._new_blocks(len(seq.block_table), num_tokens) + (self._shared_write_block(seq) is not None)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.num_free_fp
+        return self.blocks_needed(seq, num_tokens) <= self.num_free_fp and (
+            self.sliding is None or self.sliding.blocks_needed(seq, num_tokens) <= self.sliding.num_free)
 
     def grow(self, seq: Sequence, num_tokens: int) -> list[Copy]:
         """Take FP16 blocks so seq can hold `num_tokens` tokens. Returns the copy-on-write pairs the
@@ -279,6 +297,10 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > self.num_free_fp:
             raise OutOfBlocks(f"need {need} KV blocks, {self.num_free_fp} free")
+        if self.sliding is not None:
+            if (sliding := self.sliding.blocks_needed(seq, num_tokens)) > self.sliding.num_free:
+                raise OutOfBlocks(f"need {sliding} sliding-window KV blocks, {self.sliding.num_free} free")
+            self.sliding.grow(seq, num_tokens)
         copies = []
         b = self._shared_write_block(seq)
         if b is not None:
@@ -302,6 +324,8 @@ class BlockManager:
             key = keys[b]
             if self.cache.get(key) is None:   # else an equal block is cached already: this one stays private
                 self._index(key, seq.block_table[b])
+        if self.sliding is not None:
+            self.sliding.commit(seq, keys, before)
 
     def truncate(self, seq: Sequence) -> None:
         """Speculation's rollback: free the blocks past seq's cached tokens, which held only rejected
@@ -311,10 +335,15 @@ class BlockManager:
         for entry in reversed(seq.block_table[keep:]):
             self._release(entry)
         del seq.block_table[keep:]
+        if self.sliding is not None:
+            self.sliding.truncate(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (whose tokens start with parent's) continues from parent's cache, sharing every block;
         the partly filled last block is copied when either of them first writes it."""
+        if self.sliding is not None:
+            raise NotImplementedError("fork of a hybrid model's sequence: the sliding-window layers' blocks have "
+                                      "no copy-on-write")
         for entry in parent.block_table:
             self._share(entry)
         child.block_table = list(parent.block_table)
@@ -328,6 +357,8 @@ class BlockManager:
             self._release(seq.block_table[b])
         for entry in self.twins.pop(seq, {}).values():
             self._release(entry)
+        if self.sliding is not None:
+            self.sliding.free_seq(seq)
         seq.block_table = []
         seq.num_cached = 0
 
@@ -340,10 +371,13 @@ class BlockManager:
                     self._free(entry)
         if self.host is not None:
             self.host.clear(self.host_moves)
+        if self.sliding is not None:
+            self.sliding.reset_prefix_cache()
 
     # -- the window ------------------------------------------------------------------------------
     def compact(self, seq: Sequence) -> list[Quantisation]:
-        """Quantise every full block that has left the recent window (sink blocks stay FP16).
+        """Quantise every full block that has left the recent window (sink blocks stay FP16); a hybrid model's
+        sliding layers give back the blocks below their window (SlidingBlocks.slide).
 
         Block b is out of the window once all its tokens are older than the last `window` cached ones.
         A twin `row_views` made for the block already is taken over; a block already quantised under
@@ -352,6 +386,8 @@ class BlockManager:
         Returns the (FP16 block, quantised block) pairs the runner must quantise before the next forward
         reads them (the FP16 blocks are released here, so before anything else is written into them).
         """
+        if self.sliding is not None:   # the sliding layers give back what left their window
+            self.sliding.slide(seq)
         first, end = sink_blocks(self.kv), quantised_end(seq.num_cached, self.kv)
         if not self.quantised or end <= first or max(seq.block_table[first:end]) < 0:
             return []   # the common case, checked at C speed: nothing new has left the window

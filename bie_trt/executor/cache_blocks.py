@@ -7,10 +7,10 @@ import dataclasses
 
 import torch
 
-from ..config import SamplingParams
 from ..sampling import make_generator
+from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
-from .cache_file import CachedBlock
+from .cache_file import CachedBlock, CacheFileError
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -24,8 +24,16 @@ def cache_identity(runner: ModelRunner) -> dict:
                           "fp16_block_dtype": str(runner.pools.k.dtype).removeprefix("torch.")}}
 
 
+def check_groups(blocks: BlockManager) -> None:
+    """Cache files carry one cache group: a hybrid model's sliding-window layers are refused by name."""
+    if blocks.sliding is not None:
+        raise CacheFileError("cache files do not carry the sliding-window layers' blocks of a hybrid model "
+                             "(Gemma 3); its prefix cache keeps a returning prompt on the device instead.")
+
+
 def copy_out(blocks: BlockManager, runner: ModelRunner, scheduler: Scheduler, ids: list[int]) -> list[CachedBlock]:
     """Copies of the blocks a request for `ids` would hit, from either tier."""
+    check_groups(blocks)
     seq = Sequence(ids, SamplingParams(), make_generator(SamplingParams(), 0))
     # the last step's compactions may have indexed twins their quantisations have not filled yet
     runner.launch_moves(scheduler.take_moves())
@@ -47,6 +55,7 @@ def copy_out(blocks: BlockManager, runner: ModelRunner, scheduler: Scheduler, id
 def adopt(blocks: BlockManager, runner: ModelRunner, scheduler: Scheduler, cached: list[CachedBlock]) -> int:
     """The blocks into the device cache, last first (so the LRU keeps a prefix's start longest); each copy
     is launched at once, in order with the moves queued before it. -> blocks taken."""
+    check_groups(blocks)
     taken = 0
     for block in reversed(cached):
         slot = blocks.new_slot()

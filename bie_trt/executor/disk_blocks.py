@@ -3,13 +3,15 @@ handed to the writer once it is prefilled, and a new prompt's blocks that only t
 into the prefix cache before it is scheduled."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
+from ..config import EngineConfig
 from ..errors import EngineError
 from ..sampling import make_generator
+from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .cache_blocks import adopt, cache_identity
 from .cache_file import CachedBlock
@@ -19,10 +21,16 @@ from .prefix_cache import quant_key
 from .scheduler import Scheduler
 from .sequence import Sequence
 
+log = logging.getLogger(__name__)
+
 
 def open_disk_tier(config: EngineConfig, runner: ModelRunner, model_name: str) -> DiskTier | None:
-    """The tier `config` asks for: `kv_cache_dir` set, `disk_kv_cache_gb` not 0, prefix caching on."""
+    """The tier `config` asks for: `kv_cache_dir` set, `disk_kv_cache_gb` not 0, prefix caching on. None for a
+    hybrid model: its files would lack the sliding layers' blocks that a hit needs (logged once)."""
     if config.kv_cache_dir is None or not config.enable_prefix_caching:
+        return None
+    if runner.pools.sliding is not None:
+        log.warning("disk KV tier off: it does not keep the sliding-window layers' blocks of a hybrid model")
         return None
     root = Path(config.kv_cache_dir).expanduser()
     try:

@@ -21,28 +21,28 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
+from ..chat.reasoning import PROMPT_TAIL_TOKENS, resolve_parser, split_reasoning, starts_inside
+from ..chat.thinking_budget import ThinkingBudget
+from ..chat.tool_calls import ReplyParser, plan_tools
+from ..config import EngineConfig
 from ..config_gemma3 import STOP_TOKENS
 from ..errors import RequestError
+from ..logits_constraint import GrammarCompiler, GrammarError, LogitsConstraint
+from ..model.cuda_graphs import STEP_KINDS
 from ..plan import planned_step_tokens
-from ..reasoning import PROMPT_TAIL_TOKENS, resolve_parser, split_reasoning, starts_inside
 from ..sampling import make_generator, sample_next, top_logprobs
+from ..sampling_params import SamplingParams
 from ..spec_decode.adaptive import AdaptiveGamma, step_clock
 from ..spec_decode.proposer import Proposal
 from ..spec_decode.rejection import verify
-from ..spec_decode.select import make_proposer, resolve_speculative
-from ..structured import GrammarCompiler, GrammarError, LogitsConstraint
-from ..thinking_budget import ThinkingBudget
-from ..tool_calls import ReplyParser, plan_tools
-from .block_manager import BlockManager
+from ..spec_decode.select import make_proposer
 from .cache_blocks import adopt, cache_identity, copy_out
 from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
-from .cuda_graphs import STEP_KINDS
 from .disk_blocks import load_from_disk, open_disk_tier, persist_prompt
 from .model_runner import ModelRunner
 from .outputs import ChatOutput, EngineStats, RequestOutput, StreamEvent, Usage
+from .prompt_checks import check_prompt, check_prompt_ids
 from .prompt_encoder import PromptEncoder
-from .prompts import check_prompt, check_prompt_ids
 from .scheduler import Scheduler, check_progress, step_budget
 from .sequence import Detokenizer, Sequence
 from .streams import RequestState, RequestStream
@@ -55,15 +55,15 @@ class BieEngine:
         self.prompts = PromptEncoder.load(self.config.engine_dir, self.config.chat_template,
                                          self.config.chat_template_kwargs)
         self.tokenizer = self.prompts.tokenizer
-        self.model_name = self.runner.manifest["model"]["name"]
+        self.model_name = self.runner.manifest.model_name
         self.max_model_len = self.runner.max_model_len
         pools, kv, max_num_seqs = self.runner.pools, self.runner.kv_config, self.runner.max_num_seqs
         chunked_prefill_size = self.runner.chunked_prefill_size
         engine_dir = Path(self.config.engine_dir)
-        self.speculative = resolve_speculative(self.config.speculative, self.runner.manifest, engine_dir)
+        self.speculative = self.runner.settings.speculative
         num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative.enabled else 0
         self.runner.capture_verify_graphs(num_speculative_tokens)
-        budget = step_budget(planned_step_tokens(self.runner.manifest["plan"]["inputs"]),
+        budget = step_budget(planned_step_tokens(self.runner.manifest.plan.inputs),
                              self.config.max_num_batched_tokens, chunked_prefill_size, max_num_seqs,
                              num_speculative_tokens)
         check_progress(kv, self.max_model_len, chunked_prefill_size, pools.num_fp_blocks, budget, max_num_seqs,
@@ -73,8 +73,7 @@ class BieEngine:
         self.adaptive = (AdaptiveGamma(num_speculative_tokens, per_token=self.speculative.method == "draft_model",
                                        clock=step_clock(self.runner.device.type))
                          if self.proposer is not None and self.speculative.adaptive else None)
-        self.blocks = BlockManager(kv, pools.num_fp_blocks, pools.num_quant_blocks, self.config.enable_prefix_caching,
-                                   self.runner.host_bytes, self.runner.block_bytes)
+        self.blocks = self.runner.block_manager(self.config.enable_prefix_caching, self.runner.host_bytes)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, budget, chunked_prefill_size, num_speculative_tokens,
                                    self.max_model_len, self._free_speculation if self.proposer else None,
                                    self.adaptive.room if self.adaptive else None)
@@ -538,6 +537,8 @@ class BieEngine:
         pools = {"fp16": self.blocks.usage(False)}
         if self.blocks.quantised:
             pools["quant"] = self.blocks.usage(True)
+        if self.blocks.sliding is not None:   # a hybrid model's sliding-window layers, apart
+            pools["sliding"] = self.blocks.sliding.usage()
         return EngineStats(dict(self._finished), self._prompt_tokens, self._generation_tokens, s.num_preemptions,
                            s.prefix_queried_tokens, s.prefix_hit_tokens, pools, len(s.running), len(s.waiting),
                            self._spec_stats(), self._host_stats(), self._graph_stats(), self._disk_stats())

@@ -3,7 +3,6 @@ device work (copies, quantisations and host-tier moves the block manager decided
 CUDA graphs)."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -11,21 +10,24 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .. import engine_format as ef
-from ..checkpoint.registry import cache_dir
-from ..config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams
+from ..config import EngineConfig
 from ..devices import available_host_memory as _available_memory, check_device_name, concrete
 from ..errors import EngineError
 from ..integrity import check_engine_files
-from ..kernels.kernel_cache import use_engine_kernels
-from ..kv.host_pool import HostPool, block_bytes
-from ..kv.pool import KVPools, allocate_pools
 from ..kernels import ops
+from ..kernels.kernel_cache import use_engine_kernels
+from ..kernels.step_inputs import SeqInput
+from ..kv.host_pool import HostPool, block_bytes
+from ..kv.pool import KVPools, allocate_kv
+from ..kv.sizing import kv_pool_blocks, sliding_pool_blocks
+from ..model.cuda_graphs import DecodeGraphs
 from ..model.llama import LlamaModel, centres_keys
-from ..model.step_inputs import SeqInput
-from ..plan import host_bytes, kv_pool_blocks, linear_shapes
+from ..plan import host_bytes, linear_shapes
+from ..resolve import resolve
 from ..sampling import make_generator
+from ..sampling_params import SamplingParams
+from ..user_cache import cache_dir
 from .block_manager import BlockManager, Copy, OutOfBlocks, Quantisation
-from .cuda_graphs import DecodeGraphs
 from .exact_rows import join_runs
 from .host_cache import Drop, Offload, Restore
 from .scheduler import Move, ScheduledBatch, Scheduler
@@ -67,10 +69,10 @@ def copy_blocks(pools: KVPools, copies: list[Copy]) -> None:
         pools.v[:, dst] = pools.v[:, src]
 
 
-def pick_device(config: EngineConfig, manifest: dict) -> torch.device:
+def pick_device(config: EngineConfig, manifest: ef.Manifest) -> torch.device:
     if config.device != "auto":
         return concrete(check_device_name(config.device))
-    if torch.cuda.is_available() and ef.check_target(manifest, ef.present_gpu_sm()) is None:
+    if torch.cuda.is_available() and ef.check_target(manifest.target, ef.present_gpu_sm()) is None:
         return concrete("cuda")
     return torch.device("cpu")
 
@@ -80,48 +82,44 @@ class ModelRunner:
         self.engine_dir = Path(config.engine_dir)
         self.manifest = ef.read_manifest(self.engine_dir)
         self.manifest_digest = ef.sha256_file(self.engine_dir / ef.MANIFEST)
+        self.settings = resolve(config, self.manifest)   # before hashing: refuse what the plan cannot hold
         if not config.skip_verify:
             check_engine_files(self.engine_dir, self.manifest)
         self.device = pick_device(config, self.manifest)
         if self.device.type == "cuda":
-            problem = ef.check_target(self.manifest, ef.present_gpu_sm())
+            problem = ef.check_target(self.manifest.target, ef.present_gpu_sm())
             if problem:
                 raise EngineError(problem)
         self.dtype = {"auto": torch.float16 if self.device.type == "cuda" else torch.float32,
                       "float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-        self.model_config = ModelConfig.from_dict(self.manifest["model"]["config"])
-        self.kv_config = dataclasses.replace(KVCacheConfig(**self.manifest["kv"]), **config.kv_overrides())
-        try:
-            self.kv_config.validate(self.model_config.head_dim)
-        except ValueError as e:
-            raise EngineError(str(e)) from None
-        built_len = int(self.manifest["max_model_len"])
-        self.max_model_len = min(config.max_model_len or built_len, built_len)
-        self.max_num_seqs = min(config.max_num_seqs, int(self.manifest["max_num_seqs"]))
-        built_chunk = int(self.manifest.get("chunked_prefill_size", 512))
-        # never above the build's: the plan's activation workspace is sized for it
-        self.chunked_prefill_size = min(config.chunked_prefill_size or built_chunk, built_chunk)
+        self.model_config = self.manifest.model
+        self.kv_config = self.settings.kv
+        self.max_model_len = self.settings.max_model_len
+        self.max_num_seqs = self.settings.max_num_seqs
+        self.chunked_prefill_size = self.settings.chunked_prefill_size
         weights_path = self.engine_dir / ef.WEIGHTS
         if not weights_path.exists():
             raise EngineError(f"{weights_path}: missing; the engine directory is incomplete (rebuild it).")
         self._cap_memory()
         if self.device.type == "cuda":   # before the first kernel compiles
-            use_engine_kernels(self.engine_dir, self.manifest, cache_dir())
-        placement = self.manifest["plan"]["inputs"].get("embedding_placement", "gpu")
+            use_engine_kernels(self.engine_dir, self.manifest.files, self.manifest.triton_version, cache_dir())
         self.model = LlamaModel(self.model_config, load_weights(weights_path), self.device, self.dtype,
-                                embedding_on_host=placement == "host",
-                                gemv_configs=self.manifest.get("kernels", {}).get("w4_gemv"),
+                                embedding_on_host=self.manifest.plan.embedding_placement == "host",
+                                gemv_configs=self.manifest.w4_gemv_configs,
                                 keep_dense=self._dense_fits())
         if centres_keys(self.kv_config) and self.model.key_mean is None:
             raise EngineError(f"{self.engine_dir}: key centering needs the calibrated kv.key_mean this engine "
                               "lacks; rebuild it with this version of bie-trt.")
-        n_fp, n_q = kv_pool_blocks(self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunked_prefill_size)
+        sizes = (self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunked_prefill_size)
+        n_fp, n_q = kv_pool_blocks(*sizes)
+        n_sliding = sliding_pool_blocks(*sizes)
         if config.num_kv_blocks is not None:  # tests and small hosts shrink the pool on purpose
             n_fp = config.num_kv_blocks
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         # "fp16" KV is stored in the activation dtype: exact fp32 on the CPU reference.
-        self.pools: KVPools = allocate_pools(self.model_config, self.kv_config, n_fp, n_q, self.dtype, self.device,
-                                             scratch_block=use_graphs)
+        # a hybrid model's sliding layers in pools.sliding, sized by the same formula as the plan's
+        self.pools: KVPools = allocate_kv(self.model_config, self.kv_config, n_fp, n_q, n_sliding, self.dtype,
+                                          self.device, scratch_block=use_graphs)
         try:
             self.host_bytes = host_bytes(config.host_kv_cache_gb, _available_memory())
         except ValueError as e:
@@ -130,11 +128,19 @@ class ModelRunner:
         self.block_bytes = block_bytes(self.pools)
         self.graphs = None
         if use_graphs:
-            sizes = [b for b in self.manifest["profile"]["defaults"]["cuda_graph_batch_sizes"] if b <= self.max_num_seqs]
-            if sizes:
-                self.graphs = DecodeGraphs(self.model, self.pools, sizes, self.max_model_len, self.pools.scratch_block)
+            if self.settings.cuda_graph_batch_sizes:
+                self.graphs = DecodeGraphs(self.model, self.pools, list(self.settings.cuda_graph_batch_sizes),
+                                           self.max_model_len, self.pools.scratch_block)
         if self.device.type == "cuda":
             self.warm_up()
+
+    def block_manager(self, enable_prefix_caching: bool = False, host_bytes: int = 0) -> BlockManager:
+        """A block manager over this runner's pools: both cache groups of a hybrid model."""
+        sliding = self.pools.sliding
+        return BlockManager(self.kv_config, self.pools.num_fp_blocks, self.pools.num_quant_blocks, enable_prefix_caching,
+                            host_bytes, self.block_bytes,
+                            sliding_window=int(self.model_config.sliding_window or 0) if sliding else 0,
+                            num_sliding_blocks=sliding.num_fp_blocks if sliding else 0)
 
     def _dense_fits(self) -> bool:
         """The CPU path keeps every dequantised weight matrix (fast, but 4 bytes a weight in fp32) only
@@ -150,7 +156,7 @@ class ModelRunner:
         """On CUDA, exceeding the plan must be an error, never a silent spill to host memory."""
         if self.device.type != "cuda":
             return
-        budget = int(self.manifest["plan"]["budget_bytes"])
+        budget = self.manifest.plan.budget_bytes
         total = torch.cuda.get_device_properties(self.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
 
@@ -164,7 +170,7 @@ class ModelRunner:
         Chunk sizes: Triton specialises integer arguments on being a multiple of 16, and the W4
         tiles grow with the rows (16, 32, 64), so one size of each kind, at start positions that
         are and are not multiples of 16."""
-        blocks = BlockManager(self.kv_config, self.pools.num_fp_blocks, self.pools.num_quant_blocks)
+        blocks = self.block_manager()
         n, chunk = self.max_num_seqs, self.chunked_prefill_size
         scheduler = Scheduler(blocks, n, chunk + n, chunk)
         chunks = [k for k in (chunk, chunk - 1, 15, 16, 31, 32) if 0 < k <= chunk]
@@ -235,8 +241,9 @@ class ModelRunner:
             ids = torch.tensor(seq.token_slice(seq.num_cached, seq.num_cached + n) + extra)
             views = [(row, min(rows, len(ids) - row), table)
                      for row, rows, table in batch.views.get(seq, [(0, len(ids), seq.block_table)]) if row < len(ids)]
-            inputs += [SeqInput(ids[row:row + rows], seq.num_cached + row, table, all_logits=bool(extra))
-                       for row, rows, table in views]
+            # (a dense model's sequences have no sliding table: [] -> None)
+            inputs += [SeqInput(ids[row:row + rows], seq.num_cached + row, table, all_logits=bool(extra),
+                                sliding_table=seq.sliding_table or None) for row, rows, table in views]
             num_runs.append(len(views))
             all_logits.append(bool(extra))
         return inputs, num_runs, all_logits

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..tool_calls import ToolCall
+from ..chat.tool_calls import ToolCall
 
 
 @dataclass

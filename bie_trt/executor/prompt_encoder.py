@@ -3,10 +3,10 @@ the chat template. The engine encodes with one; a scale-out ingress holds its ow
 directory, so the ids it routes by are the ids the replica's prefix cache is keyed by."""
 from __future__ import annotations
 
+from ..chat.tokenizer import load_tokenizer
+from ..chat.tool_calls import template_messages, template_renders_tools
 from ..errors import RequestError
-from ..templates import load_tokenizer
-from ..tool_calls import template_messages, template_renders_tools
-from .prompts import check_prompt
+from .prompt_checks import check_prompt
 
 
 class PromptEncoder:

@@ -25,7 +25,8 @@ from typing import Callable
 
 from ..config import KVCacheConfig
 from ..errors import EngineError
-from ..plan import bounded_fp_blocks_per_seq, step_tokens
+from ..kv.sizing import bounded_fp_blocks_per_seq
+from ..plan import step_tokens
 from .block_manager import BlockManager, Copy, Quantisation, View
 from .host_cache import HostMove
 from .sequence import Sequence, Status
@@ -118,7 +119,7 @@ class Scheduler:
             cached = len(hit) * self.blocks.block_size
             from_host = sum(isinstance(item, bytes) for item in hit) * self.blocks.block_size
             n = min(seq.num_tokens - cached, self.chunked_prefill_size, budget())
-            if not self.blocks.can_admit(hit, cached + n):
+            if not self.blocks.can_admit(hit, cached + n, seq):
                 break
             self.waiting.popleft()
             self.blocks.admit(seq, hit)

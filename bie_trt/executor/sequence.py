@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import SamplingParams
+from ..sampling_params import SamplingParams
 from ..spec_decode.proposer import ProposalRequest
 
 if TYPE_CHECKING:
-    from ..structured import LogitsConstraint
+    from ..logits_constraint import LogitsConstraint
 
 _ids = itertools.count()
 
@@ -31,11 +31,15 @@ class Sequence:
     generator: torch.Generator
     # the same seed's generator on the GPU, made at the first token sampled there
     device_generator: torch.Generator | None = None
-    # logit_bias, min_tokens, the grammar and a thinking budget (structured.py); None when the request sets none
+    # logit_bias, min_tokens, the grammar and a thinking budget (logits_constraint.py); None when the request sets none
     constraint: "LogitsConstraint | None" = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    # A hybrid model's sliding-window layers: their own table (sliding_blocks.py), entries below
+    # `sliding_first` given back
+    sliding_table: list[int] = field(default_factory=list)
+    sliding_first: int = 0
     num_cached: int = 0            # tokens whose K/V are in the cache
     num_prompt_cached: int | None = None   # prompt tokens the prefix cache held at first admission (both tiers)
     # Prefix-cache keys of the first full blocks of token_ids, in order; they depend on the tokens

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator, Mapping
 
 KERNELS_DIR = "kernels"
 
@@ -76,13 +76,15 @@ def installed_triton() -> str | None:
         return None
 
 
-def use_engine_kernels(engine_dir: Path, manifest: dict[str, Any], cache_root: Path) -> Path | None:
+def use_engine_kernels(engine_dir: Path, files: Mapping[str, str], built_with: str | None,
+                       cache_root: Path) -> Path | None:
     """Point Triton at a writable copy (under cache_root) of the engine's compiled kernels, if it has
-    any and they come from the Triton installed here; returns the folder Triton now uses."""
+    any and they come from the Triton installed here (`built_with`: the manifest's; `files`: its digests);
+    returns the folder Triton now uses."""
     source = Path(engine_dir) / KERNELS_DIR
-    if not source.is_dir() or manifest.get("toolchain", {}).get("triton") != installed_triton():
+    if not source.is_dir() or built_with != installed_triton():
         return None
-    digests = {name: sha for name, sha in manifest.get("files", {}).items() if name.startswith(KERNELS_DIR + "/")}
+    digests = {name: sha for name, sha in files.items() if name.startswith(KERNELS_DIR + "/")}
     target = cache_root / "kernels" / hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:16]
     if not target.exists():
         # Copy beside and rename: two processes loading one engine never see half a copy.

@@ -21,7 +21,7 @@ from .int8_rows import Int8Rows
 from .w4_layout import W4Weight
 
 if TYPE_CHECKING:
-    from ..model.step_inputs import StepMetadata, StepTiles
+    from .step_inputs import StepMetadata, StepTiles
 
 # The CPU path folds 64 blocks (1,024 tokens) per online-softmax step: same algorithm as the
 # one-block oracle, far fewer Python iterations.

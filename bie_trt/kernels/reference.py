@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..kv.pool import KVPools
 from ..kv.rotation import rotate
-from ..model.rope import Rope, cos_sin
+from .rope import Rope, cos_sin
 from .w4_layout import W4Weight
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.awq import awq_unpack
+from .awq import awq_unpack
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 

@@ -1,4 +1,9 @@
-"""The KV pools: allocated once, addressed by block ids that are the same in every layer.
+"""The KV pools: allocated once, addressed by block ids that are the same in every layer of a cache group.
+
+A hybrid model (sliding-window and full-attention layers, kv/sizing.py) has two groups: the full layers'
+pools (the `KVPools` the engine passes around, layer l of it being the l-th full layer) carry the sliding
+layers' own FP16 pools in `sliding` (layer l there: the l-th sliding layer), addressed by block tables of
+their own. A dense model has one group: `sliding` is None and layer l is the model's layer l.
 
 Layout (head-major inside a block, so one program reads one head's block contiguously):
   FP16 pool    k, v        [L, N_fp, H_kv, B, D]            activation dtype (fp16; fp32 on the CPU reference)
@@ -19,6 +24,7 @@ A block-table entry e >= 0 names FP16 block e; e < 0 names quantised block -e - 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +75,7 @@ class KVPools:
     k_pack: torch.Tensor | None = None
     v_pack: torch.Tensor | None = None
     scratch_block: int | None = None   # an FP16 block no sequence owns: CUDA-graph padding writes here
+    sliding: "KVPools | None" = None   # a hybrid model's sliding-window layers (FP16 only), see the docstring
     # Views into the packs (see the module docstring), made from them.
     k_q: torch.Tensor | None = field(init=False, default=None)
     v_q: torch.Tensor | None = field(init=False, default=None)
@@ -113,10 +120,10 @@ class KVPools:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def nbytes(self) -> dict[str, int]:
-        """Allocated bytes of the FP16 pool and of the quantised pool."""
+        """Allocated bytes of the FP16 pool and of the quantised pool (and of a hybrid model's sliding pool)."""
         fp = self.k.nbytes + self.v.nbytes
         q = sum(t.nbytes for n, t in self.tensors().items() if n not in ("k", "v"))
-        return {"fp16": fp, "quant": q}
+        return {"fp16": fp, "quant": q} | ({"sliding": self.sliding.nbytes()["fp16"]} if self.sliding else {})
 
 
 def allocate_pools(
@@ -127,9 +134,12 @@ def allocate_pools(
     dtype: torch.dtype = torch.float16,
     device: torch.device | str = "cpu",
     scratch_block: bool = False,
+    num_layers: int | None = None,
 ) -> KVPools:
-    """Allocate every pool tensor once. `num_quant_blocks` is ignored for fp16 KV."""
-    L, H, B, D = model.num_layers, model.num_kv_heads, kv.block_size, model.head_dim
+    """Allocate every pool tensor once, for `num_layers` layers (the model's by default). `num_quant_blocks` is
+    ignored for fp16 KV."""
+    L = model.num_layers if num_layers is None else num_layers
+    H, B, D = model.num_kv_heads, kv.block_size, model.head_dim
     fp_shape = (L, num_fp_blocks + scratch_block, H, B, D)
     packs = {}
     if kv.dtype != "fp16" and num_quant_blocks:
@@ -138,3 +148,23 @@ def allocate_pools(
     return KVPools(kv, torch.zeros(fp_shape, dtype=dtype, device=device),
                    torch.zeros(fp_shape, dtype=dtype, device=device), **packs,
                    scratch_block=num_fp_blocks if scratch_block else None)
+
+
+def sliding_config(kv: KVCacheConfig) -> KVCacheConfig:
+    """The sliding layers' cache: FP16 (bounded by the window, quantising would save little and cost
+    quality), no sinks or window of its own, the same blocks."""
+    return dataclasses.replace(kv, dtype="fp16", sink_tokens=0, window=0)
+
+
+def allocate_kv(model: ModelConfig, kv: KVCacheConfig, num_fp_blocks: int, num_quant_blocks: int,
+                num_sliding_blocks: int, dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu",
+                scratch_block: bool = False) -> KVPools:
+    """Every cache group's pools (kv/sizing.kv_pool_blocks gives the counts): a dense model's, or a hybrid
+    model's full layers with its sliding layers' pools in `sliding`."""
+    sliding = model.sliding_layers
+    pools = allocate_pools(model, kv, num_fp_blocks, num_quant_blocks, dtype, device, scratch_block,
+                           num_layers=model.num_layers - len(sliding))
+    if sliding:
+        pools.sliding = allocate_pools(model, sliding_config(kv), num_sliding_blocks, 0, dtype, device, scratch_block,
+                                       num_layers=len(sliding))
+    return pools

@@ -14,11 +14,11 @@ from ..config import KVCacheConfig, ModelConfig
 from ..kernels import ops
 from ..kernels.int8_rows import Int8Rows
 from ..kernels.reference import QKNorm
+from ..kernels.rope import Rope
+from ..kernels.step_inputs import SeqInput, StepMetadata
 from ..kernels.w4_layout import W4Weight
 from ..kv.pool import KVPools
 from ..kv.rotation import rotate
-from .rope import Rope
-from .step_inputs import SeqInput, StepMetadata
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -35,7 +35,7 @@ def rotates_keys(kv: KVCacheConfig) -> bool:
 
 
 def centres_keys(kv: KVCacheConfig) -> bool:
-    """The calibrated mean key is subtracted whenever keys may be quantised (kv/centering.py)."""
+    """The calibrated mean key is subtracted whenever keys may be quantised (builder/key_centering.py)."""
     return kv.dtype != "fp16" and kv.key_centering
 
 
@@ -97,6 +97,9 @@ class LlamaModel:
             post = (norm(p + "post_attn_norm"), norm(p + "post_mlp_norm")) if cfg.sandwich_norms else (None, None)
             self.layers.append(Layer(norm(p + "attn_norm"), norm(p + "mlp_norm"), lin, qk_norm, *post))
         self.rope = Rope(cfg, device)
+        # Each layer's index inside its cache group (kv/pool.py): among the full layers, or among the sliding ones.
+        sliding = set(cfg.sliding_layers)
+        self.group_index = [sum((j in sliding) == (i in sliding) for j in range(i)) for i in range(cfg.num_layers)]
         # YaRN multiplies cos and sin by its attention factor; rotation is linear, so every q·k grows by the
         # factor squared: folded into the softmax scale, the same for the torch and Triton paths.
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5 * self.rope.attention_factor ** 2
@@ -128,6 +131,9 @@ class LlamaModel:
         not a body and a head around it: a caller frame holding `h` would keep the embedded rows alive
         through every layer."""
         cfg = self.cfg
+        if pools.sliding is not None and meta.sliding is None:
+            raise ValueError("the sliding-window layers have a cache group of their own: every input needs its "
+                             "sliding_table")
         # h is the residual stream: each linear that ends a sub-block adds into it, and the norm
         # in front of a sub-block is folded into the linear that starts it.
         for li, layer in enumerate(self.layers):
@@ -161,36 +167,46 @@ class LlamaModel:
             logits = F.linear(ops.rms_norm(rows, self.norm, eps)[0], head)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def _group(self, li: int, meta: StepMetadata, pools: KVPools) -> tuple[KVPools, int, StepMetadata]:
+        """The cache group layer `li` reads and writes: its pools, its index in them, the step's metadata for
+        its tables. One group (a dense model, or any model over a single pool) holds every layer."""
+        if pools.sliding is None:
+            return pools, li, meta
+        if self.rope.windows[li]:
+            return pools.sliding, self.group_index[li], meta.sliding
+        return pools, self.group_index[li], meta
+
     def _attention(self, li: int, layer: Layer, h: torch.Tensor, meta: StepMetadata, pools: KVPools) -> torch.Tensor:
         """h + o_proj(attention(norm(h))): the residual stream after the attention sub-block."""
         cfg = self.cfg
+        pools, gi, meta = self._group(li, meta, pools)
         qkv = ops.norm_linear(h, layer.attn_norm, cfg.rms_norm_eps, layer.linears["qkv"])
         # The q/k head norms (Qwen3), RoPE, the calibrated key centering and the Hadamard rotation of q and
         # k (v too with hadamard_kv), K/V into the FP16 tail: one launch (the runner checked key_mean exists).
         q = ops.qkv_epilogue(qkv, cfg.num_heads, cfg.num_kv_heads, meta.rope_positions, self.rope.inv_freq_of(li),
                              self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
-                             rotates_values(pools.cfg), pools, li, meta.slot_blocks, meta.slot_offsets,
+                             rotates_values(pools.cfg), pools, gi, meta.slot_blocks, meta.slot_offsets,
                              layer.qk_norm)
         if meta.quantise:
-            ops.quantize_layer_blocks(pools, li, *meta.quantise)
+            ops.quantize_layer_blocks(pools, gi, *meta.quantise)
         window = self.rope.windows[li]
         if meta.all_decode:   # a decode-only step (the graphs'): no gather and scatter of rows
-            out = ops.paged_decode_attention(q, pools, li, meta.decode_tables, meta.decode_lens, self.scale, window)
+            out = ops.paged_decode_attention(q, pools, gi, meta.decode_tables, meta.decode_lens, self.scale, window)
         elif meta.tiles is not None:   # short inputs (a verify): one launch, each through its own table
-            out = ops.paged_tile_attention(q, pools, li, meta.tiles, self.scale, window)
+            out = ops.paged_tile_attention(q, pools, gi, meta.tiles, self.scale, window)
         else:
-            out = self._mixed_attention(li, q, meta, pools, window)
+            out = self._mixed_attention(gi, q, meta, pools, window)
         if rotates_values(pools.cfg):
             out = rotate(out)
         return self._residual(out.reshape(-1, cfg.q_size), layer.linears["o"], h, layer.post_attn_norm)
 
-    def _mixed_attention(self, li: int, q: torch.Tensor, meta: StepMetadata, pools: KVPools,
+    def _mixed_attention(self, gi: int, q: torch.Tensor, meta: StepMetadata, pools: KVPools,
                          window: int) -> torch.Tensor:
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = ops.paged_decode_attention(q[meta.decode_rows], pools, li, meta.decode_tables,
+            out[meta.decode_rows] = ops.paged_decode_attention(q[meta.decode_rows], pools, gi, meta.decode_tables,
                                                                meta.decode_lens, self.scale, window)
-        chunks = ops.paged_prefill_attentions(q, pools, li, meta, self.scale, window)
+        chunks = ops.paged_prefill_attentions(q, pools, gi, meta, self.scale, window)
         for (start, n, _), rows in zip(meta.prefills, chunks):
             out[start:start + n] = rows
         return out

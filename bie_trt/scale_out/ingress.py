@@ -25,7 +25,7 @@ from ..server.metrics import CONTENT_TYPE
 from .affinity import MAX_BLOCKS, RouteHint
 from .asgi import ForwardedRequest
 from .metrics import ingress_metrics, labelled, render
-from .prompts import routed_prompt
+from .routed_prompt import routed_prompt
 from .router import router_of
 
 log = logging.getLogger("bie_trt.scale_out")

@@ -9,9 +9,9 @@ POST /v1/responses (and GET / DELETE /v1/responses/{id}) on the same request pat
 has the shape of its route's API (errors.py) and a client's mistake is never a 5xx. Every request runs on the
 engine's one loop, batched with the others in flight; a client that leaves aborts its requests.
 
-The handlers live in their own modules and take a ServerState; this module only wires them to
-FastAPI routes (install_routes, which a replica deployment calls on its own app) and adds the
-middleware of a standalone server (create_app).
+The handlers live in one module per API, which registers that API's routes (`register`); the chat
+request path they share is chat_path.py. This module only installs them all (install_routes, which a
+replica deployment calls on its own app) and adds the middleware of a standalone server (create_app).
 """
 from __future__ import annotations
 
@@ -19,81 +19,25 @@ import contextlib
 from typing import AsyncIterator
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from ..executor.engine import BieEngine
 from . import cache_routes, completions, info, messages, responses, tokens
-from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .auth import ApiKeyMiddleware
 from .errors import install_error_handlers
 from .file_check import BackgroundFileCheck, DamagedEngineMiddleware
 from .limits import BodySizeLimit, default_max_request_bytes
-from .protocol import CacheRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .responses_protocol import ResponsesRequest
 from .state import ServerOptions, ServerState
 
 __all__ = ["ServerOptions", "ServerState", "create_app", "install_routes"]
 
 
 def install_routes(app: FastAPI, state: ServerState) -> None:
-    """Every route of the server on `app`, each calling its handler with `state`."""
+    """Every route of the server on `app`: each API's module registers its own, calling its handlers with
+    `state`."""
     install_error_handlers(app)
-
-    @app.get("/health")
-    async def health() -> dict:
-        return await info.health(state)
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return await info.metrics(state)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return await info.models(state)
-
-    @app.post("/v1/completions")
-    async def completion_route(req: CompletionRequest, http: Request):
-        return await completions.completions(state, req, http)
-
-    @app.post("/v1/chat/completions")
-    async def chat_route(req: ChatRequest, http: Request):
-        return await completions.chat_completions(state, req, http)
-
-    @app.post("/v1/messages")
-    async def messages_route(req: MessagesRequest, http: Request):
-        return await messages.messages(state, req, http)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens_route(req: CountTokensRequest):
-        return await messages.count_tokens(state, req)
-
-    @app.post("/v1/responses")
-    async def responses_route(req: ResponsesRequest, http: Request):
-        return await responses.create_response(state, req, http)
-
-    @app.get("/v1/responses/{response_id}")
-    async def response_get(response_id: str):
-        return await responses.get_response(state, response_id)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def response_delete(response_id: str):
-        return await responses.delete_response(state, response_id)
-
-    @app.post("/tokenize")
-    async def tokenize_route(req: TokenizeRequest):
-        return await tokens.tokenize(state, req)
-
-    @app.post("/detokenize")
-    async def detokenize_route(req: DetokenizeRequest):
-        return await tokens.detokenize(state, req)
-
-    @app.post("/v1/cache/save")
-    async def cache_save(req: CacheRequest):
-        return await cache_routes.cache_save(state, req)
-
-    @app.post("/v1/cache/restore")
-    async def cache_restore(req: CacheRequest):
-        return await cache_routes.cache_restore(state, req)
+    for api in (info, completions, messages, responses, tokens, cache_routes):
+        api.register(app, state)
 
 
 def create_app(engine: BieEngine, options: ServerOptions | None = None) -> FastAPI:

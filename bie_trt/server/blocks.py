@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..reasoning import ReasoningStream, split_reasoning
-from ..tool_calls import ReplyParser
+from ..chat.reasoning import ReasoningStream, split_reasoning
+from ..chat.tool_calls import ReplyParser
 
 REASONING, TEXT, TOOL_CALL = "reasoning", "text", "tool_call"
 

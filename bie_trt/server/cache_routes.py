@@ -7,11 +7,12 @@ from typing import Any, Callable
 
 import anyio
 import jinja2
+from fastapi import FastAPI
 
 from ..errors import BieError
 from ..executor.cache_file import CacheFileError
 from .errors import ApiError
-from .protocol import CacheRequest
+from .protocols.openai import CacheRequest
 from .state import ServerState
 
 
@@ -47,3 +48,15 @@ async def cache_restore(state: ServerState, req: CacheRequest) -> dict:
         return {**state.engine.load_cache(path, prompt, chat), "file": req.file}
 
     return await _cache_file(state, req, restore)
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/cache/save and /v1/cache/restore on `app`."""
+
+    @app.post("/v1/cache/save")
+    async def cache_save_route(req: CacheRequest):
+        return await cache_save(state, req)
+
+    @app.post("/v1/cache/restore")
+    async def cache_restore_route(req: CacheRequest):
+        return await cache_restore(state, req)

@@ -8,21 +8,18 @@ import uuid
 from typing import Any, Callable
 
 import anyio
-import jinja2
-import pydantic
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from ..chat.reasoning import ReasoningStream, split_reasoning
 from ..errors import BieError
 from ..executor.outputs import RequestOutput, StreamEvent
-from ..executor.streams import RequestStream
-from ..executor.prompts import check_prompt
-from ..reasoning import ReasoningStream, split_reasoning
+from ..executor.prompt_checks import check_prompt
+from .chat_path import reasoning_start, start_chat
 from .errors import ApiError
 from .generation import respond, submit, usage
-from .protocol import ChatRequest, CompletionRequest, describe_error
+from .protocols.openai import ChatRequest, CompletionRequest
 from .state import ServerState
-from .structured import ParamError, ToolPlan, tool_plan
 
 MAX_REQUESTS = 64         # prompts x n in one HTTP request: each is a request on the loop
 
@@ -104,55 +101,6 @@ async def completions(state: ServerState, req: CompletionRequest, http: Request)
     return await respond(state, http, streams, req, base, make_chunk, make_body)
 
 
-def reasoning_start(state: ServerState, prompt_ids: list[int], req: ChatRequest, tools: ToolPlan) -> bool | None:
-    """Where this reply starts for the reasoning parser (inside a block or not), from its prompt's end;
-    None: the reply is not split (no parser, the prompt closed the block, or an output constraint or
-    tool_choice shapes the whole reply)."""
-    if tools.mode not in ("none", "auto") or req.constraints():
-        return None
-    return state.engine.reasoning_start(prompt_ids, state.reasoning_parser)
-
-
-def as_chat_request(fields: dict[str, Any]) -> ChatRequest:
-    """Another API's body, converted to chat fields, as the chat body it stands for. The conversion
-    only writes what the other API's own checks let through, so a failure here is still the client's."""
-    try:
-        return ChatRequest.model_validate(fields)
-    except pydantic.ValidationError as e:
-        message, param = describe_error(e.errors()[0])
-        raise ApiError(400, message, param) from None
-
-
-async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], ToolPlan]:
-    """A chat body's prompt through the chat template (tools rendered), and how its tools shape the reply.
-    Every API that speaks in messages (chat, Anthropic's Messages, the Responses API) comes through here."""
-    messages = [m.to_template() for m in req.messages]
-    state.check_fits([m["content"] for m in messages], chat=True)
-    try:
-        tools = tool_plan(req)
-    except ParamError as e:
-        raise ApiError(400, str(e), e.param) from None
-    if req.continue_final_message and (tools.mode not in ("none", "auto") or req.constraints()):
-        raise ApiError(400, "continue_final_message with an output constraint (tool_choice required or a named "
-                            "function, response_format, structured_outputs): a constraint shapes the whole reply, "
-                            "not the rest of one begun; send one of them.", "continue_final_message")
-    try:
-        ids = await anyio.to_thread.run_sync(state.engine.encode_chat, messages, tools.tools,
-                                             req.chat_template_kwargs, req.continue_final_message)
-    except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
-        raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
-    return ids, tools
-
-
-async def start_chat(state: ServerState, req: ChatRequest, top_n: int | None = None
-                     ) -> tuple[list[RequestStream], ToolPlan, list[int]]:
-    """A chat body started on the engine: its n streams, its tool plan (each stream's ReplyParser comes
-    from it) and its prompt."""
-    ids, tools = await chat_prompt(state, req)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return await submit(state, [ids], req, max_tokens, top_n, chat=True, tools=tools), tools, ids
-
-
 async def chat_completions(state: ServerState, req: ChatRequest, http: Request) -> Response | dict:
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
@@ -203,3 +151,15 @@ async def chat_completions(state: ServerState, req: ChatRequest, http: Request) 
         return dict(base, object="chat.completion", choices=choices, usage=usage(outputs, req.n))
 
     return await respond(state, http, streams, req, base, make_chunk, make_body)
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/completions and /v1/chat/completions on `app`."""
+
+    @app.post("/v1/completions")
+    async def completion_route(req: CompletionRequest, http: Request):
+        return await completions(state, req, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat_route(req: ChatRequest, http: Request):
+        return await chat_completions(state, req, http)

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator
 
-from .protocol import _Strict
+from .protocols.openai import _Strict
 
 PLACEHOLDER = "[tool result cleared to save context]"   # what the model reads where a result was
 CLEAR_TOOL_USES, CLEAR_THINKING = "clear_tool_uses_20250919", "clear_thinking_20251015"

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..errors import BieError
-from . import anthropic_protocol, responses_protocol
-from .protocol import SHAPES, describe_error
+from .protocols import anthropic as anthropic_protocol, responses as responses_protocol
+from .protocols.openai import SHAPES, describe_error
 
 log = logging.getLogger("bie_trt.server")
 

@@ -15,15 +15,15 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from ..config import SamplingParams, StructuredOutputs
 from ..errors import BieError, RequestError
 from ..executor.outputs import RequestOutput, StreamEvent
 from ..executor.streams import RequestStream
+from ..sampling_params import SamplingParams, StructuredOutputs
 from .errors import ApiError, error_body
 from .metrics import Metrics
-from .protocol import SamplingRequest
+from .protocols.openai import SamplingRequest
+from .reply_format import ParamError, ToolPlan, error_param, output_constraint
 from .state import ServerState
-from .structured import ParamError, ToolPlan, error_param, output_constraint
 
 DISCONNECT_POLL_S = 0.1   # how often a non-streamed request checks that its client is still there
 RETRY_AFTER_S = 1         # what a 503 (queue full) asks the client to wait

@@ -1,5 +1,5 @@
 """The handlers of Anthropic's POST /v1/messages and /v1/messages/count_tokens: the body converted once
-into the chat request (anthropic_protocol), run on the chat route's request path, and the reply's
+into the chat request (protocols/anthropic.py), run on the chat route's request path, and the reply's
 blocks (a thinking model's reasoning split off as the chat route splits it) rendered as Anthropic's
 content blocks, whole or as its stream of typed events."""
 from __future__ import annotations
@@ -7,15 +7,15 @@ from __future__ import annotations
 import uuid
 from typing import Callable, TypeVar
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..executor.outputs import RequestOutput, StreamEvent
-from .anthropic_protocol import CountTokensRequest, MessagesRequest, MessagesBody
 from .blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, call_input, reply_blocks
-from .completions import as_chat_request, chat_prompt, reasoning_start, start_chat
+from .chat_path import as_chat_request, chat_prompt, reasoning_start, start_chat
 from .errors import anthropic_error_body
 from .generation import Wire, respond, typed_sse
+from .protocols.anthropic import CountTokensRequest, MessagesRequest, MessagesBody
 from .state import ServerState
 
 ANTHROPIC_WIRE = Wire(frame=typed_sse, done="", error=anthropic_error_body)
@@ -157,3 +157,15 @@ async def count_tokens(state: ServerState, req: CountTokensRequest) -> dict:
     counted = {"input_tokens": await prompt_tokens(state, req)}
     return counted if context_management is None else {**counted, "context_management": {
         "original_input_tokens": original}}
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """Anthropic's POST /v1/messages and /v1/messages/count_tokens on `app`."""
+
+    @app.post("/v1/messages")
+    async def messages_route(req: MessagesRequest, http: Request):
+        return await messages(state, req, http)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens_route(req: CountTokensRequest):
+        return await count_tokens(state, req)

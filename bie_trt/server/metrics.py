@@ -15,8 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
-from ..executor.cuda_graphs import STEP_KINDS
 from ..executor.outputs import EngineStats
+from ..model.cuda_graphs import STEP_KINDS
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

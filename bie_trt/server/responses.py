@@ -1,5 +1,5 @@
 """The handlers of OpenAI's Responses API: POST /v1/responses (the body converted once into the chat
-request (responses_protocol), run on the chat route's request path, the reply's blocks (a thinking
+request (protocols/responses.py), run on the chat route's request path, the reply's blocks (a thinking
 model's reasoning split off as the chat route splits it) rendered as output items (messages, reasoning,
 function, custom-tool and local-shell calls: responses_tools), whole or as the API's typed, numbered
 events), GET and DELETE /v1/responses/{id} over the stored responses that `previous_response_id`
@@ -13,19 +13,19 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from ..chat.tool_calls import new_call_id
 from ..errors import RequestError
 from ..executor.outputs import RequestOutput, StreamEvent
-from ..tool_calls import new_call_id
 from .blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, assistant_message, reply_blocks
-from .completions import as_chat_request, reasoning_start, start_chat
+from .chat_path import as_chat_request, reasoning_start, start_chat
 from .errors import ApiError, error_body
 from .generation import Wire, respond, typed_sse
+from .protocols.responses import ReasoningText, ResponsesRequest, input_messages
 from .response_store import StoredResponse
-from .responses_protocol import ReasoningText, ResponsesRequest, input_messages
 from .responses_tools import LOCAL_SHELL, Toolbox, call_input, shell_action
 from .sealing import ReasoningSeal, SealError
 from .state import ServerState
@@ -300,3 +300,19 @@ async def delete_response(state: ServerState, response_id: str) -> dict:
     _stored(state, response_id)
     state.responses.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """OpenAI's POST /v1/responses, GET and DELETE /v1/responses/{id} on `app`."""
+
+    @app.post("/v1/responses")
+    async def responses_route(req: ResponsesRequest, http: Request):
+        return await create_response(state, req, http)
+
+    @app.get("/v1/responses/{response_id}")
+    async def response_get(response_id: str):
+        return await get_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def response_delete(response_id: str):
+        return await delete_response(state, response_id)

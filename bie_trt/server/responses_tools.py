@@ -18,9 +18,9 @@ from typing import Any, Callable, Literal, Union
 import jsonschema
 from pydantic import Field
 
-from ..config import StructuredOutputs
-from ..tool_calls import CallCheck, ToolCall
-from .protocol import NAME_PATTERN, _Strict
+from ..chat.tool_calls import CallCheck, ToolCall
+from ..sampling_params import StructuredOutputs
+from .protocols.openai import NAME_PATTERN, _Strict
 
 LOCAL_SHELL = "local_shell"
 HOSTED_TOOLS = frozenset({

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import anyio
 
+from ..chat.reasoning import resolve_parser
 from ..executor.engine import BieEngine
 from ..executor.streams import RequestStream
-from ..reasoning import resolve_parser
 from .errors import ApiError
 from .limits import longest_token_chars, min_tokens
 from .metrics import Metrics

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import anyio
 import jinja2
+from fastapi import FastAPI
 
 from ..errors import BieError
 from .errors import ApiError
-from .protocol import DetokenizeRequest, TokenizeRequest
+from .protocols.openai import DetokenizeRequest, TokenizeRequest
 from .state import ServerState
 
 
@@ -32,3 +33,15 @@ async def detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
     if (bad := next((t for t in req.tokens if not 0 <= t < vocab), None)) is not None:
         raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab}).", "tokens")
     return {"prompt": await anyio.to_thread.run_sync(state.engine.tokenizer.decode, req.tokens)}
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """vLLM's POST /tokenize and /detokenize on `app`."""
+
+    @app.post("/tokenize")
+    async def tokenize_route(req: TokenizeRequest):
+        return await tokenize(state, req)
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest):
+        return await detokenize(state, req)

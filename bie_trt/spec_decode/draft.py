@@ -35,16 +35,16 @@ import torch
 from safetensors.torch import load_file
 
 from .. import engine_format as ef
-from ..config import KVCacheConfig, ModelConfig
+from ..config import KVCacheConfig
 from ..errors import EngineError
-from ..executor.cuda_graphs import DecodeGraphs
 from ..kernels.int8_rows import Int8Rows
+from ..kernels.step_inputs import SeqInput
 from ..kv.pool import allocate_pools
+from ..logits_constraint import GrammarError
+from ..model.cuda_graphs import DecodeGraphs
 from ..model.llama import LlamaModel
-from ..model.step_inputs import SeqInput
 from ..plan import draft_kv_blocks_per_seq
 from ..sampling import draw, process_logits
-from ..structured import GrammarError
 from .proposer import Proposal, ProposalRequest, TargetRuntime
 from .request_vocab import RequestVocab
 
@@ -88,30 +88,26 @@ class _DraftSeq:
 
 
 class DraftModelProposer:
-    def __init__(self, engine_dir: Path, runner: TargetRuntime, num_speculative_tokens: int) -> None:
+    def __init__(self, engine_dir: Path, runner: TargetRuntime) -> None:
         engine_dir = Path(engine_dir)
-        draft = ef.read_manifest(engine_dir).get("draft")
+        draft = runner.manifest.draft
         if draft is None:
             raise EngineError(f"{engine_dir}: the engine has no draft model; build it with "
                               f"`bie-trt build --draft-checkpoint DIR|NAME`, or speculate with n-gram lookup.")
-        self.cfg = ModelConfig.from_dict(draft["config"])
+        self.cfg = draft.config
         self.target_vocab = runner.model_config.vocab_size   # >= the draft's: ids past its end get no proposals
-        self.window = int(draft["window"])
-        if num_speculative_tokens >= self.window:
-            raise EngineError(f"num_speculative_tokens {num_speculative_tokens} does not fit the draft's {self.window}-token window; "
-                              f"use fewer tokens or rebuild with a larger --draft-window-tokens.")
+        self.window = draft.window   # room for num_speculative_tokens: checked by `resolve`
         self.device, self.block_size = runner.device, runner.kv_config.block_size
-        self.sink_slots = math.ceil(int(draft["sink_tokens"]) / self.block_size) * self.block_size
-        placement = runner.manifest["plan"]["inputs"].get("embedding_placement", "gpu")
+        self.sink_slots = math.ceil(draft.sink_tokens / self.block_size) * self.block_size
         self.model = LlamaModel(self.cfg, load_file(str(engine_dir / ef.DRAFT_DIR / ef.WEIGHTS)), runner.device,
-                                runner.dtype, embedding_on_host=placement == "host")
+                                runner.dtype, embedding_on_host=runner.manifest.plan.embedding_placement == "host")
         ids = json.loads((engine_dir / ef.DRAFT_DIR / ef.DRAFT_VOCAB).read_text())["ids"]
         self.vocab_ids = torch.tensor(ids, dtype=torch.long)
         self.static_ids = frozenset(ids)
-        self.request_rows = int(draft.get("request_vocab", 0))
+        self.request_rows = draft.request_vocab
         self._load_request_head(engine_dir, runner)
-        self.blocks_per_seq = draft_kv_blocks_per_seq(int(draft["sink_tokens"]), self.window, self.block_size)
-        kv = KVCacheConfig(dtype="fp16", sink_tokens=int(draft["sink_tokens"]), window=self.window,
+        self.blocks_per_seq = draft_kv_blocks_per_seq(draft.sink_tokens, self.window, self.block_size)
+        kv = KVCacheConfig(dtype="fp16", sink_tokens=draft.sink_tokens, window=self.window,
                            block_size=self.block_size)
         target_graphs = runner.graphs
         self.pools = allocate_pools(self.cfg, kv, runner.max_num_seqs * self.blocks_per_seq, 0, runner.dtype,

@@ -7,11 +7,13 @@ from typing import TYPE_CHECKING, Hashable, Protocol, Sequence as Seq
 
 import torch
 
-from ..config import KVCacheConfig, ModelConfig, SamplingParams
+from ..config import KVCacheConfig, ModelConfig
+from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ..executor.cuda_graphs import DecodeGraphs
-    from ..structured import LogitsConstraint
+    from ..engine_format import Manifest
+    from ..logits_constraint import LogitsConstraint
+    from ..model.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -64,7 +66,7 @@ class TargetRuntime(Protocol):
     dtype: torch.dtype
     kv_config: KVCacheConfig
     model_config: ModelConfig      # the target's: its vocab_size is the proposals' length
-    manifest: dict
+    manifest: Manifest
     max_num_seqs: int
     chunked_prefill_size: int
     graphs: DecodeGraphs | None    # the target's CUDA graphs (None: eager), whose batch sizes and pool a draft shares

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import SamplingParams
 from ..sampling import probabilities, process_logits
+from ..sampling_params import SamplingParams
 from .proposer import Proposal
 
 if TYPE_CHECKING:
-    from ..structured import LogitsConstraint
+    from ..logits_constraint import LogitsConstraint
 
 
 def rejection_sample(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,

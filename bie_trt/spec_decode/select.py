@@ -1,43 +1,13 @@
-"""Which speculation an engine runs: the caller's config, else the engine's default, and its proposer."""
+"""The proposer of the speculation an engine runs (which one: `resolve.resolve_speculative`)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from ..config import SpeculativeConfig
 from ..errors import EngineError
 from .proposer import Proposer, TargetRuntime
 
 DRAFT_DIR = "draft"
-
-
-def resolve_speculative(value: SpeculativeConfig | dict[str, Any] | str | None, manifest: dict,
-                        engine_dir: Path) -> SpeculativeConfig:
-    """The caller's config; None: the manifest's "speculative" (set at build), else a draft model when the
-    engine carries one, else no speculation. A num_speculative_tokens left unsaid is the one the engine's
-    memory plan holds room for (when it planned for speculation)."""
-    if value is None:
-        value = manifest.get("speculative")
-    if value is None:
-        value = {"method": "draft_model"} if (engine_dir / DRAFT_DIR).is_dir() else {}
-    planned = int(manifest.get("plan", {}).get("inputs", {}).get("num_speculative_tokens") or 0)
-    try:
-        if isinstance(value, str):
-            value = _json_or_text(value)
-        if isinstance(value, dict) and planned and "num_speculative_tokens" not in value:
-            value = {**value, "num_speculative_tokens": planned}
-        return SpeculativeConfig.parse(value)
-    except (TypeError, ValueError) as e:
-        raise EngineError(str(e)) from None
-
-
-def _json_or_text(text: str) -> object:
-    """The JSON a string holds, or the string itself (for `SpeculativeConfig.parse` to explain)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 def make_proposer(config: SpeculativeConfig, engine_dir: Path, runner: TargetRuntime) -> Proposer | None:
@@ -56,5 +26,5 @@ def make_proposer(config: SpeculativeConfig, engine_dir: Path, runner: TargetRun
         if not (engine_dir / DRAFT_DIR).is_dir():
             raise EngineError(f"{engine_dir} has no draft model ({DRAFT_DIR}/); rebuild it with --draft-checkpoint, "
                               "or use {\"method\": \"ngram\"}.")
-        return DraftModelProposer(engine_dir, runner, config.num_speculative_tokens)
+        return DraftModelProposer(engine_dir, runner)
     return None

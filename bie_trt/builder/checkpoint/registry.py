@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
+from ...user_cache import cache_dir
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,6 @@ BUILTIN = {
 
 # `NAME.gguf`: the built-in model's GGUF file itself, read directly by `build` (no conversion, no cache).
 GGUF_SUFFIX = ".gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("BIE_TRT_CACHE", Path.home() / ".cache" / "bie-trt"))
 
 
 def _gguf_path(model: BuiltinModel) -> Path:

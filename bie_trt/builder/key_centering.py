@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
-from ..config import KVCacheConfig, SamplingParams
+from ..config import KVCacheConfig
 from ..executor.block_manager import BlockManager
 from ..executor.sequence import Sequence
+from ..kernels.step_inputs import SeqInput
+from ..kv.pool import allocate_pools
 from ..model.llama import LlamaModel
-from ..model.step_inputs import SeqInput
 from ..sampling import make_generator
-from .pool import allocate_pools
+from ..sampling_params import SamplingParams
 
 CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
 CALIBRATION_TOKENS = 512

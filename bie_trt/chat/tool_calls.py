@@ -14,8 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .config import StructuredOutputs
-from .errors import RequestError
+from ..errors import RequestError
+from ..sampling_params import StructuredOutputs
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"     # Llama-3.1 may open a JSON call with it

@@ -15,10 +15,10 @@ from typing import Iterable
 
 import torch
 
+from .chat.thinking_budget import ThinkingBudget
 from .closed_schema import close_schema
-from .config import SamplingParams, StructuredOutputs, check_json_schema
 from .errors import RequestError
-from .thinking_budget import ThinkingBudget
+from .sampling_params import SamplingParams, StructuredOutputs, check_json_schema
 
 # The closed form's whitespace is json.dumps' (`{"a": 1, "b": [1, 2]}`): one way to write each value, so
 # no token goes to layout. The lenient form's, between JSON tokens: nothing, one space, or one line break

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from .protocol import NAME_PATTERN, _Strict, text_shorthand
-from .responses_tools import HOSTED_TOOLS, LOCAL_SHELL, CustomTool, Toolbox
+from ..responses_tools import HOSTED_TOOLS, LOCAL_SHELL, CustomTool, Toolbox
+from .openai import NAME_PATTERN, _Strict, text_shorthand
 
 # The Responses API's union fields and what they accept.
 SHAPES = {"tool_choice": "\"none\", \"auto\", \"required\", {\"type\": \"function\", \"name\": ...}, "

@@ -6,7 +6,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 # GGUF value types -> struct format of one scalar (8 string, 9 array are read by hand)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}

@@ -1,8 +1,8 @@
 """Checks on what a caller sends as a prompt, before it reaches the engine loop."""
 from __future__ import annotations
 
-from ..config import SamplingParams
 from ..errors import RequestError
+from ..sampling_params import SamplingParams
 
 
 def check_prompt(prompt: object, name: str = "the prompt") -> None:

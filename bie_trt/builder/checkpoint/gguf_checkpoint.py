@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ModelConfig, RopeScaling
-from ..errors import CheckpointError
-from ..plan import default_weight_group_size
-from .awq import quantize_rtn
+from ...config import ModelConfig, RopeScaling
+from ...errors import CheckpointError
+from ...kernels.awq import quantize_rtn
+from ...plan import default_weight_group_size
 from .gguf_config import GGUFMeta, hf_config_from_gguf
-from .loader import QuantConfig
+from .loader import QuantConfig, layer_norms
 
 # GGUF names of the tensors the engine reads, by their Hugging Face names.
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -189,7 +189,7 @@ class GGUFCheckpoint:
         the scaling (of the published Llama 3 parameters) that reproduces it is the model's, else refused."""
         import gguf
 
-        from ..model.rope import inverse_frequencies
+        from ...kernels.rope import inverse_frequencies
 
         t = self.tensors["rope_freqs.weight"]
         divisors = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
@@ -214,8 +214,6 @@ class GGUFCheckpoint:
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face name -> [out, in] (nn.Linear orientation) of every tensor the engine reads."""
-        from ..build import layer_norms   # build imports this module; the norms' names are its
-
         m = self.model
         lin = {"self_attn.q_proj": (m.q_size, m.hidden_size), "self_attn.k_proj": (m.kv_size, m.hidden_size),
                "self_attn.v_proj": (m.kv_size, m.hidden_size), "self_attn.o_proj": (m.hidden_size, m.q_size),
@@ -312,7 +310,7 @@ class GGUFCheckpoint:
         over (codes and scales as stored, the minimum as an fp16 zero point), any other type dequantised
         and rounded at the engine's group size. With float zeros anywhere, every zero is fp16 (a fused
         qkv or gate_up is one tensor)."""
-        from ..kernels.w4_layout import awq_to_w4, pack_w4
+        from ...kernels.w4_layout import awq_to_w4, pack_w4
 
         t = self.tensors[self._gguf(name)]
         kind = t.tensor_type.name

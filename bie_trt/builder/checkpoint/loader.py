@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..config import ModelConfig
-from ..errors import CheckpointError
-from ..jsonio import read_json_object
+from ...config import ModelConfig
+from ...errors import CheckpointError
+from ...jsonio import read_json_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 LINEARS = {
@@ -38,6 +38,15 @@ def text_tower_names(names) -> dict[str, str]:
             if name.startswith(prefix):
                 out[ours + name[len(prefix):]] = name
     return out
+
+
+def layer_norms(m: ModelConfig) -> dict[str, str]:
+    """The engine's name of each of a layer's norms -> the checkpoint's. Gemma 3 has four: its
+    post_attention_layernorm follows the attention; pre_feedforward_layernorm is the one in front of the MLP."""
+    if m.sandwich_norms:
+        return {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
+    return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
 @dataclass(frozen=True)
@@ -151,7 +160,7 @@ class Checkpoint:
 
     def w4(self, name: str) -> dict[str, torch.Tensor]:
         """The linear `name` (`...q_proj.weight`) in the runtime's W4 layout, repacked from AWQ."""
-        from ..kernels.w4_layout import awq_to_w4
+        from ...kernels.w4_layout import awq_to_w4
 
         base = name.removesuffix(".weight")
         return awq_to_w4(*(self.tensor(base + s) for s in (".qweight", ".qzeros", ".scales")))

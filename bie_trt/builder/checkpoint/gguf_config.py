@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 
 class GGUFMeta:

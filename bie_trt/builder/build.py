@@ -14,21 +14,22 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from . import engine_format as ef
+from .. import engine_format as ef
+from ..chat.templates import has_chat_template, read_chat_template
+from ..config import KVCacheConfig, ModelConfig, SpeculativeConfig
+from ..config_gemma3 import CHAT_TEMPLATE
+from ..errors import BieError, CheckpointError, PlanError
+from ..kernels.int8_rows import quantize_rows_int8
+from ..kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
+from ..model.llama import LlamaModel, fused_linear_shapes
+from ..plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, solve_plan
+from ..profiles import BuildProfile, resolve_profile
+from ..spec_decode.draft_vocab import RANKING, reduced_vocabulary
 from .checkpoint.gguf_checkpoint import GGUFCheckpoint, conversion_summary
-from .checkpoint.loader import TOKENIZER_FILES, Checkpoint
+from .checkpoint.loader import TOKENIZER_FILES, Checkpoint, layer_norms
 from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
-from .config import KVCacheConfig, ModelConfig, SpeculativeConfig
-from .errors import BieError, CheckpointError, PlanError
-from .kernels.int8_rows import quantize_rows_int8
-from .kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
-from .model.llama import LlamaModel, fused_linear_shapes
-from .plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, solve_plan
-from .profiles import BuildProfile, resolve_profile
-from .spec_decode.draft_vocab import RANKING, reduced_vocabulary
-from .config_gemma3 import CHAT_TEMPLATE
-from .templates import has_chat_template, read_chat_template, render
+from .engine_docs import render
 
 # Fused at build time: one GEMM reads the shared input once.
 FUSED = {
@@ -104,15 +105,6 @@ def _repack_layer(ckpt: Checkpoint | GGUFCheckpoint, i: int) -> dict[str, torch.
     return out
 
 
-def layer_norms(m: ModelConfig) -> dict[str, str]:
-    """The engine's name of each of a layer's norms -> the checkpoint's. Gemma 3 has four: its
-    post_attention_layernorm follows the attention; pre_feedforward_layernorm is the one in front of the MLP."""
-    if m.sandwich_norms:
-        return {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
-                "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
-    return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-
-
 def _lm_head(ckpt: Checkpoint | GGUFCheckpoint, dtype: str, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
     """The output head in the plan's dtype; a tied fp16 head is the embedding itself (nothing stored).
     `rows`: only those vocabulary rows, in that order (a draft's reduced vocabulary)."""
@@ -137,7 +129,7 @@ def _model_weights(ckpt: Checkpoint | GGUFCheckpoint, lm_head_dtype: str, head_r
 
 
 def calibrate_key_mean(model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path) -> torch.Tensor:
-    """The mean key each layer's KV heads subtract before quantising (kv/centering.py), measured by
+    """The mean key each layer's KV heads subtract before quantising (builder/key_centering.py), measured by
     running the repacked model once on the CPU in fp32 over a fixed text: the same on every host.
 
     Memory stays near one layer's dequantised weights: none is kept once used, and the lm_head is
@@ -145,7 +137,7 @@ def calibrate_key_mean(model: ModelConfig, weights: dict[str, torch.Tensor], tok
     them would need 4 bytes a parameter, 28 GB for an 8B."""
     from transformers import AutoTokenizer
 
-    from .kv.centering import calibration_ids, key_means
+    from .key_centering import calibration_ids, key_means
 
     ids = calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
     body = {name: t for name, t in weights.items() if not name.startswith("lm_head")}
@@ -157,7 +149,7 @@ def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> 
     go into the manifest and `run` uses them. Elsewhere (CPU builds, another GPU) nothing is tuned."""
     if profile.is_cpu or ef.present_gpu_sm() != profile.sm:
         return {}
-    from .kernels.triton_w4 import tune_w4
+    from ..kernels.triton_w4 import tune_w4
 
     return {"w4_gemv": {name: tune_w4(1, n, k, "cuda", group_size)
                         for name, (n, k) in fused_linear_shapes(model).items()}}
@@ -166,8 +158,8 @@ def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> 
 def compile_kernels(engine_dir: Path) -> None:
     """Load the finished engine on this GPU with Triton's cache pointed into it; loading warms the
     runner up (`ModelRunner.warm_up`), which compiles each kernel its steps launch."""
-    from .config import EngineConfig
-    from .executor.model_runner import ModelRunner
+    from ..config import EngineConfig
+    from ..executor.model_runner import ModelRunner
 
     with triton_cache_at(engine_dir / KERNELS_DIR):
         forget_compiled_kernels()   # tuning compiled the GEMVs in this process: compile them again, here

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from ..executor.prompt_encoder import PromptEncoder
-from ..server.anthropic_protocol import MessagesRequest
-from ..server.protocol import CacheRequest, ChatRequest
-from ..server.responses_protocol import ResponsesRequest
-from ..server.structured import tool_plan
+from ..server.protocols.anthropic import MessagesRequest
+from ..server.protocols.openai import CacheRequest, ChatRequest
+from ..server.protocols.responses import ResponsesRequest
+from ..server.reply_format import tool_plan
 
 
 CHAT_PATHS = ("/v1/chat/completions", "/v1/messages", "/v1/responses")

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from .context_edits import ContextManagement
-from .protocol import NAME_PATTERN, _Strict, text_shorthand
+from ..context_edits import ContextManagement
+from .openai import NAME_PATTERN, _Strict, text_shorthand
 
 CacheControl = dict[str, Any] | None   # accepted everywhere: the prefix cache reuses every prompt on its own
 # Anthropic's union fields (the ones a body's own union, not a tagged list, carries) and what they accept.

@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 
-from .config import ModelConfig
-from .errors import BieError
+from ..config import ModelConfig
+from ..errors import BieError
 
 
 _SHAPE = ("architecture", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",

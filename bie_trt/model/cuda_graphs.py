@@ -13,19 +13,24 @@ verify (rows of each sequence: the pending token and its proposals, cut into run
 quantised end moves, each run with its own table view) takes the smallest bucket whose rows, runs
 and query tiles hold it; all its rows attend in one tiled launch. Padding rows write their K/V into a
 scratch FP16 block no sequence owns and attend to nothing (length 0, or a tile of no rows).
+
+A hybrid model's sliding-window layers read their own cache group: a second row of slot blocks and a second
+set of table rows (`pools.sliding`, `SeqInput.sliding_table`), into that group's own scratch block.
 """
 from __future__ import annotations
 
 import torch
 
+from ..kernels.step_inputs import TILE_ROWS, SeqInput, StepMetadata, StepTiles, write_blocks
 from ..kv.pool import KVPools
-from ..model.llama import LlamaModel
-from ..model.step_inputs import TILE_ROWS, SeqInput, StepMetadata, StepTiles, write_blocks
 from ..plan import verify_graph_buckets
+from .llama import LlamaModel
 
 STEP_KINDS = ("decode", "verify")
-# The rows of the staged buffer: position, slot block, slot offset, RoPE position, context length.
-_POS, _SLOT, _OFFSET, _ROPE, _LEN = range(5)
+# The rows of the staged buffer: position, slot block, slot offset, RoPE position, context length, and the
+# sliding layers' slot block (a hybrid model's; unused otherwise).
+_POS, _SLOT, _OFFSET, _ROPE, _LEN, _SLIDING_SLOT = range(6)
+_ROWS = 6
 
 
 class _StaticStep:
@@ -45,9 +50,9 @@ class _StaticStep:
         self.max_tiles = 0 if rows == 1 else batch * (-(-rows // TILE_ROWS) + 1)
         self.rows = rows
         self.h = torch.zeros(self.capacity, model.cfg.hidden_size, dtype=model.dtype, device=dev)
-        staged = 5 * self.capacity + 3 * self.max_tiles
+        staged = _ROWS * self.capacity + 3 * self.max_tiles
         self.staged = torch.zeros(staged, dtype=torch.long, device=dev)
-        self.small = self.staged[:5 * self.capacity].view(5, self.capacity)
+        self.small = self.staged[:_ROWS * self.capacity].view(_ROWS, self.capacity)
         # Staged in pinned memory and copied without a sync, so the host can prepare the next step
         # while the GPU runs this one; the event says when the staging buffer may be written again.
         on_gpu = dev.type == "cuda"
@@ -55,6 +60,9 @@ class _StaticStep:
         self.staged_copied = torch.cuda.Event() if on_gpu else None
         self.tables = torch.zeros(self.max_inputs, max_blocks, dtype=torch.int32, device=dev)
         self.rows_written: list[list[int] | None] = [None] * self.max_inputs   # host copy of each table row
+        self.sliding_tables = (torch.zeros(self.max_inputs, max_blocks, dtype=torch.int32, device=dev)
+                               if pools.sliding is not None else None)
+        self.sliding_written: list[list[int] | None] = [None] * self.max_inputs
         every_row = torch.arange(self.capacity, device=dev)
         common = dict(positions=self.small[_POS], slot_blocks=self.small[_SLOT], slot_offsets=self.small[_OFFSET],
                       prefills=[], logit_rows=every_row, logit_counts=[1] * self.capacity,
@@ -62,10 +70,19 @@ class _StaticStep:
         if rows == 1:
             self.lens = torch.zeros(batch, dtype=torch.int32, device=dev)
             self.meta = StepMetadata(decode_rows=every_row, decode_tables=self.tables, decode_lens=self.lens, **common)
+            if self.sliding_tables is not None:
+                self.meta.sliding = StepMetadata(decode_rows=every_row, decode_tables=self.sliding_tables,
+                                                 decode_lens=self.lens,
+                                                 **(common | {"slot_blocks": self.small[_SLIDING_SLOT]}))
         else:
             self.tiles = StepTiles(torch.zeros(self.max_tiles, 3, dtype=torch.int32, device=dev), self.tables,
                                    torch.zeros(self.capacity, dtype=torch.int32, device=dev))
             self.meta = StepMetadata(decode_rows=None, decode_tables=None, decode_lens=None, tiles=self.tiles, **common)
+            if self.sliding_tables is not None:   # the same tiles and positions through the sliding tables
+                self.sliding_tiles = StepTiles(self.tiles.tiles, self.sliding_tables, self.tiles.positions)
+                self.meta.sliding = StepMetadata(decode_rows=None, decode_tables=None, decode_lens=None,
+                                                 tiles=self.sliding_tiles,
+                                                 **(common | {"slot_blocks": self.small[_SLIDING_SLOT]}))
         self.graph = None
         if capture:
             side = torch.cuda.Stream()
@@ -82,9 +99,11 @@ class _StaticStep:
         if self.rows == 1:
             self.lens.copy_(self.small[_LEN])
         else:
-            self.tiles.tiles.copy_(self.staged[5 * self.capacity:].view(self.max_tiles, 3))
+            self.tiles.tiles.copy_(self.staged[_ROWS * self.capacity:].view(self.max_tiles, 3))
             self.tiles.positions.copy_(self.small[_POS])
             self.tiles.dense = None   # the CPU twin lays this step's tiles out afresh
+            if self.sliding_tables is not None:
+                self.sliding_tiles.dense = None
         return self.model.forward_hidden(self.h, self.meta, self.pools, head=self.head)
 
     def fits(self, seqs: list[SeqInput]) -> bool:
@@ -97,14 +116,19 @@ class _StaticStep:
     def _stage(self, seqs: list[SeqInput]) -> None:
         """This step's rows into the staged buffer and the changed table rows into theirs."""
         cap = self.capacity
-        small = torch.zeros(5, cap, dtype=torch.long)
+        small = torch.zeros(_ROWS, cap, dtype=torch.long)
         small[_SLOT] = self.scratch_block
+        sliding = self.pools.sliding
+        if sliding is not None:
+            small[_SLIDING_SLOT] = sliding.scratch_block
         row = 0
         for s in seqs:
             pos = list(range(s.start_pos, s.start_pos + len(s.token_ids)))
             span = slice(row, row + len(pos))
             small[_POS, span] = torch.tensor(pos)
             small[_SLOT, span] = torch.tensor(write_blocks(s.block_table, pos, self.block_size))
+            if sliding is not None:
+                small[_SLIDING_SLOT, span] = torch.tensor(write_blocks(s.sliding_table, pos, self.block_size))
             small[_OFFSET, span] = torch.tensor([p % self.block_size for p in pos])
             small[_ROPE, span] = torch.tensor(pos) + s.rope_offset
             row += len(pos)
@@ -122,9 +146,15 @@ class _StaticStep:
         if self.staged_copied is not None:
             self.staged_copied.record()
         for i, s in enumerate(seqs):
-            if self.rows_written[i] != s.block_table:   # the table is a list the block manager edits in place
-                self.tables[i, :len(s.block_table)].copy_(torch.tensor(s.block_table, dtype=torch.int32))
-                self.rows_written[i] = list(s.block_table)
+            self._write_row(self.tables, self.rows_written, i, s.block_table)
+            if sliding is not None:
+                self._write_row(self.sliding_tables, self.sliding_written, i, s.sliding_table)
+
+    @staticmethod
+    def _write_row(tables: torch.Tensor, written: list[list[int] | None], i: int, table: list[int]) -> None:
+        if written[i] != table:   # the table is a list the block manager edits in place
+            tables[i, :len(table)].copy_(torch.tensor(table, dtype=torch.int32))
+            written[i] = list(table)
 
     def run(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
         """Each input's logits (or hidden states): [V] for its last row, [T, V] when all_logits."""

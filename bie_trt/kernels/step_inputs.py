@@ -3,12 +3,13 @@ per step, where every token sits in the paged cache (`StepMetadata`). The model 
 evaluation all prepare their steps here."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from ..kernels.attention_ref import DensePrefills
 from ..plan import TILED_INPUT_ROWS
+from .attention_ref import DensePrefills
 
 # A step whose sequences each bring at most TILED_INPUT_ROWS rows (a speculative verify, with decodes
 # beside it) attends all of them in one launch, in query tiles of at most TILE_ROWS rows of one input.
@@ -26,6 +27,9 @@ class SeqInput:
     # RoPE position = cache position + rope_offset. Non-zero for a cache that dropped older tokens
     # (the draft's sliding window): the tokens keep their original positions.
     rope_offset: int = 0
+    # A hybrid model's sliding-window layers read their own cache group through this table (block b holds
+    # positions b*B..; blocks below the window are given back, their entries only placeholders never read).
+    sliding_table: list[int] | None = None
 
 
 def write_blocks(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
@@ -75,6 +79,9 @@ class StepMetadata:
     quantise: tuple[list[int], list[int]] | None = None   # FP16 blocks, and the quantised blocks they go to
     dense_prefills: DensePrefills | None = None   # the CPU attention's layout of `prefills`, made at the first layer
     tiles: StepTiles | None = None   # set when the step attends in one tiled launch (short inputs, not all decodes)
+    # A hybrid model's sliding layers: the same rows through their own group's tables (its slot_blocks, tables
+    # and tiles; positions and logit rows as here)
+    sliding: "StepMetadata | None" = None
 
     @property
     def all_decode(self) -> bool:
@@ -83,6 +90,15 @@ class StepMetadata:
 
     @classmethod
     def build(cls, seqs: list[SeqInput], block_size: int, device: torch.device) -> "StepMetadata":
+        """The step's metadata; with sliding tables (a hybrid model) also theirs, in `sliding`."""
+        meta = cls._build(seqs, block_size, device)
+        if seqs and seqs[0].sliding_table is not None:
+            sliding = [dataclasses.replace(s, block_table=s.sliding_table, sliding_table=None) for s in seqs]
+            meta.sliding = cls._build(sliding, block_size, device)
+        return meta
+
+    @classmethod
+    def _build(cls, seqs: list[SeqInput], block_size: int, device: torch.device) -> "StepMetadata":
         positions, blocks, offsets, logit_rows, counts, rope = [], [], [], [], [], []
         decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
         row = 0

@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from ..config import LOGIT_BIAS_RANGE, REPETITION_PENALTY_RANGE
-from ..templates import template_kwargs_problem
+from ...chat.templates import template_kwargs_problem
+from ...sampling_params import LOGIT_BIAS_RANGE, REPETITION_PENALTY_RANGE
 
 MAX_CHOICES = 16                      # n per request: each choice is a request on the loop
 SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1 - MAX_CHOICES)   # choice i uses seed + i; torch takes 64-bit seeds

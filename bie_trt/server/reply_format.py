@@ -8,10 +8,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import StructuredOutputs
+from ..chat.tool_calls import CallCheck, ReplyParser, ToolsError, plan_tools
 from ..errors import RequestError
-from ..tool_calls import CallCheck, ReplyParser, ToolsError, plan_tools
-from .protocol import ChatRequest, SamplingRequest
+from ..sampling_params import StructuredOutputs
+from .protocols.openai import ChatRequest, SamplingRequest
 
 
 class ParamError(Exception):

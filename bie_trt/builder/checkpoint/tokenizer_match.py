@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 
 def id_to_token(tokenizer_dir: Path) -> dict[int, str]:

@@ -16,10 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..config import ModelConfig
-from ..plan import AWQ_GROUP_SIZES
-from ..errors import CheckpointError
-from .awq import quantize_rtn
+from ...config import ModelConfig
+from ...errors import CheckpointError
+from ...kernels.awq import quantize_rtn
+from ...plan import AWQ_GROUP_SIZES
 from .gguf_header import gguf_linear_sizes
 from .loader import MULTIMODAL, TEXT_TOWER_PREFIXES, TOKENIZER_FILES
 

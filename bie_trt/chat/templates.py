@@ -1,6 +1,6 @@
-"""jinja2 templates: rendering the repository's own (`templates/`, shipped in the wheel through the link
-`bie_trt/data/templates`), reading a chat template (a user's file or a shipped `chat_<name>.jinja`) and
-the tokenizer it goes with, and the extra variables a request passes into it."""
+"""Chat templates: reading one (a user's file or a shipped `chat_<name>.jinja` from the repository's
+`templates/`, in the wheel through the link `bie_trt/data/templates`), whether a tokenizer carries one,
+and the extra variables a request passes into it."""
 from __future__ import annotations
 
 import inspect
@@ -10,26 +10,9 @@ from typing import Any
 
 import jinja2
 
-from .errors import RequestError
+from ..errors import RequestError
 
-TEMPLATES_DIR = Path(__file__).parent / "data" / "templates"
-
-
-def render(name: str, **context) -> str:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), keep_trailing_newline=True,
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    return env.get_template(name).render(**context)
-
-
-def load_tokenizer(engine_dir: str, chat_template: str | None = None):
-    """The engine's tokenizer; `chat_template` (a jinja2 file or a shipped template's name) replaces the
-    checkpoint's own template."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(engine_dir)
-    if chat_template is not None:
-        tokenizer.chat_template = read_chat_template(chat_template)
-    return tokenizer
+TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "data" / "templates"
 
 
 def has_chat_template(tokenizer_dir: Path) -> bool:

@@ -1,0 +1,67 @@
+"""The chat request path every API that speaks in messages shares (OpenAI's chat, Anthropic's Messages,
+the Responses API): another API's body as a chat body, the prompt through the chat template with its
+tools, the start on the engine, and where the reply starts for the reasoning parser."""
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import jinja2
+import pydantic
+
+from ..errors import BieError
+from ..executor.streams import RequestStream
+from .errors import ApiError
+from .generation import submit
+from .protocols.openai import ChatRequest, describe_error
+from .reply_format import ParamError, ToolPlan, tool_plan
+from .state import ServerState
+
+
+def reasoning_start(state: ServerState, prompt_ids: list[int], req: ChatRequest, tools: ToolPlan) -> bool | None:
+    """Where this reply starts for the reasoning parser (inside a block or not), from its prompt's end;
+    None: the reply is not split (no parser, the prompt closed the block, or an output constraint or
+    tool_choice shapes the whole reply)."""
+    if tools.mode not in ("none", "auto") or req.constraints():
+        return None
+    return state.engine.reasoning_start(prompt_ids, state.reasoning_parser)
+
+
+def as_chat_request(fields: dict[str, Any]) -> ChatRequest:
+    """Another API's body, converted to chat fields, as the chat body it stands for. The conversion
+    only writes what the other API's own checks let through, so a failure here is still the client's."""
+    try:
+        return ChatRequest.model_validate(fields)
+    except pydantic.ValidationError as e:
+        message, param = describe_error(e.errors()[0])
+        raise ApiError(400, message, param) from None
+
+
+async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], ToolPlan]:
+    """A chat body's prompt through the chat template (tools rendered), and how its tools shape the reply.
+    Every API that speaks in messages (chat, Anthropic's Messages, the Responses API) comes through here."""
+    messages = [m.to_template() for m in req.messages]
+    state.check_fits([m["content"] for m in messages], chat=True)
+    try:
+        tools = tool_plan(req)
+    except ParamError as e:
+        raise ApiError(400, str(e), e.param) from None
+    if req.continue_final_message and (tools.mode not in ("none", "auto") or req.constraints()):
+        raise ApiError(400, "continue_final_message with an output constraint (tool_choice required or a named "
+                            "function, response_format, structured_outputs): a constraint shapes the whole reply, "
+                            "not the rest of one begun; send one of them.", "continue_final_message")
+    try:
+        ids = await anyio.to_thread.run_sync(state.engine.encode_chat, messages, tools.tools,
+                                             req.chat_template_kwargs, req.continue_final_message)
+    except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
+        raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
+    return ids, tools
+
+
+async def start_chat(state: ServerState, req: ChatRequest, top_n: int | None = None
+                     ) -> tuple[list[RequestStream], ToolPlan, list[int]]:
+    """A chat body started on the engine: its n streams, its tool plan (each stream's ReplyParser comes
+    from it) and its prompt."""
+    ids, tools = await chat_prompt(state, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return await submit(state, [ids], req, max_tokens, top_n, chat=True, tools=tools), tools, ids

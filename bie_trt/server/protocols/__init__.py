@@ -1,0 +1,1 @@
+"""The wire formats of the three APIs: OpenAI (completions, chat), Anthropic Messages, OpenAI Responses."""

@@ -1,0 +1,241 @@
+"""A cache group per layer type (hybrid sliding-window models, Gemma 3): the sliding layers' blocks stay
+bounded by their window while the full layers' grow with the context, the memory plan counts each layer type
+apart with the runtime's own formula, a prefix hit needs the sliding blocks of the window at its end, and
+/metrics shows the sliding pool apart.
+
+Default suite: pure arithmetic, the block manager alone, and the tiny random Gemma 3 (window 24, blocks of
+16) shared with tests/test_gemma3_vs_transformers.py. Slow: a 4,096-token generation."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from bie_trt.builder.key_centering import CALIBRATION_TEXT
+from bie_trt.config import EngineConfig, KVCacheConfig, ModelConfig
+from bie_trt.executor.block_manager import BlockManager
+from bie_trt.executor.cache_file import CacheFileError
+from bie_trt.executor.disk_blocks import open_disk_tier
+from bie_trt.executor.engine import BieEngine
+from bie_trt.executor.sequence import Sequence
+from bie_trt.executor.sliding_blocks import PAD, SlidingBlocks
+from bie_trt.kv.pool import allocate_kv
+from bie_trt.kv.sizing import kv_pool_blocks, sliding_blocks_per_seq, sliding_pool_blocks
+from bie_trt.plan import solve_plan
+from bie_trt.profiles import load_profile
+from bie_trt.sampling import make_generator
+from bie_trt.sampling_params import SamplingParams
+from bie_trt.server.metrics import Metrics
+from tiny_model import TINY_GEMMA3, write_tiny_hf
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
+WINDOW, B = 24, 16   # the tiny Gemma 3's window and the block size
+DECODE_BOUND = math.ceil(WINDOW / B) + 1
+
+
+def gemma_config(name: str) -> ModelConfig:
+    return ModelConfig.from_hf(json.loads((EXAMPLES / name).read_text()))
+
+
+def tiny_hybrid(window: int = WINDOW, layers: tuple[str, ...] = ("sliding_attention",) * 2 + ("full_attention",)
+                ) -> ModelConfig:
+    return ModelConfig(architecture="Gemma3ForCausalLM", hidden_size=64, intermediate_size=128,
+                       num_layers=len(layers), num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=512,
+                       rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=8192, tie_word_embeddings=True,
+                       sliding_window=window, layer_types=layers)
+
+
+def held(blocks: BlockManager, seq: Sequence) -> list[int]:
+    """Block indices of seq's sliding table that it holds (not PAD)."""
+    return list(range(seq.sliding_first, len(seq.sliding_table)))
+
+
+# --- the arithmetic ---------------------------------------------------------------------------
+
+def test_sliding_blocks_per_seq_is_window_plus_a_block_plus_a_chunk():
+    kv = KVCacheConfig(block_size=B)
+    assert sliding_blocks_per_seq(tiny_hybrid(), kv, 512, 32) == 2 + 1 + 2
+    assert sliding_blocks_per_seq(tiny_hybrid(), kv, 40, 32) == 3          # never more than the context
+    assert sliding_blocks_per_seq(gemma_config("gemma-3-4b-it-awq.config.json"), kv, 131_072, 256) == 64 + 1 + 16
+    dense = dataclasses.replace(tiny_hybrid(), layer_types=())
+    assert sliding_blocks_per_seq(dense, kv, 512, 32) == 0 and sliding_pool_blocks(dense, kv, 512, 4, 32) == 0
+
+
+@pytest.mark.parametrize("window", [1, 15, 16, 17, 24, 40])
+def test_the_per_sequence_bound_covers_every_step_and_no_row_reads_below_its_window(window):
+    """Every step from position c over n <= chunk rows: the blocks its rows read (from the first row's window
+    to the last row) fit the bound, and first_read is exactly the block of position c - window + 1."""
+    chunk = 32
+    sliding = SlidingBlocks(window, B, 0, False)
+    bound = sliding_blocks_per_seq(tiny_hybrid(window), KVCacheConfig(block_size=B), 10_000, chunk)
+    for c in range(0, 200):
+        assert sliding.first_read(c) == max(0, c - window + 1) // B
+        for n in range(1, chunk + 1):
+            assert -(-(c + n) // B) - sliding.first_read(c) <= bound
+
+
+def test_the_plan_counts_each_layer_type_with_the_runtimes_formula():
+    model, kv = tiny_hybrid(), KVCacheConfig(dtype="int4_asym", group_size=32, block_size=B)
+    plan = solve_plan(model, load_profile("cpu"), max_model_len=512, kv=kv, max_num_seqs=3,
+                      chunked_prefill_size=32, weight_group_size=32)
+    n_fp, n_q = kv_pool_blocks(model, kv, 512, 3, 32)
+    n_sliding = sliding_pool_blocks(model, kv, 512, 3, 32)
+    assert (plan.num_fp_blocks, plan.num_quant_blocks, plan.num_sliding_blocks) == (n_fp, n_q, n_sliding)
+    assert n_sliding == 3 * (2 + 1 + 2) and n_q == 3 * 32
+    pools = allocate_kv(model, kv, n_fp, n_q, n_sliding, dtype=torch.float16, device="meta")
+    assert pools.k.shape[0] == 1 and pools.sliding.k.shape[0] == 2   # one full layer, two sliding ones
+    assert pools.nbytes() == {"fp16": plan.bytes_of("kv_fp16_pool"), "quant": plan.bytes_of("kv_quant_pool"),
+                              "sliding": plan.bytes_of("kv_sliding_pool")}
+    # the full layer alone grows with the context: 32 more blocks of context cost one layer's INT4 blocks
+    longer = solve_plan(model, load_profile("cpu"), max_model_len=1024, kv=kv, max_num_seqs=3,
+                        chunked_prefill_size=32, weight_group_size=32)
+    assert longer.bytes_of("kv_sliding_pool") == plan.bytes_of("kv_sliding_pool")
+    assert longer.bytes_of("kv_quant_pool") == 2 * plan.bytes_of("kv_quant_pool")
+
+
+def test_gemma_3_4b_fits_131072_tokens_on_8_gb_far_below_34_full_layers():
+    profile = load_profile("rtx4060ti-8gb")
+    kv, chunk = KVCacheConfig(dtype="int4_asym"), profile.defaults.chunked_prefill_size   # bie-trt plan's defaults
+    plan = solve_plan(gemma_config("gemma-3-4b-it-awq.config.json"), profile, max_model_len=131_072, kv=kv,
+                      chunked_prefill_size=chunk)
+    assert plan.fits and plan.max_model_len_that_fits == 131_072
+    kv_bytes = sum(it.bytes for it in plan.items if it.name.startswith("kv_") and it.name != "kv_key_mean")
+    assert plan.all_full["kv_bytes"] > 5 * kv_bytes
+    assert "kv_sliding_pool" in plan.format_table() and "with all 34 layers full" in plan.format_table()
+    twelve = solve_plan(gemma_config("gemma-3-12b-it-awq.config.json"), profile, max_model_len=8192, kv=kv,
+                        chunked_prefill_size=chunk)
+    assert twelve.max_model_len_that_fits > 2 * twelve.all_full["max_model_len_that_fits"]
+
+
+# --- the block manager alone ------------------------------------------------------------------
+
+def new_seq(n: int, offset: int = 0) -> Sequence:
+    return Sequence([offset + t for t in range(n)], SamplingParams(), make_generator(SamplingParams(), 0))
+
+
+def run_prefill(blocks: BlockManager, seq: Sequence, chunk: int) -> None:
+    """The scheduler's bookkeeping of a prefill in chunks (no forward): grow, commit, slide."""
+    while seq.num_cached < seq.num_tokens:
+        n = min(chunk, seq.num_tokens - seq.num_cached)
+        assert seq.sliding_first == blocks.sliding.first_read(seq.num_cached)   # nothing the next row reads is gone
+        blocks.grow(seq, seq.num_cached + n)
+        assert len(held(blocks, seq)) <= DECODE_BOUND + math.ceil(chunk / B)
+        blocks.commit(seq, n)
+        blocks.compact(seq)
+
+
+def test_a_prefix_hit_needs_the_sliding_blocks_of_the_window_at_its_end():
+    kv = KVCacheConfig(block_size=B)
+    blocks = BlockManager(kv, 64, 0, enable_prefix_caching=True, sliding_window=WINDOW, num_sliding_blocks=64)
+    first = new_seq(100)
+    blocks.admit(first, blocks.match(first))
+    run_prefill(blocks, first, 32)
+    assert held(blocks, first) == [4, 5, 6]   # the next row, 100, reads 77.. (block 4)
+    assert all(first.sliding_table[b] == PAD for b in range(4))
+    blocks.free(first)
+    # blocks 0..5 are full and cached (0..3 given back as they slid out, then 5 and 4 at the end)
+    assert blocks.sliding.usage() == {"used": 0, "cached": 6, "free": 58}
+    for _ in range(4):   # the oldest, 0..3: a hit at 6 blocks reads only 4 and 5 (the row at 96 reads 73..)
+        blocks.sliding.cache.evict(False)
+    again = new_seq(100)
+    hit = blocks.match(again)
+    assert len(hit) == 6 and blocks.can_admit(hit, 100, again)
+    blocks.admit(again, hit)
+    assert held(blocks, again) == [4, 5] and again.num_cached == 96
+    blocks.free(again)
+    blocks.sliding.cache.evict(False)   # block 5 (freed tail first, so the older of the two): no window is whole
+    assert blocks.match(new_seq(100)) == []
+
+
+# --- the tiny Gemma 3 -------------------------------------------------------------------------
+
+def prompt(engine: BieEngine, n: int) -> list[int]:
+    ids = engine.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"][:n]
+    assert len(ids) == n
+    return ids
+
+
+def record_steps(engine: BieEngine, monkeypatch) -> list[tuple[int, int, int, int]]:
+    """After each schedule (the step's blocks taken, before its forward): (first position, rows, sliding blocks
+    in use, full-layer blocks in use) of the one running sequence, read from the block manager."""
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        (seq, n), = batch.chunks
+        steps.append((seq.num_cached, n + batch.lookahead.get(seq, 0), engine.blocks.sliding.usage()["used"],
+                      engine.blocks.usage(False)["used"]))
+        return batch
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recording)
+    return steps
+
+
+def assert_bounded(steps: list[tuple[int, int, int, int]], window: int) -> None:
+    """Each step holds exactly the sliding blocks its rows read: from the block of its first row's window to its
+    last row (<= the window and a block, plus the chunk's blocks), while the full layers hold the context."""
+    for c, n, sliding, full in steps:
+        assert sliding == -(-(c + n) // B) - max(0, c - window + 1) // B, (c, n, sliding)
+        assert sliding <= math.ceil(window / B) + 1 + math.ceil((n - 1) / B)
+        assert full == -(-(c + n) // B)
+
+
+def test_sliding_blocks_stay_bounded_while_the_full_layers_grow(tiny_gemma3_engine, monkeypatch):
+    engine = tiny_gemma3_engine
+    engine.reset_prefix_cache()
+    monkeypatch.setattr(engine.scheduler, "chunked_prefill_size", 32)   # the prompt in 4 chunks
+    steps = record_steps(engine, monkeypatch)
+    out = engine.generate(prompt(engine, 100), SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    assert len(out.token_ids) == 300 and [n for _, n, _, _ in steps[:4]] == [32, 32, 32, 4]
+    assert_bounded(steps, WINDOW)
+    assert max(s for _, n, s, _ in steps if n == 1) == DECODE_BOUND and steps[-1][3] == -(-399 // B)
+    metrics = Metrics(engine.stats).render().decode()
+    assert 'bie_kv_blocks{pool="sliding",state="used"} 0.0' in metrics   # given back, apart from the full layers'
+    assert 'bie_kv_blocks{pool="sliding",state="cached"}' in metrics and 'bie_kv_blocks{pool="fp16"' in metrics
+
+
+def test_a_hit_inside_an_earlier_prompt_shares_its_slid_out_blocks_exactly(tiny_gemma3_engine):
+    """B shares 200 tokens with A: its hit lands where A's sliding blocks had already slid out (kept cached),
+    and its tokens equal a cold run's."""
+    engine = tiny_gemma3_engine
+    a = prompt(engine, 300)
+    b = a[:200] + prompt(engine, 40)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.reset_prefix_cache()
+    cold = engine.generate(b, params)
+    engine.reset_prefix_cache()
+    engine.generate(a, params)
+    warm = engine.generate(b, params)
+    assert warm.usage.cached_tokens == 192 and warm.token_ids == cold.token_ids
+
+
+@pytest.mark.slow
+def test_sliding_blocks_stay_bounded_over_a_4096_token_generation(build, tmp_path, smollm2_checkpoint, monkeypatch):
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
+
+    hf = write_tiny_hf(tmp_path / "hf", smollm2_checkpoint, **TINY_GEMMA3, max_position_embeddings=8192)
+    awq = quantize_checkpoint(hf, tmp_path / "awq", group_size=32)
+    engine = BieEngine(EngineConfig(engine_dir=str(build(checkpoint=str(awq), max_model_len=4608,
+                                                         kv_cache_dtype="int4_asym", kv_group_size=32)), device="cpu"))
+    steps = record_steps(engine, monkeypatch)
+    out = engine.generate(prompt(engine, 100), SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True))
+    assert len(out.token_ids) == 4096
+    for c, n, sliding, _ in steps:
+        assert sliding == -(-(c + n) // B) - max(0, c - WINDOW + 1) // B
+    assert max(s for _, n, s, _ in steps if n == 1) == DECODE_BOUND
+
+
+def test_a_hybrid_engine_keeps_no_host_or_disk_tier_and_refuses_cache_files(tiny_gemma3_engine, tmp_path):
+    """The tiers would have to carry the sliding layers' blocks with the full layers' ones: off, and said so."""
+    engine = tiny_gemma3_engine
+    assert engine.blocks.host is None and engine.stats().host_kv["capacity_bytes"] == 0
+    config = dataclasses.replace(engine.config, kv_cache_dir=str(tmp_path))
+    assert open_disk_tier(config, engine.runner, engine.model_name) is None
+    with pytest.raises(CacheFileError, match="sliding-window layers"):
+        engine.save_cache(prompt(engine, 40), tmp_path / "prompt.kv")
+    assert not (tmp_path / "prompt.kv").exists()

@@ -1,0 +1,225 @@
+"""The package reads one way: every import of every module under bie_trt/ (top-level, inside a function,
+under `if TYPE_CHECKING:`, relative or absolute) points down the stack below, and no modules import each
+other in a circle. A module nobody placed in the stack fails too, so a new one is placed on purpose.
+
+The runtime stack, lowest first: a module may import its own layer and the layers below it.
+The builder (checkpoint reading, quantising, key centering, the engine directory's README and CI) and
+the evaluation (`bie-trt eval`) sit beside the runtime: they may use the runtime up to the executor (the
+build compiles its kernels by running a warm-up step), and only the CLI imports them; nothing in the
+runtime imports the builder. `eval --reference` reads a GGUF checkpoint, so its reference model lives in
+the builder and the CLI hands it to the evaluation.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Layer -> the modules in it (a name stands for the module or the package and everything under it).
+RUNTIME: list[tuple[str, tuple[str, ...]]] = [
+    # the contract between builder and runtime: errors, configs, request parameters, GPU profiles,
+    # the engine directory's format and its integrity ledger, the settings a run resolves against it
+    ("contract", ("errors", "jsonio", "devices", "user_cache", "config", "config_gemma3", "sampling_params",
+                  "profiles", "engine_format", "integrity", "resolve")),
+    ("kv", ("kv",)),                    # cache pools and quantisers
+    ("plan", ("plan",)),                # the memory plan, sized by the KV pools' byte layout
+    ("kernels", ("kernels",)),          # reference twins, Triton kernels, what a step hands them
+    ("model", ("model",)),              # the forward pass, rope, CUDA-graph steps
+    ("chat", ("chat",)),                # tokenizer, chat templates, tool calls, reasoning: text only
+    ("decoding", ("sampling", "logits_constraint", "closed_schema")),   # sampler and output constraints
+    ("spec_decode", ("spec_decode",)),
+    ("executor", ("executor",)),
+    ("sdk", ("",)),                     # bie_trt/__init__.py: the public API
+    ("server", ("server",)),
+    ("scale_out", ("scale_out",)),
+    ("cli", ("cli",)),
+]
+# Rooms beside the runtime: (their modules, the highest runtime layer they may import, the one layer that
+# may import them).
+BESIDE: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "builder": (("builder",), "executor", "cli"),
+    "evaluation": (("evaluate", "eval_texts"), "executor", "cli"),
+}
+RANK = {name: i for i, (name, _) in enumerate(RUNTIME)}
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str     # importing module, dotted without the `bie_trt.` prefix ("" for bie_trt/__init__)
+    target: str
+    path: Path
+    line: int
+
+
+def module_names(pkg: Path) -> dict[str, tuple[Path, bool]]:
+    """Dotted name (without `bie_trt.`) -> (file, is a package's __init__)."""
+    out = {}
+    for path in sorted(pkg.rglob("*.py")):
+        parts = list(path.relative_to(pkg).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+@functools.lru_cache(maxsize=None)   # parsed once for all the checks
+def imports(pkg: Path) -> list[Import]:
+    """Every import of a bie_trt module by a bie_trt module, resolved to the module it loads."""
+    modules = module_names(pkg)
+
+    def owner(name: str) -> str:      # the longest existing module a dotted name starts with
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    found: list[Import] = []
+    for name, (path, is_pkg) in modules.items():
+        here = name.split(".") if name else []
+        base = here if is_pkg else here[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):   # walk: nested and TYPE_CHECKING too
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name == "bie_trt" or a.name.startswith("bie_trt.")]
+                targets = [owner(t.removeprefix("bie_trt").lstrip(".")) for t in targets]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    up = base[:len(base) - (node.level - 1)]
+                    parent = ".".join(up + ([node.module] if node.module else []))
+                elif node.module == "bie_trt" or (node.module or "").startswith("bie_trt."):
+                    parent = node.module.removeprefix("bie_trt").lstrip(".")
+                else:
+                    continue
+                for alias in node.names:   # `from . import x` loads module x when x is one
+                    sub = f"{parent}.{alias.name}".lstrip(".")
+                    targets.append(sub if sub in modules else owner(parent))
+            found += [Import(name, t, path, node.lineno) for t in targets if t != name]
+    return found
+
+
+def layer_of(module: str) -> str | None:
+    best, best_len = None, -1
+    for layer, names in RUNTIME + [(k, v[0]) for k, v in BESIDE.items()]:
+        for n in names:
+            if (module == n or module.startswith(n + ".") or n == "") and len(n) > best_len:
+                if n == "" and module != "":
+                    continue
+                best, best_len = layer, len(n)
+    return best
+
+
+def allowed(src: str, dst: str) -> bool:
+    if src == dst:
+        return True
+    if src in BESIDE:
+        return dst in RANK and RANK[dst] <= RANK[BESIDE[src][1]]
+    if dst in BESIDE:
+        return RANK[src] >= RANK[BESIDE[dst][2]]
+    return RANK[dst] < RANK[src]
+
+
+def upward(pkg: Path) -> list[str]:
+    bad = []
+    for imp in imports(pkg):
+        src, dst = layer_of(imp.source), layer_of(imp.target)
+        if src is not None and dst is not None and not allowed(src, dst):   # unplaced: its own test
+            bad.append(f"{imp.path.relative_to(pkg.parent)}:{imp.line} imports bie_trt.{imp.target}: "
+                       f"layer {src} may not import layer {dst}")
+    return list(dict.fromkeys(bad))   # one line per import, however many names it takes
+
+
+def cycles(pkg: Path) -> list[list[str]]:
+    """Strongly connected groups of two or more modules (Tarjan)."""
+    graph: dict[str, set[str]] = {m: set() for m in module_names(pkg)}
+    for imp in imports(pkg):
+        graph[imp.source].add(imp.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def unplaced(pkg: Path) -> list[str]:
+    return [f"bie_trt.{m}".rstrip(".") for m in module_names(pkg) if layer_of(m) is None]
+
+
+def test_every_module_has_a_layer():
+    assert unplaced(ROOT / "bie_trt") == [], "place these modules in a layer of tests/test_layering.py"
+
+
+def test_no_import_runs_up_the_stack():
+    bad = upward(ROOT / "bie_trt")
+    assert not bad, "imports running up the stack:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    groups = cycles(ROOT / "bie_trt")
+    assert not groups, "modules importing each other in a circle:\n" + "\n".join(" <-> ".join(g) for g in groups)
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root / "bie_trt"
+
+
+def test_the_checks_see_every_form_of_import(tmp_path):
+    """Each form the real tree could hide an upward import in, and a circle through a package's __init__."""
+    pkg = _write(tmp_path, {
+        "bie_trt/__init__.py": "",
+        "bie_trt/errors.py": "",
+        "bie_trt/kv/__init__.py": "",
+        "bie_trt/kv/pool.py": ("from typing import TYPE_CHECKING\n"
+                               "if TYPE_CHECKING:\n    from ..executor.engine import X\n"
+                               "def f():\n    import bie_trt.model.llama\n"),
+        "bie_trt/kernels/__init__.py": "from bie_trt.builder import build\n",
+        "bie_trt/model/__init__.py": "",
+        "bie_trt/model/llama.py": "from ..kv import K\nfrom ..errors import E\n",
+        "bie_trt/executor/__init__.py": "",
+        "bie_trt/executor/engine.py": "from . import streams\n",
+        "bie_trt/executor/streams.py": "from .engine import Engine\n",
+        "bie_trt/builder/__init__.py": "",
+        "bie_trt/builder/build.py": "from ..executor.engine import Engine\nfrom ..server import app\n",
+        "bie_trt/server/__init__.py": "",
+        "bie_trt/server/app.py": "",
+        "bie_trt/cli/__init__.py": "from ..builder import build\nfrom .. import BieEngine\n",
+        "bie_trt/stray.py": "",
+    })
+    bad = upward(pkg)
+    assert [b.split(" imports ")[0] for b in bad] == [
+        "bie_trt/builder/build.py:2", "bie_trt/kernels/__init__.py:1", "bie_trt/kv/pool.py:3",
+        "bie_trt/kv/pool.py:5"], bad
+    assert "layer kv may not import layer executor" in bad[2]
+    assert cycles(pkg) == [["executor.engine", "executor.streams"]]
+    assert unplaced(pkg) == ["bie_trt.stray"]
