@@ -4,7 +4,8 @@ A request's recent acceptance, by position: of the proposals at position i that 
 every proposal before them accepted, the share accepted (counts decayed each verify, so recent
 steps weigh most; a position with little evidence leans on the engine's own rate at that position:
 a request whose first proposal was just rejected has said nothing yet about the later ones, which,
-once the first is right, are mostly right too). With those rates a_1, a_2, ..., a step proposing γ tokens emits on average
+once the first is right, are mostly right too). With those rates a_1, a_2, ..., a step proposing γ
+tokens emits on average
 
     E(γ) = 1 + a_1 + a_1·a_2 + ... + a_1···a_γ   tokens,
 
