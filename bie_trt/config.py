@@ -286,16 +286,15 @@ class SpeculativeConfig:
     prompt_lookup_min tokens earlier in prompt + output); "draft_model" runs the engine's draft;
     "none" decodes one token per step. `adaptive` (bie-trt's own key): each request's γ is chosen every
     step in 0..num_speculative_tokens from its acceptance and the engine's measured step costs
-    (spec_decode/adaptive.py); false: always num_speculative_tokens. By default on for a draft model,
-    whose every proposal costs a step, and off for n-gram lookup, which proposes nothing when nothing
-    matches and lost a third of its quoting speed-up to adaptive γ (docs/speculative.md).
+    (spec_decode/adaptive.py); false: always num_speculative_tokens, as vLLM does. On by default for both
+    methods (docs/speculative.md, "Adaptive γ", has what it was measured to keep and save).
     """
 
     method: str = "none"
     num_speculative_tokens: int = 5
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    adaptive: bool | None = None     # None: the method's default
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -307,8 +306,6 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative prompt_lookup_min {self.prompt_lookup_min} is above prompt_lookup_max "
                              f"{self.prompt_lookup_max}; make min <= max.")
-        if self.adaptive is None:
-            object.__setattr__(self, "adaptive", self.method == "draft_model")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative adaptive must be true or false; got {self.adaptive!r}.")
 

@@ -1,12 +1,16 @@
 """Adaptive γ (spec_decode/adaptive.py): the expected tokens of a step, acceptance by position, the step
-costs kept relative to plain decoding, and the choice: speculation where it pays, plain decoding with
-probes where it does not, and back when a request turns quotable."""
+costs kept relative to plain decoding (robust to stalls, a width's own cost where measured), and the choice:
+speculation where it pays, plain decoding with probes where it does not, and back when a request turns
+quotable; a lookup's γ chosen over what it found."""
 from __future__ import annotations
+
+import time
 
 import pytest
 
-from bie_trt.spec_decode.adaptive import (FIRST_PROBE, LAST_PROBE, MEASURE_SAMPLES, PRIOR_WEIGHT, PROBE_BUDGET,
-                                          Acceptance, AdaptiveGamma, StepCosts, expected_tokens)
+from bie_trt.spec_decode.adaptive import (FIRST_PROBE, LAST_PROBE, LINE_WEIGHT, MEASURE_SAMPLES, PRIOR_WEIGHT,
+                                          PROBE_BUDGET, SLOWER_WEIGHT, Acceptance, AdaptiveGamma, Running, StepCosts,
+                                          expected_tokens, step_clock)
 
 
 def test_expected_tokens_of_a_step():
@@ -21,37 +25,75 @@ def test_acceptance_counts_only_positions_verified_after_accepted_ones():
     assert (a.tried, a.accepted) == ([1, 1, 0, 0], [1, 0, 0, 0])
     a.record(2, 2)   # both accepted; the bonus token is not a proposal
     assert (a.tried, a.accepted) == ([2, 2, 0, 0], [2, 1, 0, 0])
-    rates = a.rates(first_prior=0.5)
+    rates = a.rates()
     assert rates[0] == pytest.approx((2 + PRIOR_WEIGHT * 0.5) / (2 + PRIOR_WEIGHT))
     assert rates[2] == rates[3] == rates[1]   # no evidence: each leans on the position before
+    # a request's counts lean on the engine's rate at each position instead
+    assert a.rates([0.5, 0.9, 0.9, 0.8])[2:] == [0.9, 0.8]
+    assert a.rates([0.5, 0.9, 0.9, 0.8])[1] == pytest.approx((1 + PRIOR_WEIGHT * 0.9) / (2 + PRIOR_WEIGHT))
 
 
-def test_step_costs_are_relative_to_plain_decoding_on_one_line():
+def test_a_running_figure_leaves_out_the_cold_first_timing_and_shrugs_off_stalls():
+    f = Running()
+    f.add(50.0)                 # the first run (allocations, kernel choice): left out
+    assert f.samples == 0
+    f.add(1.0)
+    assert (f.value, f.samples) == (1.0, 1)
+    f.add(10.0)                 # a stall: moves it a fifth of the way
+    assert f.value == pytest.approx(2.8)
+    f.add(1.0)                  # a fast timing pulls it back by half
+    assert f.value == pytest.approx(1.9)
+
+
+def test_step_costs_are_relative_to_plain_decoding_on_one_line_and_a_widths_own():
     c = StepCosts(gamma_max=5, per_token=True)
     c.record_target(4, 9.0)   # before any plain step: nothing to be relative to
     assert not c.relative[2].samples
+    c.record_target(1, 7.0)   # cold, left out
     c.record_target(1, 2.0)
+    c.record_target(3, 8.0)   # each width's first run is cold: out of its figure and of the line
+    assert c.slope == 0 and not c.relative[1].samples
     c.record_target(3, 3.0)   # 1.5 x plain: 0.25 a row
-    assert c.ratio(2) == pytest.approx(1.25) and c.ratio(6) == pytest.approx(2.25)
-    c.record_target(6, 5.0)   # 2.5 x plain: 0.3 a row; the wide verify weighs most in the fit
-    assert c.slope == pytest.approx((0.8 * 2 * 0.5 + 5 * 1.5) / (0.8 * 4 + 25)) and c.relative[4].value == 2.5
+    assert c.line(2) == pytest.approx(1.25) and c.line(6) == pytest.approx(2.25)
+    # a width measured once: its own 1.5, weighed against the line's 1.5 there
+    assert c.ratio(3) == pytest.approx(1.5) and c.ratio(2) == pytest.approx(1.25)
+    c.record_target(6, 5.0)   # cold
+    c.record_target(6, 5.0)   # 2.5 x plain: 0.3 a row; the wide verify weighs most in the fit, less above the line
+    w = SLOWER_WEIGHT
+    assert c.slope == pytest.approx((0.8 * 2 * 0.5 + w * 5 * 1.5) / (0.8 * 4 + w * 25)) and c.relative[4].value == 2.5
+    # a device whose narrow verifies cost more than the line says (a CPU's matrix products over 2-3 rows)
+    for _ in range(20):
+        c.record_target(3, 4.0)
+        c.record_target(6, 5.0)
+    assert c.relative[1].value == pytest.approx(2.0, abs=0.01)
+    assert c.ratio(3) > c.line(3) + 0.2 and c.ratio(3) == pytest.approx(
+        (5 * c.relative[1].value + LINE_WEIGHT * c.line(3)) / (5 + LINE_WEIGHT))
+    c.record_proposal(9.0)    # cold
     c.record_proposal(1.0)    # a draft step: half a plain step
     assert c.step_seconds(0) == 2.0 and c.step_seconds(2) == pytest.approx(2.0 * (2 * 0.5 + c.ratio(3)))
+    lookups = StepCosts(gamma_max=5, per_token=False)
+    lookups.proposal.value = 0.5
+    assert lookups.step_seconds(2) == lookups.plain.value * lookups.ratio(3)   # made before the choice: sunk
     # a host twice as busy slows the plain step: every figure follows it
     before = c.step_seconds(2) / c.step_seconds(0)
     for _ in range(40):
         c.record_target(1, 4.0)
     assert c.step_seconds(2) / c.step_seconds(0) == pytest.approx(before)
-    assert c.to_dict()["verify_ms"] == {"3": pytest.approx(1.5 * c.plain.value * 1e3),
+    assert c.to_dict()["verify_ms"] == {"3": pytest.approx(c.relative[1].value * c.plain.value * 1e3),
                                         "6": pytest.approx(2.5 * c.plain.value * 1e3)}
+
+
+def test_steps_are_timed_in_cpu_seconds_on_a_cpu_and_wall_seconds_on_a_gpu():
+    assert step_clock("cpu") is time.process_time and step_clock("cuda") is time.perf_counter
 
 
 def controller(verify_ratio: float, draft_ratio: float, gamma_max: int = 4) -> AdaptiveGamma:
     """A draft-model controller past its measuring steps: plain 10 ms, verify `verify_ratio` x that at every
     width, a draft step `draft_ratio` x."""
     g = AdaptiveGamma(gamma_max, per_token=True)
-    for _ in range(MEASURE_SAMPLES):
+    for _ in range(MEASURE_SAMPLES + 1):   # the first timings are cold
         g.record_step([1], 0.010)
+    for _ in range(MEASURE_SAMPLES + 1):
         g.record_step([gamma_max + 1], 0.010 * verify_ratio)
         g.record_proposal(0.010 * draft_ratio, 1, 1)
     return g
@@ -59,13 +101,15 @@ def controller(verify_ratio: float, draft_ratio: float, gamma_max: int = 4) -> A
 
 def test_costs_are_measured_first_plain_then_speculating():
     g = AdaptiveGamma(4, per_token=False)
+    assert g.room("r") == 4 and g.take("r", 0) == 0   # a lookup looks up all it may; found nothing: plain
     assert [g.decide("r").reason for _ in range(2)] == ["measure", "measure"]
-    assert g.gamma("r") == 0
-    g.record_step([1], 0.01)
-    g.record_step([1], 0.01)
-    assert g.decide("r").gamma == 4 and g.decide("r").reason == "measure"
-    g.record_step([3], 0.02)   # lookup found 2 tokens: any width with proposals will do
-    g.record_step([3], 0.02)
+    assert g.take("r", 3) == 0
+    for _ in range(MEASURE_SAMPLES + 1):
+        g.record_step([1], 0.01)
+        g.record_proposal(0.0001, 1, 1)
+    assert g.take("r", 3) == 3 and g.decide("r").reason == "measure"   # what it found, whatever it is
+    for _ in range(MEASURE_SAMPLES + 1):
+        g.record_step([3], 0.02)   # lookup found 2 tokens: any width with proposals will do
     assert g.decide("r").reason == "best"
 
 
@@ -81,8 +125,9 @@ def test_speculation_that_pays_runs_at_full_length():
 def ngram_controller(verify_ratio: float) -> AdaptiveGamma:
     """An n-gram controller past its measuring steps: plain 10 ms, verify `verify_ratio` x that, lookups free."""
     g = AdaptiveGamma(4, per_token=False)
-    for _ in range(MEASURE_SAMPLES):
+    for _ in range(MEASURE_SAMPLES + 1):   # the first timings are cold
         g.record_step([1], 0.010)
+    for _ in range(MEASURE_SAMPLES + 1):
         g.record_step([5], 0.010 * verify_ratio)
         g.record_proposal(0.0, 1, 1)
     return g
@@ -93,23 +138,23 @@ def test_speculation_that_does_not_pay_steps_aside_and_probes_ever_less_often():
     g = ngram_controller(verify_ratio=1.3)
     for _ in range(4):
         g.record_verify("prose", 4, 0)
-    choices = [g.gamma("prose") for _ in range(8 + 16 + 32)]
+    choices = [g.take("prose", 4) for _ in range(8 + 16 + 32)]
     probes = [i for i, c in enumerate(choices) if c > 0]
     assert probes == [FIRST_PROBE - 1, FIRST_PROBE + 2 * FIRST_PROBE - 1, FIRST_PROBE * 7 - 1]
     assert g.probes == 3 and g.requests["prose"].probe_after == 8 * FIRST_PROBE
     for _ in range(2000):
-        g.gamma("prose")
+        g.take("prose", 4)
     assert g.requests["prose"].probe_after == LAST_PROBE
 
 
 def test_a_draft_as_costly_as_the_target_never_probes_and_dear_probes_are_spaced():
     g = controller(verify_ratio=1.1, draft_ratio=1.0)   # itself as its draft: no acceptance could pay
     g.record_verify("self", 4, 4)
-    assert [g.gamma("self") for _ in range(300)] == [0] * 300 and g.probes == 0
+    assert [g.room("self") for _ in range(300)] == [0] * 300 and g.probes == 0
     g = controller(verify_ratio=1.1, draft_ratio=0.3)   # would pay if accepted; a probe costs ~0.6 plain steps
     for _ in range(4):
         g.record_verify("prose", 4, 0)
-    probes = [i for i in range(200) if g.gamma("prose") > 0]
+    probes = [i for i in range(200) if g.room("prose") > 0]
     assert len(probes) >= 2 and min(b - a for a, b in zip([-1] + probes, probes)) >= 0.6 / PROBE_BUDGET
 
 
@@ -119,10 +164,10 @@ def test_a_request_that_turns_quotable_gets_speculation_back():
     g = ngram_controller(verify_ratio=1.3)
     for _ in range(4):
         g.record_verify("r", 4, 0)
-    assert g.gamma("r") == 0
+    assert g.take("r", 4) == 0
     gammas = []
     for _ in range(40):   # from now on every proposal is accepted
-        gamma = g.gamma("r")
+        gamma = g.take("r", 4)
         gammas.append(gamma)
         if gamma:
             g.record_verify("r", gamma, gamma)
@@ -135,9 +180,24 @@ def test_a_new_request_starts_from_the_engines_acceptance_and_state_is_freed():
     g = controller(verify_ratio=1.5, draft_ratio=0.05)
     for _ in range(50):
         g.record_verify("old", 4, 0)
-    assert g.gamma("new") == 0   # the engine's rate at position 1 is low: the newcomer starts plain
+    assert g.room("new") == 0   # the engine's rate at position 1 is low: the newcomer starts plain
     g.record_decode("new", 0)
     assert g.explain("new")["steps_by_gamma"] == {"0": 1} and g.stats()["steps_by_gamma"][0] == 1
     g.free("new")
     g.record_decode("new", 0)    # a step recorded after the request went keeps nothing for it
     assert "new" not in g.requests and g.explain("new") is None
+
+
+def test_a_lookup_verifies_what_it_found_and_one_rejection_after_a_good_run_keeps_it_long():
+    """Lookup on a quoting request: the choice is among the tokens found (steps finding none are plain steps,
+    not choices); a rejection after a run of accepted proposals leaves the full length, and so does a fresh
+    request's first rejection where the engine's later positions are mostly accepted."""
+    g = ngram_controller(verify_ratio=1.3)
+    for _ in range(10):
+        g.record_verify("quote", 4, 4)
+    assert g.room("quote") == 4 and [g.take("quote", n) for n in (0, 2, 4)] == [0, 2, 4]
+    assert g.requests["quote"].last.gamma == 4   # the lookup that found none decided nothing
+    g.record_verify("quote", 4, 0)
+    assert g.take("quote", 4) == 4
+    g.record_verify("edit", 4, 0)   # a new request, wrong at its first proposal
+    assert g.take("edit", 4) == 4

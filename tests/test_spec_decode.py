@@ -70,13 +70,15 @@ def test_batched_greedy_is_identical_and_proposals_are_accepted(spec, expected):
     assert idle(spec)
 
 
-def set_costs(engine: BieEngine, proposal_ratio: float) -> None:
-    """The adaptive engine's step costs as if measured: every verify as costly as a plain step, proposing
-    `proposal_ratio` plain steps (on the loop thread, between steps)."""
+def set_costs(engine: BieEngine, verify_ratio: float, proposal_ratio: float = 0.0) -> None:
+    """The adaptive engine's step costs as if measured: a verify of any width `verify_ratio` plain steps,
+    proposing (a draft step, a lookup) `proposal_ratio` (on the loop thread, between steps)."""
     def put() -> None:
         costs = engine.adaptive.costs
-        for figure in [costs.plain, *costs.relative]:
-            figure.value, figure.samples = 1.0, 2
+        costs.plain.value, costs.plain.samples = 1.0, 2
+        for figure in costs.relative:
+            figure.value, figure.samples = verify_ratio, 2
+        costs._fit = [verify_ratio - 1.0, 1.0]   # the line through them at two rows
         costs.proposal.value, costs.proposal.samples = proposal_ratio, 2
         engine.adaptive.requests.clear()
 
@@ -84,8 +86,8 @@ def set_costs(engine: BieEngine, proposal_ratio: float) -> None:
 
 
 def test_adaptive_gamma_steps_aside_and_back_and_changes_no_token(spec, expected):
-    """Proposing made to look 50 plain steps dear: the requests decode plainly (no probes either: nothing could
-    pay); made free: they speculate. The tokens are plain decoding's either way."""
+    """Verifying made to look 50 plain steps dear: the requests decode plainly (no probes either: nothing could
+    pay); made as cheap as a plain step: they speculate. The tokens are plain decoding's either way."""
     assert spec.adaptive is not None
     steps = spec.adaptive.steps_by_gamma
     short = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)   # greedy: the first 10 of `expected`
@@ -94,12 +96,29 @@ def test_adaptive_gamma_steps_aside_and_back_and_changes_no_token(spec, expected
     assert [o.token_ids for o in spec.generate(PROMPTS[:2], short)] == [e[:10] for e in expected[:2]]
     plain_steps, speculating = steps[0] - before[0], sum(steps[1:]) - sum(before[1:])
     assert plain_steps >= 5 and speculating == 0
-    set_costs(spec, 0.0)
+    set_costs(spec, 1.0)
     before = list(steps)
     out = spec.generate(PROMPTS[2], short)
     assert out.token_ids == expected[2][:10]
     assert sum(steps[1:]) - sum(before[1:]) > 0 and out.spec_decode["gamma"]["reason"] == "best"
     assert idle(spec)
+
+
+def test_a_draft_that_does_not_pay_runs_no_draft_step_and_no_verify(tiny_draft_engine):
+    """A draft step made to cost a plain step (itself as its draft, as on the CPU): every step is a plain decode,
+    the draft reads no token (not even the ones it missed, until a probe that never comes) and nothing is
+    verified; the tokens are plain decoding's."""
+    spec = BieEngine(EngineConfig(engine_dir=str(tiny_draft_engine), device="cpu",
+                                  speculative={"method": "draft_model", "num_speculative_tokens": 4}))
+    assert spec.adaptive is not None and spec.adaptive.costs.per_token   # the draft's default
+    plain = BieEngine(EngineConfig(engine_dir=str(tiny_draft_engine), device="cpu", speculative={"method": "none"}))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    set_costs(spec, 1.1, 1.0)
+    out = spec.generate(PROMPTS[2], params)
+    assert out.token_ids == plain.generate(PROMPTS[2], params).token_ids
+    assert spec.proposer.tokens_forwarded == 0 and sum(spec.proposer.steps.values()) == 0
+    assert out.spec_decode["num_drafts"] == 0 and spec.adaptive.steps_by_gamma == [11, 0, 0, 0, 0]
+    assert spec.adaptive.probes == 0
 
 
 def test_a_prefix_cache_hit_keeps_the_tokens(spec, expected):
@@ -177,7 +196,8 @@ def test_after_each_verify_a_table_holds_only_the_blocks_its_cached_tokens_fill(
 
 
 def test_preemption_in_a_tiny_pool_keeps_the_tokens(smollm2_engine, expected):
-    engine = make(smollm2_engine, {"method": "ngram"}, num_kv_blocks=10, enable_prefix_caching=False)
+    # a fixed γ: every step proposes what lookup finds, so the batch outgrows the pool and preempts
+    engine = make(smollm2_engine, {"method": "ngram", "adaptive": False}, num_kv_blocks=10, enable_prefix_caching=False)
     outs = engine.generate(PROMPTS, GREEDY)
     assert engine.stats().preemptions > 0
     assert [o.token_ids for o in outs] == expected
@@ -207,9 +227,10 @@ def test_bad_speculative_configs_say_what_is_wrong(bad, message):
         SpeculativeConfig.parse(bad)
 
 
-def test_adaptive_gamma_is_the_drafts_default_and_not_lookups():
-    assert SpeculativeConfig("draft_model").adaptive and not SpeculativeConfig("ngram").adaptive
-    assert SpeculativeConfig.parse({"method": "ngram", "adaptive": True}).adaptive
+def test_adaptive_gamma_is_the_default_for_both_methods():
+    assert SpeculativeConfig("draft_model").adaptive and SpeculativeConfig("ngram").adaptive
+    assert SpeculativeConfig.parse({"method": "ngram"}).adaptive
+    assert not SpeculativeConfig.parse({"method": "ngram", "adaptive": False}).adaptive
     assert not SpeculativeConfig.parse({"method": "draft_model", "adaptive": False}).adaptive
 
 
@@ -234,7 +255,9 @@ def test_generate_cli_speculates_and_reports_it(smollm2_engine):
     assert out["spec_decode"]["num_draft_tokens"] >= out["spec_decode"]["num_accepted_tokens"]
     gamma = out["spec_decode"]["gamma"]   # the last γ chosen, and why
     assert 0 <= gamma["gamma"] <= 5 and gamma["reason"] in ("best", "probe", "measure")
-    assert len(gamma["acceptance"]) == 5 and set(gamma["expected_tokens_per_s"]) == {str(g) for g in range(6)}
+    # every γ considered: a lookup's choice is among the tokens it found, up to 5
+    considered = gamma["expected_tokens_per_s"]
+    assert len(gamma["acceptance"]) == 5 and list(considered) == [str(g) for g in range(len(considered))] and 1 < len(considered) <= 6
     assert "plain_ms" in gamma["step_costs"] and sum(gamma["steps_by_gamma"].values()) > 0
     plain = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_model_len=384))
     assert out["token_ids"] == plain.generate(prompt, SamplingParams(temperature=0, max_tokens=12)).token_ids

@@ -15,7 +15,6 @@ scheduler account for the cache, and emit one event a request that moved. The ca
 from __future__ import annotations
 
 import collections
-import time
 from pathlib import Path
 
 import torch
@@ -53,7 +52,7 @@ class EngineCore:
         self.blocks = self.runner.block_manager(config.enable_prefix_caching, self.runner.host_bytes)
         adaptive = self.spec.adaptive
         self.scheduler = Scheduler(self.blocks, seqs, budget, chunk, gamma, self.max_model_len,
-                                   self.spec.free if self.spec.proposer else None, adaptive.gamma if adaptive else None)
+                                   self.spec.free if self.spec.proposer else None, adaptive.room if adaptive else None)
         self.requests = RequestBuilder(self.tokenizer, self.runner.model_config, self.max_model_len, config.seed)
         self.disk = open_disk_tier(config, self.runner, self.runner.manifest.model_name)
         self.live: dict[Sequence, RequestState] = {}
@@ -112,7 +111,7 @@ class EngineCore:
         rows = [1 + len(proposals[seq].token_ids) if seq in proposals else 1 for seq, _ in batch.chunks]
         if decodes:
             self.spec.record_decodes([seq for seq, _ in batch.chunks], rows)
-        start, events = time.perf_counter(), []
+        start, events = self.spec.clock(), []
         logits = self.runner.execute(batch, {seq: p.token_ids for seq, p in proposals.items()})
         sampled = self._sample([(seq, row) for (seq, n), row in zip(batch.chunks, logits)
                                 if seq not in proposals and seq.num_pending <= n], events)
@@ -127,7 +126,7 @@ class EngineCore:
             elif seq in self.live:   # a prompt chunk with more of the prompt to come (or a grammar failed)
                 self.scheduler.postprocess(seq, n, seq in batch.lookahead)
         if decodes:   # the tokens are on the host by now: the time is the device's too
-            self.spec.record_step(rows, time.perf_counter() - start)
+            self.spec.record_step(rows, self.spec.clock() - start)
         return events
 
     def _sample(self, plain: list[tuple[Sequence, torch.Tensor]], events: list[Event]) -> dict:

@@ -3,12 +3,11 @@ refuses), their verification and counters, adaptive γ's measurements, and what 
 leaves when its blocks go."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
-from ..spec_decode.adaptive import AdaptiveGamma
+from ..spec_decode.adaptive import AdaptiveGamma, step_clock
 from ..spec_decode.proposer import Proposal
 from ..spec_decode.rejection import verify
 from ..spec_decode.select import make_proposer
@@ -23,30 +22,40 @@ class Speculation:
         runner.capture_verify_graphs(self.num_tokens)
         self.proposer = make_proposer(self.config, engine_dir, runner)
         # each request's γ chosen every step (None: always num_speculative_tokens)
-        self.adaptive = (AdaptiveGamma(self.num_tokens, per_token=self.config.method == "draft_model")
+        self.adaptive = (AdaptiveGamma(self.num_tokens, per_token=self.config.method == "draft_model",
+                                       clock=step_clock(runner.device.type))
                          if self.proposer is not None and self.config.adaptive else None)
         self.counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.accepted_by_position = [0] * self.num_tokens
 
     def propose(self, lookahead: dict[Sequence, int]) -> dict[Sequence, Proposal]:
         """Proposals for the decodes the scheduler kept room for, each cut where its grammar refuses a token
-        (the target could never accept it: verifying it is wasted); empty ones are left out."""
+        (the target could never accept it: verifying it is wasted), and a lookup's to the γ adaptive γ takes
+        of them; empty ones are left out."""
         if not lookahead or self.proposer is None:
             return {}
         seqs = list(lookahead)
-        start, before = time.perf_counter(), self._draft_work()
+        start, before = self.clock(), self._draft_work()
         proposals = self.proposer.propose([seq.proposal_request(lookahead[seq]) for seq in seqs])
         if self.adaptive is not None:
-            self._time_proposals(len(seqs), time.perf_counter() - start, before)
+            self._time_proposals(len(seqs), self.clock() - start, before)
         for seq, proposal in zip(seqs, proposals):
             if len(proposal.token_ids) > lookahead[seq]:
                 raise RuntimeError(f"the proposer returned {len(proposal.token_ids)} tokens where "
                                    f"{lookahead[seq]} fit (a proposer bug)")
-            if seq.constraint is not None and proposal.token_ids:
+            keep = len(proposal.token_ids)
+            if seq.constraint is not None and keep:
                 keep = seq.constraint.allowed_prefix(proposal.token_ids)
+            if self.adaptive is not None:   # a lookup's γ is chosen over what it found
+                keep = self.adaptive.take(seq, keep)
+            if keep < len(proposal.token_ids):
                 proposal.token_ids = proposal.token_ids[:keep]
                 proposal.probs = None if proposal.probs is None else proposal.probs[:keep]
         return {seq: p for seq, p in zip(seqs, proposals) if p.token_ids}
+
+    def clock(self) -> float:
+        """Now, by the clock adaptive γ times steps with (process CPU seconds on a CPU; 0.0 without it)."""
+        return self.adaptive.clock() if self.adaptive is not None else 0.0
 
     def _draft_work(self) -> tuple[int, int]:
         """The draft's forwards and the tokens it ran so far ((0, 0) for n-gram lookup)."""

@@ -2,8 +2,10 @@
 
 A request's recent acceptance, by position: of the proposals at position i that were verified with
 every proposal before them accepted, the share accepted (counts decayed each verify, so recent
-steps weigh most; a position with little evidence leans on the one before it, the first on the
-engine's own rate). With those rates a_1, a_2, ..., a step proposing γ tokens emits on average
+steps weigh most; a position with little evidence leans on the engine's own rate at that position:
+a request whose first proposal was just rejected has said nothing yet about the later ones, which,
+once the first is right, are mostly right too). With those rates a_1, a_2, ..., a step proposing γ
+tokens emits on average
 
     E(γ) = 1 + a_1 + a_1·a_2 + ... + a_1···a_γ   tokens,
 
@@ -12,6 +14,11 @@ and costs T(γ) = proposing γ tokens (γ draft steps, or one n-gram lookup) + t
 the engine measures on its own steps, whatever the device (`StepCosts`), each kept relative to the
 plain step so that a device slowed for everyone (a shared host, a throttled GPU) moves them together. Each step takes the γ in
 0..γ_max with the highest E(γ) / T(γ) tokens a second.
+
+A draft model pays for every proposal, so its γ is chosen before it drafts (`room`). A lookup costs
+next to nothing and proposes only what it matched, so it always looks up γ_max and the choice is made
+after it, over what it found (`take`): verifying k of them costs only the wider verify, and a step
+where nothing matched is a plain step whatever was chosen.
 
 At γ = 0 a request learns nothing about its acceptance, so every so often (8 plain steps, doubling
 while probes change nothing, up to 256) it proposes one token as a probe: a request that turns
@@ -22,18 +29,28 @@ speculation would not pay even if every proposal were accepted (a draft as costl
 a step with proposals (γ_max), a couple of times each; other row counts are read off the line
 through the measured ones until they are measured themselves.
 
+Timings are noisy one way only: a step is slowed by whatever else the host or device runs, never sped
+up. So the first timing of each kind is left out (its first run allocates and picks kernels), and a
+running figure follows a faster timing quickly and a slower one slowly: a stall inflates it by a
+little, and a lasting slow-down (a longer context, a busier device) still moves it.
+
 The choice is only of how many tokens are proposed: verification and rejection sampling are as
 exact at any γ as at a fixed one.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 DECAY = 0.8            # a request's counts shrink by this each verify: recent steps weigh most
 ENGINE_DECAY = 0.98    # the engine-wide rates (a new request's prior) follow all requests, slowly
 PRIOR_WEIGHT = 2.0     # how many verifies' worth of evidence the prior of a position is worth
-COST_WEIGHT = 0.2      # the weight of a new timing in a running cost figure
+COST_WEIGHT = 0.2      # the weight of a new timing in a running cost figure (below it: FASTER_WEIGHT)
+FASTER_WEIGHT = 0.5    # a timing below the figure: noise only ever adds time, so the figure follows it faster
+SLOWER_WEIGHT = 0.25   # in the verify line's fit, the weight of a timing above the line (against 1 below it)
+FIGURE_MEMORY = 5      # the timings a running figure stands on at most (it forgets by COST_WEIGHT)
+LINE_WEIGHT = 2.0      # timings' worth of the line in the cost of a verify at one width
 MEASURE_SAMPLES = 2    # steps timed before a figure is trusted
 FIRST_PROBE = 8        # plain steps before the first probe; doubled while probes change nothing
 LAST_PROBE = 256
@@ -41,15 +58,27 @@ PROBE_GAMMA = 1
 PROBE_BUDGET = 0.02    # the most of the plain steps' time probes may take
 
 
+def step_clock(device_type: str) -> Callable[[], float]:
+    """What steps are timed by: on a CPU the process's CPU seconds (the work done, whatever else a shared host
+    runs: time spent descheduled is no cost of the step), elsewhere wall seconds (the host waits on the device)."""
+    return time.process_time if device_type == "cpu" else time.perf_counter
+
+
 @dataclass
 class Running:
-    """A running mean that forgets: the first sample sets it, each next one moves it by COST_WEIGHT."""
+    """A running figure that forgets, robust to stalls: the first sample is left out (a cold first run), the
+    next sets it, and each later one moves it by FASTER_WEIGHT when below it, else by COST_WEIGHT."""
 
     value: float = 0.0
     samples: int = 0
+    cold: bool = True
 
     def add(self, x: float) -> None:
-        self.value = x if self.samples == 0 else self.value + COST_WEIGHT * (x - self.value)
+        if self.cold:
+            self.cold = False
+            return
+        weight = FASTER_WEIGHT if x < self.value else COST_WEIGHT
+        self.value = x if self.samples == 0 else self.value + weight * (x - self.value)
         self.samples += 1
 
 
@@ -68,11 +97,12 @@ class Acceptance:
             self.tried[i] += 1
             self.accepted[i] += i < accepted
 
-    def rates(self, first_prior: float) -> list[float]:
-        """a_i by position; a position's prior is the rate before it (the first's: `first_prior`)."""
-        out, prior = [], first_prior
-        for tried, accepted in zip(self.tried, self.accepted):
-            prior = (accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
+    def rates(self, priors: list[float] | None = None) -> list[float]:
+        """a_i by position, each count shrunk towards its prior: `priors[i]` (a request's: the engine's rate at
+        that position), else the rate of the position before (the first's: 0.5)."""
+        out, prior = [], 0.5
+        for i, (tried, accepted) in enumerate(zip(self.tried, self.accepted)):
+            prior = (accepted + PRIOR_WEIGHT * (prior if priors is None else priors[i])) / (tried + PRIOR_WEIGHT)
             out.append(prior)
         return out
 
@@ -94,10 +124,11 @@ class StepCosts:
     decodes that all carried the same number of rows are timed (a prompt chunk or mixed lengths would say
     nothing about one r).
 
-    The choice reads the verify at r rows off one line, 1 + slope·(r - 1) plain steps, fitted by least squares
-    (through the plain step) to every verify timed at any width, older timings fading: a width seen a few
-    times would otherwise weigh one noisy timing as much as the plain step's hundreds, and a narrow verify's
-    noise is the least telling about the slope (the figure at each width is kept too, for the reports)."""
+    The verify at r rows is its own figure shrunk towards one line, 1 + slope·(r - 1) plain steps, fitted by
+    least squares (through the plain step) to every verify timed at any width, older timings fading and
+    those above the line weighing less: a width timed a few times stands on a few noisy timings, and one
+    never timed is read off the line; the cost need not be linear in r (on a CPU a product over 2 or 3
+    rows can cost more than over 6), which a width's own figure shows once it has been timed."""
 
     def __init__(self, gamma_max: int, per_token: bool) -> None:
         self.plain = Running()
@@ -109,11 +140,18 @@ class StepCosts:
     def record_target(self, rows: int, seconds: float) -> None:
         if rows == 1:
             self.plain.add(seconds)
-        elif self.plain.samples:
-            ratio = seconds / self.plain.value
-            self.relative[rows - 2].add(ratio)
-            fade = 1 - COST_WEIGHT
-            self._fit = [fade * self._fit[0] + (rows - 1) * (ratio - 1), fade * self._fit[1] + (rows - 1) ** 2]
+            return
+        if not self.plain.samples:   # nothing to be relative to yet
+            return
+        figure, ratio = self.relative[rows - 2], seconds / self.plain.value
+        cold = figure.cold
+        figure.add(ratio)
+        if cold:   # a width's first run: out of the line too
+            return
+        # a timing above the line weighs less: a stall must not read as a dearer row
+        w = SLOWER_WEIGHT if self._fit[1] and ratio > self.line(rows) else 1.0
+        fade = 1 - COST_WEIGHT
+        self._fit = [fade * self._fit[0] + w * (rows - 1) * (ratio - 1), fade * self._fit[1] + w * (rows - 1) ** 2]
 
     @property
     def slope(self) -> float:
@@ -128,12 +166,22 @@ class StepCosts:
         return (self.plain if rows == 1 else self.relative[rows - 2]).samples >= MEASURE_SAMPLES
 
     def ratio(self, rows: int) -> float:
-        """T(rows) / T(1) on the line."""
+        """T(rows) / T(1): the width's own figure, shrunk towards the line by LINE_WEIGHT timings' worth (a
+        device's cost need not be linear in the rows: on a CPU a matrix product over 2 or 3 rows can cost more
+        than over 6; and a width timed a few times stands on a few noisy timings)."""
+        if rows == 1:
+            return 1.0
+        figure = self.relative[rows - 2]
+        n = min(figure.samples, FIGURE_MEMORY)
+        return (n * figure.value + LINE_WEIGHT * self.line(rows)) / (n + LINE_WEIGHT)
+
+    def line(self, rows: int) -> float:
         return 1.0 + self.slope * (rows - 1)
 
     def step_seconds(self, gamma: int) -> float:
-        """A step proposing `gamma` tokens: the proposals, then the target over gamma + 1 rows."""
-        proposing = 0.0 if gamma == 0 else self.proposal.value * (gamma if self.per_token else 1)
+        """A step verifying `gamma` proposals: drafting them (a lookup has been made by the time its proposals are
+        chosen: nothing more to pay), then the target over gamma + 1 rows."""
+        proposing = self.proposal.value * gamma if self.per_token else 0.0
         return self.plain.value * (proposing + self.ratio(gamma + 1))
 
     def to_dict(self) -> dict:
@@ -168,36 +216,38 @@ class _Request:
 
 
 class AdaptiveGamma:
-    """Each request's γ, step by step (see the module docstring). `gamma(key)` is asked once for every decode
-    that may speculate; `record_verify`, `record_step` and `record_proposal` feed it what happened."""
+    """Each request's γ, step by step (see the module docstring). `room(key)` is asked once for every decode
+    that may speculate (the proposals to make room for), `take(key, n)` once its n proposals are made (how
+    many to verify); `record_verify`, `record_step` and `record_proposal` feed it what happened."""
 
-    def __init__(self, gamma_max: int, per_token: bool) -> None:
+    def __init__(self, gamma_max: int, per_token: bool, clock: Callable[[], float] = time.perf_counter) -> None:
         self.gamma_max = gamma_max
+        self.clock = clock   # what the engine times its steps by (step_clock)
         self.costs = StepCosts(gamma_max, per_token)
         self.engine = Acceptance(gamma_max, ENGINE_DECAY)
         self.requests: dict[Hashable, _Request] = {}
         self.steps_by_gamma = [0] * (gamma_max + 1)
         self.probes = 0
+        # a list to log into (benchmarks): each choice [γ, reason, expected tokens], each verify's tokens after it
+        self.trace: list[list] | None = None
 
     def _request(self, key: Hashable) -> _Request:
         if key not in self.requests:
             self.requests[key] = _Request(Acceptance(self.gamma_max, DECAY))
         return self.requests[key]
 
-    def first_prior(self) -> float:
-        """The engine's own rate at position 1 (0.5 before any verify)."""
-        return self.engine.rates(0.5)[0] if self.gamma_max else 0.5
-
-    def decide(self, key: Hashable) -> Decision:
-        """This step's γ for the request (and its bookkeeping: plain steps towards the next probe)."""
+    def decide(self, key: Hashable, limit: int | None = None) -> Decision:
+        """This step's γ for the request, at most `limit` (what a lookup found), and its bookkeeping: plain steps
+        towards the next probe."""
+        top = self.gamma_max if limit is None else min(limit, self.gamma_max)
         state = self._request(key)
-        rates = state.acceptance.rates(self.first_prior())
+        rates = state.acceptance.rates(self.engine.rates())
         rates_per_gamma = {g: expected_tokens(rates, g) / max(self.costs.step_seconds(g), 1e-9)
-                           for g in range(self.gamma_max + 1)}
+                           for g in range(top + 1)}
         if not self.costs.measured(1):
             decision = Decision(0, "measure", rates, rates_per_gamma)
-        elif not any(self.costs.measured(r) for r in range(2, self.gamma_max + 2)):
-            decision = Decision(self.gamma_max, "measure", rates, rates_per_gamma)
+        elif not (self.costs.proposal.samples and any(self.costs.measured(r) for r in range(2, self.gamma_max + 2))):
+            decision = Decision(top, "measure", rates, rates_per_gamma)
         else:
             best = max(rates_per_gamma, key=lambda g: (rates_per_gamma[g], -g))
             decision = Decision(best, "best", rates, rates_per_gamma)
@@ -206,10 +256,12 @@ class AdaptiveGamma:
             elif self._could_pay():
                 state.plain_steps += 1
                 if state.plain_steps >= max(state.probe_after, self._probe_spacing()):
-                    decision = Decision(min(PROBE_GAMMA, self.gamma_max), "probe", rates, rates_per_gamma)
+                    decision = Decision(min(PROBE_GAMMA, top), "probe", rates, rates_per_gamma)
                     state.plain_steps, state.probe_after = 0, min(2 * state.probe_after, LAST_PROBE)
                     self.probes += 1
         state.last = decision
+        if self.trace is not None:
+            self.trace.append([decision.gamma, decision.reason, round(expected_tokens(rates, decision.gamma), 3)])
         return decision
 
     def _could_pay(self) -> bool:
@@ -225,8 +277,17 @@ class AdaptiveGamma:
             extra += costs.proposal.value
         return int(extra / PROBE_BUDGET)
 
-    def gamma(self, key: Hashable) -> int:
-        return self.decide(key).gamma
+    def room(self, key: Hashable) -> int:
+        """The proposals to make room for this step: a draft's γ, chosen now (each costs a draft step); a lookup's
+        γ_max (it proposes only what it matched; `take` chooses among those)."""
+        return self.decide(key).gamma if self.costs.per_token else self.gamma_max
+
+    def take(self, key: Hashable, proposed: int) -> int:
+        """How many of the `proposed` tokens to verify: all of a draft's (chosen before drafting); of a lookup's,
+        the best count over what it matched (none matched: a plain step, and nothing to decide)."""
+        if self.costs.per_token or not proposed:
+            return proposed
+        return self.decide(key, proposed).gamma
 
     def record_decode(self, key: Hashable, gamma: int) -> None:
         """The step ran with `gamma` proposals for the request (fewer than decided when lookup found fewer)."""
@@ -236,6 +297,8 @@ class AdaptiveGamma:
         self.steps_by_gamma[gamma] += 1
 
     def record_verify(self, key: Hashable, proposed: int, accepted: int) -> None:
+        if self.trace is not None:
+            self.trace.append(accepted + 1)
         self._request(key).acceptance.record(proposed, accepted)
         self.engine.record(proposed, accepted)
 
@@ -263,4 +326,4 @@ class AdaptiveGamma:
 
     def stats(self) -> dict:
         return {"gamma_max": self.gamma_max, "steps_by_gamma": list(self.steps_by_gamma), "probes": self.probes,
-                "acceptance": [round(a, 4) for a in self.engine.rates(0.5)], "step_costs": self.costs.to_dict()}
+                "acceptance": [round(a, 4) for a in self.engine.rates()], "step_costs": self.costs.to_dict()}
