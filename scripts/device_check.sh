@@ -23,47 +23,65 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/$(date +%Y-%m-%d)}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+STEPS=${STEPS:-"1 2 3 4 5 6 7 8"}   # a subset, e.g. STEPS="3 8", when the lease is short
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
 # 1. headline: INT4 and FP8 attention at 64k, v1 and v2                                (55 s)
+if want 1; then
 timeout 40 python3 scripts/bench_attention.py --kv int4_asym,fp8 --variants v1,v2 --contexts 65536 --warmup 10 \
     --rep 30 --out "$OUT/attention_64k.json" 2>&1 | tee "$OUT/headline.log" | tail -10
 BIE_TRT_INT4_PTX=0 timeout 15 python3 scripts/bench_attention.py --kv int4_asym --variants v1,v2 --contexts 65536 \
     --warmup 5 --rep 15 --check-context 0 --out "$OUT/attention_int4_64k_noptx.json" 2>&1 | tee -a "$OUT/headline.log" | tail -3
+fi
 
 # 2. headline: the 64k INT4 decode step under 8 GiB, traced                             (75 s)
+if want 2; then
 timeout 75 python3 scripts/bench_decode.py --contexts 65536 --kv int4_asym --steps 30 --trace --no-prefill \
     --out "$OUT/decode_64k.json" 2>&1 | tee -a "$OUT/headline.log" | tail -3 | cut -c1-2000
+fi
 
 # 3. correctness on the GPU. Not the slow tests: those force Triton onto CPU tensors (interpreter).
 #    pytest-xdist (in the lent machine's image) spreads the Triton compiles over 8 processes. (115 s)
+if want 3; then
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 timeout 115 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" $XDIST \
     tests/test_triton_attention.py tests/test_triton_attention_gpu.py tests/test_triton_w4.py tests/test_triton_ops.py tests/test_triton_int8.py \
-    tests/test_decode_graphs.py tests/test_device_sampling.py tests/test_kernel_cache.py \
+    tests/test_decode_graphs.py tests/test_device_sampling.py tests/test_batch_sampling.py tests/test_kernel_cache.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+fi
 
 # 4. kernels: calibration, fused layer launches, W4 shapes at their default grids (waves printed),
 #    small ops, lm_head alone and with the final norm in front (no sweep)                  (65 s)
+if want 4; then
 timeout 65 python3 scripts/bench_kernels.py --no-attention --no-tune --rep 30 --out "$OUT/kernels.json" 2>&1 \
     | tee "$OUT/kernels.log" | tail -40
+fi
 
 # 5. speculation: verify and draft steps from their graphs, rounds, tokens/s with and without  (60 s)
+if want 5; then
 timeout 60 python3 scripts/bench_spec.py --gpu --steps 20 --out "$OUT/spec_gpu.json" 2>&1 | tee "$OUT/spec.log" \
     | tail -6 | cut -c1-1500
+fi
 
 # 6. the rest, if the lease allows                                                     (20 s)
+if want 6; then
 timeout 20 python3 scripts/bench_decode.py --contexts 4096,32768 --kv int4_asym,fp16 --steps 20 --prefill-len 65536 \
     --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -8
+fi
 
 # 7. the KV host tier at Llama-3-8B shapes: 4,096 INT4 blocks (64k tokens) down to pinned memory and
 #    back through the runner's host pool (a pinned allocation per block included), copy bandwidth each way
 #    and the restore time (not yet measured on a GPU)                                   (30 s)
+if want 7; then
 timeout 30 python3 scripts/bench_host_tier.py --copy --device cuda --blocks 4096 --out "$OUT/host_tier_copy.json" \
     2>&1 | tee "$OUT/host_tier.log" | tail -14
+fi
+
 # 8. adaptive γ on the GPU: the CPU benchmark's comparison (bundled prose, a passage, code), the engine built
 #    for this GPU with its draft, every process allocation under 8 GiB (not yet measured on a GPU)  (150 s)
+if want 8; then
 ENGINE_DIR=${TMPDIR:-/tmp}/bie-smollm2-draft
 timeout 60 python3 -m bie_trt.cli build --checkpoint smollm2-135m --draft-checkpoint smollm2-135m \
     --profile h200-141gb --max-model-len 2048 --out "$ENGINE_DIR" --force > "$OUT/adaptive_build.log" 2>&1 \
@@ -71,4 +89,6 @@ timeout 60 python3 -m bie_trt.cli build --checkpoint smollm2-135m --draft-checkp
         --max-tokens 64 --repeats 2 --out "$OUT/adaptive_spec_gpu.json" 2>&1 | tee "$OUT/adaptive_spec.log" \
         | tail -40 | cut -c1-1500 \
     || tail -5 "$OUT/adaptive_build.log"
+fi
+
 ls -la "$OUT"

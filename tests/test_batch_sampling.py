@@ -157,3 +157,16 @@ def test_constraints_of_a_batch_stay_in_their_rows():
     assert together[3].isfinite().nonzero().flatten().tolist() == [EOS]
     assert together[4].isfinite().nonzero().flatten().tolist() == [17]
     assert torch.equal(together[5], logits[5])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("outputs", [0, 9])
+def test_a_batch_on_the_gpu_draws_the_cpus_tokens(outputs):
+    """The race's noise is integer hashing, the same on any device: a batch sampled from CUDA logits gives the
+    tokens the CPU gives (random logits: no near-ties for float rounding to flip)."""
+    rows = rows_for(len(PARAMS), outputs)
+    seqs = make_seqs(PARAMS, outputs, rows)
+    on_cpu = sample_step(seqs, rows, constraint_rows(seqs))
+    on_gpu = sample_step(seqs, [r.cuda() for r in rows], constraint_rows(seqs))
+    assert on_gpu[0] == on_cpu[0]
