@@ -23,6 +23,11 @@ QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForCond
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 KV_DTYPES = ("fp16", "fp8", "int4_asym")
 KV_ROTATIONS = ("hadamard", "hadamard_kv", "none")   # keys only, keys and values, neither
+# KV settings a model family takes by default in every profile (an explicit option still wins). Gemma 3's
+# k-normed keys share a large mean direction (on Gemma-3-270M's full layers the mean key's RMS is 77-83% of
+# the keys' own), and its one 256-channel KV head carries a whole layer's attention: INT4 there needs key
+# centering and groups of 32 to stay within +0.5% perplexity of FP16 (docs/kv-cache-quality.md).
+FAMILY_KV_DEFAULTS: dict[str, dict[str, Any]] = {"gemma3": {"group_size": 32, "key_centering": True}}
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")

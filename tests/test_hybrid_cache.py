@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from bie_trt.builder.build import BuildOptions, resolve_kv
 from bie_trt.builder.key_centering import CALIBRATION_TEXT
+from bie_trt.cli import main
 from bie_trt.config import EngineConfig, KVCacheConfig, ModelConfig
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.cache_file import CacheFileError
@@ -99,9 +102,9 @@ def test_the_plan_counts_each_layer_type_with_the_runtimes_formula():
 
 def test_gemma_3_4b_fits_131072_tokens_on_8_gb_far_below_34_full_layers():
     profile = load_profile("rtx4060ti-8gb")
-    kv, chunk = KVCacheConfig(dtype="int4_asym"), profile.defaults.chunked_prefill_size   # bie-trt plan's defaults
-    plan = solve_plan(gemma_config("gemma-3-4b-it-awq.config.json"), profile, max_model_len=131_072, kv=kv,
-                      chunked_prefill_size=chunk)
+    four_b = gemma_config("gemma-3-4b-it-awq.config.json")
+    kv, chunk = profile.defaults.kv_config(four_b), profile.defaults.chunked_prefill_size   # bie-trt plan's defaults
+    plan = solve_plan(four_b, profile, max_model_len=131_072, kv=kv, chunked_prefill_size=chunk)
     assert plan.fits and plan.max_model_len_that_fits == 131_072
     kv_bytes = sum(it.bytes for it in plan.items if it.name.startswith("kv_") and it.name != "kv_key_mean")
     assert plan.all_full["kv_bytes"] > 5 * kv_bytes
@@ -109,6 +112,29 @@ def test_gemma_3_4b_fits_131072_tokens_on_8_gb_far_below_34_full_layers():
     twelve = solve_plan(gemma_config("gemma-3-12b-it-awq.config.json"), profile, max_model_len=8192, kv=kv,
                         chunked_prefill_size=chunk)
     assert twelve.max_model_len_that_fits > 2 * twelve.all_full["max_model_len_that_fits"]
+
+
+# --- the KV format a Gemma 3 build takes -------------------------------------------------------
+
+def test_a_gemma_3_build_takes_int4_groups_of_32_and_key_centering_unless_told_otherwise(tiny_gemma3_engine):
+    """Gemma 3's full layers need both to keep INT4 within +0.5% perplexity (docs/kv-cache-quality.md)."""
+    manifest = json.loads((Path(tiny_gemma3_engine.config.engine_dir) / "manifest.json").read_text())
+    assert (manifest["kv"]["group_size"], manifest["kv"]["key_centering"]) == (32, True)
+    profile, gemma = load_profile("cpu"), tiny_hybrid()
+    told = resolve_kv(BuildOptions("x", "y", kv_group_size=64, kv_key_centering=False), profile, gemma)
+    assert (told.group_size, told.key_centering) == (64, False)
+    llama = dataclasses.replace(gemma, architecture="LlamaForCausalLM", sliding_window=None, layer_types=None)
+    other = resolve_kv(BuildOptions("x", "y"), profile, llama)
+    assert (other.group_size, other.key_centering) == (profile.defaults.kv_group_size, False) == (64, False)
+
+
+def test_bie_trt_plan_sizes_gemma_3s_full_layers_in_int4_groups_of_32():
+    config = str(EXAMPLES / "gemma-3-4b-it-awq.config.json")
+    r = CliRunner().invoke(main, ["plan", "--model-config", config, "--profile", "rtx4060ti-8gb", "--json"])
+    plan = json.loads(r.stdout)
+    assert plan["inputs"]["kv"]["group_size"] == 32
+    # 5 full layers x 4 KV heads x K and V x (128 bytes of INT4 + 8 groups' fp16 scale and zero)
+    assert plan["kv_bytes_per_token"] == 5 * 4 * 2 * (256 // 2 + 256 // 32 * 4) == 6400
 
 
 # --- the block manager alone ------------------------------------------------------------------
