@@ -116,25 +116,30 @@ def test_gemma_3_4b_fits_131072_tokens_on_8_gb_far_below_34_full_layers():
 
 # --- the KV format a Gemma 3 build takes -------------------------------------------------------
 
-def test_a_gemma_3_build_takes_int4_groups_of_32_and_key_centering_unless_told_otherwise(tiny_gemma3_engine):
-    """Gemma 3's full layers need both to keep INT4 within +0.5% perplexity (docs/kv-cache-quality.md)."""
+def test_a_gemma_3_build_takes_key_centering_and_a_512_token_window_unless_told_otherwise(tiny_gemma3_engine):
+    """Gemma 3's full layers need both to keep INT4 within +0.5% perplexity of FP16 (docs/kv-cache-quality.md)."""
     manifest = json.loads((Path(tiny_gemma3_engine.config.engine_dir) / "manifest.json").read_text())
-    assert (manifest["kv"]["group_size"], manifest["kv"]["key_centering"]) == (32, True)
+    assert (manifest["kv"]["key_centering"], manifest["kv"]["window"], manifest["kv"]["group_size"]) == (True, 512, 64)
     profile, gemma = load_profile("cpu"), tiny_hybrid()
-    told = resolve_kv(BuildOptions("x", "y", kv_group_size=64, kv_key_centering=False), profile, gemma)
-    assert (told.group_size, told.key_centering) == (64, False)
+    told = resolve_kv(BuildOptions("x", "y", kv_key_centering=False, kv_window=128), profile, gemma)
+    assert (told.key_centering, told.window) == (False, 128)
     llama = dataclasses.replace(gemma, architecture="LlamaForCausalLM", sliding_window=None, layer_types=None)
     other = resolve_kv(BuildOptions("x", "y"), profile, llama)
-    assert (other.group_size, other.key_centering) == (profile.defaults.kv_group_size, False) == (64, False)
+    assert (other.key_centering, other.window) == (False, profile.defaults.kv_window) == (False, 128)
 
 
-def test_bie_trt_plan_sizes_gemma_3s_full_layers_in_int4_groups_of_32():
+def test_bie_trt_plan_holds_gemma_3s_512_token_fp16_window():
     config = str(EXAMPLES / "gemma-3-4b-it-awq.config.json")
-    r = CliRunner().invoke(main, ["plan", "--model-config", config, "--profile", "rtx4060ti-8gb", "--json"])
-    plan = json.loads(r.stdout)
-    assert plan["inputs"]["kv"]["group_size"] == 32
-    # 5 full layers x 4 KV heads x K and V x (128 bytes of INT4 + 8 groups' fp16 scale and zero)
-    assert plan["kv_bytes_per_token"] == 5 * 4 * 2 * (256 // 2 + 256 // 32 * 4) == 6400
+
+    def plan(*options: str) -> dict:
+        r = CliRunner().invoke(main, ["plan", "--model-config", config, "--profile", "rtx4060ti-8gb", "--json", *options])
+        return json.loads(r.stdout)
+
+    gemma, told = plan(), plan("--kv-window", "128")
+    assert (gemma["inputs"]["kv"]["window"], gemma["inputs"]["kv"]["key_centering"]) == (512, True)
+    # the FP16 pool holds the window: 384 more tokens are 24 more blocks of 16
+    assert (gemma["num_fp_blocks"], told["num_fp_blocks"]) == (50, 26)
+    assert gemma["kv_bytes_per_token"] == told["kv_bytes_per_token"] == 5 * 4 * 2 * (256 // 2 + 256 // 64 * 4)
 
 
 # --- the block manager alone ------------------------------------------------------------------

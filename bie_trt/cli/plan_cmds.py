@@ -84,9 +84,9 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
               help="Storage of the KV body: fp16 (128 KiB/token on Llama-3-8B), fp8 (65 KiB) or int4_asym "
                    "(36 KiB). Sinks and the recent window stay fp16. [default: the profile's]")
 @click.option("--kv-group-size", type=int,
-              help="Channels per INT4 scale/zero group; must divide head_dim. [default: the profile's; 32 for Gemma 3]")
+              help="Channels per INT4 scale/zero group; must divide head_dim. [default: the profile's]")
 @click.option("--kv-sink-tokens", type=int, help="First tokens kept fp16 for the whole sequence. [default: the profile's]")
-@click.option("--kv-window", type=int, help="Most recent tokens kept fp16. [default: the profile's]")
+@click.option("--kv-window", type=int, help="Most recent tokens kept fp16. [default: the profile's; 512 for Gemma 3]")
 @click.option("--max-num-seqs", type=POSITIVE,
               help="Sequences served at once; each gets KV for the full --max-model-len. [default: the profile's]")
 @click.option("--chunked-prefill-size", type=POSITIVE,
@@ -142,7 +142,7 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
     prof, how = resolve_profile(profile)
     click.echo(f"profile: {prof.name} ({how})", err=True)
     d = prof.defaults
-    kv = d.kv_config(model)   # the profile's format with the model family's defaults (Gemma 3: group 32)
+    kv = d.kv_config(model)   # the profile's format with the model family's defaults (config.FAMILY_KV_DEFAULTS)
     kv = dataclasses.replace(
         kv,
         dtype=kv_cache_dtype or kv.dtype,
