@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -168,14 +169,65 @@ class GrammarState:
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
+def allowed_tokens(bitmasks: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """bitmasks [B, ceil(V/32)] int32 -> [B, V] bool on `device`: bit (i % 32) of word i // 32 of each row."""
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (bitmasks.to(device, non_blocking=True)[..., None] >> shifts) & 1
+    return bits.view(bits.shape[0], -1)[:, :vocab].bool()
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [V] in place: -inf where bit (i % 32) of bitmask[i // 32] is 0. Runs on the logits' device."""
-    shifts = _SHIFTS.get(logits.device)
-    if shifts is None:
-        shifts = _SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = (bitmask.to(logits.device, non_blocking=True)[:, None] >> shifts) & 1
-    allowed = bits.view(-1)[:logits.shape[-1]].bool()
+    allowed = allowed_tokens(bitmask[None], logits.shape[-1], logits.device)[0]
     return logits.masked_fill_(~allowed, float("-inf"))
+
+
+@dataclass
+class RowConstraint:
+    """What a request's constraint does to its next row of logits, read at one state (see apply_constraints)."""
+
+    bias_ids: torch.Tensor            # logit_bias: ids and the values added to them
+    bias_values: torch.Tensor
+    bitmask: torch.Tensor | None      # the grammar's allowed tokens; None without a live grammar
+    banned: torch.Tensor | None       # stop tokens min_tokens still forbids
+    forced: int | None                # the one token a spent thinking budget allows
+
+
+def _flat(rows: list[tuple[int, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(row, ids)] -> (the row of each id, the ids), flat on `device`."""
+    at = torch.cat([torch.full((len(ids),), row, dtype=torch.long) for row, ids in rows])
+    return at.to(device, non_blocking=True), torch.cat([ids for _, ids in rows]).to(device, non_blocking=True)
+
+
+def apply_constraints(logits: torch.Tensor, rows: list[RowConstraint | None]) -> torch.Tensor:
+    """logits [B, V] in place, each row under its request's constraint (None: none), a few launches for the
+    batch and no read back: logit_bias added, the grammar's mask, min_tokens' ban on stop tokens (unless
+    the grammar then allows nothing: it is complete, and the grammar wins), a spent thinking budget's
+    forced token."""
+    device = logits.device
+    if bias := [(i, r.bias_ids) for i, r in enumerate(rows) if r is not None and len(r.bias_ids)]:
+        values = torch.cat([rows[i].bias_values for i, _ in bias]).to(device, logits.dtype, non_blocking=True)
+        logits.index_put_(_flat(bias, device), values, accumulate=True)
+    grammar = [i for i, r in enumerate(rows) if r is not None and r.bitmask is not None]
+    if grammar:
+        words = torch.full((len(rows), rows[grammar[0]].bitmask.shape[-1]), -1, dtype=torch.int32)
+        words[grammar] = torch.stack([rows[i].bitmask for i in grammar])
+        logits.masked_fill_(~allowed_tokens(words, logits.shape[-1], device), float("-inf"))
+    if bans := [(i, r.banned) for i, r in enumerate(rows) if r is not None and r.banned is not None]:
+        ban = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+        ban[_flat(bans, device)] = True
+        banned = logits.masked_fill(ban, float("-inf"))
+        has_grammar = torch.zeros(len(rows), dtype=torch.bool)
+        has_grammar[grammar] = True
+        keep = has_grammar.to(device, non_blocking=True) & ~torch.isfinite(banned).any(-1)
+        logits.copy_(torch.where(keep[:, None], logits, banned))
+    if forced := [(i, r.forced) for i, r in enumerate(rows) if r is not None and r.forced is not None]:
+        at = torch.tensor([i for i, _ in forced]).to(device, non_blocking=True)
+        logits[at] = float("-inf")   # the budget is spent: the end of thinking, whatever the model prefers
+        logits[at, torch.tensor([t for _, t in forced]).to(device, non_blocking=True)] = 0.0
+    return logits
 
 
 class LogitsConstraint:
@@ -208,22 +260,17 @@ class LogitsConstraint:
             return None
         return cls(params, eos_ids, grammar, budget)
 
+    def row(self, num_output: int) -> RowConstraint:
+        """What `apply` does to the next row after `num_output` generated tokens; GrammarError when the
+        grammar allows nothing."""
+        banned = self.banned_until_min if num_output < self.min_tokens and len(self.banned_until_min) else None
+        return RowConstraint(self.bias_ids, self.bias_values,
+                             self.grammar.allowed() if self.grammar is not None else None, banned,
+                             self.budget.forced_token() if self.budget is not None else None)
+
     def apply(self, logits: torch.Tensor, num_output: int) -> torch.Tensor:
-        if len(self.bias_ids):
-            logits[self.bias_ids.to(logits.device)] += self.bias_values.to(logits.device)
-        mask = self.grammar.allowed() if self.grammar is not None else None
-        if mask is not None:
-            apply_bitmask(logits, mask)
-        if num_output < self.min_tokens and len(self.banned_until_min):
-            banned = self.banned_until_min.to(logits.device)
-            kept = logits[banned].clone()
-            logits[banned] = float("-inf")
-            # the grammar may allow nothing but EOS (it is complete): the grammar wins over min_tokens
-            if mask is not None and not bool(torch.isfinite(logits).any()):
-                logits[banned] = kept
-        if self.budget is not None and (forced := self.budget.forced_token()) is not None:
-            logits.fill_(float("-inf"))   # the budget is spent: the end of thinking, whatever the model prefers
-            logits[forced] = 0.0
+        """One row [V] in place, for the state after `num_output` generated tokens."""
+        apply_constraints(logits[None], [self.row(num_output)])
         return logits
 
     def accept(self, token: int) -> None:

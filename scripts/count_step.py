@@ -26,17 +26,23 @@ between its draft steps: a value read (`item`, `int`, `bool`: `_local_scalar_den
 values (`nonzero`, `unique`, `masked_select`), and a whole tensor read on the host (`tolist`, `numpy`,
 `cpu`, hooked: on the CPU they dispatch nothing). The round hands its proposals over after its last step
 with one `tolist`.
+
+**host syncs of a decode step** (`--step-syncs ENGINE_DIR`): one `EngineCore` step of four decoding rows on
+the CPU, the same reads recorded outside the forward (`ModelRunner.execute`): sampling every row (constraints,
+penalties, filters, the draw, logprobs) and the step's bookkeeping. All rows are sampled in one batch and
+read back with one `tolist`.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
 
@@ -326,29 +332,12 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def draft_round_syncs(proposer: Any, requests: list) -> dict:
-    """One `proposer.propose(requests)` round, its draft steps and host reads recorded in order: how many reads
-    fall after the first draft step's forward and up to the end of the last one's (0 when each proposal is
-    drawn on the device and fed to the next step there), and after it (the hand-over). What a static step
-    computes is a graph replay on a GPU, so only what the host does around it counts (staging its inputs,
-    the heads, drawing, feeding the next step)."""
-    events: list[tuple[str, str]] = []
+@contextlib.contextmanager
+def host_reads(events: list[tuple[str, str]]) -> Iterator[_HostReads]:
+    """Record every host read into `events` while inside (the mode, and the hooked tensor methods, which on the
+    CPU dispatch nothing); the mode's `paused` turns recording off (see `paused`)."""
     mode = _HostReads(events)
-    hidden, replay = proposer._hidden, _StaticStep._step
     methods = {m: getattr(torch.Tensor, m) for m in _HOST_READ_METHODS}
-
-    def step(inputs):
-        out = hidden(inputs)
-        events.append(("step", str(len(inputs))))
-        return out
-
-    def replayed(self):
-        mode.paused = True
-        try:
-            with _disable_current_modes():   # (and no dispatch through the mode: thousands of ops)
-                return replay(self)
-        finally:
-            mode.paused = False
 
     def hook(method: str) -> Callable:
         def read(self, *args, **kwargs):
@@ -357,17 +346,49 @@ def draft_round_syncs(proposer: Any, requests: list) -> dict:
             return methods[method](self, *args, **kwargs)
         return read
 
-    proposer._hidden, _StaticStep._step = step, replayed
     for m in methods:
         setattr(torch.Tensor, m, hook(m))
     try:
         with mode:
-            proposals = proposer.propose(requests)
+            yield mode
     finally:
         for m, f in methods.items():
             setattr(torch.Tensor, m, f)
-        _StaticStep._step = replay
-        del proposer._hidden
+
+
+def paused(mode: _HostReads, fn: Callable) -> Callable:
+    """`fn` with recording off: on a GPU its work is a CUDA graph's replay, which cannot hold a sync."""
+    def run(*args, **kwargs):
+        mode.paused = True
+        try:
+            with _disable_current_modes():   # (and no dispatch through the mode: thousands of ops)
+                return fn(*args, **kwargs)
+        finally:
+            mode.paused = False
+    return run
+
+
+def draft_round_syncs(proposer: Any, requests: list) -> dict:
+    """One `proposer.propose(requests)` round, its draft steps and host reads recorded in order: how many reads
+    fall after the first draft step's forward and up to the end of the last one's (0 when each proposal is
+    drawn on the device and fed to the next step there), and after it (the hand-over). What a static step
+    computes is a graph replay on a GPU, so only what the host does around it counts (staging its inputs,
+    the heads, drawing, feeding the next step)."""
+    events: list[tuple[str, str]] = []
+    hidden, replay = proposer._hidden, _StaticStep._step
+
+    def step(inputs):
+        out = hidden(inputs)
+        events.append(("step", str(len(inputs))))
+        return out
+
+    with host_reads(events) as mode:
+        proposer._hidden, _StaticStep._step = step, paused(mode, replay)
+        try:
+            proposals = proposer.propose(requests)
+        finally:
+            _StaticStep._step = replay
+            del proposer._hidden
     steps = [i for i, (kind, _) in enumerate(events) if kind == "step"]
     between = [name for kind, name in events[steps[0]:steps[-1]] if kind == "sync"]
     after = [name for kind, name in events[steps[-1]:] if kind == "sync"]
@@ -413,6 +434,50 @@ def draft_syncs(engine_dir: Path, gamma: int = 5, batches: tuple[int, ...] = (1,
     return out
 
 
+# The decode batches `step_syncs` counts: four plain sampled rows, and four rows each with another knob.
+STEP_BATCHES = {
+    "sampled": [dict(temperature=1.0, top_p=0.9, seed=i) for i in range(4)],
+    "mixed": [dict(temperature=0.0, repetition_penalty=1.2),
+              dict(temperature=0.8, top_k=20, presence_penalty=0.5, frequency_penalty=0.5, seed=1),
+              dict(temperature=1.0, top_p=0.9, min_p=0.05, logprobs=3, seed=2),
+              dict(temperature=0.7, logit_bias={5: 2.0}, min_tokens=50, seed=3)],
+}
+
+
+def decode_step_syncs(runner: Any, step: Callable[[], Any]) -> dict:
+    """The host reads of one engine step outside the model runner's device work (`runner.execute`, a CUDA
+    graph's replay for a decode on a GPU): what sampling and the step's bookkeeping make the host wait for."""
+    events: list[tuple[str, str]] = []
+    execute = runner.execute
+    with host_reads(events) as mode:
+        runner.execute = paused(mode, execute)
+        try:
+            step()
+        finally:
+            runner.execute = execute
+    reads = [name for _, name in events]
+    return {"syncs": len(reads), "ops": dict(collections.Counter(reads))}
+
+
+def step_syncs(engine_dir: Path, batches: dict[str, list[dict]] = STEP_BATCHES) -> dict:
+    """`decode_step_syncs` of an `EngineCore` on the CPU for each batch of `batches` (sampling parameters per
+    row), its rows all decoding (their prompts in)."""
+    from bie_trt.config import EngineConfig
+    from bie_trt.executor.engine_core import EngineCore
+    from bie_trt.sampling_params import SamplingParams
+
+    out = {}
+    for name, rows in batches.items():
+        core = EngineCore(EngineConfig(engine_dir=str(engine_dir), device="cpu", max_num_seqs=len(rows),
+                                       speculative={"method": "none"}))
+        for i, params in enumerate(rows):
+            core.add_request([5 + i, 17, 300 + i, 42, 7], SamplingParams(max_tokens=64, ignore_eos=True, **params))
+        while any(not r.seq.output_ids for r in core.live.values()):
+            core.step()
+        out[name] = {"batch": len(rows), **decode_step_syncs(core.runner, core.step)}
+    return out
+
+
 def gemv_grids(cfg: ModelConfig, group_size: int = 128) -> dict:
     """The default M = 1 W4 grid of each fused linear on each GPU, with its waves (`triton_w4.gemv_grid`)."""
     out = {}
@@ -439,6 +504,9 @@ def main() -> None:
                     help="also run the tiny model of the same structure through the interpreted kernels")
     ap.add_argument("--draft-syncs", type=Path, metavar="ENGINE_DIR",
                     help="also count the host syncs of a draft round (γ = 5, batch 1 and 4) of this engine's draft, on the CPU")
+    ap.add_argument("--step-syncs", type=Path, metavar="ENGINE_DIR",
+                    help="also count the host syncs of one decode step of this engine at batch 4 (sampling and "
+                         "bookkeeping, outside the forward), on the CPU")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     kv = KVCacheConfig(dtype=args.kv)
@@ -452,6 +520,8 @@ def main() -> None:
         result["speculation"] = speculation(kv)
     if args.draft_syncs:
         result["draft_syncs"] = draft_syncs(args.draft_syncs)
+    if args.step_syncs:
+        result["step_syncs"] = step_syncs(args.step_syncs)
     if args.tiny:
         tiny_kv = dataclasses.replace(kv, group_size=32, sink_tokens=4, window=16) if args.kv != "fp16" else kv
         result["tiny"] = count(tiny_llama(), tiny_kv, args.batch, 64, "cpu")

@@ -145,3 +145,13 @@ def test_a_draft_round_draws_its_proposals_without_a_host_sync(tiny_draft_engine
             assert r["graph_steps"] >= 4   # the steps after the first (which reads the new tokens) from static steps
             assert r["syncs_between_steps"] == 0, (name, r)
             assert (r["syncs_after_last_step"], r["syncs_after_last_step_ops"]) == (1, ["tolist"]), (name, r)
+
+
+def test_a_decode_step_reads_the_device_once(tiny_engine):
+    """One engine step of four decoding rows, each with another knob (greedy with a repetition penalty, top-k
+    with presence and frequency penalties, min-p with logprobs, logit_bias with min_tokens): outside the forward
+    the host waits for the device once, for the sampled ids and logprobs (before: 10, two a row and the
+    penalties' unique and the logprobs' read; benchmarks/results/step_syncs_cpu.json)."""
+    counted = count_step.step_syncs(tiny_engine, {"mixed": count_step.STEP_BATCHES["mixed"]})
+    for name, r in counted.items():
+        assert r["batch"] == 4 and (r["syncs"], r["ops"]) == (1, {"tolist": 1}), (name, r)

@@ -68,6 +68,7 @@ def test_reduced_vocabulary_zeroes_q_outside_it(tiny, tiny_draft_engine, tmp_pat
     import random
     import shutil
 
+    runner, _ = tiny
     engine = tmp_path / "engine"
     shutil.copytree(tiny_draft_engine, engine)
     ids = sorted(random.Random(0).sample(range(49152), 4096))

@@ -10,7 +10,7 @@ import pytest
 
 from bie_trt.chat.tool_calls import ToolsError, plan_tools
 from bie_trt.server.blocks import TOOL_CALL, Block
-from bie_trt.server.completions import as_chat_request
+from bie_trt.server.chat_path import as_chat_request
 from bie_trt.server.messages import content_block, stop_reason
 from bie_trt.server.protocols.anthropic import MessagesRequest
 from bie_trt.server.protocols.openai import ChatRequest

@@ -28,9 +28,9 @@ class Status(enum.Enum):
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
+    # seeded with the request's seed: plain decoding keys its draws by that seed (sampling.race_key),
+    # verification and the draft draw from the generator itself
     generator: torch.Generator
-    # the same seed's generator on the GPU, made at the first token sampled there
-    device_generator: torch.Generator | None = None
     # logit_bias, min_tokens, the grammar and a thinking budget (logits_constraint.py); None when the request sets none
     constraint: "LogitsConstraint | None" = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 import jinja2
 import pydantic
 
@@ -51,8 +50,8 @@ async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], 
                             "function, response_format, structured_outputs): a constraint shapes the whole reply, "
                             "not the rest of one begun; send one of them.", "continue_final_message")
     try:
-        ids = await anyio.to_thread.run_sync(state.engine.encode_chat, messages, tools.tools,
-                                             req.chat_template_kwargs, req.continue_final_message)
+        ids = await state.prepare(state.engine.encode_chat, messages, tools.tools, req.chat_template_kwargs,
+                                  req.continue_final_message)
     except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
         raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
     return ids, tools

@@ -7,7 +7,6 @@ import time
 import uuid
 from typing import Any, Callable
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -72,7 +71,7 @@ async def completions(state: ServerState, req: CompletionRequest, http: Request)
     for p in prompts:
         if isinstance(p, str):
             state.check_fits([p], chat=False)
-    ids = [await anyio.to_thread.run_sync(engine.encode, p, False) for p in prompts]
+    ids = [await state.prepare(engine.encode, p, False) for p in prompts]
     streams = await submit(state, ids, req, req.max_tokens, req.logprobs, chat=False)
     # echo: each choice's text starts with its prompt (token-id prompts decoded)
     echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if req.echo else "" for p in prompts]

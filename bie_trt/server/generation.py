@@ -61,15 +61,13 @@ def usage(outputs: list[RequestOutput], n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _iterate(events: RequestStream, metrics: Metrics, start: float,
-                   waiters: anyio.CapacityLimiter) -> AsyncIterator[StreamEvent]:
-    """Wait for the engine's events in worker threads (from their own pool, so that many long streams
-    do not starve other work of threads), timing them; always close the stream, so a client that goes
-    away mid-stream (the response is cancelled) aborts its request and frees its blocks."""
-    done, last = object(), None
+async def _iterate(events: RequestStream, metrics: Metrics, start: float) -> AsyncIterator[StreamEvent]:
+    """The engine's events as its loop thread posts them onto this event loop (no thread waits for them),
+    timed; the stream is always closed, so a client that goes away mid-stream (the response is cancelled)
+    aborts its request and frees its blocks."""
+    last = None
     try:
-        while (event := await anyio.to_thread.run_sync(next, events, done, abandon_on_cancel=True,
-                                                       limiter=waiters)) is not done:
+        async for event in events:
             now = time.perf_counter()
             if event.token_ids:
                 if last is None:
@@ -82,7 +80,7 @@ async def _iterate(events: RequestStream, metrics: Metrics, start: float,
             yield event
     finally:
         with anyio.CancelScope(shield=True):   # a cancelled response must still abort its request
-            await anyio.to_thread.run_sync(events.close)   # also wakes the abandoned next() above
+            await events.aclose()
 
 
 def _sse(obj: dict) -> str:
@@ -160,7 +158,7 @@ async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequ
         return streams
 
     try:
-        started = await anyio.to_thread.run_sync(start)
+        started = await state.prepare(start)
     except BaseException:
         state.in_flight -= count
         raise
@@ -191,7 +189,7 @@ async def respond(state: ServerState, http: Request, streams: list[RequestStream
         """Choice i's events into `outputs` (its last) and, when streaming, into `send`."""
         async with send or contextlib.nullcontext():   # closing its end tells the reader this choice is done
             try:
-                async for event in _iterate(events, state.metrics, start, state.waiters()):
+                async for event in _iterate(events, state.metrics, start):
                     if event.output is not None:
                         outputs[i] = event.output
                     if send is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import anyio
 
@@ -18,7 +19,10 @@ from .metrics import Metrics
 from .response_store import DEFAULT_CAPACITY, ResponseStore
 from .sealing import ReasoningSeal
 
-EVENT_WAITERS = 1024      # threads waiting for engine events (one per streaming choice in flight)
+# Threads that prepare requests (tokenising, the chat template, a grammar's compile, the start): however many
+# clients arrive at once, the server holds at most this many for them; a request's events need none.
+PREPARE_THREADS = 8
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,17 +56,18 @@ class ServerState:
         self.capacity = math.inf if waiting is None else engine.scheduler.max_num_seqs + waiting
         self.in_flight = 0
         self.live: set[RequestStream] = set()   # the engine requests of every HTTP request in flight
-        self._waiters: anyio.CapacityLimiter | None = None
+        self._preparers: anyio.CapacityLimiter | None = None
         self.responses = ResponseStore(self.options.response_store_size)
         self.seal = ReasoningSeal.from_environment(self.options.reasoning_key)
 
     def decode(self, token: int) -> str:
         return self.engine.tokenizer.decode([token])
 
-    def waiters(self) -> anyio.CapacityLimiter:
-        if self._waiters is None:   # made inside the event loop, on first use
-            self._waiters = anyio.CapacityLimiter(EVENT_WAITERS)
-        return self._waiters
+    async def prepare(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` in one of the PREPARE_THREADS worker threads (work too slow for the event loop)."""
+        if self._preparers is None:   # made inside the event loop, on first use
+            self._preparers = anyio.CapacityLimiter(PREPARE_THREADS)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._preparers)
 
     def check_fits(self, texts: list[str], chat: bool) -> None:
         """Refuses a prompt whose length alone rules out the context, before it is tokenised."""
