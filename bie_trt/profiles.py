@@ -19,7 +19,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from .config import KVCacheConfig
+from .config import FAMILY_KV_DEFAULTS, KVCacheConfig, ModelConfig
 from .errors import PlanError
 
 # The repository's build_profiles/, reached through a link inside the package so that a wheel ships them.
@@ -52,14 +52,16 @@ class ProfileDefaults:
     lm_head_dtype: str
     embedding_placement: str
 
-    def kv_config(self) -> KVCacheConfig:
-        return KVCacheConfig(
+    def kv_config(self, model: ModelConfig | None = None) -> KVCacheConfig:
+        """The profile's KV format, with `model`'s family defaults over it (config.FAMILY_KV_DEFAULTS)."""
+        kv = KVCacheConfig(
             dtype=self.kv_cache_dtype,
             group_size=self.kv_group_size,
             sink_tokens=self.kv_sink_tokens,
             window=self.kv_window,
             block_size=self.block_size,
         )
+        return dataclasses.replace(kv, **FAMILY_KV_DEFAULTS.get(model.family, {})) if model is not None else kv
 
 
 @dataclass(frozen=True)

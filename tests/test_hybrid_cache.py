@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from bie_trt.builder.build import BuildOptions, resolve_kv
 from bie_trt.builder.key_centering import CALIBRATION_TEXT
+from bie_trt.cli import main
 from bie_trt.config import EngineConfig, KVCacheConfig, ModelConfig
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.cache_file import CacheFileError
@@ -99,9 +102,9 @@ def test_the_plan_counts_each_layer_type_with_the_runtimes_formula():
 
 def test_gemma_3_4b_fits_131072_tokens_on_8_gb_far_below_34_full_layers():
     profile = load_profile("rtx4060ti-8gb")
-    kv, chunk = KVCacheConfig(dtype="int4_asym"), profile.defaults.chunked_prefill_size   # bie-trt plan's defaults
-    plan = solve_plan(gemma_config("gemma-3-4b-it-awq.config.json"), profile, max_model_len=131_072, kv=kv,
-                      chunked_prefill_size=chunk)
+    four_b = gemma_config("gemma-3-4b-it-awq.config.json")
+    kv, chunk = profile.defaults.kv_config(four_b), profile.defaults.chunked_prefill_size   # bie-trt plan's defaults
+    plan = solve_plan(four_b, profile, max_model_len=131_072, kv=kv, chunked_prefill_size=chunk)
     assert plan.fits and plan.max_model_len_that_fits == 131_072
     kv_bytes = sum(it.bytes for it in plan.items if it.name.startswith("kv_") and it.name != "kv_key_mean")
     assert plan.all_full["kv_bytes"] > 5 * kv_bytes
@@ -109,6 +112,34 @@ def test_gemma_3_4b_fits_131072_tokens_on_8_gb_far_below_34_full_layers():
     twelve = solve_plan(gemma_config("gemma-3-12b-it-awq.config.json"), profile, max_model_len=8192, kv=kv,
                         chunked_prefill_size=chunk)
     assert twelve.max_model_len_that_fits > 2 * twelve.all_full["max_model_len_that_fits"]
+
+
+# --- the KV format a Gemma 3 build takes -------------------------------------------------------
+
+def test_a_gemma_3_build_takes_key_centering_and_a_512_token_window_unless_told_otherwise(tiny_gemma3_engine):
+    """Gemma 3's full layers need both to keep INT4 within +0.5% perplexity of FP16 (docs/kv-cache-quality.md)."""
+    manifest = json.loads((Path(tiny_gemma3_engine.config.engine_dir) / "manifest.json").read_text())
+    assert (manifest["kv"]["key_centering"], manifest["kv"]["window"], manifest["kv"]["group_size"]) == (True, 512, 64)
+    profile, gemma = load_profile("cpu"), tiny_hybrid()
+    told = resolve_kv(BuildOptions("x", "y", kv_key_centering=False, kv_window=128), profile, gemma)
+    assert (told.key_centering, told.window) == (False, 128)
+    llama = dataclasses.replace(gemma, architecture="LlamaForCausalLM", sliding_window=None, layer_types=None)
+    other = resolve_kv(BuildOptions("x", "y"), profile, llama)
+    assert (other.key_centering, other.window) == (False, profile.defaults.kv_window) == (False, 128)
+
+
+def test_bie_trt_plan_holds_gemma_3s_512_token_fp16_window():
+    config = str(EXAMPLES / "gemma-3-4b-it-awq.config.json")
+
+    def plan(*options: str) -> dict:
+        r = CliRunner().invoke(main, ["plan", "--model-config", config, "--profile", "rtx4060ti-8gb", "--json", *options])
+        return json.loads(r.stdout)
+
+    gemma, told = plan(), plan("--kv-window", "128")
+    assert (gemma["inputs"]["kv"]["window"], gemma["inputs"]["kv"]["key_centering"]) == (512, True)
+    # the FP16 pool holds the window: 384 more tokens are 24 more blocks of 16
+    assert (gemma["num_fp_blocks"], told["num_fp_blocks"]) == (50, 26)
+    assert gemma["kv_bytes_per_token"] == told["kv_bytes_per_token"] == 5 * 4 * 2 * (256 // 2 + 256 // 64 * 4)
 
 
 # --- the block manager alone ------------------------------------------------------------------

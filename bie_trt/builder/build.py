@@ -52,7 +52,7 @@ class BuildOptions:
     kv_sink_tokens: int | None = None
     kv_window: int | None = None
     kv_rotation: str | None = None          # None: hadamard
-    kv_key_centering: bool | None = None    # None: off
+    kv_key_centering: bool | None = None    # None: off (on for Gemma 3: config.FAMILY_KV_DEFAULTS)
     max_num_seqs: int | None = None
     chunked_prefill_size: int | None = None
     gpu_memory_utilization: float | None = None
@@ -65,20 +65,21 @@ class BuildOptions:
     speculative: SpeculativeConfig | None = None   # the engine's default speculation (None: off, or its draft)
 
 
-def resolve_kv(opts: BuildOptions, profile: BuildProfile) -> KVCacheConfig:
-    d = profile.defaults
+def resolve_kv(opts: BuildOptions, profile: BuildProfile, model: ModelConfig) -> KVCacheConfig:
+    """The options given, else the model family's defaults, else the profile's."""
+    d = profile.defaults.kv_config(model)
 
     def pick(value, default):
         return default if value is None else value
 
-    return KVCacheConfig(
-        dtype=pick(opts.kv_cache_dtype, d.kv_cache_dtype),
-        group_size=pick(opts.kv_group_size, d.kv_group_size),
-        sink_tokens=pick(opts.kv_sink_tokens, d.kv_sink_tokens),
-        window=pick(opts.kv_window, d.kv_window),
-        rotation=pick(opts.kv_rotation, "hadamard"),
-        key_centering=pick(opts.kv_key_centering, False),
-        block_size=d.block_size,
+    return dataclasses.replace(
+        d,
+        dtype=pick(opts.kv_cache_dtype, d.dtype),
+        group_size=pick(opts.kv_group_size, d.group_size),
+        sink_tokens=pick(opts.kv_sink_tokens, d.sink_tokens),
+        window=pick(opts.kv_window, d.window),
+        rotation=pick(opts.kv_rotation, d.rotation),
+        key_centering=pick(opts.kv_key_centering, d.key_centering),
     )
 
 
@@ -280,7 +281,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
     ckpt = open_checkpoint(opts.checkpoint, log=log)
     profile, how = resolve_profile(opts.profile)
     log(f"profile: {profile.name} ({how})")
-    kv = resolve_kv(opts, profile)
+    kv = resolve_kv(opts, profile, ckpt.model)
     try:
         kv.validate(ckpt.model.head_dim)
     except ValueError as e:

@@ -36,20 +36,23 @@ def device_option(f: Callable) -> Callable:
 def kv_options(default_from: str, build_defaults: bool) -> Callable[[Callable], Callable]:
     """The KV-cache format options of `build` (defaults: the profile's) and `eval` (the engine's)."""
     d = f"[default: {default_from}]"
-    rotation_d, centering_d = ("[default: hadamard]", "[default: off]") if build_defaults else (d, d)
+    # Gemma 3 takes key centering and a 512-token window by default (config.FAMILY_KV_DEFAULTS)
+    window_d, rotation_d, centering_d = ((f"[default: {default_from}; 512 for Gemma 3]", "[default: hadamard]",
+                                          "[default: off; on for Gemma 3]") if build_defaults else (d, d, d))
     options = [
         click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES),
                      help=f"Storage of the KV body; sinks and the recent window stay fp16. {d}"),
         click.option("--kv-group-size", type=click.Choice(KV_GROUP_SIZES),
                      help=f"INT4 KV channels per scale/zero group; must divide head_dim. {d}"),
         click.option("--kv-sink-tokens", type=NON_NEGATIVE, help=f"First tokens kept fp16 for the sequence's life. {d}"),
-        click.option("--kv-window", type=NON_NEGATIVE, help=f"Most recent tokens kept fp16. {d}"),
+        click.option("--kv-window", type=NON_NEGATIVE, help=f"Most recent tokens kept fp16. {window_d}"),
         click.option("--kv-rotation", type=click.Choice(KV_ROTATIONS),
                      help="Hadamard-rotate keys (hadamard), keys and values (hadamard_kv), or nothing (none) "
                           f"before quantising; tames outlier channels. {rotation_d}"),
         click.option("--kv-key-centering/--no-kv-key-centering", default=None,
                      help="Subtract the calibrated mean key before quantising: exact for attention, lower KL "
-                          f"divergence, not lower perplexity (docs/kv-cache-quality.md). {centering_d}"),
+                          "divergence; lower perplexity on Gemma 3, not on SmolLM2 (docs/kv-cache-quality.md). "
+                          f"{centering_d}"),
     ]
 
     def apply(f: Callable) -> Callable:

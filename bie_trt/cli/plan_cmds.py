@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..config import KV_DTYPES, KVCacheConfig, ModelConfig
+from ..config import KV_DTYPES, ModelConfig
 from ..errors import CheckpointError, PlanError
 from ..jsonio import read_json_object
 from ..plan import (
@@ -86,7 +86,7 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
 @click.option("--kv-group-size", type=int,
               help="Channels per INT4 scale/zero group; must divide head_dim. [default: the profile's]")
 @click.option("--kv-sink-tokens", type=int, help="First tokens kept fp16 for the whole sequence. [default: the profile's]")
-@click.option("--kv-window", type=int, help="Most recent tokens kept fp16. [default: the profile's]")
+@click.option("--kv-window", type=int, help="Most recent tokens kept fp16. [default: the profile's; 512 for Gemma 3]")
 @click.option("--max-num-seqs", type=POSITIVE,
               help="Sequences served at once; each gets KV for the full --max-model-len. [default: the profile's]")
 @click.option("--chunked-prefill-size", type=POSITIVE,
@@ -142,12 +142,13 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
     prof, how = resolve_profile(profile)
     click.echo(f"profile: {prof.name} ({how})", err=True)
     d = prof.defaults
-    kv = KVCacheConfig(
-        dtype=kv_cache_dtype or d.kv_cache_dtype,
-        group_size=kv_group_size or d.kv_group_size,
-        sink_tokens=d.kv_sink_tokens if kv_sink_tokens is None else kv_sink_tokens,
-        window=d.kv_window if kv_window is None else kv_window,
-        block_size=d.block_size,
+    kv = d.kv_config(model)   # the profile's format with the model family's defaults (config.FAMILY_KV_DEFAULTS)
+    kv = dataclasses.replace(
+        kv,
+        dtype=kv_cache_dtype or kv.dtype,
+        group_size=kv_group_size or kv.group_size,
+        sink_tokens=kv.sink_tokens if kv_sink_tokens is None else kv_sink_tokens,
+        window=kv.window if kv_window is None else kv_window,
     )
     draft = None
     if speculative_draft_config is not None:
