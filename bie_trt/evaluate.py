@@ -81,7 +81,12 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
              reference: tuple[str, Callable[[list[int]], torch.Tensor]] | None = None) -> list[EvalResult]:
     """Perplexity and mean KL(P_base || P_variant) per variant; the baseline comes first. The baseline is the
     engine with an FP16 cache, or `reference` = (label, ids -> logits [len(ids), V]): another model's logits,
-    such as the source GGUF's own weights (builder/eval_reference.py)."""
+    such as the source GGUF's own weights (builder/eval_reference.py).
+
+    Memory: a window's forward keeps only each variant's final hidden states [context, H]; the head and the
+    float64 softmax run over all variants together a slice of rows at a time (`_score`), so the peak grows
+    with the context by the KV pools and the hidden states, not by [context, V]. A `reference` returns its
+    logits whole: [context, V] in float32 for that one."""
     stride = stride or context
     if not 0 < stride <= context:
         raise BieError(f"stride must be in (0, context]; got {stride}.")
@@ -111,30 +116,55 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
     for start in starts:
         window = token_ids[start:start + context]
         score_from = 0 if start == 0 else context - stride   # score only tokens no earlier window scored
-        targets = torch.tensor(window[1:])
-        keep = torch.arange(1, context) >= max(score_from, 1)
-        base_logp = []
+        first = max(score_from, 1) - 1                        # row r predicts window[r + 1]
+        rows_of = []
         for v in all_variants:
-            logits = (reference[1](window[:-1]) if v.pools is None else
-                      _teacher_forced_logits(runner.model, v, window[:-1]))
+            rows_of.append(_reference_rows(reference[1](window[:-1])) if v.pools is None else
+                           _head_rows(runner.model, _teacher_forced_hidden(runner.model, v, window[:-1])))
             bar.update(1)
-            for i, pos in enumerate(range(0, context - 1, base_kv.block_size)):   # in slices: float64 of [T, V]
-                rows = slice(pos, pos + base_kv.block_size)
-                logp = torch.log_softmax(logits[rows].double(), -1)[keep[rows]]
-                v.nll -= logp.gather(-1, targets[rows][keep[rows], None].to(logp.device)).sum().item()
-                if v is all_variants[0]:
-                    base_logp.append(logp)
-                else:
-                    v.kl += (base_logp[i].exp() * (base_logp[i] - logp)).sum().item()
-        scored += int(keep.sum())
+        _score(all_variants, rows_of, torch.tensor(window[1 + first:]), first, model_cfg.vocab_size)
+        scored += context - 1 - first
     bar.close()
     return [EvalResult(v.label, dataclasses.asdict(v.kv), math.exp(v.nll / scored), v.kl / scored, scored, context,
                        kv_bytes_per_token(model_cfg, v.kv)) for v in all_variants]
 
 
-def _teacher_forced_logits(model: LlamaModel, v: _Variant, ids: list[int]) -> torch.Tensor:
-    """Logits [len(ids), V] of every position, each row reading the cache as plain decoding does at its
-    position. The pools hold the whole window in FP16 beside its quantised twins."""
+# Rows of logits scored at once: float64 log-probs of a whole window are [T, V] (17 GB for 8,192 tokens of a
+# 262,144-token vocabulary), so every variant's rows go through the head and the softmax a slice at a time,
+# ~256 MiB of float64 a slice; wide enough that reading the head's weights once a slice costs little.
+_SLICE_ELEMENTS = 1 << 25
+
+
+@torch.inference_mode()
+def _score(variants: list[_Variant], rows_of: list[Callable[[slice], torch.Tensor]], targets: torch.Tensor,
+           first: int, vocab: int) -> None:
+    """Adds each variant's NLL of `targets` (the tokens rows first.. predict) and the baseline's (variants[0])
+    KL divergence to it, slice by slice, in float64."""
+    step = max(1, _SLICE_ELEMENTS // vocab)
+    for lo in range(0, len(targets), step):
+        rows, want = slice(first + lo, first + lo + step), targets[lo:lo + step, None]
+        base = None
+        for v, logits in zip(variants, rows_of):
+            logp = torch.log_softmax(logits(rows).double(), -1)
+            v.nll -= logp.gather(-1, want.to(logp.device)).sum().item()
+            if base is None:
+                base, base_p = logp, logp.exp()
+            else:
+                v.kl += (base_p * (base - logp)).sum().item()
+
+
+def _reference_rows(logits: torch.Tensor) -> Callable[[slice], torch.Tensor]:
+    return lambda rows: logits[rows]
+
+
+def _head_rows(model: LlamaModel, hidden: torch.Tensor) -> Callable[[slice], torch.Tensor]:
+    """The model's own head (final norm, LM head, soft-capping) over the rows of a slice only."""
+    return lambda rows: model.head_logits(hidden[rows]).float()
+
+
+def _teacher_forced_hidden(model: LlamaModel, v: _Variant, ids: list[int]) -> torch.Tensor:
+    """Final hidden states [len(ids), H] of every position (before the final norm), each row reading the cache
+    as plain decoding does at its position. The pools hold the whole window in FP16 beside its quantised twins."""
     blocks = BlockManager(v.kv, v.pools.num_fp_blocks, v.pools.num_quant_blocks)
     seq = Sequence(list(ids), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
     blocks.grow(seq, len(ids))
@@ -147,7 +177,7 @@ def _teacher_forced_logits(model: LlamaModel, v: _Variant, ids: list[int]) -> to
     sliding = list(range(v.pools.sliding.num_fp_blocks)) if v.pools.sliding is not None else None
     inputs = [SeqInput(torch.tensor(ids[pos:min(pos + bs - pos % bs, row + rows)]), pos, table, all_logits=True,
                        sliding_table=sliding) for row, rows, table in views for pos in _slice_starts(row, row + rows, bs)]
-    return torch.cat(model.forward(inputs, v.pools, quantise))
+    return model.final_hidden(inputs, v.pools, quantise)
 
 
 def _slice_starts(start: int, stop: int, block_size: int) -> list[int]:

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from bie_trt.cli import main
 from bie_trt.config import EngineConfig, KVCacheConfig
+from bie_trt import evaluate as ev
 from bie_trt.evaluate import evaluate
 from bie_trt.executor.block_manager import BlockManager
 from bie_trt.executor.model_runner import ModelRunner, quantise_blocks
@@ -122,3 +123,41 @@ def test_eval_cli_json(smollm2_engine, lee_text):
     assert {"ppl", "kld", "tokens", "context", "kv"} <= set(data)
     assert data["kv"]["dtype"] == "int4_asym" and data["kv"]["window"] == 16 and data["tokens"] == 63
 
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(build, tiny_gemma3_awq):
+    """The tiny Gemma 3 (hybrid, logits soft-capped) with an FP16 cache: the same engine as tiny_gemma3_engine's."""
+    return build(checkpoint=str(tiny_gemma3_awq), max_model_len=512, kv_cache_dtype="fp16")
+
+
+def test_streamed_scores_equal_the_full_logit_matrix(tiny_gemma3_dir, monkeypatch):
+    """Eval scores the rows a slice at a time (a window's [T, V] float64 log-probs do not fit at 8k tokens of
+    a 262k vocabulary); here slices of 7 rows, over two overlapping windows (the second scores its last 24
+    rows only), against the whole matrix of each variant's head logits, soft-capping included."""
+    seen, forward = [], ev._teacher_forced_hidden
+
+    def keep_hidden(model, v, ids):   # the real forward; its final hidden rows kept for the full matrix
+        seen.append((model, forward(model, v, ids)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(ev, "_teacher_forced_hidden", keep_hidden)
+    ids = torch.randint(0, 49152, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    monkeypatch.setattr(ev, "_SLICE_ELEMENTS", 7 * 49152)
+    context, stride = 64, 24
+    kv = KVCacheConfig(dtype="int4_asym", group_size=32, window=16, sink_tokens=4)
+    fp16, int4 = evaluate(tiny_gemma3_dir, ids, context, {"int4": kv}, stride=stride, max_windows=2, progress=False)
+    assert seen[0][0].cfg.final_logit_softcapping == 30.0
+    nll, kl = [0.0, 0.0], 0.0
+    for w, start in enumerate((0, stride)):
+        first = 0 if start == 0 else context - stride - 1      # rows whose targets no earlier window scored
+        targets = torch.tensor(ids[start + 1 + first:start + context])[:, None]
+        base, logp = (torch.log_softmax(model.head_logits(h).double(), -1)[first:] for model, h in seen[2 * w:2 * w + 2])
+        nll = [nll[0] - base.gather(-1, targets).sum().item(), nll[1] - logp.gather(-1, targets).sum().item()]
+        kl += (base.exp() * (base - logp)).sum().item()
+    count = context - 1 + stride
+    # The head's float32 matmul over 7 rows may round a logit an ulp apart from the one over all rows (~3e-9 here).
+    assert fp16.tokens == int4.tokens == count
+    assert fp16.ppl == pytest.approx(math.exp(nll[0] / count), rel=1e-7)
+    assert int4.ppl == pytest.approx(math.exp(nll[1] / count), rel=1e-7)
+    assert int4.kld == pytest.approx(kl / count, rel=1e-7) and int4.kld > 1e-6

@@ -112,17 +112,23 @@ class LlamaModel:
         `quantise` lists (FP16 block, quantised block) pairs that this step writes and some of its
         sequences read quantised (consecutive chunks of one text as sequences of one step): each
         layer quantises them between writing K/V and attention."""
-        meta = StepMetadata.build(seqs, pools.cfg.block_size, self.device)
-        meta.quantise = tuple(list(ids) for ids in zip(*quantise)) or None
+        meta = self._step_meta(seqs, pools, quantise)
         logits = self.forward_hidden(self.embed_ids(torch.cat([s.token_ids for s in seqs])), meta, pools)
         return [rows if s.all_logits else rows[0] for rows, s in zip(logits.split(meta.logit_counts), seqs)]
 
     @torch.inference_mode()
-    def final_hidden(self, seqs: list[SeqInput], pools: KVPools) -> torch.Tensor:
+    def final_hidden(self, seqs: list[SeqInput], pools: KVPools,
+                     quantise: list[tuple[int, int]] = ()) -> torch.Tensor:
         """The rows `forward` takes logits of, before the final norm, stacked [rows, H]: for heads
-        other than the model's own (`head_logits(rows, head)`)."""
-        meta = StepMetadata.build(seqs, pools.cfg.block_size, self.device)
+        other than the model's own, or the model's own a few rows at a time (`head_logits(rows)`: a
+        [rows, V] logit matrix of a long text is gigabytes). `quantise` as in `forward`."""
+        meta = self._step_meta(seqs, pools, quantise)
         return self.forward_hidden(self.embed_ids(torch.cat([s.token_ids for s in seqs])), meta, pools, head=False)
+
+    def _step_meta(self, seqs: list[SeqInput], pools: KVPools, quantise: list[tuple[int, int]]) -> StepMetadata:
+        meta = StepMetadata.build(seqs, pools.cfg.block_size, self.device)
+        meta.quantise = tuple(list(ids) for ids in zip(*quantise)) or None
+        return meta
 
     def forward_hidden(self, h: torch.Tensor, meta: StepMetadata, pools: KVPools, head: bool = True) -> torch.Tensor:
         """Embedded rows [T, H] -> logits of meta.logit_rows (without `head`: their last hidden state, before
