@@ -23,7 +23,7 @@ from ..config import KVCacheConfig
 from ..kv.pool import decode_block, encode_quant_block
 from .exact_rows import quantised_end, runs, sink_blocks
 from .host_cache import HostCache, HostMove, Offload, Restore
-from .prefix_cache import PrefixCache, block_key, quant_key
+from .prefix_cache import PrefixCache, block_key, quant_key, release, share
 from .sequence import Sequence
 from .sliding_blocks import OutOfBlocks, SlidingBlocks
 
@@ -154,18 +154,10 @@ class BlockManager:
         return moves
 
     def _share(self, entry: int) -> None:
-        if entry in self.ref_counts:
-            self.ref_counts[entry] += 1
-        else:   # a cached entry nobody held
-            self.cache.unpark(entry)
-            self.ref_counts[entry] = 1
+        share(self.ref_counts, self.cache, entry)
 
     def _release(self, entry: int) -> None:
-        self.ref_counts[entry] -= 1
-        if self.ref_counts[entry]:
-            return
-        del self.ref_counts[entry]
-        if self.cache is None or not self.cache.park(entry):
+        if release(self.ref_counts, self.cache, entry):
             self._free(entry)
 
     def _free(self, entry: int) -> None:

@@ -68,3 +68,21 @@ class PrefixCache:
 
     def num_unused(self, quantised: bool) -> int:
         return len(self.unused[quantised])
+
+
+def share(ref_counts: dict[int, int], cache: PrefixCache | None, block: int) -> None:
+    """One more holder of `block`; a cached block nobody held leaves the LRU."""
+    if block in ref_counts:
+        ref_counts[block] += 1
+    else:
+        cache.unpark(block)
+        ref_counts[block] = 1
+
+
+def release(ref_counts: dict[int, int], cache: PrefixCache | None, block: int) -> bool:
+    """One holder fewer; True when `block` is free: nobody holds it and the cache did not keep it in its LRU."""
+    ref_counts[block] -= 1
+    if ref_counts[block]:
+        return False
+    del ref_counts[block]
+    return cache is None or not cache.park(block)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, release, share
 from .sequence import Sequence
 
 # The table entry of a block given back (or never held, below a prefix hit's window). Any valid block id:
@@ -67,18 +67,10 @@ class SlidingBlocks:
         return block
 
     def _share(self, block: int) -> None:
-        if block in self.ref_counts:
-            self.ref_counts[block] += 1
-        else:   # a cached block nobody held
-            self.cache.unpark(block)
-            self.ref_counts[block] = 1
+        share(self.ref_counts, self.cache, block)
 
     def _release(self, block: int) -> None:
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block]:
-            return
-        del self.ref_counts[block]
-        if self.cache is None or not self.cache.park(block):
+        if release(self.ref_counts, self.cache, block):
             self.free.append(block)
 
     # -- prefix hits -----------------------------------------------------------------------------
