@@ -112,7 +112,9 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
         all_variants.append(_Variant(label, kv, allocate_kv(model_cfg, kv, n_blocks, n_blocks, n_sliding, runner.dtype,
                                                             runner.device)))
     scored = 0
-    bar = tqdm(total=len(starts) * len(all_variants), desc=f"eval ctx {context}", unit="pass", disable=not progress)
+    # a pass per variant, then one over the rows that scores them all (as long as a forward or two at 8k tokens)
+    bar = tqdm(total=len(starts) * (len(all_variants) + 1), desc=f"eval ctx {context}", unit="pass",
+               disable=not progress)
     for start in starts:
         window = token_ids[start:start + context]
         score_from = 0 if start == 0 else context - stride   # score only tokens no earlier window scored
@@ -123,6 +125,7 @@ def evaluate(engine_dir: str | Path, token_ids: list[int], context: int, variant
                            _head_rows(runner.model, _teacher_forced_hidden(runner.model, v, window[:-1])))
             bar.update(1)
         _score(all_variants, rows_of, torch.tensor(window[1 + first:]), first, model_cfg.vocab_size)
+        bar.update(1)
         scored += context - 1 - first
     bar.close()
     return [EvalResult(v.label, dataclasses.asdict(v.kv), math.exp(v.nll / scored), v.kl / scored, scored, context,
