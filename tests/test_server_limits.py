@@ -120,7 +120,8 @@ def test_metrics_export_every_engine_number_under_vllm_names():
                                      "adaptive": {"gamma_max": 3, "steps_by_gamma": [9, 0, 2, 4], "probes": 2,
                                                   "acceptance": [0.8, 0.5, 0.25],
                                                   "step_costs": {"plain_ms": 20.0, "verify_ms": {"4": 30.0},
-                                                                 "draft_step_ms": 5.0}},
+                                                                 "draft_step_ms": 5.0, "context": 150,
+                                                                 "cost_per_1k_context": 0.4}},
                                      "draft_proposals": {"device": 17, "host": 1}},
                         cuda_graphs={"decode": {"graph": 9, "eager": 1}, "verify": {"graph": 5, "eager": 2}})
     metrics = Metrics(lambda: stats)
@@ -152,6 +153,8 @@ def test_metrics_export_every_engine_number_under_vllm_names():
     assert values[("bie_spec_decode_step_seconds", (("rows", "1"), ("step", "plain")))] == 0.02
     assert values[("bie_spec_decode_step_seconds", (("rows", "4"), ("step", "verify")))] == 0.03
     assert values[("bie_spec_decode_step_seconds", (("rows", "0"), ("step", "draft_step")))] == 0.005
+    assert values[("bie_spec_decode_step_context_tokens", ())] == 150
+    assert values[("bie_spec_decode_step_cost_per_1k_context", ())] == 0.4
     assert values[("bie_spec_decode_draft_proposals_total", (("drawn", "host"),))] == 1
     assert values[("bie_time_to_first_token_seconds_count", ())] == 1
     assert values[("bie_time_to_first_token_seconds_bucket", (("le", "0.5"),))] == 1

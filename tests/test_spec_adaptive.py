@@ -4,13 +4,14 @@ speculation where it pays, plain decoding with probes where it does not, and bac
 quotable; a lookup's γ chosen over what it found."""
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 
-from bie_trt.spec_decode.adaptive import (FIRST_PROBE, LAST_PROBE, LINE_WEIGHT, MEASURE_SAMPLES, PRIOR_WEIGHT,
-                                          PROBE_BUDGET, SLOWER_WEIGHT, Acceptance, AdaptiveGamma, Running, StepCosts,
-                                          expected_tokens, step_clock)
+from bie_trt.spec_decode.adaptive import (CLIP, ENGINE_DECAY, FIRST_PROBE, LAST_PROBE, LINE_WEIGHT, MEASURE_SAMPLES,
+                                          PRIOR_WEIGHT, PROBE_BUDGET, WINDOW, Acceptance, AdaptiveGamma, StepCosts,
+                                          Timings, expected_tokens, step_clock)
 
 
 def test_expected_tokens_of_a_step():
@@ -33,54 +34,95 @@ def test_acceptance_counts_only_positions_verified_after_accepted_ones():
     assert a.rates([0.5, 0.9, 0.9, 0.8])[1] == pytest.approx((1 + PRIOR_WEIGHT * 0.9) / (2 + PRIOR_WEIGHT))
 
 
-def test_a_running_figure_leaves_out_the_cold_first_timing_and_shrugs_off_stalls():
-    f = Running()
-    f.add(50.0)                 # the first run (allocations, kernel choice): left out
-    assert f.samples == 0
-    f.add(1.0)
-    assert (f.value, f.samples) == (1.0, 1)
-    f.add(10.0)                 # a stall: moves it a fifth of the way
-    assert f.value == pytest.approx(2.8)
-    f.add(1.0)                  # a fast timing pulls it back by half
-    assert f.value == pytest.approx(1.9)
+def test_timings_leave_out_the_cold_first_cut_stalls_and_forget():
+    t = Timings()
+    t.add(50.0, 0, 0.0)          # the first run (allocations, kernel choice): left out
+    assert t.samples == 0
+    t.add(1.0, 0, 0.0)
+    t.add(1.0, 0, 0.0)
+    t.add(10.0, 0, 0.0)          # a stall counts CLIP above the fastest, not ten times the step
+    assert math.exp(t.level(0.0)) == pytest.approx(math.exp(CLIP / 3))
+    for _ in range(WINDOW):      # a window of ordinary steps forgets it
+        t.add(1.0, 0, 0.0)
+    assert t.level(0.0) == pytest.approx(0.0, abs=1e-12) and t.samples == WINDOW
+    for _ in range(WINDOW):      # a lasting doubling is followed once the window has turned over
+        t.add(2.0, 0, 0.0)
+    assert math.exp(t.level(0.0)) == pytest.approx(2.0)
+    t.add(2.0 * math.exp(0.002 * 100), 100, 0.002)   # a longer context: dearer by the slope, not a stall
+    assert t.level(0.002) == pytest.approx(math.log(2.0)) and t.level(0.0) > math.log(2.0)
+    first = Timings()
+    for seconds in (50.0, 10.0, 1.0):   # cold, then a stall as the first kept timing: cut by the next
+        first.add(seconds, 0, 0.0)
+    assert first.level(0.0) == pytest.approx(CLIP / 2)
+
+
+def timed(costs: StepCosts, rows: int, per_plain: float, contexts: list[int], slope: float = 0.0) -> None:
+    """`rows`-row steps at each context, each `per_plain` x a plain step of 10 ms at an empty context, dearer by
+    exp(slope·context)."""
+    for c in contexts:
+        costs.record_target(rows, 0.010 * per_plain * math.exp(slope * c), c)
 
 
 def test_step_costs_are_relative_to_plain_decoding_on_one_line_and_a_widths_own():
     c = StepCosts(gamma_max=5, per_token=True)
-    c.record_target(4, 9.0)   # before any plain step: nothing to be relative to
-    assert not c.relative[2].samples
-    c.record_target(1, 7.0)   # cold, left out
-    c.record_target(1, 2.0)
-    c.record_target(3, 8.0)   # each width's first run is cold: out of its figure and of the line
-    assert c.slope == 0 and not c.relative[1].samples
-    c.record_target(3, 3.0)   # 1.5 x plain: 0.25 a row
+    timed(c, 4, 1.5, [0, 0])         # before any plain step: nothing to be relative to
+    c.record_proposal(0.005)
+    assert not c.target[3].samples and not c.proposal.samples
+    timed(c, 1, 1.0, [0, 0, 0])      # the first is cold
+    timed(c, 3, 1.5, [0, 0])         # each width's first run is cold: out of its figure and of the line
+    assert c.row_slope == pytest.approx(0.25) and c.target[2].samples == 1
     assert c.line(2) == pytest.approx(1.25) and c.line(6) == pytest.approx(2.25)
     # a width measured once: its own 1.5, weighed against the line's 1.5 there
     assert c.ratio(3) == pytest.approx(1.5) and c.ratio(2) == pytest.approx(1.25)
-    c.record_target(6, 5.0)   # cold
-    c.record_target(6, 5.0)   # 2.5 x plain: 0.3 a row; the wide verify weighs most in the fit, less above the line
-    w = SLOWER_WEIGHT
-    assert c.slope == pytest.approx((0.8 * 2 * 0.5 + w * 5 * 1.5) / (0.8 * 4 + w * 25)) and c.relative[4].value == 2.5
+    timed(c, 6, 2.5, [0, 0])         # 0.3 a row: the line is fitted to both, each weighed by its timings
+    assert c.row_slope == pytest.approx((2 * 0.5 + 5 * 1.5) / (4 + 25))
     # a device whose narrow verifies cost more than the line says (a CPU's matrix products over 2-3 rows)
-    for _ in range(20):
-        c.record_target(3, 4.0)
-        c.record_target(6, 5.0)
-    assert c.relative[1].value == pytest.approx(2.0, abs=0.01)
-    assert c.ratio(3) > c.line(3) + 0.2 and c.ratio(3) == pytest.approx(
-        (5 * c.relative[1].value + LINE_WEIGHT * c.line(3)) / (5 + LINE_WEIGHT))
-    c.record_proposal(9.0)    # cold
-    c.record_proposal(1.0)    # a draft step: half a plain step
-    assert c.step_seconds(0) == 2.0 and c.step_seconds(2) == pytest.approx(2.0 * (2 * 0.5 + c.ratio(3)))
+    for _ in range(4 * WINDOW):   # a third dearer than it was: more than CLIP, followed a little a timing
+        timed(c, 3, 2.0, [0])
+        timed(c, 6, 2.5, [0])
+    own = (WINDOW * 2.0 + LINE_WEIGHT * c.line(3)) / (WINDOW + LINE_WEIGHT)
+    assert c.ratio(3) > c.line(3) + 0.2 and c.ratio(3) == pytest.approx(own)
+    c.record_proposal(0.090)         # cold
+    c.record_proposal(0.005)         # a draft step: half a plain step
+    assert c.plain_seconds == pytest.approx(0.010) and c.proposal_ratio == pytest.approx(0.5)
+    assert c.step_seconds(2) == pytest.approx(0.010 * (2 * 0.5 + c.ratio(3)))
     lookups = StepCosts(gamma_max=5, per_token=False)
-    lookups.proposal.value = 0.5
-    assert lookups.step_seconds(2) == lookups.plain.value * lookups.ratio(3)   # made before the choice: sunk
-    # a host twice as busy slows the plain step: every figure follows it
-    before = c.step_seconds(2) / c.step_seconds(0)
-    for _ in range(40):
-        c.record_target(1, 4.0)
-    assert c.step_seconds(2) / c.step_seconds(0) == pytest.approx(before)
-    assert c.to_dict()["verify_ms"] == {"3": pytest.approx(c.relative[1].value * c.plain.value * 1e3),
-                                        "6": pytest.approx(2.5 * c.plain.value * 1e3)}
+    timed(lookups, 1, 1.0, [0, 0, 0])
+    lookups.record_proposal(0.005)
+    lookups.record_proposal(0.005)
+    assert lookups.step_seconds(2) == pytest.approx(0.010 * lookups.ratio(3))   # made before the choice: sunk
+    assert c.to_dict()["verify_ms"] == {"3": pytest.approx(10 * c.ratio(3), abs=1e-3),
+                                        "6": pytest.approx(10 * c.ratio(6), abs=1e-3)}
+    assert c.ratio(6) == pytest.approx(2.5, rel=0.01)   # a width timed a window's worth: its own figure, nearly
+    timed(c, 4, 0.7, [0, 0, 0])   # noise below a plain step: a verify does all a plain step does, and more
+    assert c.ratio(4) >= 1.0 and c.ratio(4) == pytest.approx((2 * 1.0 + LINE_WEIGHT * c.line(4)) / (2 + LINE_WEIGHT))
+    # a host twice as busy, seen by plain steps only (the request decodes plainly): the verify and draft
+    # figures timed before it are still in plain steps of their time, so the choice stays where it was
+    before = [c.step_seconds(g) / c.step_seconds(0) for g in range(6)]
+    timed(c, 1, 2.0, [0] * WINDOW)
+    assert c.plain_seconds == pytest.approx(0.020)
+    assert [c.step_seconds(g) / c.step_seconds(0) for g in range(6)] == pytest.approx(before)
+
+
+def test_a_verify_is_compared_with_a_plain_step_at_the_same_context():
+    """A prose request decodes plainly at a short context, a quoting one verifies 6 rows at a long one (the
+    costs of SmolLM2 on this CPU: about +40 % a thousand tokens). Each window holds one request's steps,
+    contexts a few tokens apart, so the slope comes from the longer memory: within a couple of hundred steps
+    the verify reads 1.5 plain steps, not 1.5 x the longer context's cost, and the plain step's seconds
+    are read at the latest context."""
+    slope = math.log(1.4) / 1000
+    c = StepCosts(gamma_max=5, per_token=False)
+    for i in range(200):
+        timed(c, 1, 1.0, [100 + i], slope)
+        timed(c, 6, 1.5, [1500 + 5 * i], slope)
+    assert c.ratio(6) == pytest.approx(1.5, rel=0.02)
+    assert c.to_dict()["cost_per_1k_context"] == pytest.approx(0.4, abs=0.02)
+    assert c.plain_seconds == pytest.approx(0.010 * math.exp(slope * c.context), rel=0.02)
+    # one request alone (contexts a token apart, a timing's noise 5 %): the slope leans on 0, not on noise
+    alone = StepCosts(gamma_max=5, per_token=False)
+    for i in range(WINDOW + 1):
+        alone.record_target(1, 0.010 * (1 + 0.05 * (i % 2)), 100 + i)
+    assert alone.context_slope < 1e-4
 
 
 def test_steps_are_timed_in_cpu_seconds_on_a_cpu_and_wall_seconds_on_a_gpu():
@@ -201,3 +243,20 @@ def test_a_lookup_verifies_what_it_found_and_one_rejection_after_a_good_run_keep
     assert g.take("quote", 4) == 4
     g.record_verify("edit", 4, 0)   # a new request, wrong at its first proposal
     assert g.take("edit", 4) == 4
+
+
+def test_a_lookups_unverified_proposal_is_judged_by_the_targets_own_token():
+    """A lookup found more than adaptive γ verified: the first proposal left is judged by the token the target
+    drew in its place (a verify accepts a proposal d with probability p(d), the chance the target draws d),
+    only where every verified proposal was accepted; the emitted tokens in the trace are what was verified."""
+    g = ngram_controller(verify_ratio=1.3)
+    g.trace = []
+    g.record_verify("q", 2, 2, next_accepted=True)     # positions 1, 2 verified, 3 judged: accepted
+    assert (g.requests["q"].acceptance.tried, g.requests["q"].acceptance.accepted) == ([1, 1, 1, 0], [1, 1, 1, 0])
+    g.record_verify("r", 2, 2, next_accepted=False)    # judged: rejected
+    assert (g.requests["r"].acceptance.tried, g.requests["r"].acceptance.accepted) == ([1, 1, 1, 0], [1, 1, 0, 0])
+    g.record_verify("s", 2, 1, next_accepted=True)     # position 2 rejected: position 3 was never reached
+    assert (g.requests["s"].acceptance.tried, g.requests["s"].acceptance.accepted) == ([1, 1, 0, 0], [1, 0, 0, 0])
+    g.record_unverified("t", True)                      # a plain step (γ = 0) judged the first proposal
+    assert (g.requests["t"].acceptance.tried, g.requests["t"].acceptance.accepted) == ([1, 0, 0, 0], [1, 0, 0, 0])
+    assert g.trace == [3, 3, 2] and g.engine.tried[0] == pytest.approx(sum(ENGINE_DECAY ** k for k in range(4)))

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from bie_trt import BieEngine, EngineConfig, EngineError, SamplingParams, SpeculativeConfig
+from bie_trt.spec_decode.adaptive import MEASURE_SAMPLES, StepCosts
 from bie_trt.chat.thinking_budget import THINK_END
 from bie_trt.cli import main
 from bie_trt.resolve import resolve_speculative
@@ -74,36 +75,47 @@ def test_batched_greedy_is_identical_and_proposals_are_accepted(spec, expected):
     assert sum(stats["accepted_by_position"]) == stats["num_accepted_tokens"]
     assert stats["accepted_by_position"] == sorted(stats["accepted_by_position"], reverse=True)
     assert sum(o.spec_decode["num_accepted_tokens"] for o in outs) == stats["num_accepted_tokens"]
+    # the last timed step's context: what its sequences had in the cache, on average
+    lengths = [len(spec.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    assert min(lengths) <= spec.adaptive.costs.context < max(lengths) + GREEDY.max_tokens
     assert idle(spec)
 
 
-def set_costs(engine: BieEngine, verify_ratio: float, proposal_ratio: float = 0.0) -> None:
-    """The adaptive engine's step costs as if measured: a verify of any width `verify_ratio` plain steps,
-    proposing (a draft step, a lookup) `proposal_ratio` (on the loop thread, between steps)."""
+def set_costs(engine: BieEngine, monkeypatch, verify_ratio: float, proposal_ratio: float = 0.0) -> None:
+    """The adaptive engine's step costs as if measured, and held there for the test (its own timings no longer
+    recorded): a verify of any width `verify_ratio` plain steps, proposing (a draft step, a lookup)
+    `proposal_ratio` (set on the loop thread, between steps)."""
+    adaptive = engine.adaptive
+    costs = StepCosts(adaptive.gamma_max, adaptive.costs.per_token)
+    for _ in range(MEASURE_SAMPLES + 2):   # the first of each is cold, and the others wait for a plain step
+        costs.record_target(1, 1.0)
+        for rows in range(2, adaptive.gamma_max + 2):
+            costs.record_target(rows, verify_ratio)
+        costs.record_proposal(max(proposal_ratio, 1e-9))
+
     def put() -> None:
-        costs = engine.adaptive.costs
-        costs.plain.value, costs.plain.samples = 1.0, 2
-        for figure in costs.relative:
-            figure.value, figure.samples = verify_ratio, 2
-        costs._fit = [verify_ratio - 1.0, 1.0]   # the line through them at two rows
-        costs.proposal.value, costs.proposal.samples = proposal_ratio, 2
-        engine.adaptive.requests.clear()
+        monkeypatch.setattr(adaptive, "costs", costs)
+        monkeypatch.setattr(adaptive, "record_step", lambda *args: None)
+        monkeypatch.setattr(adaptive, "record_proposal", lambda *args: None)
+        adaptive.requests.clear()
 
     engine._run_on_loop(put)
 
 
-def test_adaptive_gamma_steps_aside_and_back_and_changes_no_token(spec, expected):
+def test_adaptive_gamma_steps_aside_and_back_and_changes_no_token(spec, expected, monkeypatch):
     """Verifying made to look 50 plain steps dear: the requests decode plainly (no probes either: nothing could
     pay); made as cheap as a plain step: they speculate. The tokens are plain decoding's either way."""
     assert spec.adaptive is not None
     steps = spec.adaptive.steps_by_gamma
     short = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)   # greedy: the first 10 of `expected`
-    set_costs(spec, 50.0)
-    before = list(steps)
+    set_costs(spec, monkeypatch, 50.0)
+    before, judged, drafts = list(steps), spec.adaptive.engine.tried[0], spec.stats().spec_decode["num_drafts"]
     assert [o.token_ids for o in spec.generate(PROMPTS[:2], short)] == [e[:10] for e in expected[:2]]
     plain_steps, speculating = steps[0] - before[0], sum(steps[1:]) - sum(before[1:])
-    assert plain_steps >= 5 and speculating == 0
-    set_costs(spec, 1.0)
+    assert plain_steps >= 5 and speculating == 0 and spec.stats().spec_decode["num_drafts"] == drafts
+    # what the lookups found was judged by the tokens the plain steps drew (quoting prompts: mostly right)
+    assert spec.adaptive.engine.tried[0] > judged * 0.98 ** plain_steps + 1
+    set_costs(spec, monkeypatch, 1.0)
     before = list(steps)
     out = spec.generate(PROMPTS[2], short)
     assert out.token_ids == expected[2][:10]
@@ -111,7 +123,7 @@ def test_adaptive_gamma_steps_aside_and_back_and_changes_no_token(spec, expected
     assert idle(spec)
 
 
-def test_a_draft_that_does_not_pay_runs_no_draft_step_and_no_verify(tiny_draft_engine):
+def test_a_draft_that_does_not_pay_runs_no_draft_step_and_no_verify(tiny_draft_engine, monkeypatch):
     """A draft step made to cost a plain step (itself as its draft, as on the CPU): every step is a plain decode,
     the draft reads no token (not even the ones it missed, until a probe that never comes) and nothing is
     verified; the tokens are plain decoding's."""
@@ -120,7 +132,7 @@ def test_a_draft_that_does_not_pay_runs_no_draft_step_and_no_verify(tiny_draft_e
     assert spec.adaptive is not None and spec.adaptive.costs.per_token   # the draft's default
     plain = BieEngine(EngineConfig(engine_dir=str(tiny_draft_engine), device="cpu", speculative={"method": "none"}))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    set_costs(spec, 1.1, 1.0)
+    set_costs(spec, monkeypatch, 1.1, 1.0)
     out = spec.generate(PROMPTS[2], params)
     assert out.token_ids == plain.generate(PROMPTS[2], params).token_ids
     assert spec.proposer.tokens_forwarded == 0 and sum(spec.proposer.steps.values()) == 0

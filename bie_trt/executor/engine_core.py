@@ -115,6 +115,7 @@ class EngineCore:
         logits = self.runner.execute(batch, {seq: p.token_ids for seq, p in proposals.items()})
         sampled = self._sample([(seq, row) for (seq, n), row in zip(batch.chunks, logits)
                                 if seq not in proposals and seq.num_pending <= n], events)
+        self.spec.judge_unverified({seq: tokens[0] for seq, (tokens, _) in sampled.items()})
         for (seq, n), seq_rows in zip(batch.chunks, logits):
             if seq in sampled or seq in proposals:
                 try:

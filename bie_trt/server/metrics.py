@@ -113,9 +113,16 @@ def adaptive_metrics(spec: dict) -> list[Metric]:
         for key in ("draft_step_ms", "lookup_ms"):
             if key in costs:
                 seconds.add_metric([key[:-3], "0"], costs[key] / 1e3)
+        context = GaugeMetricFamily("bie_spec_decode_step_context_tokens", "The context (tokens in the cache a "
+                                    "sequence) the step seconds are read at: the latest timed step's.",
+                                    value=costs["context"])
+        per_context = GaugeMetricFamily("bie_spec_decode_step_cost_per_1k_context", "How much dearer a step is "
+                                        "for each 1,000 tokens of context, as a fraction (fitted over the steps "
+                                        "timed; verify costs are compared with a plain step at the same context).",
+                                        value=costs["cost_per_1k_context"])
         out += [steps, _counter("bie_spec_decode_gamma_probes", "Probes: one proposal from a request decoding "
                                 "plainly, to see whether speculation pays again.", adaptive["probes"]),
-                acceptance, seconds]
+                acceptance, seconds, context, per_context]
     drawn = spec.get("draft_proposals")
     if drawn:
         where = CounterMetricFamily("bie_spec_decode_draft_proposals", "Draft proposals by where they were drawn "
