@@ -216,13 +216,17 @@ def apply_constraints(logits: torch.Tensor, rows: list[RowConstraint | None]) ->
         words[grammar] = torch.stack([rows[i].bitmask for i in grammar])
         logits.masked_fill_(~allowed_tokens(words, logits.shape[-1], device), float("-inf"))
     if bans := [(i, r.banned) for i, r in enumerate(rows) if r is not None and r.banned is not None]:
-        ban = torch.zeros(logits.shape, dtype=torch.bool, device=device)
-        ban[_flat(bans, device)] = True
-        banned = logits.masked_fill(ban, float("-inf"))
-        has_grammar = torch.zeros(len(rows), dtype=torch.bool)
-        has_grammar[grammar] = True
-        keep = has_grammar.to(device, non_blocking=True) & ~torch.isfinite(banned).any(-1)
-        logits.copy_(torch.where(keep[:, None], logits, banned))
+        at = _flat(bans, device)
+        if not any(rows[i].bitmask is not None for i, _ in bans):   # no grammar to outrank the ban
+            logits[at] = float("-inf")
+        else:
+            ban = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+            ban[at] = True
+            banned = logits.masked_fill(ban, float("-inf"))
+            has_grammar = torch.zeros(len(rows), dtype=torch.bool)
+            has_grammar[grammar] = True
+            keep = has_grammar.to(device, non_blocking=True) & ~torch.isfinite(banned).any(-1)
+            logits.copy_(torch.where(keep[:, None], logits, banned))
     if forced := [(i, r.forced) for i, r in enumerate(rows) if r is not None and r.forced is not None]:
         at = torch.tensor([i for i, _ in forced]).to(device, non_blocking=True)
         logits[at] = float("-inf")   # the budget is spent: the end of thinking, whatever the model prefers

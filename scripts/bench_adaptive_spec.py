@@ -112,7 +112,7 @@ def bookkeeping_seconds(gamma_max: int, steps: int = 20000) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    configs = configurations(args.methods.split(","), [int(g) for g in args.gammas.split(",")])
+    configs = configurations(args.methods, args.gammas)
     quoting = tasks(Path(args.prose_file).read_text()[:args.passage_chars] if args.prose_file else FALLBACK)
     prompts = {**{f"prose_{i}": p for i, p in enumerate(prose_prompts(args.prose_file and Path(args.prose_file),
                                                                         args.prose_prompts, args.prose_words))},
@@ -171,7 +171,6 @@ def expected_vs_emitted(trace: list) -> list[tuple[float, int]]:
 def summarise(args: argparse.Namespace, configs: dict, prompts: dict, engines: dict, runs: dict,
               forwarded: dict[str, int]) -> dict:
     kinds = {"prose": [t for t in prompts if t.startswith("prose")], "quoting": ["quote_passage", "edit_code"]}
-    methods = args.methods.split(",")
     clocks = (("cpu", "decode_cpu_s"), ("wall", "decode_s"))
 
     def tps(name: str, tasks_: list[str], clock: str, repeats: range) -> float:
@@ -185,9 +184,9 @@ def summarise(args: argparse.Namespace, configs: dict, prompts: dict, engines: d
     plain = runs["plain"]
     identical = {name: all(r["tokens"] == plain[t][0]["tokens"] for t in prompts for r in runs[name][t])
                  for name in configs}
-    ratios = {clock: ratios_of(t, configs, methods) for clock, t in tables.items()}
+    ratios = {clock: ratios_of(t, configs, args.methods) for clock, t in tables.items()}
     # each repeat alone (every prompt once, all configurations interleaved): the spread of the ratios
-    per_repeat = {clock: [ratios_of(table(key, range(i, i + 1)), configs, methods) for i in range(args.repeats)]
+    per_repeat = {clock: [ratios_of(table(key, range(i, i + 1)), configs, args.methods) for i in range(args.repeats)]
                   for clock, key in clocks}
     spread = {clock: {short: {ratio: [min(rs), max(rs)] for ratio in ("prose_adaptive_over_plain",
                                                                      "quoting_adaptive_over_best_fixed")
@@ -202,13 +201,13 @@ def summarise(args: argparse.Namespace, configs: dict, prompts: dict, engines: d
                               "emitted_tokens": sum(n for _, n in pairs)} for kind, pairs in by_kind.items()}
                 for name, by_kind in steps.items()}
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "torch": torch.__version__,
-            "engine": json.loads((Path(args.engine) / "manifest.json").read_text())["model"]["name"],
+            "engine": engines["plain"].model_name,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "prompts": prompts,
             "torch_threads": torch.get_num_threads(),
             "note": "configurations interleaved round-robin within each repeat; a shared host's load varies, so the "
                     "cpu clock (decode tokens per CPU second of this process) is the steadier one, wall beside it",
             "warmup_tokens": args.warmup_tokens,
-            "adaptive_bookkeeping_us_per_step": round(1e6 * bookkeeping_seconds(max(int(g) for g in args.gammas.split(","))), 2),
+            "adaptive_bookkeeping_us_per_step": round(1e6 * bookkeeping_seconds(max(args.gammas)), 2),
             "draft_tokens_forwarded_timed": {n: e.proposer.tokens_forwarded - forwarded[n]
                                              for n, e in engines.items() if hasattr(e.proposer, "tokens_forwarded")},
             "tokens_per_s": tables, "ratios": ratios, "ratio_spread_over_repeats": spread,
@@ -222,8 +221,9 @@ def summarise(args: argparse.Namespace, configs: dict, prompts: dict, engines: d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", required=True, help="an engine directory with a draft (bie-trt build --draft-checkpoint)")
-    ap.add_argument("--methods", default="draft_model,ngram")
-    ap.add_argument("--gammas", default="2,5", help="the fixed γ measured beside the adaptive one (up to the largest)")
+    ap.add_argument("--methods", default="draft_model,ngram", type=lambda v: v.split(","))
+    ap.add_argument("--gammas", default="2,5", type=lambda v: [int(g) for g in v.split(",")],
+                    help="the fixed γ measured beside the adaptive one (up to the largest)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--prose-file", help="news text, one article a line (default: two bundled paragraphs)")

@@ -24,13 +24,13 @@ from bie_trt.executor.model_runner import ModelRunner
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kernels.step_inputs import SeqInput
 from bie_trt.sampling import make_generator
+from bie_trt.spec_decode.adaptive import step_clock
 
 
 def step_seconds(runner: ModelRunner, seq: Sequence, context: int, rows: int, repeats: int, warmup: int) -> float:
     """The median time of the forward over `rows` tokens at position `context` (its K/V rewritten each run)."""
     ids = torch.tensor(seq.prompt_ids[context:context + rows])
-    cuda = runner.device.type == "cuda"
-    clock = time.perf_counter if cuda else time.process_time
+    cuda, clock = runner.device.type == "cuda", step_clock(runner.device.type)   # adaptive γ's own clock
     times = []
     for i in range(warmup + repeats):
         start = clock()

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from bench_scale_out import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,12 +49,6 @@ def tiny_engine(work: Path) -> Path:
     awq = quantize_checkpoint(hf, work / "awq", group_size=32)
     return build_engine(BuildOptions(checkpoint=str(awq), out=str(out), profile="cpu", max_model_len=1024,
                                      force=True), log=lambda m: None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def threads_of(pid: int) -> int:

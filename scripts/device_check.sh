@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (see the device tool's README): at most 740 s of steps (their timeouts;
+# The one prepared GPU run (see the device tool's README): at most 780 s of steps (their timeouts;
 # STEPS="3 8" runs a subset);
 # step 8 comes last, so a run cut short still answers the rest. Headline first:
 #   1. INT4 and FP8 decode attention at 64k, tile loops v1 and v2 (and INT4 without the inline-PTX nibbles);

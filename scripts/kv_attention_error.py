@@ -101,15 +101,18 @@ def main() -> None:
         print(f"layer {li}: key RMS {k.pow(2).mean().sqrt():.3f}, mean key RMS {k[16:].mean(0).pow(2).mean().sqrt():.3f},"
               f" value RMS {values[gi, 0].pow(2).mean().sqrt():.3f}")
     print(f"relative attention-output error over rows {rows.start}..{n - 1} (K only / V only / both):")
-    names = settings(torch.zeros(cfg.head_dim)).keys()
-    for name in names:
+    # per layer, once: its queries, keys, values, exact output and settings (from the engine's calibrated mean key)
+    layers = []
+    for gi, li in enumerate(full):
+        q = queries[li].reshape(n, cfg.num_heads, cfg.head_dim)[:, :group]
+        k, v = keys[gi, 0], values[gi, 0]
+        layers.append((li, q, k, v, attention(q, k, k, v, v, model.scale, a.window),
+                       settings(model.key_mean[li, 0].float())))
+    for name in settings(torch.zeros(cfg.head_dim)):
         cells = []
-        for gi, li in enumerate(full):
-            fk, fv = settings(model.key_mean[li, 0].float())[name]   # the engine's calibrated mean key
-            q = queries[li].reshape(n, cfg.num_heads, cfg.head_dim)[:, :group]
-            k, v = keys[gi, 0], values[gi, 0]
+        for li, q, k, v, o, quantisers in layers:
+            fk, fv = quantisers[name]
             kq, vq = fk(k), fv(v)
-            o = attention(q, k, k, v, v, model.scale, a.window)
             err = [(attention(q, k, ks, v, vs, model.scale, a.window) - o)[rows].norm() / o[rows].norm()
                    for ks, vs in ((kq, v), (k, vq), (kq, vq))]
             cells.append(f"L{li} " + " / ".join(f"{e:.4f}" for e in err))

@@ -160,7 +160,6 @@ def test_constraints_of_a_batch_stay_in_their_rows():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("outputs", [0, 9])
 def test_a_batch_on_the_gpu_draws_the_cpus_tokens(outputs):
     """The race's noise is integer hashing, the same on any device: a batch sampled from CUDA logits gives the

@@ -123,6 +123,6 @@ def test_replicas_without_ray_name_the_extra_in_one_line(tiny_engine, option):
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    lines = _stderr_lines(r)
     assert len(lines) == 1 and lines[0].startswith(f"error: {option[0]}"), lines
     assert "not installed" in lines[0] and "pip install 'bie-trt[ray]'" in lines[0]

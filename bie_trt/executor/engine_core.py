@@ -15,7 +15,6 @@ scheduler account for the cache, and emit one event a request that moved. The ca
 from __future__ import annotations
 
 import collections
-from pathlib import Path
 
 import torch
 
@@ -23,7 +22,7 @@ from ..chat.tokenizer import load_tokenizer
 from ..config import EngineConfig
 from ..logits_constraint import GrammarError
 from ..plan import planned_step_tokens
-from ..sampling import top_logprobs
+from ..sampling import logprob_rows, to_device, top_logprobs_of
 from ..sampling_params import SamplingParams
 from .disk_blocks import load_from_disk, open_disk_tier, persist_prompt
 from .model_runner import ModelRunner
@@ -39,12 +38,11 @@ Event = tuple[RequestState, StreamEvent | Exception]
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tokenizer=None):
-        """`tokenizer`: the engine's (loaded from its directory when not given)."""
+    def __init__(self, config: EngineConfig):
         self.config, self.runner = config, ModelRunner(config)
-        self.tokenizer = tokenizer or load_tokenizer(config.engine_dir, config.chat_template)
+        self.tokenizer = load_tokenizer(config.engine_dir, config.chat_template)
         self.max_model_len, pools, kv = self.runner.max_model_len, self.runner.pools, self.runner.kv_config
-        self.spec = Speculation(self.runner, Path(config.engine_dir))
+        self.spec = Speculation(self.runner)
         chunk, seqs, gamma = self.runner.chunked_prefill_size, self.runner.max_num_seqs, self.spec.num_tokens
         budget = step_budget(planned_step_tokens(self.runner.manifest.plan.inputs),
                              config.max_num_batched_tokens, chunk, seqs, gamma)
@@ -115,7 +113,7 @@ class EngineCore:
         logits = self.runner.execute(batch, {seq: p.token_ids for seq, p in proposals.items()})
         sampled = self._sample([(seq, row) for (seq, n), row in zip(batch.chunks, logits)
                                 if seq not in proposals and seq.num_pending <= n], events)
-        self.spec.judge_unverified({seq: tokens[0] for seq, (tokens, _) in sampled.items()})
+        self.spec.judge_unverified(sampled)
         for (seq, n), seq_rows in zip(batch.chunks, logits):
             if seq in sampled or seq in proposals:
                 try:
@@ -148,7 +146,11 @@ class EngineCore:
     def _verify(self, seq: Sequence, rows: torch.Tensor, proposal) -> tuple[list[int], list]:
         tokens = self.spec.verify(seq, rows, proposal)
         n = seq.params.logprobs
-        return tokens, [None if n is None else top_logprobs(row, t, n) for row, t in zip(rows, tokens)]
+        if n is None:
+            return tokens, [None] * len(tokens)
+        k = len(tokens)   # every row's logprobs in one read back
+        host = logprob_rows(rows[:k], to_device(tokens, torch.long, rows.device), [n] * k).tolist()
+        return tokens, [top_logprobs_of(row, t, n) for row, t in zip(host, tokens)]
 
     def _advance(self, request: RequestState, n: int, tokens: list[int], tops: list, verified: bool,
                  had_lookahead: bool) -> Event:
@@ -161,9 +163,10 @@ class EngineCore:
         self.scheduler.postprocess(seq, min(len(tokens), len(new) + 1) if verified else n, had_lookahead)
         if prefilled and self.disk is not None and self.disk.writable:   # handed over before the reply can end
             persist_prompt(self.blocks, self.runner, self.scheduler, self.disk, seq)
-        if seq.params.logprobs is not None:
-            seq.logprobs += tops[:len(new)]
+        kept = tops[:len(new)] if seq.params.logprobs is not None else None
+        if kept is not None:
+            seq.logprobs += kept
         if reason:
             self._end(request, reason)
         return request, StreamEvent(delta, new, reason, request.output(self.spec.output(seq)) if reason else None,
-                                    tops[:len(new)] if seq.params.logprobs is not None else None)
+                                    kept)

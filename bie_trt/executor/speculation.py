@@ -3,7 +3,6 @@ refuses), their verification and counters, adaptive γ's measurements, and what 
 leaves when its blocks go."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
@@ -21,11 +20,11 @@ def context_of(seqs: list[Sequence]) -> float:
 
 
 class Speculation:
-    def __init__(self, runner: ModelRunner, engine_dir: Path):
+    def __init__(self, runner: ModelRunner):
         self.config = runner.settings.speculative   # the caller's, else the engine's default (resolve.py)
         self.num_tokens = self.config.num_speculative_tokens if self.config.enabled else 0
         runner.capture_verify_graphs(self.num_tokens)
-        self.proposer = make_proposer(self.config, engine_dir, runner)
+        self.proposer = make_proposer(self.config, runner.engine_dir, runner)
         # each request's γ chosen every step (None: always num_speculative_tokens)
         self.adaptive = (AdaptiveGamma(self.num_tokens, per_token=self.config.method == "draft_model",
                                        clock=step_clock(runner.device.type))
@@ -114,13 +113,11 @@ class Speculation:
             self.accepted_by_position[i] += 1
         return tokens
 
-    def judge_unverified(self, sampled: dict[Sequence, int]) -> None:
-        """Plain steps' tokens (`sampled`: each decode's one token): where adaptive γ left a lookup's proposals
-        unverified, the first is judged by the token the target drew in its place."""
-        for seq, token in sampled.items() if self.unverified else ():
-            judged = self._judged(seq, token)
-            if judged is not None:
-                self.adaptive.record_unverified(seq, judged)
+    def judge_unverified(self, sampled: dict[Sequence, tuple[list[int], list]]) -> None:
+        """Plain steps' tokens (`sampled`: each decode's [token] and logprobs): where adaptive γ left a lookup's
+        proposals unverified, the first is judged by the token the target drew in its place."""
+        for seq in [seq for seq in self.unverified if seq in sampled]:
+            self.adaptive.record_unverified(seq, self._judged(seq, sampled[seq][0][0]))
 
     def _judged(self, seq: Sequence, token: int) -> bool | None:
         """Whether the proposal adaptive γ left unverified would have been accepted where the target drew `token`

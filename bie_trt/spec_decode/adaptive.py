@@ -87,6 +87,7 @@ class Timings:
         self.window: deque[tuple[float, float]] = deque(maxlen=WINDOW)
         self.cold = True
         self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)   # fading: weight, Σc, Σy, Σc², Σcy of log seconds
+        self._level: tuple[float, float] | None = None   # (slope, level) last read, until the next timing
 
     @property
     def samples(self) -> int:
@@ -100,15 +101,19 @@ class Timings:
         v = math.log(max(seconds, 1e-9)) - reference
         cut = min(v, min(u - slope * c for u, c in self.window) + slope * context + CLIP) if self.window else v
         self.window.append((v, context))
+        self._level = None
         fade, y = 1 - 1 / SLOPE_MEMORY, cut + reference
         w, sc, sy, scc, scy = (fade * x for x in self._sums)
         self._sums = (w + 1, sc + context, sy + y, scc + context * context, scy + context * y)
 
     def level(self, slope: float) -> float:
-        """The window's mean value, each cut to CLIP above the lowest, brought to an empty context."""
-        at_zero = [v - slope * c for v, c in self.window]
-        ceiling = min(at_zero) + CLIP
-        return sum(min(v, ceiling) for v in at_zero) / len(at_zero)
+        """The window's mean value, each cut to CLIP above the lowest, brought to an empty context (read every
+        step for every kind, so kept until the window or the slope changes)."""
+        if self._level is None or self._level[0] != slope:
+            at_zero = [v - slope * c for v, c in self.window]
+            ceiling = min(at_zero) + CLIP
+            self._level = slope, sum(min(v, ceiling) for v in at_zero) / len(at_zero)
+        return self._level[1]
 
     def spread(self) -> tuple[float, float]:
         """(Σ(c - c̄)², Σ(c - c̄)(y - ȳ)) of the raw log seconds over the longer memory: this kind's share of the
@@ -209,7 +214,7 @@ class StepCosts:
         # a verify computes all a plain step does and more: noise must not make it look cheaper
         own = [1.0] + [max(1.0, math.exp(t.level(0.0))) if t.samples else 0.0 for t in self.target[1:]]
         fit = [(t.samples * (r - 1) * (own[r - 1] - 1), t.samples * (r - 1) ** 2)
-               for r, t in enumerate(self.target, 1) if r > 1 and t.samples]
+               for r, t in enumerate(self.target[1:], 2) if t.samples]
         self.row_slope = max(0.0, sum(a for a, _ in fit) / sum(b for _, b in fit)) if fit else 0.0
         self._ratios = [1.0] + [(t.samples * own[r - 1] + LINE_WEIGHT * self.line(r)) / (t.samples + LINE_WEIGHT)
                                 for r, t in enumerate(self.target[1:], 2)]

@@ -7,8 +7,6 @@ from ..config import SpeculativeConfig
 from ..errors import EngineError
 from .proposer import Proposer, TargetRuntime
 
-DRAFT_DIR = "draft"
-
 
 def make_proposer(config: SpeculativeConfig, engine_dir: Path, runner: TargetRuntime) -> Proposer | None:
     if config.method == "ngram":
@@ -23,8 +21,5 @@ def make_proposer(config: SpeculativeConfig, engine_dir: Path, runner: TargetRun
                 raise
             raise EngineError("speculative method 'draft_model' is not available in this bie-trt: the engine has "
                               "no draft; use {\"method\": \"ngram\"} or {\"method\": \"none\"}.") from None
-        if not (engine_dir / DRAFT_DIR).is_dir():
-            raise EngineError(f"{engine_dir} has no draft model ({DRAFT_DIR}/); rebuild it with --draft-checkpoint, "
-                              "or use {\"method\": \"ngram\"}.")
         return DraftModelProposer(engine_dir, runner)
     return None
