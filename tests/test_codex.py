@@ -236,3 +236,13 @@ def test_a_stream_that_fails_ends_with_response_failed(codex_server):
     failed = turn.events[-1]
     assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
     assert failed["response"]["error"]["code"] == "timeout" and "--request-timeout" in turn.error
+
+
+def test_a_tool_whose_type_is_not_a_string_is_a_400(codex_server):
+    """A tool type that is a list or an object names no tool: refused, naming the field (a set lookup of the
+    unhashable value once answered 500)."""
+    engine, base, _ = codex_server
+    for kind in ([], {"name": "shell"}, 3):
+        r = httpx.post(base + "/v1/responses", json={"model": engine.model_name, "input": "hi", "max_output_tokens": 1,
+                                                     "tools": [{"type": kind}]}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("tools[0]"), r.text

@@ -221,6 +221,8 @@ class UnknownTool(_Strict):
 
 def _tool_tag(tool: Any) -> str:
     kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    if not isinstance(kind, str):   # a list or an object: no tool type (and no set member: unhashable)
+        return "unknown"
     if kind in ("function", "custom", "local_shell"):
         return kind
     return "hosted" if kind in HOSTED_TOOLS else "unknown"
