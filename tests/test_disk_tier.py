@@ -10,7 +10,9 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -38,9 +40,9 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def engine(tiny_engine: Path, directory: Path | None, **config) -> BieEngine:
-    return BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", kv_cache_dtype="int4_asym",
-                                  kv_group_size=32, kv_window=64, kv_sink_tokens=16, max_num_seqs=2, host_kv_cache_gb=0,
-                                  kv_cache_dir=None if directory is None else str(directory), **config))
+    kv = {"kv_cache_dtype": "int4_asym", "kv_group_size": 32, "kv_window": 64, "kv_sink_tokens": 16, **config}
+    return BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_num_seqs=2, host_kv_cache_gb=0,
+                                  kv_cache_dir=None if directory is None else str(directory), **kv))
 
 
 def files(directory: Path) -> list[Path]:
@@ -321,3 +323,95 @@ def test_a_crashed_writers_temporary_files_are_deleted_at_start(tmp_path):
     assert not torn.exists() and pending(1).key in again and pending(2).key not in again
     assert again.read(pending(1).key).k.shape == (2, 64)
     again.close()
+
+
+# A writer in a process of its own: it takes the directory's lock, has a block half written (its temporary
+# file, named as write_cache_file names them), says so, and holds the lock until told to end.
+WRITER = """
+import sys
+from pathlib import Path
+from bie_trt.executor.disk_cache import SUFFIX, DiskTier
+tier = DiskTier(Path(sys.argv[1]), {"engine": "ab" * 32}, 1 << 20)
+assert tier.writable
+(tier.dir / f".{'07' * 16}{SUFFIX}.x1y2.tmp").write_bytes(b"BIEKVC half a file")
+print("writing", flush=True)
+sys.stdin.readline()
+tier.close()
+"""
+
+
+def test_a_reader_leaves_the_writers_temporary_files_alone(tmp_path):
+    """A second server starting on the directory while the first writes only reads it: the writer's file in
+    flight stays (deleting it would fail the writer's rename); once the writer is gone, the next writer to
+    start deletes what it left."""
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "writing\n"
+        (in_flight,) = tmp_path.glob("bie-kv-*/.*.tmp")
+        reader = DiskTier(tmp_path, {"engine": "ab" * 32}, 1 << 20)
+        assert not reader.writable and in_flight.exists()
+        reader.close()
+    finally:
+        writer.communicate("end\n", timeout=60)
+    assert writer.returncode == 0
+    after = DiskTier(tmp_path, {"engine": "ab" * 32}, 1 << 20)
+    assert after.writable and not in_flight.exists()
+    after.close()
+
+
+def big_block(key: int) -> PendingBlock:
+    """A block whose file is far larger than the 4 KiB the writer allows its header."""
+    return PendingBlock(bytes([key]) * 16, False, list(range(16)), torch.zeros(2, 2048), torch.zeros(2, 2048))
+
+
+def test_a_block_read_back_is_evicted_after_those_not_read_since(tmp_path):
+    """The bound evicts the least recently used file, not the oldest written: a block read back goes to the
+    end of the order, in this process and (by its file's time) in the next one to start on the directory."""
+    identity = {"engine": "ab" * 32}
+    tier = DiskTier(tmp_path, identity, 1 << 20)
+    tier.write([big_block(9)])
+    tier.flush()
+    size = files(tmp_path)[0].stat().st_size
+    tier.close()
+    shutil.rmtree(tier.dir)
+    tier = DiskTier(tmp_path, identity, 3 * size + 4096)   # three files, not four
+    tier.write([big_block(1), big_block(2), big_block(3)])
+    tier.flush()
+    assert tier.read(big_block(1).key) is not None
+    tier.write([big_block(4)])
+    tier.flush()
+    assert [k for k in (1, 2, 3, 4) if big_block(k).key in tier] == [1, 3, 4]
+    tier.close()
+    path = {k: tier.dir / f"{big_block(k).key.hex()}{SUFFIX}" for k in (1, 3, 4)}
+    now = time.time()
+    for age, k in ((300, 1), (200, 3), (100, 4)):   # 1 now the oldest on disk, read back by the next start
+        os.utime(path[k], (now - age, now - age))
+    again = DiskTier(tmp_path, identity, 3 * size + 4096)
+    assert again.read(big_block(1).key) is not None
+    again.close()
+    last = DiskTier(tmp_path, identity, 3 * size + 4096)
+    last.write([big_block(5)])
+    last.flush()
+    assert [k for k in (1, 3, 4, 5) if big_block(k).key in last] == [1, 4, 5]
+    assert sorted(files(tmp_path)) == sorted([path[1], path[4], tier.dir / f"{big_block(5).key.hex()}{SUFFIX}"])
+    last.close()
+
+
+def test_engines_whose_identities_differ_in_one_value_keep_apart(tiny_engine, tiered):
+    """Two engines of one model whose KV layouts differ in a value (the window), on one directory: each has a
+    folder of its own, so neither reads the other's file of the same prompt block, refuses it as foreign and
+    deletes it; the first still reads its prompt back whole."""
+    ids = prompt(50, 150)
+    tiered.generate(ids, PARAMS)
+    tiered.disk.flush()
+    mine = {f: f.stat().st_size for f in files(tiered.disk.root) if f.parent == tiered.disk.dir}
+    other = engine(tiny_engine, tiered.disk.root, kv_window=32)
+    ours, theirs = cache_identity(tiered.runner), cache_identity(other.runner)
+    assert ours.keys() == theirs.keys() and ours["kv_layout"].keys() == theirs["kv_layout"].keys() and ours != theirs
+    assert other.disk.dir != tiered.disk.dir
+    assert other.generate(ids, PARAMS).usage.cached_tokens == 0
+    other.close()
+    assert {f: f.stat().st_size for f in mine if f.exists()} == mine and other.stats().disk_kv["bad_files"] == 0
+    tiered.reset_prefix_cache()
+    assert tiered.generate(ids, PARAMS).usage.cached_tokens == 144

@@ -8,6 +8,7 @@ import json
 import math
 import shutil
 
+import gguf
 import numpy as np
 
 import pytest
@@ -131,6 +132,22 @@ def test_a_gemma3_file_reads_as_transformers_configures_it(tiny_gemma3):
     assert m.sliding_layers == (0, 1, 2, 3, 4) and m.window_of(0) == 16 and m.window_of(5) == 0
     assert (m.rope_theta, m.local_rope_theta, m.query_pre_attn_scalar) == (1e6, 1e4, 256.0)
     assert (m.head_dim, m.norm_offset, m.hidden_act, m.embed_scale) == (32, 1.0, "gelu_tanh", 8.0)
+
+
+@pytest.mark.parametrize("freq_base", [500_000.0, None], ids=["stated", "absent"])
+def test_a_gemma3_files_rope_base_is_read_and_its_absence_is_gemmas_default(freq_base, tmp_path):
+    """The full layers' RoPE base is the file's rope.freq_base (here not Gemma's 1,000,000), and a file without
+    one takes Gemma 3's default (not Llama's 10,000), as transformers reads the same file; the sliding
+    layers' 10,000 either way."""
+    from transformers import AutoConfig
+
+    path = write_tiny_gguf(tmp_path / "gemma3.gguf", arch="gemma3", metadata={"rope.freq_base": freq_base})
+    assert ("gemma3.rope.freq_base" in gguf.GGUFReader(path).fields) == (freq_base is not None)
+    m = GGUFCheckpoint(path).model
+    theirs = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    assert (m.rope_theta, m.local_rope_theta) == (freq_base or 1_000_000.0, 10_000.0)
+    assert m.rope_theta == theirs.rope_parameters["full_attention"]["rope_theta"]
+    assert m.local_rope_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"]
 
 
 def test_gemma3_greedy_tokens_equal_transformers_on_the_gguf(build, tiny_gemma3):

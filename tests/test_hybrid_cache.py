@@ -182,6 +182,35 @@ def test_a_prefix_hit_needs_the_sliding_blocks_of_the_window_at_its_end():
     assert blocks.match(new_seq(100)) == []
 
 
+def test_admission_counts_the_parked_window_blocks_a_hit_takes():
+    """A hit's window blocks parked in the LRU count as free until the hit takes them: admission needs them
+    and the new blocks both, so a pool one block short refuses the sequence (admitting it would run out of
+    blocks at its first step), and once the pool has room the admission takes exactly what it asked for."""
+    kv = KVCacheConfig(block_size=B)
+    blocks = BlockManager(kv, 64, 0, enable_prefix_caching=True, sliding_window=WINDOW, num_sliding_blocks=8)
+    first = new_seq(100)
+    blocks.admit(first, blocks.match(first))
+    run_prefill(blocks, first, 32)
+    blocks.free(first)
+    sliding = blocks.sliding
+    for _ in range(4):   # blocks 0..3 evicted (as an allocation would), 4 and 5 left parked: the window a hit at 6 reads
+        sliding.free.append(sliding.cache.evict(False))
+    other = new_seq(64, offset=5000)
+    blocks.admit(other, blocks.match(other))
+    blocks.grow(other, 64)
+    assert sliding.usage() == {"used": 4, "cached": 2, "free": 2}
+    again = new_seq(140)   # the first prompt's 100 tokens and 40 more: a hit of 6 blocks, then 3 new blocks
+    hit = blocks.match(again)
+    assert len(hit) == 6 and sliding.admission_need(blocks.prompt_keys(again), 6, 140) == 2 + 3 > sliding.num_free == 4
+    assert not blocks.can_admit(hit, 140, again)
+    blocks.free(other)
+    assert blocks.can_admit(hit, 140, again)
+    free = sliding.num_free
+    blocks.admit(again, hit)
+    blocks.grow(again, 140)
+    assert free - sliding.num_free == 5 and held(blocks, again) == [4, 5, 6, 7, 8]
+
+
 # --- the tiny Gemma 3 -------------------------------------------------------------------------
 
 def prompt(engine: BieEngine, n: int) -> list[int]:
@@ -243,6 +272,35 @@ def test_a_hit_inside_an_earlier_prompt_shares_its_slid_out_blocks_exactly(tiny_
     engine.generate(a, params)
     warm = engine.generate(b, params)
     assert warm.usage.cached_tokens == 192 and warm.token_ids == cold.token_ids
+
+
+def test_the_engines_admission_asks_for_the_sliding_blocks_its_first_step_takes(tiny_gemma3_engine, monkeypatch):
+    """A prompt that extends one served before: its hit's window blocks wait in the LRU, counted free. What the
+    engine's admission asks of the sliding pool (the hit's parked blocks and the first chunk's new ones) is
+    what the admitting step then takes from it."""
+    engine = tiny_gemma3_engine
+    sliding = engine.blocks.sliding
+    params = SamplingParams(temperature=0, max_tokens=1)
+    engine.reset_prefix_cache()
+    a = prompt(engine, 300)
+    engine.generate(a[:100], params)
+    asked, taken = [], []
+    can_admit, schedule = engine.blocks.can_admit, engine.scheduler.schedule
+
+    def asking(hit, num_tokens, seq=None):
+        asked.append((sliding.admission_need(engine.blocks.prompt_keys(seq), len(hit), num_tokens), sliding.num_free))
+        return can_admit(hit, num_tokens, seq)
+
+    def scheduling():
+        batch = schedule()
+        taken.append(sliding.num_free)
+        return batch
+
+    monkeypatch.setattr(engine.blocks, "can_admit", asking)
+    monkeypatch.setattr(engine.scheduler, "schedule", scheduling)
+    out = engine.generate(a[:140], params)
+    (need, free), after = asked[0], taken[0]
+    assert out.usage.cached_tokens == 96 and need == free - after == 2 + 3   # blocks 4 and 5 parked, 6..8 new
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import pytest
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.server.app import ServerOptions
+from bie_trt.server.context_edits import PLACEHOLDER
 from bie_trt.server.response_store import ResponseStore, StoredResponse
 from test_server import serving
 
@@ -194,6 +195,23 @@ def test_context_management_clears_old_tool_results_and_reports_it(claude, model
     assert tools["cleared_tool_uses"] == 3 and tools["cleared_input_tokens"] > before - after
 
 
+def test_keep_zero_clears_every_tool_use_past_the_trigger(claude, model):
+    """keep {"value": 0}: past the trigger all four tool uses are cleared, and the prompt the model gets is the
+    session with each result replaced by the placeholder (counted apart, with the edit written out by hand)."""
+    clear = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 50},
+             "keep": {"type": "tool_uses", "value": 0}}
+    by_hand = [{**m, "content": [{**b, "content": PLACEHOLDER} for b in m["content"]]} if m["role"] == "user"
+               and isinstance(m["content"], list) else m for m in SESSION]
+    before, after = (claude.messages.count_tokens(model=model, messages=messages, tools=[CLAUDE_TOOL]).input_tokens
+                     for messages in (SESSION, by_hand))
+    reply = claude.beta.messages.create(model=model, max_tokens=1, messages=SESSION, tools=[CLAUDE_TOOL],
+                                        betas=["context-management-2025-06-27"], extra_body=GREEDY,
+                                        context_management={"edits": [clear]})
+    assert [e.model_dump() for e in reply.context_management.applied_edits] == [
+        {"type": "clear_tool_uses_20250919", "cleared_tool_uses": 4, "cleared_input_tokens": before - after}]
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == after < before
+
+
 def test_context_edits_it_cannot_perform_are_refused_by_name(claude, model):
     with pytest.raises(anthropic.BadRequestError) as caught:
         claude.beta.messages.create(model=model, max_tokens=2, messages=SESSION, tools=[CLAUDE_TOOL],
@@ -248,6 +266,13 @@ def test_tool_result_round_trip_and_count_tokens(server, claude, model):
      "cannot end with trailing whitespace"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "x", "name": "get_weather", "input": {}}]}]}, "text blocks only"),
+    # a prefill with text beside a tool_use or thinking block: refused by name as well, not a 500
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "Checking."}, {"type": "tool_use", "id": "x", "name": "get_weather", "input": {}}]}]},
+     "text blocks only; end with a user turn to send tool_use or thinking blocks"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Oslo first.", "signature": ""}, {"type": "text", "text": "In Oslo it is"}]}]},
+     "text blocks only; end with a user turn to send tool_use or thinking blocks"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "{"}], "tools": [CLAUDE_TOOL],
       "tool_choice": {"type": "any"}}, "tool_choice: shapes the whole reply, so it cannot follow a prefilled one"),
 ])

@@ -202,6 +202,29 @@ def test_responses_return_a_reasoning_item(reference, responses_reply):
     assert (reply.output[2].name, json.loads(reply.output[2].arguments)) == ("get_weather", {"city": "Berlin"})
 
 
+# A custom tool whose input is free text (no grammar), offered beside the function the run calls.
+NOTE = {"type": "custom", "name": "note", "description": "Writes a note.", "format": {"type": "text"}}
+
+
+def test_a_forced_text_custom_tool_takes_the_whole_reply_even_a_call_in_it(served):
+    """tool_choice names a text custom tool: everything after the reasoning is its input, word for word, although
+    SmolLM2 writes the run's Hermes call there (text that tool_choice auto would take for a function call); the
+    input streams as the model writes it, the call's tag in pieces, not held back as a call's would be."""
+    body = {**responses_ask(served), "tools": [RESPONSES_WEATHER, NOTE], "tool_choice": {"type": "custom", "name": "note"},
+            "max_output_tokens": 64, "stream": True}
+    with httpx.stream("POST", served[1] + "/v1/responses", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    reply = events[-1]["response"]   # response.completed: the whole reply
+    assert reply["status"] == "completed" and [item["type"] for item in reply["output"]] == ["reasoning", "custom_tool_call"]
+    call = reply["output"][1]
+    assert call["name"] == "note" and call["call_id"].startswith("call_")
+    prose, calls = parse_tool_calls(call["input"], {"get_weather"})
+    assert prose.startswith("Checking Berlin.") and [c.name for c in calls] == ["get_weather"]   # it reads as a call
+    deltas = [e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta"]
+    assert "".join(deltas) == call["input"] and not any("<tool_call>" in d for d in deltas)
+
+
 @pytest.mark.slow
 def test_responses_stream_reasoning_text_deltas(served, reference, responses_reply):
     reasoning, _ = split_reasoning(reference[1].text)
@@ -354,6 +377,27 @@ def test_a_block_the_reply_opens_is_counted_after_its_tag(served):
     assert budget.used == 2 and budget.forced_token() == end_ids(served[0])[0]   # "I", " need": spent
     budget.rollback(1)
     assert budget.used == 1 and budget.forced_token() is None
+
+
+def test_a_block_the_model_closes_itself_ends_the_budget_though_its_tag_is_three_tokens(served, reference):
+    """SmolLM2 writes `</think>` as three tokens. A budget that runs out exactly on the tag's last token has been
+    met by the model's own close: the reply is the unbounded one (a budget still counting past the tag would
+    write the engine's close a second time)."""
+    engine = served[0]
+    tokenizer = engine.tokenizer
+    ids, free = reference
+    tag = tokenizer(THINK_CLOSE, add_special_tokens=False)["input_ids"]
+    assert [tokenizer.decode([t]) for t in tag] == ["</", "think", ">"]
+
+    def first_ending(tagged) -> int:   # the index of the first token whose text completes `tagged`
+        return next(i for i in range(len(free.token_ids)) if tagged(tokenizer.decode(free.token_ids[:i + 1])))
+
+    opened = first_ending(lambda text: text.lstrip().startswith("<think>"))
+    closed = first_ending(lambda text: THINK_CLOSE in text)
+    assert free.token_ids[closed - 2:closed + 1] == tag   # the model's own close, in three tokens
+    n = closed + len(end_ids(engine)) + 2
+    bounded = engine.generate(ids, SamplingParams(temperature=0, max_tokens=n, thinking_budget=closed - opened))
+    assert bounded.token_ids == free.token_ids[:n]
 
 
 def test_anthropic_budget_tokens_bound_the_thinking_block(served, reference):

@@ -43,7 +43,8 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
                     chat_template: bool = True, metadata: dict | None = None,
                     rope_freqs: np.ndarray | None = None) -> Path:
     """Linear weights in `linear_type`, the embedding and head in Q8_0, norms in F32. `metadata` overrides
-    (or adds) header keys after the architecture prefix, e.g. {"feed_forward_length": 256}; `rope_freqs`
+    (or adds) header keys after the architecture prefix, e.g. {"feed_forward_length": 256}, or leaves one out
+    (a value of None: {"rope.freq_base": None}); `rope_freqs`
     is written as llama.cpp writes Llama 3's RoPE scaling. A gemma3 file has GEMMA3_GGUF's keys, a tied
     head, four norms a layer and q/k head norms, each stored as llama.cpp's converter stores a Gemma
     norm: 1 + w."""
@@ -60,6 +61,8 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
             **({"attention.key_length": QWEN3_HEAD_DIM} if arch == "qwen3" else {}),
             **(GEMMA3_GGUF if arch == "gemma3" else {}), **(metadata or {})}
     for key, value in keys.items():
+        if value is None:
+            continue
         kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
         w.add_key_value(f"{arch}.{key}", value, kind)
     w.add_tokenizer_model("gpt2")
