@@ -49,6 +49,10 @@ class BieEngine:
         """Text as `tokenizer(prompt)` tokenises it; a message list or `chat=True` through the chat template."""
         return self.prompts.encode(prompt, chat)
 
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Plain text as the tokenizer splits it, with or without its special tokens."""
+        return self.prompts.encode_text(text, add_special_tokens)
+
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
         """Chat messages and OpenAI tools through the chat template (see PromptEncoder.encode_chat)."""

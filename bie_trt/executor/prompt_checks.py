@@ -25,6 +25,41 @@ def check_prompt(prompt: object, name: str = "the prompt") -> None:
                        f"{several}.")
 
 
+class UnencodableText(RequestError):
+    """Text that is not Unicode: a string holding a lone surrogate. JSON's `"\\ud800"` parses into one, and
+    no tokenizer can encode it (UTF-8 has no bytes for it). `field` names where it is, as a path into what
+    was sent (`messages[1].content`)."""
+
+    def __init__(self, field: str, at: int, char: str):
+        super().__init__(f"{field} holds a lone surrogate (U+{ord(char):04X}) at character {at}, which is not "
+                         f"Unicode text and cannot be tokenised; send the character it stands for (a surrogate "
+                         f"pair in JSON) or leave it out.")
+        self.field = field
+
+
+def unencodable(value: object, field: str = "") -> UnencodableText | None:
+    """The first string in `value` (through nested lists and dicts) that is not Unicode text, as the error
+    naming its path under `field`; None when all of it is text."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as e:
+            return UnencodableText(field, e.start, value[e.start])
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        path = f"{field}[{key}]" if isinstance(key, int) else f"{field}.{key}" if field else str(key)
+        if (found := unencodable(item, path)) is not None:
+            return found
+    return None
+
+
+def check_encodable(value: object, field: str) -> None:
+    """Raises UnencodableText naming the first string under `field` that no tokenizer can take."""
+    if (found := unencodable(value, field)) is not None:
+        raise found
+
+
 def check_prompt_ids(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
     """One line for token ids this engine cannot run: none, too many for max_model_len, or an id (in the
     prompt or in logit_bias) outside the vocabulary."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..chat.tokenizer import load_tokenizer
 from ..chat.tool_calls import template_messages, template_renders_tools
 from ..errors import RequestError
-from .prompt_checks import check_prompt
+from .prompt_checks import check_encodable, check_prompt
 
 
 class PromptEncoder:
@@ -25,9 +25,18 @@ class PromptEncoder:
         check_prompt(prompt)
         if isinstance(prompt, list) and isinstance(prompt[0], int):
             return list(prompt)
-        if chat or isinstance(prompt, list):
-            return self._apply_template(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
-        return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, list):
+            check_encodable(prompt, "messages")
+            return self._apply_template(prompt)
+        if chat:
+            check_encodable(prompt, "prompt")
+            return self._apply_template([{"role": "user", "content": prompt}])
+        return self.encode_text(prompt)
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Plain text as the tokenizer splits it (its special tokens added unless told not to)."""
+        check_encodable(text, "prompt")
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def _apply_template(self, messages: list[dict], tools: list[dict] | None = None,
                         template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
@@ -55,6 +64,9 @@ class PromptEncoder:
         last message is an assistant's reply begun by the client (a prefill), which the model continues."""
         if continue_final and (not messages or messages[-1].get("role") != "assistant"):
             raise RequestError("continuing the final message needs an assistant message last.")
+        # all the request's text the template may write, before the tokenizer meets it
+        for field, value in (("messages", messages), ("tools", tools), ("chat_template_kwargs", template_kwargs)):
+            check_encodable(value, field)
         uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
         if not uses_tools:
             check_prompt(messages)

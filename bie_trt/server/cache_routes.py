@@ -11,7 +11,8 @@ from fastapi import FastAPI
 
 from ..errors import BieError
 from ..executor.cache_file import CacheFileError
-from .errors import ApiError
+from ..executor.prompt_checks import UnencodableText
+from .errors import ApiError, unencodable_field
 from .protocols.openai import CacheRequest
 from .state import ServerState
 
@@ -28,6 +29,8 @@ async def _cache_file(state: ServerState, req: CacheRequest, action: Callable[[P
         return await anyio.to_thread.run_sync(action, path, prompt, chat)
     except FileNotFoundError:
         raise ApiError(404, f"no cache file {req.file!r} in this server's --kv-cache-dir.", "file") from None
+    except UnencodableText as e:
+        raise unencodable_field(e, req) from None
     except (jinja2.TemplateError, BieError) as e:
         raise ApiError(400, str(e), "file" if isinstance(e, CacheFileError) else "prompt") from None
 

@@ -6,7 +6,8 @@ import jinja2
 from fastapi import FastAPI
 
 from ..errors import BieError
-from .errors import ApiError
+from ..executor.prompt_checks import UnencodableText
+from .errors import ApiError, unencodable_field
 from .protocols.openai import DetokenizeRequest, TokenizeRequest
 from .state import ServerState
 
@@ -20,8 +21,9 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict:
             ids = await anyio.to_thread.run_sync(engine.encode_chat, [m.to_template() for m in req.messages], tools,
                                                  req.chat_template_kwargs)
         else:
-            ids = await anyio.to_thread.run_sync(
-                lambda: list(engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))
+            ids = await anyio.to_thread.run_sync(engine.encode_text, req.prompt, req.add_special_tokens)
+    except UnencodableText as e:
+        raise unencodable_field(e, req) from None
     except (jinja2.TemplateError, BieError) as e:
         raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
