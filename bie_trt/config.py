@@ -343,6 +343,40 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+# Each KV-cache option as build, plan, eval and EngineConfig spell it -> the KVCacheConfig field it sets.
+_KV_OPTION_FIELDS = {"kv_cache_dtype": "dtype", "kv_group_size": "group_size", "kv_sink_tokens": "sink_tokens",
+                     "kv_window": "window", "kv_rotation": "rotation", "kv_key_centering": "key_centering"}
+
+
+@dataclass(frozen=True)
+class KVOverrides:
+    """The KV-cache options a caller gave (None: not given), and the one way they are laid over a base
+    format -- a profile's with its model family's defaults (build, plan), or an engine's (the runtime):
+    each given value replaces its field, the others stay the base's."""
+
+    kv_cache_dtype: str | None = None
+    kv_group_size: int | None = None
+    kv_sink_tokens: int | None = None
+    kv_window: int | None = None
+    kv_rotation: str | None = None
+    kv_key_centering: bool | None = None
+
+    @classmethod
+    def of(cls, source: object) -> "KVOverrides":
+        """The options read by name off `source`: an object holding them (BuildOptions, EngineConfig) or a
+        command's keyword arguments (a dict, where a missing one is not given)."""
+        get = source.get if isinstance(source, dict) else lambda name: getattr(source, name)
+        return cls(**{name: get(name) for name in _KV_OPTION_FIELDS})
+
+    def given(self) -> dict[str, Any]:
+        """The KVCacheConfig fields the caller set, with their values."""
+        return {field: getattr(self, name) for name, field in _KV_OPTION_FIELDS.items()
+                if getattr(self, name) is not None}
+
+    def apply(self, base: KVCacheConfig) -> KVCacheConfig:
+        return dataclasses.replace(base, **self.given())
+
+
 @dataclass
 class EngineConfig:
     """What `BieEngine` needs to load and serve an engine directory."""
@@ -381,8 +415,3 @@ class EngineConfig:
     # Speculative decoding: a SpeculativeConfig or a dict in vLLM's spelling; None: the engine's default
     # (its manifest's "speculative", else a draft if it has one, else off).
     speculative: SpeculativeConfig | dict[str, Any] | None = None
-
-    def kv_overrides(self) -> dict[str, Any]:
-        names = {"kv_cache_dtype": "dtype", "kv_group_size": "group_size", "kv_sink_tokens": "sink_tokens",
-                 "kv_window": "window", "kv_rotation": "rotation", "kv_key_centering": "key_centering"}
-        return {field: getattr(self, name) for name, field in names.items() if getattr(self, name) is not None}

@@ -19,7 +19,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from .config import FAMILY_KV_DEFAULTS, KVCacheConfig, ModelConfig
+from .config import FAMILY_KV_DEFAULTS, KVCacheConfig, KVOverrides, ModelConfig
 from .errors import PlanError
 
 # The repository's build_profiles/, reached through a link inside the package so that a wheel ships them.
@@ -62,6 +62,16 @@ class ProfileDefaults:
             block_size=self.block_size,
         )
         return dataclasses.replace(kv, **FAMILY_KV_DEFAULTS.get(model.family, {})) if model is not None else kv
+
+    def build_kv(self, model: ModelConfig, overrides: KVOverrides) -> KVCacheConfig:
+        """The KV format a build of `model` writes and `plan` prices: the profile's, the family's defaults
+        over it, the options given over both; PlanError for one that cannot run on the model."""
+        kv = overrides.apply(self.kv_config(model))
+        try:
+            kv.validate(model.head_dim)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        return kv
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from .. import engine_format as ef
 from ..chat.templates import has_chat_template, read_chat_template
-from ..config import KVCacheConfig, ModelConfig, SpeculativeConfig
+from ..config import KVCacheConfig, KVOverrides, ModelConfig, SpeculativeConfig
 from ..config_gemma3 import CHAT_TEMPLATE
 from ..errors import BieError, CheckpointError, PlanError
 from ..kernels.int8_rows import quantize_rows_int8
@@ -66,21 +66,8 @@ class BuildOptions:
 
 
 def resolve_kv(opts: BuildOptions, profile: BuildProfile, model: ModelConfig) -> KVCacheConfig:
-    """The options given, else the model family's defaults, else the profile's."""
-    d = profile.defaults.kv_config(model)
-
-    def pick(value, default):
-        return default if value is None else value
-
-    return dataclasses.replace(
-        d,
-        dtype=pick(opts.kv_cache_dtype, d.dtype),
-        group_size=pick(opts.kv_group_size, d.group_size),
-        sink_tokens=pick(opts.kv_sink_tokens, d.sink_tokens),
-        window=pick(opts.kv_window, d.window),
-        rotation=pick(opts.kv_rotation, d.rotation),
-        key_centering=pick(opts.kv_key_centering, d.key_centering),
-    )
+    """The options given, else the model family's defaults, else the profile's (as `plan` prices it)."""
+    return profile.defaults.build_kv(model, KVOverrides.of(opts))
 
 
 def open_checkpoint(name_or_path: str | Path, log: Callable[[str], None] = lambda m: None
@@ -282,10 +269,6 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
     profile, how = resolve_profile(opts.profile)
     log(f"profile: {profile.name} ({how})")
     kv = resolve_kv(opts, profile, ckpt.model)
-    try:
-        kv.validate(ckpt.model.head_dim)
-    except ValueError as e:
-        raise PlanError(str(e)) from None
     max_len = opts.max_model_len or min(profile.defaults.max_model_len, ckpt.model.max_positions)
     max_seqs = opts.max_num_seqs or profile.defaults.max_num_seqs
     chunk = opts.chunked_prefill_size or profile.defaults.chunked_prefill_size

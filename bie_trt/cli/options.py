@@ -34,7 +34,8 @@ def device_option(f: Callable) -> Callable:
 
 
 def kv_options(default_from: str, build_defaults: bool) -> Callable[[Callable], Callable]:
-    """The KV-cache format options of `build` (defaults: the profile's) and `eval` (the engine's)."""
+    """The KV-cache format options of `build` and `plan` (defaults: the profile's) and `eval` (the engine's), read
+    by every one of them through config.KVOverrides."""
     d = f"[default: {default_from}]"
     # Gemma 3 takes key centering and a 512-token window by default (config.FAMILY_KV_DEFAULTS)
     window_d, rotation_d, centering_d = ((f"[default: {default_from}; 512 for Gemma 3]", "[default: hadamard]",

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..config import KV_DTYPES, ModelConfig
+from ..config import KVOverrides, ModelConfig
 from ..errors import CheckpointError, PlanError
 from ..jsonio import read_json_object
 from ..plan import (
@@ -23,7 +23,7 @@ from ..plan import (
 from ..profiles import (EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile, load_profile, profiles_epilog,
                         resolve_profile)
 from .group import main
-from .options import DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, POSITIVE, host_kv_cache_option
+from .options import DRAFT_REQUEST_VOCAB_HELP, DRAFT_VOCAB_SIZE_HELP, POSITIVE, host_kv_cache_option, kv_options
 
 EXIT_DOES_NOT_FIT = 3
 
@@ -80,13 +80,7 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
 @click.option("--profile", default="auto", show_default=True,
               help="Build profile (a GPU, see build_profiles/): auto picks this machine's GPU, cpu without one.")
 @click.option("--max-model-len", type=POSITIVE, help="Context length to plan for, in tokens. [default: the profile's]")
-@click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES),
-              help="Storage of the KV body: fp16 (128 KiB/token on Llama-3-8B), fp8 (65 KiB) or int4_asym "
-                   "(36 KiB). Sinks and the recent window stay fp16. [default: the profile's]")
-@click.option("--kv-group-size", type=int,
-              help="Channels per INT4 scale/zero group; must divide head_dim. [default: the profile's]")
-@click.option("--kv-sink-tokens", type=int, help="First tokens kept fp16 for the whole sequence. [default: the profile's]")
-@click.option("--kv-window", type=int, help="Most recent tokens kept fp16. [default: the profile's; 512 for Gemma 3]")
+@kv_options("the profile's", build_defaults=True)
 @click.option("--max-num-seqs", type=POSITIVE,
               help="Sequences served at once; each gets KV for the full --max-model-len. [default: the profile's]")
 @click.option("--chunked-prefill-size", type=POSITIVE,
@@ -111,13 +105,12 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table.")
 @click.pass_context
 def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | None, profile: str,
-             max_model_len: int | None, kv_cache_dtype: str | None, kv_group_size: int | None,
-             kv_sink_tokens: int | None, kv_window: int | None, max_num_seqs: int | None,
+             max_model_len: int | None, max_num_seqs: int | None,
              chunked_prefill_size: int | None, lm_head_dtype: str | None, embedding_placement: str | None,
              gpu_memory_utilization: float | None, speculative_draft_config: Path | None,
              draft_vocab_size: int | None, draft_window_tokens: int, draft_request_vocab: int | None,
              num_speculative_tokens: int | None, host_kv_cache_gb: float | None,
-             as_json: bool) -> None:
+             as_json: bool, **kv_flags: str | int | bool | None) -> None:
     """Print the fixed memory plan of an engine: every GPU allocation, item by item, and whether it
     fits the profile's budget.
 
@@ -142,14 +135,7 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
     prof, how = resolve_profile(profile)
     click.echo(f"profile: {prof.name} ({how})", err=True)
     d = prof.defaults
-    kv = d.kv_config(model)   # the profile's format with the model family's defaults (config.FAMILY_KV_DEFAULTS)
-    kv = dataclasses.replace(
-        kv,
-        dtype=kv_cache_dtype or kv.dtype,
-        group_size=kv_group_size or kv.group_size,
-        sink_tokens=kv.sink_tokens if kv_sink_tokens is None else kv_sink_tokens,
-        window=kv.window if kv_window is None else kv_window,
-    )
+    kv = d.build_kv(model, KVOverrides.of(kv_flags))   # as `build` reads the same options
     draft = None
     if speculative_draft_config is not None:
         draft = ModelConfig.from_hf(_read_json(speculative_draft_config), source=str(speculative_draft_config))
