@@ -403,6 +403,9 @@ class EngineConfig:
     # extra variables for every chat template render ({"enable_thinking": False}); a request's own override
     # them key by key
     chat_template_kwargs: dict[str, Any] | None = None
+    # how a chat reply's reasoning block is found, by the thinking budget and the reply's split alike: auto
+    # (qwen3's when the chat template mentions <think>, else none), qwen3, deepseek_r1 or none (reasoning.PARSERS)
+    reasoning_parser: str = "auto"
     seed: int | None = None         # None: each unseeded request draws fresh entropy; an int: they repeat per run
     # KV-cache overrides (None: the engine's). Used by `bie-trt eval` for ablations; a larger
     # format than the engine was planned for may not fit the GPU budget.

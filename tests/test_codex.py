@@ -32,8 +32,8 @@ ASK = [user_message(ENVIRONMENT), user_message("Delete the scratch file.")]
 @pytest.fixture(scope="module")
 def codex_server(tiny_engine):
     engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=2048,
-                                    chat_template="qwen3"))
-    options = ServerOptions(reasoning_parser="deepseek_r1", reasoning_key="test-key")
+                                    chat_template="qwen3", reasoning_parser="deepseek_r1"))
+    options = ServerOptions(reasoning_key="test-key")
     with serving(engine, options) as base:
         yield engine, base, options
 

@@ -117,6 +117,8 @@ def test_where_a_reply_starts(parser, tail, expected):
 def test_auto_turns_on_for_templates_that_think():
     assert resolve_parser("auto", "{{ '<think>\\n\\n</think>' }}") == "qwen3"
     assert resolve_parser("auto", "{{ messages }}") == "none"
+    # DeepSeek-R1's template only cuts past turns' reasoning off at </think>: its replies start inside the block
+    assert resolve_parser("auto", "{{ m['content'].split('</think>')[-1] }}") == "deepseek_r1"
     assert resolve_parser("auto", None) == "none"
     assert resolve_parser("deepseek_r1", None) == "deepseek_r1"
     with pytest.raises(ValueError, match="'r1' is not one of auto, qwen3, deepseek_r1, none"):

@@ -124,12 +124,13 @@ def test_the_disk_tier_is_on_by_default_and_its_options_reach_the_engine(tiny_en
 
 
 def test_template_variables_and_reasoning_parser_reach_the_server(smollm2_engine, monkeypatch):
-    """--chat-template by a shipped name, --chat-template-kwargs into the engine, --reasoning-parser into the
-    server's options; a bad JSON object is refused before anything loads."""
+    """--chat-template by a shipped name, --chat-template-kwargs and --reasoning-parser into the engine (its
+    thinking budgets and the server's split use that one parser); a bad JSON object is refused before anything
+    loads."""
     seen = []
 
     def stop_at_app(engine, options):
-        seen.append((engine.config.chat_template, engine.config.chat_template_kwargs, options.reasoning_parser))
+        seen.append((engine.config.chat_template, engine.config.chat_template_kwargs, engine.config.reasoning_parser))
         raise KeyboardInterrupt   # ends the command before any server starts
 
     monkeypatch.setattr("bie_trt.BieEngine", fake_engine)

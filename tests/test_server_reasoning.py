@@ -21,7 +21,6 @@ from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.chat.reasoning import THINK_CLOSE, split_reasoning
 from bie_trt.chat.thinking_budget import THINK_END, ThinkingBudget
 from bie_trt.chat.tool_calls import parse_tool_calls
-from bie_trt.server.app import ServerOptions
 from test_server import serving
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -297,8 +296,9 @@ def tiny_served(tiny_engine):
     """The tiny model under the shipped template with thinking off by default (the server's
     --chat-template-kwargs), and a DeepSeek-R1 parser: the reply starts inside the block."""
     engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=256,
-                                    chat_template="qwen3", chat_template_kwargs={"enable_thinking": False}))
-    with serving(engine, ServerOptions(reasoning_parser="deepseek_r1")) as base:
+                                    chat_template="qwen3", chat_template_kwargs={"enable_thinking": False},
+                                    reasoning_parser="deepseek_r1"))
+    with serving(engine) as base:
         yield engine, base, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
 
 
@@ -367,10 +367,57 @@ def test_a_budget_is_unused_where_the_prompt_closed_the_block(tiny_served):
         engine.generate(prompt, SamplingParams(**greedy)).token_ids
 
 
+def test_the_budget_bounds_the_block_the_servers_parser_splits_off(tiny_served):
+    """DeepSeek-R1's parser (the engine's, over a template that does not open the block): the reply starts
+    inside the block with no tag, the server returns it as reasoning, and the budget closes that block."""
+    engine, _, client = tiny_served
+    hi, budget, thinking = [{"role": "user", "content": "hi"}], 3, {"chat_template_kwargs": {"enable_thinking": True}}
+    prompt = engine.encode_chat(hi, None, thinking["chat_template_kwargs"])
+    assert not engine.tokenizer.decode(prompt).rstrip().endswith("<think>")   # only the parser says "inside"
+    end = end_ids(engine)
+    greedy = dict(temperature=0, max_tokens=budget + len(end) + 2)
+    free = engine.generate(prompt, SamplingParams(**greedy)).token_ids
+    r = client.chat.completions.create(model=engine.model_name, messages=hi, **greedy,
+                                       extra_body={**thinking, "thinking_token_budget": budget})
+    bounded = engine.generate(prompt, SamplingParams(**greedy, thinking_budget=budget)).token_ids
+    assert bounded[:budget] == free[:budget] and bounded[budget:budget + len(end)] == end
+    message = r.choices[0].message
+    assert (message.reasoning_content, message.content) == (engine.tokenizer.decode(free[:budget]).strip(),
+                                                            engine.tokenizer.decode(bounded[budget + len(end):]).lstrip())
+
+
+# DeepSeek-R1's template as it matters here: past turns' reasoning cut off at </think>, no <think> written
+R1_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}"
+               "{% else %}<|Assistant|>{{ m['content'].split('</think>')[-1] }}<|end|>{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}<|Assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("flag,parser", [("auto", "deepseek_r1"), ("none", "none")])
+def test_a_deepseek_style_template_declares_its_parser_for_the_budget_and_the_split(tiny_engine, tmp_path, flag,
+                                                                                   parser):
+    """auto takes the template's parser, which the budget and the reply's split share; the flag overrides it
+    for both (none: nothing is reasoning, so nothing is bounded)."""
+    (tmp_path / "r1.jinja").write_text(R1_TEMPLATE)
+    engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=256,
+                                    chat_template=str(tmp_path / "r1.jinja"), reasoning_parser=flag))
+    try:
+        assert engine.reasoning_parser() == parser
+        hi = [{"role": "user", "content": "hi"}]
+        free = engine.chat(hi, SamplingParams(temperature=0, max_tokens=9))
+        bounded = engine.chat(hi, SamplingParams(temperature=0, max_tokens=9, thinking_budget=2))
+        if parser == "none":
+            assert bounded.output.token_ids == free.output.token_ids and bounded.reasoning_content is None
+        else:
+            assert bounded.output.token_ids[2:2 + len(end_ids(engine))] == end_ids(engine)
+            assert bounded.reasoning_content == engine.tokenizer.decode(free.output.token_ids[:2]).strip()
+    finally:
+        engine.close()
+
+
 def test_a_block_the_reply_opens_is_counted_after_its_tag(served):
     """Qwen3 opens the block in its reply: the budget counts from after `<think>` (however it is tokenised)."""
     tokenizer = served[0].tokenizer
-    budget = ThinkingBudget.build(2, served[0].encode_chat(RUN, [WEATHER]), tokenizer)
+    budget = ThinkingBudget.build(2, served[0].encode_chat(RUN, [WEATHER]), tokenizer, served[0].reasoning_parser())
     for token in tokenizer("<think>I need", add_special_tokens=False)["input_ids"]:
         assert budget.forced_token() is None
         budget.accept(token)

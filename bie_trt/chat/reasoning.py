@@ -13,18 +13,25 @@ never sent as text.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
 PROMPT_TAIL_TOKENS = 16   # enough of the prompt's end to hold a generation prompt's "<think>\n\n</think>\n\n"
 
 
 def resolve_parser(name: str, chat_template: str | None) -> str:
-    """--reasoning-parser -> the parser in use: "auto" is qwen3's when the chat template mentions
-    `<think>` (the per-request prompt check below then finds DeepSeek-style prompts), else none."""
+    """--reasoning-parser -> the parser in use. "auto" is the one the chat template declares: qwen3's when
+    it writes `<think>` (a prompt it ends inside an open block is found per request, below); DeepSeek-R1's
+    when it only knows `</think>` (it cuts past turns' reasoning off at it, and its model starts each reply
+    inside the block without writing the tag); else none."""
     if name not in PARSERS:
         raise ValueError(f"reasoning parser {name!r} is not one of {', '.join(PARSERS)}")
     if name == "auto":
-        return "qwen3" if chat_template and THINK_OPEN in chat_template else "none"
+        template = chat_template or ""
+        if THINK_OPEN in template:
+            return "qwen3"
+        return "deepseek_r1" if THINK_CLOSE in template else "none"   # "<think>" is no part of "</think>"
     return name
 
 
@@ -40,6 +47,12 @@ def starts_inside(parser: str, prompt_tail: str) -> bool | None:
     if tail.endswith(THINK_CLOSE):
         return None
     return parser == "deepseek_r1"
+
+
+def reply_start(parser: str, prompt_ids: list[int], decode: Callable[[list[int]], str]) -> bool | None:
+    """`starts_inside` read from the end of a prompt's token ids: where the reply to them starts, as both the
+    thinking budget and the reply's split take it."""
+    return starts_inside(parser, decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
 
 
 def _partial_tag(text: str, tag: str) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .reasoning import PROMPT_TAIL_TOKENS, THINK_CLOSE, THINK_OPEN, starts_inside
+from .reasoning import THINK_CLOSE, THINK_OPEN, reply_start
 
 # What the engine writes when the budget is spent: Qwen3's own close, the newline before the tag and the
 # blank line after it as its replies and its template's empty block (`<think>\n\n</think>\n\n`) have them.
@@ -34,9 +34,11 @@ class ThinkingBudget:
         self._history: list[tuple[str, int, int]] = []   # the state before each token, for rollback
 
     @classmethod
-    def build(cls, budget: int, prompt_ids: list[int], tokenizer) -> "ThinkingBudget | None":
-        """The budget of a reply to `prompt_ids`; None when the prompt closed the block (no reasoning)."""
-        inside = starts_inside("qwen3", tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+    def build(cls, budget: int, prompt_ids: list[int], tokenizer, parser: str) -> "ThinkingBudget | None":
+        """The budget of a reply to `prompt_ids`, its block found by the reasoning `parser` that splits the
+        reply (the engine's); None when there is no reasoning to bound (the prompt closed the block, or no
+        parser)."""
+        inside = reply_start(parser, prompt_ids, tokenizer.decode)
         if inside is None:
             return None
         end_ids = list(tokenizer(THINK_END, add_special_tokens=False)["input_ids"])

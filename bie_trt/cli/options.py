@@ -133,5 +133,6 @@ reasoning_parser_option = click.option(
     help="Return a chat reply's <think> block apart from the answer, as message.reasoning_content (streamed "
          "as delta.reasoning_content). qwen3: the reply may open the block; deepseek_r1: the reply starts "
          "inside it; either way a prompt that ends inside an open block starts the reply inside it, and one "
-         "that closed it (thinking switched off) is not split. auto: qwen3's when the chat template "
-         "mentions <think>, else none.")
+         "that closed it (thinking switched off) is not split. auto: the one the chat template declares: qwen3's "
+         "when it mentions <think>, deepseek_r1's when it mentions only </think>, else none. The engine's thinking "
+         "budgets find the block with the same parser.")

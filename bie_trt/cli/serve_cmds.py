@@ -138,7 +138,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
     config = EngineConfig(engine_dir=engine_dir, device=device, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs or manifest.max_num_seqs, speculative=speculative,
                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
-                          skip_verify=skip_verify, host_kv_cache_gb=host_kv_cache_gb,
+                          reasoning_parser=reasoning_parser, skip_verify=skip_verify, host_kv_cache_gb=host_kv_cache_gb,
                           kv_cache_dir=kv_cache_dir or str(cache_dir() / "kv-cache"),
                           disk_kv_cache_gb=disk_kv_cache_gb)
     _check_against_engine(config, manifest, gpu_memory_utilization)
@@ -156,7 +156,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
 
     options = ServerOptions(served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
                             request_timeout=request_timeout, max_request_bytes=max_request_bytes,
-                            kv_cache_dir=kv_cache_dir, reasoning_parser=reasoning_parser,
+                            kv_cache_dir=kv_cache_dir,
                             response_store_size=response_store_size, json_schema_mode=json_schema_mode,
                             reasoning_key=reasoning_key or new_key())
     listener = bind(host, port)   # before the engines load: a port in use fails now, not minutes later

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Sequence as Seq
 
-from ..chat.reasoning import PROMPT_TAIL_TOKENS, resolve_parser, split_reasoning, starts_inside
+from ..chat.reasoning import reply_start, resolve_parser, split_reasoning
 from ..chat.tool_calls import ReplyParser, plan_tools
 from ..config import EngineConfig
 from ..errors import RequestError
@@ -118,13 +118,13 @@ class BieEngine:
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None,
              tool_choice: str | dict | None = None, parallel_tool_calls: bool = False,
-             template_kwargs: dict | None = None, reasoning_parser: str = "auto") -> ChatOutput:
+             template_kwargs: dict | None = None) -> ChatOutput:
         """One chat turn with OpenAI-style tools. tool_choice "auto" (the default with tools) parses the
         model's own call format out of its reply; "required" and {"type": "function", "function": {"name":
         ...}} are enforced by a grammar, so the calls always parse and their arguments match the schema;
         "none" leaves the reply prose. `template_kwargs` are the chat template's extra variables
         ({"enable_thinking": False}); a thinking model's reasoning is split off as the server splits it
-        (`reasoning_parser`: auto, qwen3, deepseek_r1 or none)."""
+        (by the engine's parser, EngineConfig.reasoning_parser)."""
         params = params or SamplingParams()
         mode, function, constraint = plan_tools(tools, tool_choice, parallel_tool_calls)
         if constraint is not None:
@@ -132,30 +132,34 @@ class BieEngine:
                 raise RequestError(f"tool_choice {tool_choice!r} and the params' structured_outputs both constrain "
                                    f"the reply; send one of them.")
             params = dataclasses.replace(params, structured_outputs=constraint)
-        parser_name = self.reasoning_parser(reasoning_parser)   # a bad name fails before generating
         ids = self.encode_chat(messages, tools, template_kwargs)
         out = self.generate(ids, params)
         # a reply shaped whole by a constraint is not split: the constraint covers all of it
         reasoning, text = (None, out.text) if params.structured_outputs is not None else \
-            self.split_reasoning(ids, out.text, parser_name)
+            self.split_reasoning(ids, out.text)
         parser = ReplyParser(mode, {t["function"]["name"] for t in tools or []}, function)
         content, calls = (None, []) if text is None else parser.message(text)
         return ChatOutput(content, calls, ReplyParser.finish_reason(out.finish_reason, bool(calls)), out, reasoning)
 
-    def reasoning_parser(self, name: str = "auto") -> str:
-        """The reasoning parser `name` stands for with this engine's chat template (auto: qwen3's when the
-        template mentions <think>, else none)."""
+    def reasoning_parser(self, name: str | None = None) -> str:
+        """The reasoning parser `name` stands for with this engine's chat template (auto: the one the template
+        declares, reasoning.resolve_parser); None: the engine's own (EngineConfig.reasoning_parser), which
+        its thinking budgets use."""
+        if name is None:
+            return self.core.reasoning_parser
         try:
             return resolve_parser(name, str(self.tokenizer.chat_template or ""))
         except ValueError as e:
             raise RequestError(str(e)) from None
 
-    def reasoning_start(self, prompt_ids: list[int], parser: str = "auto") -> bool | None:
+    def reasoning_start(self, prompt_ids: list[int], parser: str | None = None) -> bool | None:
         """Where a chat reply to `prompt_ids` starts, read from the prompt's end: inside a reasoning block
-        (True), before one it may open (False), or not split at all (None)."""
-        return starts_inside(self.reasoning_parser(parser), self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        (True), before one it may open (False), or not split at all (None); by the engine's parser unless
+        another is named."""
+        return reply_start(self.reasoning_parser(parser), prompt_ids, self.tokenizer.decode)
 
-    def split_reasoning(self, prompt_ids: list[int], text: str, parser: str = "auto") -> tuple[str | None, str | None]:
+    def split_reasoning(self, prompt_ids: list[int], text: str, parser: str | None = None
+                        ) -> tuple[str | None, str | None]:
         """A chat reply to `prompt_ids` -> (reasoning, content), as the server splits a thinking model's
         reply; (None, text) when it is not split."""
         inside = self.reasoning_start(prompt_ids, parser)

@@ -18,8 +18,10 @@ import collections
 
 import torch
 
+from ..chat.reasoning import resolve_parser
 from ..chat.tokenizer import load_tokenizer
 from ..config import EngineConfig
+from ..errors import SettingsError
 from ..logits_constraint import GrammarError
 from ..plan import planned_step_tokens
 from ..sampling import logprob_rows, to_device, top_logprobs_of
@@ -51,7 +53,12 @@ class EngineCore:
         adaptive = self.spec.adaptive
         self.scheduler = Scheduler(self.blocks, seqs, budget, chunk, gamma, self.max_model_len,
                                    self.spec.free if self.spec.proposer else None, adaptive.room if adaptive else None)
-        self.requests = RequestBuilder(self.tokenizer, self.runner.model_config, self.max_model_len, config.seed)
+        try:   # chosen once: the thinking budget and the reply's split find the block with the same parser
+            self.reasoning_parser = resolve_parser(config.reasoning_parser, str(self.tokenizer.chat_template or ""))
+        except ValueError as e:
+            raise SettingsError("reasoning_parser", str(e).removeprefix("reasoning parser ")) from None
+        self.requests = RequestBuilder(self.tokenizer, self.runner.model_config, self.max_model_len, config.seed,
+                                       self.reasoning_parser)
         self.disk = open_disk_tier(config, self.runner, self.runner.manifest.model_name)
         self.live: dict[Sequence, RequestState] = {}
         self.finished: collections.Counter[str] = collections.Counter()

@@ -31,8 +31,9 @@ def stop_token_ids(cfg: ModelConfig, tokenizer) -> set[int]:
 
 
 class RequestBuilder:
-    def __init__(self, tokenizer, cfg: ModelConfig, max_model_len: int, seed: int | None):
+    def __init__(self, tokenizer, cfg: ModelConfig, max_model_len: int, seed: int | None, reasoning_parser: str):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, cfg.vocab_size, max_model_len
+        self.reasoning_parser = reasoning_parser   # the engine's, which the replies are split by
         self.eos_ids = stop_token_ids(cfg, tokenizer)
         # atomic: requests arrive from many threads; None: fresh entropy per request (see request_seed)
         self._seeds = None if seed is None else itertools.count(seed + 1)
@@ -46,7 +47,7 @@ class RequestBuilder:
         seq = Sequence(prompt_ids, params, make_generator(params, self.request_seed()))
         compiler = self.grammar_compiler() if params.structured_outputs is not None else None
         budget = None if params.thinking_budget is None else \
-            ThinkingBudget.build(params.thinking_budget, prompt_ids, self.tokenizer)
+            ThinkingBudget.build(params.thinking_budget, prompt_ids, self.tokenizer, self.reasoning_parser)
         seq.constraint = LogitsConstraint.build(params, self.eos_ids, compiler, budget)
         return RequestState(seq, Detokenizer(self.tokenizer, params.stop, params.min_tokens))
 

@@ -25,7 +25,7 @@ def reasoning_start(state: ServerState, prompt_ids: list[int], req: ChatRequest,
     tool_choice shapes the whole reply)."""
     if tools.mode not in ("none", "auto") or req.constraints():
         return None
-    return state.engine.reasoning_start(prompt_ids, state.reasoning_parser)
+    return state.engine.reasoning_start(prompt_ids)
 
 
 def as_chat_request(fields: dict[str, Any]) -> ChatRequest:

@@ -10,7 +10,6 @@ from typing import Callable, TypeVar
 
 import anyio
 
-from ..chat.reasoning import resolve_parser
 from ..executor.engine import BieEngine
 from ..executor.streams import RequestStream
 from .errors import ApiError
@@ -36,7 +35,6 @@ class ServerOptions:
     request_timeout: float | None = None   # seconds a request may take before it is aborted; None: no limit
     max_request_bytes: int | None = None   # larger bodies get 413 unread; None: from the context length
     kv_cache_dir: str | None = None        # where /v1/cache/save and /restore keep files; None: those routes are off
-    reasoning_parser: str = "auto"         # how chat replies' <think> blocks are split off (reasoning.PARSERS)
     response_store_size: int = DEFAULT_CAPACITY   # Responses API responses kept for previous_response_id (in memory)
     json_schema_mode: str = "closed"       # how JSON schema constraints are read unless a request says: or "lenient"
     reasoning_key: str | None = None       # seals Responses reasoning items; None: $BIE_TRT_REASONING_KEY or random
@@ -47,7 +45,8 @@ class ServerState:
         self.engine = engine
         self.options = options or ServerOptions()
         self.model_id = self.options.served_model_name or engine.model_name
-        self.reasoning_parser = resolve_parser(self.options.reasoning_parser, str(engine.tokenizer.chat_template or ""))
+        # the engine's (EngineConfig.reasoning_parser): its thinking budgets find the block as the replies do
+        self.reasoning_parser = engine.reasoning_parser()
         self.started = int(time.time())   # /v1/models' "created": when this server made the model available
         self.longest_token = longest_token_chars(engine.tokenizer.get_vocab())
         self.metrics = Metrics(engine.stats)
