@@ -119,9 +119,6 @@ async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequ
         constraint, constraint_param = output_constraint(req, tools, state.options.json_schema_mode)
     except ParamError as e:
         raise ApiError(400, str(e), e.param) from None
-    vocab = engine.runner.model_config.vocab_size
-    if bad := [k for k in req.logit_bias or {} if int(k) >= vocab]:
-        raise ApiError(400, f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab}).", "logit_bias")
     per_prompt = []
     for ids in prompts:
         room = engine.max_model_len - len(ids)   # what the context leaves for the completion
