@@ -14,6 +14,7 @@ import torch
 
 from ..kv import quant
 from ..kv.pool import KVPools
+from . import delta_rule
 from . import reference as ref
 from .attention_ref import (DensePrefills, paged_decode_attention_ref, paged_prefills_dense, paged_tile_attention_ref,
                             tile_chunks)
@@ -189,3 +190,16 @@ def paged_tile_attention(q: torch.Tensor, pools: KVPools, layer: int, tiles: Ste
         tiles.dense = DensePrefills.build(tile_chunks(tiles.tiles, tiles.tables), tiles.positions, pools.cfg.block_size)
     return paged_tile_attention_ref(q, pools, layer, tiles.tiles, tiles.tables, tiles.positions, scale, tiles.dense,
                                     window)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's tokens through a Gated DeltaNet layer's delta rule (kernels/delta_rule.py): outputs
+    [T, H, V] fp32 and the state after them. On the CPU a prefill runs chunked, a decode token by token."""
+    if use_triton(q):
+        from .triton_delta_rule import delta_rule_triton
+
+        return delta_rule_triton(q, k, v, g, beta, state)
+    if q.shape[0] == 1:
+        return delta_rule.delta_rule_recurrent(q, k, v, g, beta, state)
+    return delta_rule.delta_rule_chunked(q, k, v, g, beta, state)
