@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .config_text import layer_types, text_tower
 from .errors import CheckpointError
 
-ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 # transformers' Qwen3_5TextConfig defaults, for fields a config.json may leave out.
 TEXT_DEFAULTS: dict[str, Any] = {
     "head_dim": 256, "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
@@ -26,15 +26,8 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 def qwen35_text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """The text model's config with transformers' defaults filled in (the multimodal releases nest it in
-    text_config; the ids and the head tying of the whole model stay at the top)."""
-    if "Qwen3_5ForConditionalGeneration" in (hf.get("architectures") or []):
-        text = hf.get("text_config")
-        if not isinstance(text, dict):
-            raise CheckpointError(f"{source}: a Qwen3_5ForConditionalGeneration config needs its text_config object.")
-        top = {k: hf[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in hf}
-        hf = {**text, **top, "architectures": hf["architectures"]}
-    defaults = {k: v for k, v in TEXT_DEFAULTS.items() if hf.get(k) is None}
-    return defaults | {k: v for k, v in hf.items() if v is not None}
+    text_config)."""
+    return text_tower(hf, "Qwen3_5ForConditionalGeneration", TEXT_DEFAULTS, source)
 
 
 def qwen35_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -44,14 +37,8 @@ def qwen35_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     if hf.get("num_experts"):
         raise CheckpointError(f"{source}: num_experts={hf['num_experts']}: the Qwen3.5 MoE models are not supported; "
                               f"the dense Qwen3.5 models are.")
-    layers = int(hf["num_hidden_layers"])
-    types = hf.get("layer_types")
-    if types is None:
-        every = int(hf.get("full_attention_interval") or DEFAULT_FULL_ATTENTION_INTERVAL)
-        types = [LAYER_TYPES[(i + 1) % every == 0] for i in range(layers)]
-    if len(types) != layers or set(types) - set(LAYER_TYPES):
-        raise CheckpointError(f"{source}: layer_types must name {layers} layers, each one of {LAYER_TYPES}; "
-                              f"got {types!r}.")
+    every = int(hf.get("full_attention_interval") or DEFAULT_FULL_ATTENTION_INTERVAL)
+    types = layer_types(hf, LAYER_TYPES, every, source)
     rope = hf.get("rope_parameters") or {}
     # Text-only positions are the same on mRoPE's three axes, so mrope_section changes nothing: plain RoPE.
     factor = float(rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor")
@@ -65,7 +52,7 @@ def qwen35_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     if v_heads % k_heads:
         raise CheckpointError(f"{source}: linear_num_value_heads={v_heads} is not a multiple of "
                               f"linear_num_key_heads={k_heads}.")
-    return dict(norm_offset=1.0, layer_types=tuple(types), partial_rotary_factor=factor, attn_output_gate=True,
+    return dict(norm_offset=1.0, layer_types=types, partial_rotary_factor=factor, attn_output_gate=True,
                 linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
                 linear_key_head_dim=int(hf["linear_key_head_dim"]),
                 linear_value_head_dim=int(hf["linear_value_head_dim"]),
