@@ -90,3 +90,42 @@ def test_two_sequences_in_one_step_keep_their_own_state(reference):
     step = model.forward([SeqInput(torch.tensor([ids[CHUNK]]), CHUNK, ta, state_slot=a),
                           SeqInput(torch.tensor([other[0]]), len(other), tb, state_slot=b)], pools)
     assert (step[0] - hf_logits[CHUNK]).abs().max().item() <= MAX_LOGIT_DIFF * scale
+
+
+def test_a_preempted_sequence_resumes_from_its_snapshot_in_another_slot(reference):
+    """Preemption: the state after a chunk is copied out, the slot released and reused by another sequence;
+    the first resumes in whichever slot it gets next, from the copy, as if never stopped."""
+    hf_model, ids, _, hf_logits = reference
+    model, pools = engine_model(hf_model, slots=2)
+    states = pools.recurrent
+    a = states.allocate()
+    table = list(range(16))
+    model.forward([SeqInput(torch.tensor(ids[:CHUNK]), 0, table, all_logits=True, state_slot=a)], pools)
+    saved = states.snapshot(a)
+    states.release(a)
+    b = states.allocate()   # the same slot, now another sequence's
+    model.forward([SeqInput(torch.tensor(ids[::-1][:30]), 0, list(range(16, 32)), state_slot=b)], pools)
+    a = states.allocate()
+    assert a != b
+    states.restore(a, saved)
+    out = model.forward([SeqInput(torch.tensor(ids[CHUNK:2 * CHUNK]), CHUNK, table, all_logits=True,
+                                  state_slot=a)], pools)[0]
+    assert (out - hf_logits[CHUNK:2 * CHUNK]).abs().max().item() <= MAX_LOGIT_DIFF * hf_logits.abs().max().item()
+
+
+@pytest.mark.slow   # about 80 s of CPU: a thousand one-token steps
+def test_the_recurrent_state_stays_the_same_size_over_1000_generated_tokens(reference):
+    """1,000 greedy tokens: the full-attention layers' KV blocks grow with the text, the recurrent state is
+    the same tensors, the same bytes, throughout."""
+    hf_model, ids, _, _ = reference
+    model, pools = engine_model(hf_model, slots=1, blocks=80)
+    states = pools.recurrent
+    slot, table = states.allocate(), list(range(80))
+    before = (states.nbytes(), states.delta.data_ptr(), states.conv.data_ptr())
+    logits = model.forward([SeqInput(torch.tensor(ids[:16]), 0, table, state_slot=slot)], pools)[0]
+    for pos in range(16, 1016):
+        token = int(logits.argmax())
+        logits = model.forward([SeqInput(torch.tensor([token]), pos, table, state_slot=slot)], pools)[0]
+    assert torch.isfinite(logits).all() and states.delta[:, slot].abs().sum() > 0
+    assert (states.nbytes(), states.delta.data_ptr(), states.conv.data_ptr()) == before
+    assert pools.k[:, 1016 // 16 - 1].abs().sum() > 0 and not pools.k[:, 1016 // 16 + 1].any()
