@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from bie_trt.config import ModelConfig
 from bie_trt.kernels import triton_ops
-from bie_trt.kernels.delta_rule import causal_conv, delta_rule_chunked, delta_rule_inputs, delta_rule_recurrent
+from bie_trt.kernels.delta_rule import (causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_inputs,
+                                        delta_rule_recurrent, delta_rule_slots)
 from bie_trt.kv.recurrent import allocate_recurrent, recurrent_bytes_per_seq
 from qwen35_tiny import TINY_QWEN35
 
@@ -62,17 +63,52 @@ def test_conv_in_pieces_equals_the_whole():
     assert torch.equal(state, x[-3:].t())
 
 
-@pytest.mark.skipif(not triton_ops.available(), reason="triton not importable")
-@pytest.mark.parametrize("T, dv", [(1, 16), (5, 24)])
-def test_triton_kernel_equals_its_twin(T, dv):
-    from bie_trt.kernels.triton_delta_rule import delta_rule_triton
+def test_a_decode_batch_convs_each_sequence_from_its_slot():
+    g = torch.Generator().manual_seed(0)
+    w, states = torch.randn(5, 4, generator=g), torch.randn(4, 5, 3, generator=g)
+    x, slots = torch.randn(2, 5, generator=g), torch.tensor([2, 0])
+    before = states.clone()
+    out = causal_conv_step(x, w, states, slots)
+    for s, slot in enumerate(slots.tolist()):
+        want, want_state = causal_conv(x[s:s + 1], w, before[slot])
+        assert torch.allclose(out[s], want[0], atol=1e-6) and torch.equal(states[slot], want_state)
+    assert torch.equal(states[[1, 3]], before[[1, 3]])
 
-    q, k, v, g, beta, state = inputs(T, dk=16, dv=dv)
-    want_out, want_state = delta_rule_recurrent(q, k, v, g, beta, state)
-    slot = state.clone()
-    out, new = delta_rule_triton(q, k, v, g, beta, slot)
-    assert new is slot, "a contiguous fp32 slot is updated in place"
-    assert (out - want_out).abs().max() < 1e-5 and (new - want_state).abs().max() < 1e-5
+
+def batch(S: int, T: int, dk: int = 8, dv: int = 6):
+    """S sequences of T tokens, and states in 5 slots of which they use `slots`."""
+    parts = [inputs(T, dk=dk, dv=dv, seed=s) for s in range(S)]
+    q, k, v, g, beta = (torch.stack([p[i] for p in parts]) for i in range(5))
+    states = torch.randn(5, 4, dk, dv, generator=torch.Generator().manual_seed(9))
+    return q, k, v, g, beta, states, torch.tensor([3, 0, 4][:S])
+
+
+@pytest.mark.parametrize("S, T", [(3, 1), (1, 37), (2, 20)])
+def test_sequences_in_their_slots_equal_each_alone(S, T):
+    """A decode batch (or a chunk) over state slots: each sequence gets what it gets alone from its own
+    state, its slot ends at its own final state, and slots no sequence names are untouched."""
+    q, k, v, g, beta, states, slots = batch(S, T)
+    before = states.clone()
+    out = delta_rule_slots(q, k, v, g, beta, states, slots)
+    for s, slot in enumerate(slots.tolist()):
+        want_out, want_state = delta_rule_recurrent(q[s], k[s], v[s], g[s], beta[s], before[slot])
+        assert (out[s] - want_out).abs().max() < 1e-5 and (states[slot] - want_state).abs().max() < 1e-5
+    untouched = [i for i in range(5) if i not in slots.tolist()]
+    assert torch.equal(states[untouched], before[untouched])
+
+
+@pytest.mark.skipif(not triton_ops.available(), reason="triton not importable")
+@pytest.mark.parametrize("S, T, dv", [(3, 1, 16), (1, 5, 24)])
+def test_triton_kernel_equals_its_twin(S, T, dv):
+    """Interpreted on the CPU: a decode batch over slots, and one sequence's tokens (value channels not a
+    power of two: masked)."""
+    from bie_trt.kernels.triton_delta_rule import delta_rule_slots_triton
+
+    q, k, v, g, beta, states, slots = batch(S, T, dk=16, dv=dv)
+    want_states = states.clone()
+    want = delta_rule_slots(q, k, v, g, beta, want_states, slots)
+    out = delta_rule_slots_triton(q, k, v, g, beta, states, slots)
+    assert (out - want).abs().max() < 1e-5 and (states - want_states).abs().max() < 1e-5
 
 
 def test_slots_are_never_shared_and_come_back_zeroed():

@@ -76,8 +76,8 @@ def test_logits_and_greedy_tokens_equal_transformers(reference, kernels, monkeyp
 
 
 def test_two_sequences_in_one_step_keep_their_own_state(reference):
-    """A step of two sequences' chunks (different slots, different lengths) gives each the logits it gets
-    alone: the slots do not mix."""
+    """Steps of two sequences (their prefill chunks, then a decode batch, then a decode beside a chunk; different
+    slots, different lengths) give each the logits it gets alone: the slots do not mix."""
     hf_model, ids, _, hf_logits = reference
     model, pools = engine_model(hf_model, slots=2)
     a, b = pools.recurrent.allocate(), pools.recurrent.allocate()
@@ -90,6 +90,10 @@ def test_two_sequences_in_one_step_keep_their_own_state(reference):
     step = model.forward([SeqInput(torch.tensor([ids[CHUNK]]), CHUNK, ta, state_slot=a),
                           SeqInput(torch.tensor([other[0]]), len(other), tb, state_slot=b)], pools)
     assert (step[0] - hf_logits[CHUNK]).abs().max().item() <= MAX_LOGIT_DIFF * scale
+    # a decode beside another sequence's prefill chunk
+    mixed = model.forward([SeqInput(torch.tensor([ids[CHUNK + 1]]), CHUNK + 1, ta, state_slot=a),
+                           SeqInput(torch.tensor(other[1:6]), len(other) + 1, tb, state_slot=b)], pools)
+    assert (mixed[0] - hf_logits[CHUNK + 1]).abs().max().item() <= MAX_LOGIT_DIFF * scale
 
 
 def test_a_preempted_sequence_resumes_from_its_snapshot_in_another_slot(reference):

@@ -75,6 +75,24 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return torch.cat(out, dim=1).transpose(0, 1), s
 
 
+def delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """S sequences of T tokens each, every one from and back into its own state: q, k [S, T, H, K], v [S, T, H, V],
+    g and beta [S, T, H]; states [N, H, K, V] fp32, rows `slots` [S] read and updated in place. -> outputs
+    [S, T, H, V] fp32. The sequences run as more heads of one sequence (heads never mix): one call for a
+    whole decode batch (T = 1, token by token) or a prefill chunk (chunked)."""
+    S, T, H, K = q.shape
+
+    def as_heads(x: torch.Tensor) -> torch.Tensor:   # [S, T, H, ...] -> [T, S*H, ...]
+        return x.transpose(0, 1).reshape(T, S * H, *x.shape[3:])
+
+    rule = delta_rule_recurrent if T == 1 else delta_rule_chunked
+    out, new = rule(as_heads(q), as_heads(k), as_heads(v), as_heads(g), as_heads(beta),
+                    states[slots].reshape(S * H, K, -1))
+    states[slots] = new.reshape(S, H, K, -1)
+    return out.reshape(T, S, H, -1).transpose(0, 1)
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv1d over tokens, then SiLU. x [T, C]; weight [C, W]; state [C, W-1]: the W-1 inputs
     before x (zeros for a new sequence), oldest first. -> (outputs [T, C], the state after x: its last W-1
@@ -84,3 +102,11 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     windows = xs.unfold(1, width, 1)                                        # [C, T, W]
     out = (windows * weight.to(x.dtype)[:, None, :]).sum(-1).t()
     return torch.nn.functional.silu(out), xs[:, xs.shape[1] - (width - 1):]
+
+
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token of each of S sequences (a decode batch): x [S, C]; states [N, C, W-1], rows `slots` read and
+    advanced in place by the new input. -> outputs [S, C], as `causal_conv` gives each sequence."""
+    window = torch.cat([states[slots].to(x.dtype), x[:, :, None]], dim=2)    # [S, C, W]
+    states[slots] = window[:, :, 1:].to(states.dtype)
+    return torch.nn.functional.silu((window * weight.to(x.dtype)).sum(-1))

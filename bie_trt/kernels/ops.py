@@ -193,13 +193,11 @@ def paged_tile_attention(q: torch.Tensor, pools: KVPools, layer: int, tiles: Ste
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's tokens through a Gated DeltaNet layer's delta rule (kernels/delta_rule.py): outputs
-    [T, H, V] fp32 and the state after them. On the CPU a prefill runs chunked, a decode token by token."""
+                     states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """S sequences of T tokens through a Gated DeltaNet layer's delta rule, each from and back into its state
+    slot (`delta_rule.delta_rule_slots`): a decode batch, or a prefill chunk. Outputs [S, T, H, V] fp32."""
     if use_triton(q):
-        from .triton_delta_rule import delta_rule_triton
+        from .triton_delta_rule import delta_rule_slots_triton
 
-        return delta_rule_triton(q, k, v, g, beta, state)
-    if q.shape[0] == 1:
-        return delta_rule.delta_rule_recurrent(q, k, v, g, beta, state)
-    return delta_rule.delta_rule_chunked(q, k, v, g, beta, state)
+        return delta_rule_slots_triton(q, k, v, g, beta, states, slots)
+    return delta_rule.delta_rule_slots(q, k, v, g, beta, states, slots)

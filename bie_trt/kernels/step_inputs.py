@@ -86,8 +86,10 @@ class StepMetadata:
     # A hybrid model's sliding layers: the same rows through their own group's tables (its slot_blocks, tables
     # and tiles; positions and logit rows as here)
     sliding: "StepMetadata | None" = None
-    # Linear-attention layers: (first row, tokens, state slot) of each sequence, in row order
+    # Linear-attention layers: (first row, tokens, state slot) of each sequence, in row order; and the rows and
+    # slots of its one-token sequences (a decode batch, one launch)
     recurrent: list[tuple[int, int, int]] | None = None
+    recurrent_decode: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def all_decode(self) -> bool:
@@ -104,6 +106,10 @@ class StepMetadata:
         if seqs and seqs[0].state_slot is not None:
             starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
             meta.recurrent = [(starts[i], len(s.token_ids), s.state_slot) for i, s in enumerate(seqs)]
+            decode = [(row, slot) for row, n, slot in meta.recurrent if n == 1]
+            if decode:
+                rows, slots = zip(*decode)
+                meta.recurrent_decode = (torch.tensor(rows, device=device), torch.tensor(slots, device=device))
         return meta
 
     @classmethod

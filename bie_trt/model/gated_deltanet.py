@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..kernels import ops
-from ..kernels.delta_rule import causal_conv, delta_rule_inputs
+from ..kernels.delta_rule import causal_conv, causal_conv_step, delta_rule_inputs
 from ..kernels.step_inputs import StepMetadata
 from ..kernels.w4_layout import W4Weight
 from ..kv.recurrent import RecurrentStates, conv_channels
@@ -65,15 +65,26 @@ def deltanet_block(cfg: ModelConfig, li: int, w: DeltaNetWeights, linears: dict[
     mixed, z, b, a = x.split([channels, hv * dv, hv, hv], dim=-1)
     g = -w.A_log.exp() * F.softplus(a.float() + w.dt_bias)
     beta = torch.sigmoid(b.float())
+    # the conv: a decode batch in one step, each prefill chunk over its own carried inputs
+    chunks = [(row, n, slot) for row, n, slot in meta.recurrent if n > 1]
+    conv = torch.empty_like(mixed)
+    if meta.recurrent_decode is not None:
+        rows, slots = meta.recurrent_decode
+        conv[rows] = causal_conv_step(mixed[rows], w.conv, states.conv[li], slots)
+    for row, n, slot in chunks:
+        conv[row:row + n], states.conv[li, slot] = causal_conv(mixed[row:row + n], w.conv, states.conv[li, slot])
+    q, k, v = conv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k = delta_rule_inputs(q.reshape(-1, hk, dk), k.reshape(-1, hk, dk), hv)
+    v = v.reshape(-1, hv, dv).float()
+    # the delta rule: the decode batch in one call, each prefill chunk in one
     out = torch.empty(h.shape[0], hv, dv, dtype=torch.float32, device=h.device)
-    for row, n, slot in meta.recurrent:
-        rows = slice(row, row + n)
-        conv_out, states.conv[li, slot] = causal_conv(mixed[rows], w.conv, states.conv[li, slot])
-        q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        q, k = delta_rule_inputs(q.reshape(n, hk, dk), k.reshape(n, hk, dk), hv)
-        state = states.delta[li, slot]
-        out[rows], new = ops.gated_delta_rule(q, k, v.reshape(n, hv, dv).float(), g[rows], beta[rows], state)
-        state.copy_(new)   # the Triton kernel updated it in place already: then a copy onto itself
+    if meta.recurrent_decode is not None:
+        out[rows] = ops.gated_delta_rule(q[rows, None], k[rows, None], v[rows, None], g[rows, None],
+                                         beta[rows, None], states.delta[li], slots)[:, 0]
+    for row, n, slot in chunks:
+        part = slice(row, row + n)
+        out[part] = ops.gated_delta_rule(q[None, part], k[None, part], v[None, part], g[None, part], beta[None, part],
+                                         states.delta[li], torch.tensor([slot], device=h.device))[0]
     # the gated per-head RMSNorm (as transformers rounds it): the outputs in the activation dtype, normalised in
     # fp32, scaled by w in the activation dtype, gated by silu(z) in fp32
     o = out.to(h.dtype).float()
