@@ -133,3 +133,23 @@ def test_the_recurrent_state_stays_the_same_size_over_1000_generated_tokens(refe
     assert torch.isfinite(logits).all() and states.delta[:, slot].abs().sum() > 0
     assert (states.nbytes(), states.delta.data_ptr(), states.conv.data_ptr()) == before
     assert pools.k[:, 1016 // 16 - 1].abs().sum() > 0 and not pools.k[:, 1016 // 16 + 1].any()
+
+
+def test_a_rejected_proposal_is_rolled_back(reference):
+    """A speculative verify: the last accepted token and four proposals in one logged step, of which the first
+    two are right. Rolled back to the three accepted rows, the sequence goes on exactly as transformers'."""
+    hf_model, ids, continuation, hf_logits = reference
+    model, pools = engine_model(hf_model)
+    slot, table, n = pools.recurrent.allocate(), list(range(64)), len(ids)
+    run(model, pools, ids, [], slot, table)
+    wrong = [(continuation[3] + 1) % 256, continuation[0]]
+    verify = [continuation[0], continuation[1], continuation[2], *wrong]
+    rows = model.forward([SeqInput(torch.tensor(verify), n, table, all_logits=True, state_slot=slot,
+                                   log_state=True)], pools)[0]
+    scale = hf_logits.abs().max().item()
+    assert (rows[:3] - hf_logits[n:n + 3]).abs().max().item() <= MAX_LOGIT_DIFF * scale
+    assert rows[:3].argmax(-1).tolist() == continuation[1:4] != verify[1:4]   # the third proposal is rejected
+    model.roll_back_recurrent(pools, slot, keep=3)
+    assert not pools.recurrent.logs.get(slot)
+    after = model.forward([SeqInput(torch.tensor([continuation[3]]), n + 3, table, state_slot=slot)], pools)[0]
+    assert (after - hf_logits[n + 3]).abs().max().item() <= MAX_LOGIT_DIFF * scale

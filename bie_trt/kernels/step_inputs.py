@@ -34,6 +34,7 @@ class SeqInput:
     # A model with linear-attention layers (Qwen3.5): the sequence's slot in the recurrent states (kv/recurrent.py),
     # holding its state after start_pos tokens.
     state_slot: int | None = None
+    log_state: bool = False   # a speculative verify: keep what rolling the recurrent state back needs
 
 
 def write_blocks(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
@@ -90,6 +91,7 @@ class StepMetadata:
     # slots of its one-token sequences (a decode batch, one launch)
     recurrent: list[tuple[int, int, int]] | None = None
     recurrent_decode: tuple[torch.Tensor, torch.Tensor] | None = None
+    recurrent_log: frozenset[int] = frozenset()   # slots whose multi-token rows are logged (StepLog)
 
     @property
     def all_decode(self) -> bool:
@@ -106,6 +108,7 @@ class StepMetadata:
         if seqs and seqs[0].state_slot is not None:
             starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
             meta.recurrent = [(starts[i], len(s.token_ids), s.state_slot) for i, s in enumerate(seqs)]
+            meta.recurrent_log = frozenset(s.state_slot for s in seqs if s.log_state)
             decode = [(row, slot) for row, n, slot in meta.recurrent if n == 1]
             if decode:
                 rows, slots = zip(*decode)

@@ -5,7 +5,8 @@ A slot holds, for every such layer, the causal conv's last W-1 inputs (activatio
 state [H_v, K, V] in fp32 (it accumulates over the whole context: rounding it to fp16 each token would
 compound). A sequence takes a slot when it starts and gives it back when it finishes or is preempted; a
 slot is handed out zeroed and never to two sequences at once. `snapshot` / `restore` copy a slot's state
-out and back (a prefix boundary to resume from, or the state before a speculative verify to roll back to).
+out and back (a prefix boundary to resume from, a preempted sequence); a speculative verify's step is logged
+per layer (`StepLog`) so that the model can roll the state back to the accepted rows.
 """
 from __future__ import annotations
 
@@ -39,13 +40,33 @@ class RecurrentSnapshot:
 
 
 @dataclass
+class StepLog:
+    """One layer's state before a logged step, and the step's rows as the layer took them (conv inputs, log
+    decays, write strengths): enough to replay any first part of the step."""
+    conv: torch.Tensor     # [C, W-1]
+    delta: torch.Tensor    # [H_v, K, V]
+    inputs: torch.Tensor   # [T, C]
+    g: torch.Tensor        # [T, H_v]
+    beta: torch.Tensor     # [T, H_v]
+
+
+@dataclass
 class RecurrentStates:
     conv: torch.Tensor    # [L, slots, C, W-1], activation dtype
     delta: torch.Tensor   # [L, slots, H_v, K, V], fp32
     free: list[int] = field(init=False)
+    logs: dict[int, dict[int, StepLog]] = field(init=False)   # slot -> layer -> its logged step
 
     def __post_init__(self) -> None:
         self.free = list(range(self.num_slots))
+        self.logs = {}
+
+    def log(self, slot: int, layer: int, entry: StepLog) -> None:
+        self.logs.setdefault(slot, {})[layer] = entry
+
+    def drop_log(self, slot: int) -> None:
+        """Every row of the logged step was kept: nothing to roll back."""
+        self.logs.pop(slot, None)
 
     @property
     def num_slots(self) -> int:
@@ -64,6 +85,7 @@ class RecurrentStates:
         if slot in self.free or not 0 <= slot < self.num_slots:
             raise RuntimeError(f"recurrent state slot {slot} is not in use")
         self.free.append(slot)
+        self.logs.pop(slot, None)
 
     def reset(self, slot: int) -> None:
         self.conv[:, slot].zero_()

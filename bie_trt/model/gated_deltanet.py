@@ -8,7 +8,9 @@ layers, in place of attention (the MLP around it is the decoder's own).
     o            = delta_rule(l2norm(q), l2norm(k), v, g, beta)   kernels/delta_rule.py
     h           += out_proj(rms_norm_per_head(o) * w * silu(z))
 
-The conv inputs and the delta state live in the sequence's recurrent slot (kv/recurrent.py)."""
+The conv inputs and the delta state live in the sequence's recurrent slot (kv/recurrent.py). A speculative
+verify logs the state before it and its rows' inputs, so that `roll_back` can keep only the accepted rows
+without running the model again."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from ..kernels import ops
 from ..kernels.delta_rule import causal_conv, causal_conv_step, delta_rule_inputs
 from ..kernels.step_inputs import StepMetadata
 from ..kernels.w4_layout import W4Weight
-from ..kv.recurrent import RecurrentStates, conv_channels
+from ..kv.recurrent import RecurrentStates, StepLog, conv_channels
 
 LINEARS = ("in_proj", "out_proj")
 
@@ -51,6 +53,34 @@ class DeltaNetWeights:
                    weights[prefix + "delta_norm"].to(device=device, dtype=dtype))
 
 
+def _delta_inputs(cfg: ModelConfig, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv's outputs [T, C] -> the delta rule's q, k [T, H_v, K] (normalised, q scaled) and v [T, H_v, V]."""
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    q, k, v = conv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k = delta_rule_inputs(q.reshape(-1, hk, dk), k.reshape(-1, hk, dk), hv)
+    return q, k, v.reshape(-1, hv, dv).float()
+
+
+def _advance(cfg: ModelConfig, li: int, w: DeltaNetWeights, states: RecurrentStates, slot: int, mixed: torch.Tensor,
+             g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """One sequence's rows (their conv inputs, decays and write strengths) through the conv and the delta rule
+    from its slot, the slot advanced past them: their outputs [T, H_v, V] fp32."""
+    conv, states.conv[li, slot] = causal_conv(mixed, w.conv, states.conv[li, slot])
+    q, k, v = _delta_inputs(cfg, conv)
+    slots = torch.tensor([slot], device=mixed.device)
+    return ops.gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], states.delta[li], slots)[0]
+
+
+def roll_back(cfg: ModelConfig, li: int, w: DeltaNetWeights, states: RecurrentStates, slot: int, keep: int) -> None:
+    """Layer-in-group `li`'s state of `slot` as after the first `keep` rows of its logged step (a verify whose
+    later proposals were rejected): the state before the step, advanced through those rows again."""
+    log = states.logs[slot].pop(li)
+    states.conv[li, slot], states.delta[li, slot] = log.conv, log.delta
+    if keep:
+        _advance(cfg, li, w, states, slot, log.inputs[:keep], log.g[:keep], log.beta[:keep])
+
+
 def deltanet_block(cfg: ModelConfig, li: int, w: DeltaNetWeights, linears: dict[str, W4Weight],
                    attn_norm: torch.Tensor, h: torch.Tensor, meta: StepMetadata,
                    states: RecurrentStates) -> torch.Tensor:
@@ -58,33 +88,24 @@ def deltanet_block(cfg: ModelConfig, li: int, w: DeltaNetWeights, linears: dict[
     advanced past its rows."""
     if meta.recurrent is None:
         raise ValueError("a model with linear-attention layers needs every input's state_slot")
-    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    channels = conv_channels(cfg)
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     x = ops.norm_linear(h, attn_norm, cfg.rms_norm_eps, linears["in_proj"])
-    mixed, z, b, a = x.split([channels, hv * dv, hv, hv], dim=-1)
+    mixed, z, b, a = x.split([conv_channels(cfg), hv * dv, hv, hv], dim=-1)
     g = -w.A_log.exp() * F.softplus(a.float() + w.dt_bias)
     beta = torch.sigmoid(b.float())
-    # the conv: a decode batch in one step, each prefill chunk over its own carried inputs
-    chunks = [(row, n, slot) for row, n, slot in meta.recurrent if n > 1]
-    conv = torch.empty_like(mixed)
-    if meta.recurrent_decode is not None:
-        rows, slots = meta.recurrent_decode
-        conv[rows] = causal_conv_step(mixed[rows], w.conv, states.conv[li], slots)
-    for row, n, slot in chunks:
-        conv[row:row + n], states.conv[li, slot] = causal_conv(mixed[row:row + n], w.conv, states.conv[li, slot])
-    q, k, v = conv.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    q, k = delta_rule_inputs(q.reshape(-1, hk, dk), k.reshape(-1, hk, dk), hv)
-    v = v.reshape(-1, hv, dv).float()
-    # the delta rule: the decode batch in one call, each prefill chunk in one
     out = torch.empty(h.shape[0], hv, dv, dtype=torch.float32, device=h.device)
-    if meta.recurrent_decode is not None:
-        out[rows] = ops.gated_delta_rule(q[rows, None], k[rows, None], v[rows, None], g[rows, None],
-                                         beta[rows, None], states.delta[li], slots)[:, 0]
-    for row, n, slot in chunks:
-        part = slice(row, row + n)
-        out[part] = ops.gated_delta_rule(q[None, part], k[None, part], v[None, part], g[None, part], beta[None, part],
-                                         states.delta[li], torch.tensor([slot], device=h.device))[0]
+    if meta.recurrent_decode is not None:   # the decode batch: one conv step, one delta-rule call
+        rows, slots = meta.recurrent_decode
+        q, k, v = _delta_inputs(cfg, causal_conv_step(mixed[rows], w.conv, states.conv[li], slots))
+        out[rows] = ops.gated_delta_rule(q[:, None], k[:, None], v[:, None], g[rows, None], beta[rows, None],
+                                         states.delta[li], slots)[:, 0]
+    for row, n, slot in meta.recurrent:     # each chunk of several tokens on its own
+        if n > 1:
+            part = slice(row, row + n)
+            if slot in meta.recurrent_log:   # a speculative verify: what rolling part of it back needs
+                states.log(slot, li, StepLog(states.conv[li, slot].clone(), states.delta[li, slot].clone(),
+                                             mixed[part].clone(), g[part].clone(), beta[part].clone()))
+            out[part] = _advance(cfg, li, w, states, slot, mixed[part], g[part], beta[part])
     # the gated per-head RMSNorm (as transformers rounds it): the outputs in the activation dtype, normalised in
     # fp32, scaled by w in the activation dtype, gated by silu(z) in fp32
     o = out.to(h.dtype).float()

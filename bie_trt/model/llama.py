@@ -22,7 +22,7 @@ from ..kernels.w4_layout import W4Weight
 from ..kv.pool import KVPools
 from ..kv.rotation import rotate
 from .gated_deltanet import LINEARS as DELTANET_LINEARS
-from .gated_deltanet import DeltaNetWeights, deltanet_block
+from .gated_deltanet import DeltaNetWeights, deltanet_block, roll_back
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -164,6 +164,13 @@ class LlamaModel:
         if meta.logit_rows.numel() != h.shape[0]:   # build() lists rows in order: as many means all of them
             h = h[meta.logit_rows]
         return self.head_logits(h).float() if head else h
+
+    def roll_back_recurrent(self, pools: KVPools, slot: int, keep: int) -> None:
+        """After a logged verify (SeqInput.log_state) of which only the first `keep` rows were accepted: the
+        linear-attention layers' state of `slot` as after those rows (gated_deltanet.roll_back)."""
+        for li, layer in enumerate(self.layers):
+            if layer.deltanet is not None:
+                roll_back(self.cfg, self.group_index[li], layer.deltanet, pools.recurrent, slot, keep)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_on_host:
