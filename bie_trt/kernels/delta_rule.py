@@ -97,11 +97,13 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     """Depthwise causal conv1d over tokens, then SiLU. x [T, C]; weight [C, W]; state [C, W-1]: the W-1 inputs
     before x (zeros for a new sequence), oldest first. -> (outputs [T, C], the state after x: its last W-1
     inputs), so a text conv'd in pieces equals it conv'd whole."""
-    width = weight.shape[1]
+    width, T = weight.shape[1], x.shape[0]
     xs = torch.cat([state.to(x.dtype), x.t()], dim=1)                      # [C, W-1+T]
-    windows = xs.unfold(1, width, 1)                                        # [C, T, W]
-    out = (windows * weight.to(x.dtype)[:, None, :]).sum(-1).t()
-    return torch.nn.functional.silu(out), xs[:, xs.shape[1] - (width - 1):]
+    w = weight.to(x.dtype)
+    out = xs[:, :T] * w[:, :1]
+    for j in range(1, width):   # tap by tap: one [C, T] temporary rather than a [C, T, W] one
+        out += xs[:, j:j + T] * w[:, j:j + 1]
+    return torch.nn.functional.silu(out.t()), xs[:, xs.shape[1] - (width - 1):]
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
