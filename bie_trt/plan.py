@@ -392,14 +392,29 @@ def activation_workspace_bytes(
       attention: normed T*H + qkv T*(q+2kv) + attention output T*q + o_proj output T*H
                  + the block-wise online-softmax scores T*heads*block_size in fp32
       MLP:       normed T*H + gate_up T*2I + silu(gate)*up T*I + down output T*H
-    For 8B models the MLP phase dominates (the T*2I gate_up product).
+      DeltaNet:  `deltanet_workspace_bytes` (Qwen3.5's linear-attention layers)
+    For 8B models the MLP phase dominates (the T*2I gate_up product); Qwen3.5-9B's DeltaNet phase is larger.
+    (Qwen3.5's qkv also carries the output gate: T*q more.)
     """
     t, h, i = chunked_prefill_size, model.hidden_size, model.intermediate_size
     residual = (t * h + 2 * t * model.head_dim) * dtype_bytes
-    attention = (t * h + t * (model.q_size + 2 * model.kv_size) + t * model.q_size + t * h) * dtype_bytes
+    q_rows = model.q_size * (2 if model.attn_output_gate else 1)
+    attention = (t * h + t * (q_rows + 2 * model.kv_size) + t * model.q_size + t * h) * dtype_bytes
     attention += t * model.num_heads * block_size * FP32
     mlp = (t * h + 2 * t * i + t * i + t * h) * dtype_bytes
-    return residual + max(attention, mlp)
+    deltanet = deltanet_workspace_bytes(model, t, dtype_bytes) if model.linear_layers else 0
+    return residual + max(attention, mlp, deltanet)
+
+
+def deltanet_workspace_bytes(model: ModelConfig, tokens: int, dtype_bytes: int = FP16) -> int:
+    """A Gated DeltaNet sub-block's peak over T tokens, at its delta-rule call (model/gated_deltanet.py):
+    in_proj's output T*(C + V + 2 H_v), the conv's output T*C, the decays and write strengths (fp32), q and k
+    normalised and repeated to the value heads and v (fp32), and the rule's output and the block's (fp32)."""
+    hv = model.linear_num_value_heads
+    keys, values, conv = hv * model.linear_key_head_dim, hv * model.linear_value_head_dim, conv_channels(model)
+    activations = tokens * (conv + values + 2 * hv) + tokens * conv
+    fp32 = 2 * tokens * hv + 2 * tokens * keys + tokens * values + 2 * tokens * values
+    return activations * dtype_bytes + fp32 * FP32
 
 
 # --- validation ------------------------------------------------------------------------------

@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
 from bie_trt.cli import main
 from bie_trt.config import KVCacheConfig, ModelConfig
+from bie_trt.kernels import triton_ops
 from bie_trt.kv.pool import allocate_kv
 from bie_trt.kv.recurrent import allocate_recurrent
-from bie_trt.plan import solve_plan
+from bie_trt.plan import deltanet_workspace_bytes, solve_plan
 from bie_trt.profiles import load_profile
 from qwen35_tiny import TINY_QWEN35
 
@@ -71,3 +73,44 @@ def test_plan_items_equal_the_allocated_tensors():
     pools = allocate_kv(cfg, kv, plan.num_fp_blocks, plan.num_quant_blocks, 0)
     assert pools.nbytes() == {"fp16": plan.bytes_of("kv_fp16_pool"), "quant": plan.bytes_of("kv_quant_pool")}
     assert allocate_recurrent(cfg, 3, torch.float16).nbytes() == plan.bytes_of("recurrent_state")
+
+
+def test_the_deltanet_phase_is_the_9bs_activation_peak():
+    cfg, ti = qwen35_9b(), load_profile("rtx4060ti-8gb")
+    plan = solve_plan(cfg, ti, max_model_len=8192, kv=KVCacheConfig(dtype="int4_asym"))
+    t = 512 + 1   # solve_plan's default chunk beside one decode
+    residual = (t * 4096 + 2 * t * 256) * 2
+    mlp = (t * 4096 + 2 * t * 12288 + t * 12288 + t * 4096) * 2
+    deltanet = t * (8192 + 4096 + 64 + 8192) * 2 + (2 * t * 32 + 2 * t * 4096 + 3 * t * 4096) * 4
+    assert deltanet > mlp and plan.bytes_of("activations") == residual + deltanet == deltanet_workspace_bytes(
+        cfg, t) + residual
+
+
+@pytest.mark.skipif(not triton_ops.available(), reason="triton not importable")
+def test_the_deltanet_formula_matches_a_measured_block(monkeypatch):
+    """The peak of tensors a DeltaNet sub-block allocates over a 48-token chunk, with the delta rule in its
+    Triton kernel (interpreted) as on the GPU, is the formula's within 10% (fp32 activations, weights warm)."""
+    from bie_trt.kernels import ops
+    from bie_trt.kernels.step_inputs import SeqInput
+    from bie_trt.kernels.triton_delta_rule import delta_rule_slots_triton
+    from bie_trt.model import llama
+    from qwen35_tiny import engine_model, hf_tiny_qwen35
+    from test_plan_workspace import PeakTensorBytes
+
+    monkeypatch.setattr(ops, "gated_delta_rule", delta_rule_slots_triton)
+    model, pools = engine_model(hf_tiny_qwen35())
+    slot, ids, table = pools.recurrent.allocate(), torch.randint(0, 256, (48,)), list(range(16))
+    model.forward([SeqInput(ids, 0, table, state_slot=slot)], pools)   # warm-up: the dense weights are kept
+    peaks = []
+
+    def metered(*args):
+        with PeakTensorBytes() as meter:
+            out = block(*args)
+        peaks.append(meter.peak)
+        return out
+
+    block = llama.deltanet_block
+    monkeypatch.setattr(llama, "deltanet_block", metered)
+    model.forward([SeqInput(ids, 48, table, state_slot=slot)], pools)
+    formula = deltanet_workspace_bytes(model.cfg, 48, dtype_bytes=4)
+    assert len(peaks) == 2 and all(0.9 * formula <= p <= 1.1 * formula for p in peaks), (peaks, formula)
