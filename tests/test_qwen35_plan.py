@@ -114,3 +114,14 @@ def test_the_deltanet_formula_matches_a_measured_block(monkeypatch):
     model.forward([SeqInput(ids, 48, table, state_slot=slot)], pools)
     formula = deltanet_workspace_bytes(model.cfg, 48, dtype_bytes=4)
     assert len(peaks) == 2 and all(0.9 * formula <= p <= 1.1 * formula for p in peaks), (peaks, formula)
+
+
+def test_the_readme_row_states_what_the_9b_plans():
+    r = CliRunner().invoke(main, ["plan", "--model-config", str(CONFIG), "--profile", "rtx4060ti-8gb",
+                                  "--max-model-len", "262144", "--json"])
+    plan = json.loads(r.stdout)
+    readme = (CONFIG.parents[2] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| Qwen3.5-9B"))
+    total, budget = (f"{plan[k] / 2**30:.2f}" for k in ("total_bytes", "budget_bytes"))
+    assert f"262,144 (its native context) on `rtx4060ti-8gb`: {total} of {budget} GiB planned" in row
+    assert f"plans Qwen3.5-9B at its native 262,144 tokens in {total} of {budget} GiB" in readme.replace("\n", " ")
