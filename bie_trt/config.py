@@ -16,9 +16,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",   # the text tower of the multimodal releases
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # the text tower of the multimodal releases
 }
 # Architectures with an RMSNorm over each q and k head (own weights, the model's eps) before RoPE.
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+                         "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 # transformers' Qwen3Config: head_dim is its own field, 128 when config.json leaves it out.
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 KV_DTYPES = ("fp16", "fp8", "int4_asym")
@@ -117,6 +120,15 @@ class ModelConfig:
     sliding_window: int | None = None        # the positions a sliding layer sees, its own included
     layer_types: tuple[str, ...] = ()        # "sliding_attention" / "full_attention" per layer; () all full
     local_rope_theta: float | None = None    # sliding layers' RoPE base (plain RoPE; rope_scaling is the full layers')
+    # Qwen3.5's differences (config_qwen35.py reads them): "linear_attention" layers in layer_types are Gated
+    # DeltaNet, with these head counts, head dims and causal-conv kernel; the full layers gate their output.
+    partial_rotary_factor: float = 1.0       # RoPE turns the first head_dim x factor channels of each head
+    attn_output_gate: bool = False           # q_proj also gives a gate: attention output x sigmoid(gate)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
 
     def window_of(self, layer: int) -> int:
         """How many positions layer `layer` attends back (its own included); 0 for the whole context."""
@@ -126,12 +138,22 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        """"llama", "qwen2", "qwen3" or "gemma3"."""
+        """"llama", "qwen2", "qwen3", "gemma3" or "qwen3_5"."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.window_of(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Qwen3.5's Gated DeltaNet layers: a recurrent state per sequence, no KV cache."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each q/k head that RoPE turns (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -172,12 +194,17 @@ class ModelConfig:
                 f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
                 f"bie-trt supports {sorted(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
             )
-        gemma = {}
+        family = {}   # a family's own fields (Gemma 3's, Qwen3.5's)
         if SUPPORTED_ARCHITECTURES[arch] == "gemma3":
             from .config_gemma3 import gemma3_fields, gemma3_text_config
 
             hf = gemma3_text_config(hf, source)
-            gemma = gemma3_fields(hf, source)
+            family = gemma3_fields(hf, source)
+        elif SUPPORTED_ARCHITECTURES[arch] == "qwen3_5":
+            from .config_qwen35 import qwen35_fields, qwen35_text_config
+
+            hf = qwen35_text_config(hf, source)
+            family = qwen35_fields(hf, source)
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
@@ -196,7 +223,7 @@ class ModelConfig:
             )
         except KeyError as e:
             raise CheckpointError(f"{source}: required field {e.args[0]!r} is missing.") from None
-        if not gemma:
+        if not family:
             _refuse_sliding_window(hf, source)
         # transformers 5 moved rope_theta/rope_scaling into rope_parameters. A rope_scaling block added
         # to such a config (as Qwen documents YaRN) replaces its type, whichever key spells it.
@@ -222,7 +249,7 @@ class ModelConfig:
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            **gemma,
+            **family,
         )
         if cfg.num_heads % cfg.num_kv_heads:
             raise CheckpointError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .config_text import layer_types, text_tower
 from .errors import CheckpointError
 
 # transformers' Gemma3TextConfig defaults: the published multimodal configs leave most of them out of
@@ -26,14 +27,9 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 def gemma3_text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """The text model's config with transformers' defaults filled in and RoPE spelled as for a Llama: the
     full layers' base and scaling in rope_theta / rope_scaling, the sliding layers' in rope_local_base_freq."""
-    if "Gemma3ForConditionalGeneration" in (hf.get("architectures") or []):
-        text = hf.get("text_config")
-        if not isinstance(text, dict):
-            raise CheckpointError(f"{source}: a Gemma3ForConditionalGeneration config needs its text_config object.")
-        # the top level carries the ids of the whole model (eos [1, 106] in the -it releases)
-        top = {k: hf[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in hf}
-        hf = {**top, **text, "architectures": hf["architectures"]}
-    out = {k: v for k, v in TEXT_DEFAULTS.items() if hf.get(k) is None} | {k: v for k, v in hf.items() if v is not None}
+    # the top level carries the ids of the whole model (eos [1, 106] in the -it releases)
+    hf = text_tower(hf, "Gemma3ForConditionalGeneration", TEXT_DEFAULTS, source)
+    out = dict(hf)
     params = dict(out.pop("rope_parameters", None) or {})
     full = dict(params.get("full_attention") or {})
     local = dict(params.get("sliding_attention") or {})
@@ -60,14 +56,7 @@ def gemma3_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise CheckpointError(f"{source}: hidden_activation {act!r} is not supported for Gemma 3 "
                               f"(gelu_pytorch_tanh is).")
-    layers = int(hf["num_hidden_layers"])
-    types = hf.get("layer_types")
-    if types is None:
-        pattern = int(hf.get("sliding_window_pattern") or DEFAULT_PATTERN)
-        types = [LAYER_TYPES[(i + 1) % pattern == 0] for i in range(layers)]
-    if len(types) != layers or set(types) - set(LAYER_TYPES):
-        raise CheckpointError(f"{source}: layer_types must name {layers} layers, each one of {LAYER_TYPES}; "
-                              f"got {types!r}.")
+    types = layer_types(hf, LAYER_TYPES, int(hf.get("sliding_window_pattern") or DEFAULT_PATTERN), source)
     window = int(hf["sliding_window"])
     if window < 1:
         raise CheckpointError(f"{source}: sliding_window must be a positive number of positions; got {window}.")
@@ -76,4 +65,4 @@ def gemma3_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
                 embed_scale=float(hf["hidden_size"]) ** 0.5,
                 query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
                 final_logit_softcapping=None if cap is None else float(cap),
-                sliding_window=window, layer_types=tuple(types), local_rope_theta=float(hf["rope_local_base_freq"]))
+                sliding_window=window, layer_types=types, local_rope_theta=float(hf["rope_local_base_freq"]))

@@ -15,6 +15,7 @@ from typing import Any
 from .config import KVCacheConfig, ModelConfig
 from .errors import PlanError
 from .kv.pool import quant_bytes_per_token_per_layer
+from .kv.recurrent import conv_channels, recurrent_bytes_per_seq
 from .kv.sizing import (check_max_model_len, fp16_kv_bytes_per_token, full_layers, kv_bytes_per_token, kv_pool_blocks,
                         kv_pool_bytes, sliding_pool_blocks, sliding_pool_bytes)
 from .profiles import EMBEDDING_PLACEMENTS, LM_HEAD_DTYPES, BuildProfile
@@ -119,8 +120,13 @@ class MemoryPlan:
         verdict = (f"fits, {format_bytes(spare)} spare" if self.fits
                    else f"DOES NOT FIT: {format_bytes(-spare)} over budget")
         lines.append(f"{verdict}; the largest max_model_len that fits is {self.max_model_len_that_fits:,}.")
+        m = i["model"]
+        linear = sum(t == "linear_attention" for t in m["layer_types"])
+        if linear:
+            lines.append(f"linear-attention layers: {linear} of {m['num_layers']} keep a fixed state per sequence "
+                         f"(recurrent_state); only the {m['num_layers'] - linear} full-attention layers' KV grows with "
+                         f"the context.")
         if self.all_full is not None:
-            m = i["model"]
             sliding = sum(t == "sliding_attention" for t in m["layer_types"])
             kv_now = sum(it.bytes for it in self.items if it.name.startswith("kv_"))
             lines.append(f"sliding-window layers: {sliding} of {m['num_layers']} hold only their window; with all "
@@ -157,6 +163,9 @@ def host_tier(model: ModelConfig, kv: KVCacheConfig, size: int) -> dict[str, Any
     if model.sliding_layers:
         return {"bytes": 0, "block_bytes": 0, "blocks": 0, "tokens": 0,
                 "off": "a hybrid model's sliding-window layers keep their blocks on the device"}
+    if model.linear_layers:
+        return {"bytes": 0, "block_bytes": 0, "blocks": 0, "tokens": 0,
+                "off": "a prefix of a model with linear-attention layers needs its recurrent state saved too"}
     per_token = (fp16_kv_bytes_per_token(model) if kv.dtype == "fp16"
                  else quant_bytes_per_token_per_layer(model, kv) * model.num_layers)
     block = per_token * kv.block_size
@@ -185,13 +194,35 @@ def format_bytes(n: int) -> str:
 # --- weights ---------------------------------------------------------------------------------
 
 def linear_shapes(model: ModelConfig) -> list[tuple[str, int, int]]:
-    """(name, in_features, out_features) of one decoder layer's linears."""
+    """(name, in_features, out_features) of one decoder layer's linears (a full-attention layer's, in a model
+    with linear-attention layers too; Qwen3.5's q_proj gives the output gate as well)."""
     h, i = model.hidden_size, model.intermediate_size
+    q_rows = model.q_size * (2 if model.attn_output_gate else 1)
     return [
-        ("q_proj", h, model.q_size), ("k_proj", h, model.kv_size), ("v_proj", h, model.kv_size),
+        ("q_proj", h, q_rows), ("k_proj", h, model.kv_size), ("v_proj", h, model.kv_size),
         ("o_proj", model.q_size, h),
         ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h),
     ]
+
+
+def deltanet_shapes(model: ModelConfig) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of a Gated DeltaNet layer's linears (Qwen3.5), its MLP's included."""
+    h, i = model.hidden_size, model.intermediate_size
+    value, heads = model.linear_num_value_heads * model.linear_value_head_dim, model.linear_num_value_heads
+    return [("in_proj_qkv", h, conv_channels(model)), ("in_proj_z", h, value), ("in_proj_b", h, heads),
+            ("in_proj_a", h, heads), ("out_proj", value, h),
+            ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+
+
+def layer_linear_shapes(model: ModelConfig) -> list[tuple[int, list[tuple[str, int, int]]]]:
+    """(how many layers, their linears' shapes) for each kind of layer the model has."""
+    linear = len(model.linear_layers)
+    kinds = [(model.num_layers - linear, linear_shapes(model)), (linear, deltanet_shapes(model) if linear else [])]
+    return [(n, shapes) for n, shapes in kinds if n]
+
+
+def every_linear_shape(model: ModelConfig) -> list[tuple[str, int, int]]:
+    return [shape for _, shapes in layer_linear_shapes(model) for shape in shapes]
 
 
 def awq_linear_bytes(in_features: int, out_features: int, group_size: int) -> int:
@@ -201,8 +232,8 @@ def awq_linear_bytes(in_features: int, out_features: int, group_size: int) -> in
 
 
 def linear_weight_bytes(model: ModelConfig, group_size: int) -> int:
-    per_layer = sum(awq_linear_bytes(i, o, group_size) for _, i, o in linear_shapes(model))
-    return model.num_layers * per_layer
+    return sum(n * sum(awq_linear_bytes(i, o, group_size) for _, i, o in shapes)
+               for n, shapes in layer_linear_shapes(model))
 
 
 AWQ_GROUP_SIZES = (128, 64, 32)   # the group sizes the W4 kernels take, the largest first
@@ -211,11 +242,11 @@ AWQ_GROUP_SIZES = (128, 64, 32)   # the group sizes the W4 kernels take, the lar
 def default_weight_group_size(model: ModelConfig) -> int:
     """The largest AWQ group size that divides every linear's in_features (128 for 8B models)."""
     for g in AWQ_GROUP_SIZES:
-        if all(i % g == 0 for _, i, _ in linear_shapes(model)):
+        if all(i % g == 0 for _, i, _ in every_linear_shape(model)):
             return g
     raise PlanError(
         f"no AWQ group size (128, 64, 32) divides the model's in_features "
-        f"{sorted({i for _, i, _ in linear_shapes(model)})}; this model cannot be 4-bit AWQ-packed."
+        f"{sorted({i for _, i, _ in every_linear_shape(model)})}; this model cannot be 4-bit AWQ-packed."
     )
 
 
@@ -237,12 +268,19 @@ def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding:
     whose rows `head_choice` explains. `float_zeros`: fp16 zero points (a GGUF's Q4_1 / Q4_K minimums)."""
     h, v = model.hidden_size, model.vocab_size
     reduced = head_rows is not None and head_rows < v
-    items = [PlanItem(
-        "linear_weights", linear_weight_bytes(model, group_size),
-        f"4-bit AWQ, group {group_size}: q,k,v,o,gate,up,down x {model.num_layers} layers",
-    )]
+    linear = len(model.linear_layers)
+    layers = (f"q,k,v,o,gate,up,down x {model.num_layers} layers" if not linear else
+              f"q(+gate),k,v,o,gate,up,down x {model.num_layers - linear} full-attention layers; "
+              f"in_proj(qkv,z,b,a),out_proj,gate,up,down x {linear} DeltaNet layers")
+    items = [PlanItem("linear_weights", linear_weight_bytes(model, group_size),
+                      f"4-bit AWQ, group {group_size}: {layers}")]
+    if linear:
+        conv = conv_channels(model) * model.linear_conv_kernel * FP16
+        heads = model.linear_num_value_heads * 2 * FP32 + model.linear_value_head_dim * FP16
+        items.append(PlanItem("deltanet_params", linear * (conv + heads),
+                              f"conv weights fp16, A_log and dt_bias fp32, gated norm fp16 x {linear} layers"))
     if float_zeros:   # linear_weight_bytes counts a 4-bit zero a group: 1.5 bytes more each
-        groups = model.num_layers * sum(i * o // group_size for _, i, o in linear_shapes(model))
+        groups = sum(n * sum(i * o // group_size for _, i, o in shapes) for n, shapes in layer_linear_shapes(model))
         items.append(PlanItem("float_zero_points", groups * 3 // 2,
                               "fp16 zero points (a GGUF's block minimums) in place of 4-bit ones"))
     if model.qkv_bias:
@@ -263,7 +301,7 @@ def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding:
         ))
     else:
         items.append(PlanItem("embedding", v * h * FP16, "fp16 table in device memory"))
-    head_norms = 2 * model.num_layers * model.head_dim * FP16 if model.qk_norm else 0   # Qwen3's, Gemma 3's q/k norms
+    head_norms = 2 * full_layers(model) * model.head_dim * FP16 if model.qk_norm else 0   # Qwen3's, Gemma 3's q/k norms
     per_layer = 4 if model.sandwich_norms else 2   # Gemma 3: a norm after attention and after the MLP too
     items.append(PlanItem("norms", (per_layer * model.num_layers + 1) * h * FP16 + head_norms, "fp16 RMSNorm weights"))
     return items
@@ -354,14 +392,29 @@ def activation_workspace_bytes(
       attention: normed T*H + qkv T*(q+2kv) + attention output T*q + o_proj output T*H
                  + the block-wise online-softmax scores T*heads*block_size in fp32
       MLP:       normed T*H + gate_up T*2I + silu(gate)*up T*I + down output T*H
-    For 8B models the MLP phase dominates (the T*2I gate_up product).
+      DeltaNet:  `deltanet_workspace_bytes` (Qwen3.5's linear-attention layers)
+    For 8B models the MLP phase dominates (the T*2I gate_up product); Qwen3.5-9B's DeltaNet phase is larger.
+    (Qwen3.5's qkv also carries the output gate: T*q more.)
     """
     t, h, i = chunked_prefill_size, model.hidden_size, model.intermediate_size
     residual = (t * h + 2 * t * model.head_dim) * dtype_bytes
-    attention = (t * h + t * (model.q_size + 2 * model.kv_size) + t * model.q_size + t * h) * dtype_bytes
+    q_rows = model.q_size * (2 if model.attn_output_gate else 1)
+    attention = (t * h + t * (q_rows + 2 * model.kv_size) + t * model.q_size + t * h) * dtype_bytes
     attention += t * model.num_heads * block_size * FP32
     mlp = (t * h + 2 * t * i + t * i + t * h) * dtype_bytes
-    return residual + max(attention, mlp)
+    deltanet = deltanet_workspace_bytes(model, t, dtype_bytes) if model.linear_layers else 0
+    return residual + max(attention, mlp, deltanet)
+
+
+def deltanet_workspace_bytes(model: ModelConfig, tokens: int, dtype_bytes: int = FP16) -> int:
+    """A Gated DeltaNet sub-block's peak over T tokens, at its delta-rule call (model/gated_deltanet.py):
+    in_proj's output T*(C + V + 2 H_v), the conv's output T*C, the decays and write strengths (fp32), q and k
+    normalised and repeated to the value heads and v (fp32), and the rule's output and the block's (fp32)."""
+    hv = model.linear_num_value_heads
+    keys, values, conv = hv * model.linear_key_head_dim, hv * model.linear_value_head_dim, conv_channels(model)
+    activations = tokens * (conv + values + 2 * hv) + tokens * conv
+    fp32 = 2 * tokens * hv + 2 * tokens * keys + tokens * values + 2 * tokens * values
+    return activations * dtype_bytes + fp32 * FP32
 
 
 # --- validation ------------------------------------------------------------------------------
@@ -375,7 +428,7 @@ def _check_inputs(
         kv.validate(model.head_dim)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    bad = sorted({i for _, i, _ in linear_shapes(model) if i % weight_group_size})
+    bad = sorted({i for _, i, _ in every_linear_shape(model) if i % weight_group_size})
     if bad:
         raise PlanError(
             f"weight group size {weight_group_size} does not divide the in_features {bad}; "
@@ -502,6 +555,13 @@ def solve_plan(
         q_note = f"{kv.dtype}, {n_q:,} blocks" if kv.dtype != "fp16" else "fp16 KV: no quantised pool"
         items = [PlanItem("kv_fp16_pool", fp_bytes, f"{n_fp:,} blocks of {kv.block_size} tokens"),
                  PlanItem("kv_quant_pool", q_bytes, q_note)]
+        if groups.linear_layers:   # Qwen3.5: a fixed state per sequence, whatever the context
+            layers = f" x {full_layers(groups)} full-attention layers"
+            items = [dataclasses.replace(it, note=it.note + layers) for it in items]
+            per_seq = recurrent_bytes_per_seq(groups)
+            items.append(PlanItem("recurrent_state", max_num_seqs * per_seq, (
+                f"{max_num_seqs} seq(s) x {format_bytes(per_seq)}: conv inputs fp16 and delta state fp32 x "
+                f"{len(groups.linear_layers)} linear-attention layers, the same at any context")))
         if n_sliding:   # a hybrid model: the full layers above, the sliding ones bounded by their window
             layers = f" x {full_layers(groups)} full-attention layers"
             items = [dataclasses.replace(it, note=it.note + layers) for it in items]

@@ -14,6 +14,7 @@ import torch
 
 from ..kv import quant
 from ..kv.pool import KVPools
+from . import delta_rule
 from . import reference as ref
 from .attention_ref import (DensePrefills, paged_decode_attention_ref, paged_prefills_dense, paged_tile_attention_ref,
                             tile_chunks)
@@ -189,3 +190,14 @@ def paged_tile_attention(q: torch.Tensor, pools: KVPools, layer: int, tiles: Ste
         tiles.dense = DensePrefills.build(tile_chunks(tiles.tiles, tiles.tables), tiles.positions, pools.cfg.block_size)
     return paged_tile_attention_ref(q, pools, layer, tiles.tiles, tiles.tables, tiles.positions, scale, tiles.dense,
                                     window)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """S sequences of T tokens through a Gated DeltaNet layer's delta rule, each from and back into its state
+    slot (`delta_rule.delta_rule_slots`): a decode batch, or a prefill chunk. Outputs [S, T, H, V] fp32."""
+    if use_triton(q):
+        from .triton_delta_rule import delta_rule_slots_triton
+
+        return delta_rule_slots_triton(q, k, v, g, beta, states, slots)
+    return delta_rule.delta_rule_slots(q, k, v, g, beta, states, slots)

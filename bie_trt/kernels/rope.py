@@ -1,6 +1,7 @@
 """Rotary position embedding, with Llama-3.1's and YaRN's frequency scaling."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -10,7 +11,11 @@ from ..config import ModelConfig, RopeScaling
 
 def inverse_frequencies(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
     """The full layers' frequencies (the config's base and scaling), or with `theta` plain RoPE of that base
-    (Gemma 3's sliding layers)."""
+    (Gemma 3's sliding layers). With partial rotary (Qwen3.5) the rotated channels' frequencies, then zeros:
+    the engine stores each q/k head in `partial_rotary_order`, where those zero-frequency pairs pass through."""
+    if cfg.rotary_dim < cfg.head_dim:
+        inv = inverse_frequencies(dataclasses.replace(cfg, head_dim=cfg.rotary_dim, partial_rotary_factor=1.0), theta)
+        return torch.cat([inv, inv.new_zeros((cfg.head_dim - cfg.rotary_dim) // 2)])
     d = cfg.head_dim
     s = None if theta is not None else cfg.rope_scaling
     if s is not None and s.rope_type == "yarn":
@@ -29,6 +34,17 @@ def inverse_frequencies(cfg: ModelConfig, theta: float | None = None) -> torch.T
     out = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
     mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     return torch.where(mid, blended, out).float()
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """For each channel of a q/k head as the engine stores it, the checkpoint's channel. A checkpoint rotates
+    channels i and i + r/2 of its first r; the engine's RoPE rotates i and i + D/2 of all D. Placing the
+    checkpoint's pairs at i and i + D/2 (i < r/2) and its pass-through channels in the rest, with frequency 0
+    there, is the same rotation; q.k is unchanged by permuting q and k alike, and v is never permuted."""
+    half, r = head_dim // 2, rotary_dim // 2
+    rest = list(range(rotary_dim, head_dim))
+    order = list(range(r)) + rest[:half - r] + list(range(r, rotary_dim)) + rest[half - r:]
+    return torch.tensor(order)
 
 
 def yarn_inverse_frequencies(dim: int, base: float, s: RopeScaling) -> torch.Tensor:

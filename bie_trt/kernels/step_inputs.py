@@ -4,6 +4,7 @@ evaluation all prepare their steps here."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,10 @@ class SeqInput:
     # A hybrid model's sliding-window layers read their own cache group through this table (block b holds
     # positions b*B..; blocks below the window are given back, their entries only placeholders never read).
     sliding_table: list[int] | None = None
+    # A model with linear-attention layers (Qwen3.5): the sequence's slot in the recurrent states (kv/recurrent.py),
+    # holding its state after start_pos tokens.
+    state_slot: int | None = None
+    log_state: bool = False   # a speculative verify: keep what rolling the recurrent state back needs
 
 
 def write_blocks(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
@@ -82,6 +87,11 @@ class StepMetadata:
     # A hybrid model's sliding layers: the same rows through their own group's tables (its slot_blocks, tables
     # and tiles; positions and logit rows as here)
     sliding: "StepMetadata | None" = None
+    # Linear-attention layers: (first row, tokens, state slot) of each sequence, in row order; and the rows and
+    # slots of its one-token sequences (a decode batch, one launch)
+    recurrent: list[tuple[int, int, int]] | None = None
+    recurrent_decode: tuple[torch.Tensor, torch.Tensor] | None = None
+    recurrent_log: frozenset[int] = frozenset()   # slots whose multi-token rows are logged (StepLog)
 
     @property
     def all_decode(self) -> bool:
@@ -95,6 +105,14 @@ class StepMetadata:
         if seqs and seqs[0].sliding_table is not None:
             sliding = [dataclasses.replace(s, block_table=s.sliding_table, sliding_table=None) for s in seqs]
             meta.sliding = cls._build(sliding, block_size, device)
+        if seqs and seqs[0].state_slot is not None:
+            starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
+            meta.recurrent = [(starts[i], len(s.token_ids), s.state_slot) for i, s in enumerate(seqs)]
+            meta.recurrent_log = frozenset(s.state_slot for s in seqs if s.log_state)
+            decode = [(row, slot) for row, n, slot in meta.recurrent if n == 1]
+            if decode:
+                rows, slots = zip(*decode)
+                meta.recurrent_decode = (torch.tensor(rows, device=device), torch.tensor(slots, device=device))
         return meta
 
     @classmethod

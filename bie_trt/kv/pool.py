@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import KVCacheConfig, ModelConfig
+from .recurrent import RecurrentStates
 
 
 def encode_quant_block(block_id: int) -> int:
@@ -76,6 +77,7 @@ class KVPools:
     v_pack: torch.Tensor | None = None
     scratch_block: int | None = None   # an FP16 block no sequence owns: CUDA-graph padding writes here
     sliding: "KVPools | None" = None   # a hybrid model's sliding-window layers (FP16 only), see the docstring
+    recurrent: RecurrentStates | None = None   # linear-attention layers' state slots (kv/recurrent.py)
     # Views into the packs (see the module docstring), made from them.
     k_q: torch.Tensor | None = field(init=False, default=None)
     v_q: torch.Tensor | None = field(init=False, default=None)
@@ -163,7 +165,7 @@ def allocate_kv(model: ModelConfig, kv: KVCacheConfig, num_fp_blocks: int, num_q
     model's full layers with its sliding layers' pools in `sliding`."""
     sliding = model.sliding_layers
     pools = allocate_pools(model, kv, num_fp_blocks, num_quant_blocks, dtype, device, scratch_block,
-                           num_layers=model.num_layers - len(sliding))
+                           num_layers=model.num_layers - len(sliding) - len(model.linear_layers))
     if sliding:
         pools.sliding = allocate_pools(model, sliding_config(kv), num_sliding_blocks, 0, dtype, device, scratch_block,
                                        num_layers=len(sliding))

@@ -20,8 +20,8 @@ FP16 = 2
 
 
 def full_layers(model: ModelConfig) -> int:
-    """Layers that attend over the whole context (all of a dense model's)."""
-    return model.num_layers - len(model.sliding_layers)
+    """Layers that attend over the whole context (all of a dense model's; not sliding, not linear attention)."""
+    return model.num_layers - len(model.sliding_layers) - len(model.linear_layers)
 
 
 def fp16_kv_bytes_per_token(model: ModelConfig, layers: int | None = None) -> int:

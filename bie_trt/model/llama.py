@@ -2,7 +2,9 @@
 
 Gemma 3 is the same decoder with a few switches from its config: embeddings scaled, RMSNorm weights
 (1 + w), a norm after attention and after the MLP too, GELU-tanh gating, its own softmax scale, sliding-window
-layers with their own RoPE base, and logit soft-capping."""
+layers with their own RoPE base, and logit soft-capping. Qwen3.5 too: (1 + w) norms, Gated DeltaNet layers
+(model/gated_deltanet.py) in place of attention in most layers, and in the others a gate on the attention
+output and RoPE over part of each head."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,13 +21,17 @@ from ..kernels.step_inputs import SeqInput, StepMetadata
 from ..kernels.w4_layout import W4Weight
 from ..kv.pool import KVPools
 from ..kv.rotation import rotate
+from .gated_deltanet import LINEARS as DELTANET_LINEARS
+from .gated_deltanet import DeltaNetWeights, deltanet_block, roll_back
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 def fused_linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out features, in features) of each of a layer's fused linears, as stored in the engine."""
-    return {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
+    # Qwen3.5's output gate: q_size more rows at the end of qkv
+    q_rows = cfg.q_size * (2 if cfg.attn_output_gate else 1)
+    return {"qkv": (q_rows + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
             "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size)}
 
 
@@ -53,6 +59,7 @@ class Layer:
     # Gemma 3's sandwich norms: the attention's and the MLP's output normalised before the residual add
     post_attn_norm: torch.Tensor | None = None
     post_mlp_norm: torch.Tensor | None = None
+    deltanet: DeltaNetWeights | None = None   # a Qwen3.5 linear-attention layer's own tensors (in place of attention)
 
 
 class LlamaModel:
@@ -83,23 +90,27 @@ class LlamaModel:
         self.norm = norm("norm")
         self.key_mean = t("kv.key_mean") if "kv.key_mean" in weights else None   # [L, Hkv, D]
         self.layers = []
+        linear_attention = set(cfg.linear_layers)
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             lin = {}
-            for name in LINEARS:
+            for name in (*DELTANET_LINEARS, "gate_up", "down") if i in linear_attention else LINEARS:
                 q = p + name + "."
                 lin[name] = W4Weight(
                     qweight=weights[q + "qweight"].to(device), scales=weights[q + "scales"].to(device),
                     zeros=weights[q + "zeros"].to(device),
                     bias=weights[q + "bias"].to(device=device, dtype=dtype) if q + "bias" in weights else None,
                     gemv_config=(gemv_configs or {}).get(name), keep_dense=keep_dense)
-            qk_norm = QKNorm(norm(p + "q_norm"), norm(p + "k_norm"), cfg.rms_norm_eps) if cfg.qk_norm else None
+            attends = i not in linear_attention
+            qk_norm = (QKNorm(norm(p + "q_norm"), norm(p + "k_norm"), cfg.rms_norm_eps) if cfg.qk_norm and attends
+                       else None)
             post = (norm(p + "post_attn_norm"), norm(p + "post_mlp_norm")) if cfg.sandwich_norms else (None, None)
-            self.layers.append(Layer(norm(p + "attn_norm"), norm(p + "mlp_norm"), lin, qk_norm, *post))
+            deltanet = None if attends else DeltaNetWeights.load(weights, p, device, dtype)
+            self.layers.append(Layer(norm(p + "attn_norm"), norm(p + "mlp_norm"), lin, qk_norm, *post, deltanet))
         self.rope = Rope(cfg, device)
-        # Each layer's index inside its cache group (kv/pool.py): among the full layers, or among the sliding ones.
-        sliding = set(cfg.sliding_layers)
-        self.group_index = [sum((j in sliding) == (i in sliding) for j in range(i)) for i in range(cfg.num_layers)]
+        # Each layer's index inside its cache group (kv/pool.py, kv/recurrent.py): among the layers of its type.
+        kinds = cfg.layer_types or ("full_attention",) * cfg.num_layers
+        self.group_index = [kinds[:i].count(kinds[i]) for i in range(cfg.num_layers)]
         # YaRN multiplies cos and sin by its attention factor; rotation is linear, so every q·k grows by the
         # factor squared: folded into the softmax scale, the same for the torch and Triton paths.
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5 * self.rope.attention_factor ** 2
@@ -143,12 +154,23 @@ class LlamaModel:
         # h is the residual stream: each linear that ends a sub-block adds into it, and the norm
         # in front of a sub-block is folded into the linear that starts it.
         for li, layer in enumerate(self.layers):
-            h = self._attention(li, layer, h, meta, pools)
+            if layer.deltanet is not None:
+                h = deltanet_block(cfg, self.group_index[li], layer.deltanet, layer.linears, layer.attn_norm, h, meta,
+                                   pools.recurrent)
+            else:
+                h = self._attention(li, layer, h, meta, pools)
             act = ops.norm_linear(h, layer.mlp_norm, cfg.rms_norm_eps, layer.linears["gate_up"], glu=cfg.hidden_act)
             h = self._residual(act, layer.linears["down"], h, layer.post_mlp_norm)
         if meta.logit_rows.numel() != h.shape[0]:   # build() lists rows in order: as many means all of them
             h = h[meta.logit_rows]
         return self.head_logits(h).float() if head else h
+
+    def roll_back_recurrent(self, pools: KVPools, slot: int, keep: int) -> None:
+        """After a logged verify (SeqInput.log_state) of which only the first `keep` rows were accepted: the
+        linear-attention layers' state of `slot` as after those rows (gated_deltanet.roll_back)."""
+        for li, layer in enumerate(self.layers):
+            if layer.deltanet is not None:
+                roll_back(self.cfg, self.group_index[li], layer.deltanet, pools.recurrent, slot, keep)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_on_host:
@@ -176,8 +198,8 @@ class LlamaModel:
     def _group(self, li: int, meta: StepMetadata, pools: KVPools) -> tuple[KVPools, int, StepMetadata]:
         """The cache group layer `li` reads and writes: its pools, its index in them, the step's metadata for
         its tables. One group (a dense model, or any model over a single pool) holds every layer."""
-        if pools.sliding is None:
-            return pools, li, meta
+        if pools.sliding is None:   # one attention group (its index skips any linear-attention layers)
+            return pools, self.group_index[li], meta
         if self.rope.windows[li]:
             return pools.sliding, self.group_index[li], meta.sliding
         return pools, self.group_index[li], meta
@@ -187,6 +209,9 @@ class LlamaModel:
         cfg = self.cfg
         pools, gi, meta = self._group(li, meta, pools)
         qkv = ops.norm_linear(h, layer.attn_norm, cfg.rms_norm_eps, layer.linears["qkv"])
+        gate = None
+        if cfg.attn_output_gate:   # Qwen3.5: qkv's last q_size columns gate the attention output
+            qkv, gate = qkv[:, :-cfg.q_size].contiguous(), qkv[:, -cfg.q_size:]
         # The q/k head norms (Qwen3), RoPE, the calibrated key centering and the Hadamard rotation of q and
         # k (v too with hadamard_kv), K/V into the FP16 tail: one launch (the runner checked key_mean exists).
         q = ops.qkv_epilogue(qkv, cfg.num_heads, cfg.num_kv_heads, meta.rope_positions, self.rope.inv_freq_of(li),
@@ -204,7 +229,10 @@ class LlamaModel:
             out = self._mixed_attention(gi, q, meta, pools, window)
         if rotates_values(pools.cfg):
             out = rotate(out)
-        return self._residual(out.reshape(-1, cfg.q_size), layer.linears["o"], h, layer.post_attn_norm)
+        out = out.reshape(-1, cfg.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self._residual(out, layer.linears["o"], h, layer.post_attn_norm)
 
     def _mixed_attention(self, gi: int, q: torch.Tensor, meta: StepMetadata, pools: KVPools,
                          window: int) -> torch.Tensor:

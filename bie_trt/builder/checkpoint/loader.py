@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from ...config import ModelConfig
 from ...errors import CheckpointError
 from ...jsonio import read_json_object
+from .unbuilt import refuse_unbuilt
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 LINEARS = {
@@ -110,6 +111,7 @@ class Checkpoint:
             raise CheckpointError(f"{cfg_path}: missing; a checkpoint needs its Hugging Face config.json.")
         self.hf_config = _read_json(cfg_path)
         self.model = ModelConfig.from_hf(self.hf_config, str(cfg_path))
+        refuse_unbuilt(self.model, str(cfg_path))
         self.quant = read_quant_config(self.path, self.hf_config)
         if not any((self.path / f).exists() for f in TOKENIZER_FILES):
             raise CheckpointError(

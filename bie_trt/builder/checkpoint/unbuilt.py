@@ -1,0 +1,26 @@
+"""Families the decoder runs but the build cannot yet turn into an engine: refused by name, before any tensor
+is read, with what is there and what is missing (rather than a missing-tensor error from the loader)."""
+from __future__ import annotations
+
+from ...config import SUPPORTED_ARCHITECTURES, ModelConfig
+from ...errors import CheckpointError
+
+NOT_YET_BUILT = {
+    "qwen3_5": ("Qwen3.5 (hybrid Gated DeltaNet and gated full attention) is not supported by `bie-trt build` "
+                "yet. In place: the decoder's Qwen3.5 layers (checked against transformers' Qwen3_5ForCausalLM "
+                "on a tiny random model) and `bie-trt plan`, which plans it. Missing: reading a Qwen3.5 "
+                "checkpoint's DeltaNet tensors into an engine, and the engine's recurrent state slots across "
+                "batching, preemption, prefix caching and speculation."),
+}
+
+
+def buildable_architectures() -> list[str]:
+    return sorted(a for a, family in SUPPORTED_ARCHITECTURES.items() if family not in NOT_YET_BUILT)
+
+
+def refuse_unbuilt(model: ModelConfig, source: str) -> None:
+    """CheckpointError naming the architecture when the build cannot make an engine of its family yet."""
+    why = NOT_YET_BUILT.get(model.family)
+    if why is not None:
+        raise CheckpointError(f"{source}: {model.architecture}: {why} Buildable architectures: "
+                              f"{', '.join(buildable_architectures())}.")
