@@ -26,18 +26,12 @@ from ..plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, s
 from ..profiles import BuildProfile, resolve_profile
 from ..spec_decode.draft_vocab import RANKING, reduced_vocabulary
 from .checkpoint.gguf_checkpoint import GGUFCheckpoint, conversion_summary
-from .checkpoint.loader import TOKENIZER_FILES, Checkpoint, layer_norms
+from .checkpoint.loader import FUSED, TOKENIZER_FILES, Checkpoint, layer_norms
 from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
 from .engine_docs import render
+from .fused_linears import fused_linear
 
-# Fused at build time: one GEMM reads the shared input once.
-FUSED = {
-    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o": ("self_attn.o_proj",),
-    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "down": ("mlp.down_proj",),
-}
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -94,9 +88,7 @@ def _repack_layer(ckpt: Checkpoint | GGUFCheckpoint, i: int) -> dict[str, torch.
     m, p = ckpt.model, f"model.layers.{i}."
     out = {f"layers.{i}.{name}": ckpt.tensor(p + f"{hf}.weight").half() for name, hf in layer_norms(m).items()}
     for fused, parts in FUSED.items():
-        packed = [ckpt.w4(p + part + ".weight") for part in parts]
-        for key in ("qweight", "scales", "zeros"):
-            out[f"layers.{i}.{fused}.{key}"] = torch.cat([t[key] for t in packed]).contiguous()
+        out.update(fused_linear(ckpt, tuple(p + part + ".weight" for part in parts), f"layers.{i}.{fused}"))
     if m.qk_norm:
         for x in "qk":
             out[f"layers.{i}.{x}_norm"] = ckpt.tensor(p + f"self_attn.{x}_norm.weight").half()
@@ -193,7 +185,7 @@ def plan_for(ckpt: Checkpoint | GGUFCheckpoint, profile: BuildProfile, kv: KVCac
     return solve_plan(ckpt.model, profile, max_model_len=max_model_len, kv=kv, max_num_seqs=max_num_seqs,
                       chunked_prefill_size=chunked_prefill_size or profile.defaults.chunked_prefill_size,
                       weight_group_size=ckpt.quant.group_size, gpu_memory_utilization=gpu_memory_utilization,
-                      weight_float_zeros=getattr(ckpt, "float_zeros", False),
+                      linear_bytes=getattr(ckpt, "linear_bytes", None),
                       num_speculative_tokens=num_speculative_tokens, **extra)
 
 

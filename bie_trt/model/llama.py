@@ -16,9 +16,9 @@ from ..kernels.int8_rows import Int8Rows
 from ..kernels.reference import QKNorm
 from ..kernels.rope import Rope
 from ..kernels.step_inputs import SeqInput, StepMetadata
-from ..kernels.w4_layout import W4Weight
 from ..kv.pool import KVPools
 from ..kv.rotation import rotate
+from .linears import Linear, load_linear
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -48,7 +48,7 @@ def rotates_values(kv: KVCacheConfig) -> bool:
 class Layer:
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    linears: dict[str, W4Weight] = field(default_factory=dict)
+    linears: dict[str, Linear] = field(default_factory=dict)
     qk_norm: QKNorm | None = None   # Qwen3's and Gemma 3's per-head q/k RMSNorm (in the qkv epilogue)
     # Gemma 3's sandwich norms: the attention's and the MLP's output normalised before the residual add
     post_attn_norm: torch.Tensor | None = None
@@ -85,14 +85,8 @@ class LlamaModel:
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            lin = {}
-            for name in LINEARS:
-                q = p + name + "."
-                lin[name] = W4Weight(
-                    qweight=weights[q + "qweight"].to(device), scales=weights[q + "scales"].to(device),
-                    zeros=weights[q + "zeros"].to(device),
-                    bias=weights[q + "bias"].to(device=device, dtype=dtype) if q + "bias" in weights else None,
-                    gemv_config=(gemv_configs or {}).get(name), keep_dense=keep_dense)
+            lin = {name: load_linear(weights, p + name, device, dtype, (gemv_configs or {}).get(name), keep_dense)
+                   for name in LINEARS}
             qk_norm = QKNorm(norm(p + "q_norm"), norm(p + "k_norm"), cfg.rms_norm_eps) if cfg.qk_norm else None
             post = (norm(p + "post_attn_norm"), norm(p + "post_mlp_norm")) if cfg.sandwich_norms else (None, None)
             self.layers.append(Layer(norm(p + "attn_norm"), norm(p + "mlp_norm"), lin, qk_norm, *post))
@@ -157,7 +151,7 @@ class LlamaModel:
             rows = F.embedding(ids.to(self.device), self.embed)
         return rows * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else rows
 
-    def _residual(self, x: torch.Tensor, w: W4Weight, h: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+    def _residual(self, x: torch.Tensor, w: Linear, h: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
         """h + w4_linear(x) (one launch on the GPU), or with Gemma's sandwich norm h + norm(w4_linear(x))."""
         if post_norm is None:
             return ops.linear_residual(x, w, h)
