@@ -232,10 +232,11 @@ def lm_head_bytes(model: ModelConfig, dtype: str, rows: int | None = None) -> in
 
 
 def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding: str,
-             head_rows: int | None = None, head_choice: str = "", linear_bytes: int | None = None) -> list[PlanItem]:
+             head_rows: int | None = None, head_choice: str = "", linear_bytes: int | None = None,
+             lm_head_bytes: int | None = None) -> list[PlanItem]:
     """The weight items; `head_rows` < vocab_size: a head over a reduced vocabulary (a draft's),
     whose rows `head_choice` explains. `linear_bytes`: the linears' real size where the checkpoint says
-    (a GGUF's, most of them kept in the file's own block formats)."""
+    (a GGUF's, most of them kept in the file's own block formats); `lm_head_bytes` likewise for the head."""
     h, v = model.hidden_size, model.vocab_size
     reduced = head_rows is not None and head_rows < v
     what = f"q,k,v,o,gate,up,down x {model.num_layers} layers"
@@ -246,7 +247,9 @@ def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding:
     if model.qkv_bias:
         items.append(PlanItem("qkv_bias", model.num_layers * (model.q_size + 2 * model.kv_size) * FP16, "fp16"))
     choice = f"; {head_choice}" if head_choice else ""
-    if model.tie_word_embeddings and embedding == "gpu" and lm_head_dtype == "fp16" and not reduced:
+    if lm_head_bytes is not None and not reduced:
+        items.append(PlanItem("lm_head", lm_head_bytes, "as the GGUF stores it (its own block format)"))
+    elif model.tie_word_embeddings and embedding == "gpu" and lm_head_dtype == "fp16" and not reduced:
         items.append(PlanItem("lm_head", 0, f"tied: shares the fp16 embedding table{choice}"))
     else:
         copy = "those rows of the tied embedding" if reduced else "the tied embedding"
@@ -423,6 +426,7 @@ def solve_plan(
     chunked_prefill_size: int = 512,
     weight_group_size: int = 128,
     linear_bytes: int | None = None,
+    lm_head_bytes: int | None = None,
     draft: ModelConfig | None = None,
     draft_window_tokens: int = DEFAULT_DRAFT_WINDOW_TOKENS,
     draft_vocab_size: int | None = None,
@@ -461,7 +465,8 @@ def solve_plan(
     budget = int(profile.vram_bytes * utilisation)
 
     # Everything except the KV pools is independent of max_model_len.
-    weights = _weights(model, weight_group_size, lm_head_dtype, embedding, linear_bytes=linear_bytes)
+    weights = _weights(model, weight_group_size, lm_head_dtype, embedding, linear_bytes=linear_bytes,
+                       lm_head_bytes=lm_head_bytes)
     weights.append(PlanItem("kv_key_mean", model.num_layers * model.kv_size * FP16,
                             "fp16 mean key per layer and KV head, subtracted before quantising"))
     draft_items: list[PlanItem] = []

@@ -30,7 +30,7 @@ from .checkpoint.loader import FUSED, TOKENIZER_FILES, Checkpoint, layer_norms
 from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
 from .engine_docs import render
-from .fused_linears import fused_linear
+from .fused_linears import fused_linear, gguf_head
 
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
@@ -100,7 +100,10 @@ def _repack_layer(ckpt: Checkpoint | GGUFCheckpoint, i: int) -> dict[str, torch.
 
 def _lm_head(ckpt: Checkpoint | GGUFCheckpoint, dtype: str, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
     """The output head in the plan's dtype; a tied fp16 head is the embedding itself (nothing stored).
-    `rows`: only those vocabulary rows, in that order (a draft's reduced vocabulary)."""
+    `rows`: only those vocabulary rows, in that order (a draft's reduced vocabulary). A GGUF's quantised
+    head stays in the file's blocks (`gguf_head`)."""
+    if rows is None and (blocks := gguf_head(ckpt)):
+        return blocks
     tied = ckpt.model.tie_word_embeddings
     head = ckpt.tensor("model.embed_tokens.weight" if tied else "lm_head.weight")
     if rows is not None:
@@ -185,7 +188,7 @@ def plan_for(ckpt: Checkpoint | GGUFCheckpoint, profile: BuildProfile, kv: KVCac
     return solve_plan(ckpt.model, profile, max_model_len=max_model_len, kv=kv, max_num_seqs=max_num_seqs,
                       chunked_prefill_size=chunked_prefill_size or profile.defaults.chunked_prefill_size,
                       weight_group_size=ckpt.quant.group_size, gpu_memory_utilization=gpu_memory_utilization,
-                      linear_bytes=getattr(ckpt, "linear_bytes", None),
+                      linear_bytes=getattr(ckpt, "linear_bytes", None), lm_head_bytes=getattr(ckpt, "head_bytes", None),
                       num_speculative_tokens=num_speculative_tokens, **extra)
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..config import KVCacheConfig, ModelConfig
 from ..kernels import ops
+from ..kernels.gguf_blocks import BlockWeight, from_tensors, is_stored
 from ..kernels.int8_rows import Int8Rows
 from ..kernels.reference import QKNorm
 from ..kernels.rope import Rope
@@ -73,8 +74,11 @@ class LlamaModel:
         embed = weights["embed_tokens"]
         self.embed = (embed.half().pin_memory() if torch.cuda.is_available() else embed.half()) \
             if self.embed_on_host else t("embed_tokens")
-        if "lm_head.q" in weights:
-            self.lm_head: Int8Rows | torch.Tensor = Int8Rows(weights["lm_head.q"].to(device),
+        if is_stored(weights, "lm_head"):   # a GGUF's head in the file's own blocks
+            self.lm_head: Int8Rows | BlockWeight | torch.Tensor = BlockWeight(
+                from_tensors(weights, "lm_head", device), keep_dense=keep_dense)
+        elif "lm_head.q" in weights:
+            self.lm_head = Int8Rows(weights["lm_head.q"].to(device),
                                                              weights["lm_head.scale"].to(device))
         elif "lm_head" in weights:
             self.lm_head = t("lm_head")
@@ -157,12 +161,14 @@ class LlamaModel:
             return ops.linear_residual(x, w, h)
         return h + ops.rms_norm(ops.w4_linear(x, w), post_norm, self.cfg.rms_norm_eps)[0]
 
-    def head_logits(self, rows: torch.Tensor, head: Int8Rows | torch.Tensor | None = None) -> torch.Tensor:
+    def head_logits(self, rows: torch.Tensor, head: Int8Rows | BlockWeight | torch.Tensor | None = None) -> torch.Tensor:
         """The final norm, then `head` (the model's own by default; any rows of it, in its dtype): one
         launch when the head is int8 (the norm rides in front)."""
         eps, head, cap = self.cfg.rms_norm_eps, self.lm_head if head is None else head, self.cfg.final_logit_softcapping
         if isinstance(head, Int8Rows):
             logits = ops.norm_int8_rows_linear(rows, self.norm, eps, head)
+        elif isinstance(head, BlockWeight):
+            logits = ops.block_linear(ops.rms_norm(rows, self.norm, eps)[0], head)
         else:
             logits = F.linear(ops.rms_norm(rows, self.norm, eps)[0], head)
         return logits if cap is None else torch.tanh(logits / cap) * cap

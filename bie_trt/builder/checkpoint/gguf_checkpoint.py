@@ -238,7 +238,6 @@ class GGUFCheckpoint:
         for names in self._fused_names():
             (blocks if self.in_blocks(names) else w4).update(self._kind(n) for n in names)
         G = self.quant.group_size
-        head = "model.embed_tokens.weight" if self.model.tie_word_embeddings else "lm_head.weight"
         return {
             "file": self.path.name,
             "tensor_types": self.tensor_types(),
@@ -248,9 +247,14 @@ class GGUFCheckpoint:
             "linear_bytes": self.linear_bytes,
             "weight_group_size": G,
             "embedding": f"{self._type(self.tensors['token_embd.weight'])} -> fp16",
-            "lm_head": f"{self._type(self.tensors[self._gguf(head)])} -> {lm_head_dtype}"
-                       + (" (per-row scale)" if lm_head_dtype == "int8" else ""),
+            "lm_head": self._head_record(lm_head_dtype),
         }
+
+    def _head_record(self, lm_head_dtype: str) -> str:
+        kind = self._type(self.tensors[self._gguf(self.head_name)])
+        if self.head_bytes is not None:
+            return f"{kind} kept in its blocks"
+        return f"{kind} -> {lm_head_dtype}" + (" (per-row scale)" if lm_head_dtype == "int8" else "")
 
     @staticmethod
     def _type(t: Any) -> str:
@@ -300,6 +304,16 @@ class GGUFCheckpoint:
         raw = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(int(t.shape[1]), -1))
         rows = self._rows(name, raw.shape[0])
         return BlockPart(t.tensor_type.name, (raw if rows is None else raw[rows]).contiguous())
+
+    @property
+    def head_name(self) -> str:
+        return "model.embed_tokens.weight" if self.model.tie_word_embeddings else "lm_head.weight"
+
+    @cached_property
+    def head_bytes(self) -> int | None:
+        """The head's bytes when the engine keeps it in the file's blocks (any quantised type), else None."""
+        t = self.tensors[self._gguf(self.head_name)]
+        return int(t.n_bytes) if t.tensor_type.name in W4_TYPES + BLOCK_TYPES else None
 
     @cached_property
     def linear_bytes(self) -> int:
