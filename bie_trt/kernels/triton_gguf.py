@@ -100,7 +100,8 @@ def _run(rows, c, j, FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr):
 @triton.jit
 def _gguf_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_r, stride_y,
                         FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -112,8 +113,10 @@ def _gguf_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_x, st
     for c in range(0, K // RUN):
         x = tl.load(x_ptr + rm[:, None] * stride_x + c * RUN + j[None, :], mask=rm[:, None] < M, other=0.0)
         w = _run(rows, c, j[None, :], FMT, BLOCK_BYTES)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee") if x.dtype == tl.float32 \
-            else tl.dot(x, tl.trans(w.to(x.dtype)))
+        if IEEE:   # fp32 activations (the tests): no tf32 rounding of the weights
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -140,6 +143,6 @@ def block_linear_triton(x: torch.Tensor, w: BlockWeight, residual: torch.Tensor 
             x, part.raw, bias if bias is not None else x, res if res is not None else x, out, m, n, k,
             x.stride(0), part.raw.stride(0), res.stride(0) if res is not None else 0, y.stride(0),
             FMT=format_id(part.fmt), BLOCK_BYTES=BLOCK_FORMATS[part.fmt][1], HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=res is not None, BLOCK_M=block_m, BLOCK_N=block_n)
+            HAS_RESIDUAL=res is not None, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n)
         col += n
     return y
