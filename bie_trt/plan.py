@@ -263,30 +263,32 @@ def lm_head_bytes(model: ModelConfig, dtype: str, rows: int | None = None) -> in
 
 
 def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding: str,
-             head_rows: int | None = None, head_choice: str = "", float_zeros: bool = False) -> list[PlanItem]:
+             head_rows: int | None = None, head_choice: str = "", linear_bytes: int | None = None,
+             stored_head_bytes: int | None = None) -> list[PlanItem]:
     """The weight items; `head_rows` < vocab_size: a head over a reduced vocabulary (a draft's),
-    whose rows `head_choice` explains. `float_zeros`: fp16 zero points (a GGUF's Q4_1 / Q4_K minimums)."""
+    whose rows `head_choice` explains. `linear_bytes`: the linears' real size where the checkpoint says
+    (a GGUF's, most of them kept in the file's own block formats); `stored_head_bytes` likewise for the head."""
     h, v = model.hidden_size, model.vocab_size
     reduced = head_rows is not None and head_rows < v
     linear = len(model.linear_layers)
     layers = (f"q,k,v,o,gate,up,down x {model.num_layers} layers" if not linear else
               f"q(+gate),k,v,o,gate,up,down x {model.num_layers - linear} full-attention layers; "
               f"in_proj(qkv,z,b,a),out_proj,gate,up,down x {linear} DeltaNet layers")
-    items = [PlanItem("linear_weights", linear_weight_bytes(model, group_size),
-                      f"4-bit AWQ, group {group_size}: {layers}")]
+    items = [PlanItem("linear_weights", linear_weight_bytes(model, group_size), f"4-bit AWQ, group {group_size}: {layers}")
+             if linear_bytes is None else
+             PlanItem("linear_weights", linear_bytes, f"as the GGUF stores them (W4 group {group_size} where "
+                      f"Q4_0 or float): {layers}")]
     if linear:
         conv = conv_channels(model) * model.linear_conv_kernel * FP16
         heads = model.linear_num_value_heads * 2 * FP32 + model.linear_value_head_dim * FP16
         items.append(PlanItem("deltanet_params", linear * (conv + heads),
                               f"conv weights fp16, A_log and dt_bias fp32, gated norm fp16 x {linear} layers"))
-    if float_zeros:   # linear_weight_bytes counts a 4-bit zero a group: 1.5 bytes more each
-        groups = sum(n * sum(i * o // group_size for _, i, o in shapes) for n, shapes in layer_linear_shapes(model))
-        items.append(PlanItem("float_zero_points", groups * 3 // 2,
-                              "fp16 zero points (a GGUF's block minimums) in place of 4-bit ones"))
     if model.qkv_bias:
         items.append(PlanItem("qkv_bias", model.num_layers * (model.q_size + 2 * model.kv_size) * FP16, "fp16"))
     choice = f"; {head_choice}" if head_choice else ""
-    if model.tie_word_embeddings and embedding == "gpu" and lm_head_dtype == "fp16" and not reduced:
+    if stored_head_bytes is not None and not reduced:
+        items.append(PlanItem("lm_head", stored_head_bytes, "as the GGUF stores it (its own block format)"))
+    elif model.tie_word_embeddings and embedding == "gpu" and lm_head_dtype == "fp16" and not reduced:
         items.append(PlanItem("lm_head", 0, f"tied: shares the fp16 embedding table{choice}"))
     else:
         copy = "those rows of the tied embedding" if reduced else "the tied embedding"
@@ -477,7 +479,8 @@ def solve_plan(
     max_num_seqs: int = 1,
     chunked_prefill_size: int = 512,
     weight_group_size: int = 128,
-    weight_float_zeros: bool = False,
+    linear_bytes: int | None = None,
+    lm_head_bytes: int | None = None,
     draft: ModelConfig | None = None,
     draft_window_tokens: int = DEFAULT_DRAFT_WINDOW_TOKENS,
     draft_vocab_size: int | None = None,
@@ -516,7 +519,8 @@ def solve_plan(
     budget = int(profile.vram_bytes * utilisation)
 
     # Everything except the KV pools is independent of max_model_len.
-    weights = _weights(model, weight_group_size, lm_head_dtype, embedding, float_zeros=weight_float_zeros)
+    weights = _weights(model, weight_group_size, lm_head_dtype, embedding, linear_bytes=linear_bytes,
+                       stored_head_bytes=lm_head_bytes)
     weights.append(PlanItem("kv_key_mean", model.num_layers * model.kv_size * FP16,
                             "fp16 mean key per layer and KV head, subtracted before quantising"))
     draft_items: list[PlanItem] = []

@@ -1,12 +1,13 @@
-"""Greedy agreement of engines with transformers running a GGUF's own weights; JSON on stdout (and --out).
+"""Greedy agreement of engines with references running a GGUF itself; JSON on stdout (and --out).
 
 Five prompts of --prompt-tokens tokens from a text (evenly spaced windows), each continued greedily for
---tokens tokens by transformers (fp32, the weights the `gguf` package dequantises) and by each engine with
-an FP16 KV cache, so only the weights differ. `prefix` counts the tokens up to the first disagreement
-(after it the two continue different texts); `same_position` counts positions that agree anyway.
+--tokens tokens by each reference (--reference, repeatable: `transformers`, fp32 on the weights the `gguf`
+package dequantises; `llama.cpp`, node-llama-cpp's CPU build on the file, scripts/llama_cpp.py) and by each
+engine with an FP16 KV cache. `prefix` counts the tokens up to the first disagreement (after it the two
+continue different texts); `same_position` counts positions that agree anyway.
 
-    python scripts/gguf_agreement.py --gguf FILE.gguf --engine engines/a --engine engines/b \\
-        --out benchmarks/results/gguf_agreement_cpu.json
+    python scripts/gguf_agreement.py --gguf FILE.gguf --engine engines/a --reference transformers \\
+        --reference llama.cpp --out benchmarks/results/gguf_agreement_cpu.json
 """
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ from pathlib import Path
 
 import torch
 
+import llama_cpp
 from report import emit
+
+
+def agreement(outs: list[list[int]], reference: list[list[int]], tokens: int) -> dict:
+    prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(outs, reference)]
+    same = [sum(a == b for a, b in zip(o, r)) for o, r in zip(outs, reference)]
+    return {"prefix": prefix, "prefix_total": sum(prefix), "same_position": same, "same_position_total": sum(same),
+            "of": len(outs) * tokens}
 
 
 def main() -> None:
@@ -26,6 +35,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--prompt-tokens", type=int, default=700)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--reference", action="append", choices=["transformers", "llama.cpp"])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -39,23 +49,29 @@ def main() -> None:
     ids = text_token_ids(args.engine[0], load_eval_text(args.text))
     step = (len(ids) - args.prompt_tokens) // args.prompts
     prompts = [ids[i * step:i * step + args.prompt_tokens] for i in range(args.prompts)]
-    model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    with torch.no_grad():
-        reference = [model.generate(torch.tensor([p]), max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                                    do_sample=False)[0, len(p):].tolist() for p in prompts]
+    references = {}
+    for name in args.reference or ["transformers"]:
+        if name == "llama.cpp":
+            references[name] = llama_cpp.greedy(args.gguf, prompts, args.tokens,
+                                                context=args.prompt_tokens + args.tokens + 16)["tokens"]
+            continue
+        model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+        with torch.no_grad():
+            references[name] = [model.generate(torch.tensor([p]), max_new_tokens=args.tokens,
+                                               min_new_tokens=args.tokens, do_sample=False)[0, len(p):].tolist()
+                                for p in prompts]
+        del model
     result = {"gguf": args.gguf.name, "text": args.text, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
-              "kv_cache": "fp16", "engines": []}
+              "kv_cache": "fp16", "references": references, "engines": []}
     for engine_dir in args.engine:
         engine = BieEngine(EngineConfig(engine_dir=engine_dir, device="cpu", kv_cache_dtype="fp16"))
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         outs = [engine.generate(p, params).token_ids for p in prompts]
-        prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(outs, reference)]
-        same = [sum(a == b for a, b in zip(o, r)) for o, r in zip(outs, reference)]
         result["engines"].append({"engine": engine_dir, "source": engine.runner.manifest.source.checkpoint,
                                   "weight_group_size": engine.runner.manifest.source.weight_group_size,
-                                  "prefix": prefix, "prefix_total": sum(prefix), "same_position": same,
-                                  "same_position_total": sum(same), "of": args.prompts * args.tokens})
+                                  "tokens": outs, "against": {name: agreement(outs, reference, args.tokens)
+                                                              for name, reference in references.items()}})
         del engine
     emit(result, args.out)
 

@@ -39,10 +39,32 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: str = "llama",
+# Random blocks' super-scales for the K-quants (which the `gguf` package cannot quantise to): weights of
+# about the size of 0.05-sigma ones, every other byte (codes, 6-bit scales and minimums) uniformly random.
+_K_SCALES = {"Q4_K": (1e-4, 8e-4), "Q5_K": (5e-5, 8e-4), "Q6_K": (2.5e-5, None)}
+
+
+def k_quant_bytes(rng: np.random.Generator, kind: str, rows: int, cols: int) -> np.ndarray:
+    """A random Q4_K / Q5_K / Q6_K tensor's bytes [rows, row bytes]: its codes and scales in every bit pattern."""
+    weights, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = rng.integers(0, 256, size=(rows * cols // weights, size), dtype=np.uint8)
+    d, dmin = _K_SCALES[kind]
+    scales = (d * rng.uniform(0.5, 1.5, raw.shape[0])).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if kind == "Q6_K":   # d last
+        raw[:, -2:] = scales
+    else:                # d, then dmin, first
+        raw[:, 0:2] = scales
+        raw[:, 2:4] = (dmin * rng.uniform(0.5, 1.5, raw.shape[0])).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_gguf(path: Path, linear_type: str | dict[str, str] = "Q4_0", seed: int = 0, arch: str = "llama",
                     chat_template: bool = True, metadata: dict | None = None,
-                    rope_freqs: np.ndarray | None = None) -> Path:
-    """Linear weights in `linear_type`, the embedding and head in Q8_0, norms in F32. `metadata` overrides
+                    rope_freqs: np.ndarray | None = None, hidden: int = TINY_GGUF["hidden"],
+                    intermediate: int = TINY_GGUF["intermediate"]) -> Path:
+    """Linear weights in `linear_type` (or a type for each of attn_q, attn_k, attn_v, attn_output, ffn_gate,
+    ffn_up, ffn_down: a dict), the embedding and head in Q8_0, norms in F32. K-quants (random blocks) need
+    in-features of 256: hidden=256, intermediate=512. `metadata` overrides
     (or adds) header keys after the architecture prefix, e.g. {"feed_forward_length": 256}, or leaves one out
     (a value of None: {"rope.freq_base": None}); `rope_freqs`
     is written as llama.cpp writes Llama 3's RoPE scaling. A gemma3 file has GEMMA3_GGUF's keys, a tied
@@ -53,8 +75,8 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
     tok = smollm2_tokenizer_fields()
     vocab = len(tok["ggml.tokens"])
     w = gguf.GGUFWriter(str(path), arch)
-    keys = {"block_count": c["layers"], "context_length": c["context"], "embedding_length": c["hidden"],
-            "feed_forward_length": c["intermediate"], "attention.head_count": c["heads"],
+    keys = {"block_count": c["layers"], "context_length": c["context"], "embedding_length": hidden,
+            "feed_forward_length": intermediate, "attention.head_count": c["heads"],
             "attention.head_count_kv": c["kv_heads"], "attention.layer_norm_rms_epsilon": 1e-5,
             "rope.freq_base": 10000.0, "vocab_size": vocab,
             # Qwen3 files state head_dim; transformers' GGUF reader ignores it and takes Qwen3's 128
@@ -76,7 +98,10 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
         w.add_unk_token_id(0)
     if chat_template:
         w.add_chat_template(tok["chat_template"])
-    qtype = gguf.GGMLQuantizationType[linear_type]
+    linear_types = linear_type if isinstance(linear_type, dict) else {}
+
+    def qtype(name: str) -> gguf.GGMLQuantizationType:
+        return gguf.GGMLQuantizationType[linear_types.get(name, "Q4_0") if linear_types else linear_type]
 
     def rnd(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
@@ -84,10 +109,12 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
     def add(name: str, t: np.ndarray, kind: gguf.GGMLQuantizationType) -> None:
         if kind == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, t)
+        elif kind.name.endswith("_K"):   # the gguf package has no K-quant quantiser: random blocks of t's shape
+            w.add_tensor(name, k_quant_bytes(rng, kind.name, *t.shape), raw_dtype=kind)
         else:
             w.add_tensor(name, gguf.quants.quantize(t, kind), raw_dtype=kind)
 
-    h, i = c["hidden"], c["intermediate"]
+    h, i = hidden, intermediate
     d = keys.get("attention.key_length", h // c["heads"])
     add("token_embd.weight", rnd(vocab, h), gguf.GGMLQuantizationType.Q8_0)
     if arch != "gemma3":   # Gemma ties its head to the embedding
@@ -100,19 +127,19 @@ def write_tiny_gguf(path: Path, linear_type: str = "Q4_0", seed: int = 0, arch: 
                       if arch == "llama" else (lambda w: w, lambda w: w))
     for layer in range(keys["block_count"]):
         p = f"blk.{layer}."
-        add(p + "attn_q.weight", q_rows(rnd(c["heads"] * d, h)), qtype)
-        add(p + "attn_k.weight", k_rows(rnd(c["kv_heads"] * d, h)), qtype)
+        add(p + "attn_q.weight", q_rows(rnd(c["heads"] * d, h)), qtype("attn_q"))
+        add(p + "attn_k.weight", k_rows(rnd(c["kv_heads"] * d, h)), qtype("attn_k"))
         if arch == "qwen2":
             for x, n in (("q", c["heads"] * d), ("k", c["kv_heads"] * d), ("v", c["kv_heads"] * d)):
                 add(p + f"attn_{x}.bias", rnd(n), gguf.GGMLQuantizationType.F32)
         if arch in ("qwen3", "gemma3"):
             for x in "qk":
                 add(p + f"attn_{x}_norm.weight", 1 + rnd(d), gguf.GGMLQuantizationType.F32)
-        add(p + "attn_v.weight", rnd(c["kv_heads"] * d, h), qtype)
-        add(p + "attn_output.weight", rnd(h, c["heads"] * d), qtype)
-        add(p + "ffn_gate.weight", rnd(i, h), qtype)
-        add(p + "ffn_up.weight", rnd(i, h), qtype)
-        add(p + "ffn_down.weight", rnd(h, i), qtype)
+        add(p + "attn_v.weight", rnd(c["kv_heads"] * d, h), qtype("attn_v"))
+        add(p + "attn_output.weight", rnd(h, c["heads"] * d), qtype("attn_output"))
+        add(p + "ffn_gate.weight", rnd(i, h), qtype("ffn_gate"))
+        add(p + "ffn_up.weight", rnd(i, h), qtype("ffn_up"))
+        add(p + "ffn_down.weight", rnd(h, i), qtype("ffn_down"))
         add(p + "attn_norm.weight", 1 + rnd(h), gguf.GGMLQuantizationType.F32)
         add(p + "ffn_norm.weight", 1 + rnd(h), gguf.GGMLQuantizationType.F32)
         if arch == "gemma3":

@@ -26,18 +26,12 @@ from ..plan import DEFAULT_DRAFT_WINDOW_TOKENS, MemoryPlan, check_draft_vocab, s
 from ..profiles import BuildProfile, resolve_profile
 from ..spec_decode.draft_vocab import RANKING, reduced_vocabulary
 from .checkpoint.gguf_checkpoint import GGUFCheckpoint, conversion_summary
-from .checkpoint.loader import TOKENIZER_FILES, Checkpoint, layer_norms
+from .checkpoint.loader import FUSED, TOKENIZER_FILES, Checkpoint, layer_norms
 from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
 from .engine_docs import render
+from .fused_linears import fused_linear, gguf_head
 
-# Fused at build time: one GEMM reads the shared input once.
-FUSED = {
-    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o": ("self_attn.o_proj",),
-    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "down": ("mlp.down_proj",),
-}
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -81,9 +75,7 @@ def _repack_layer(ckpt: Checkpoint | GGUFCheckpoint, i: int) -> dict[str, torch.
     m, p = ckpt.model, f"model.layers.{i}."
     out = {f"layers.{i}.{name}": ckpt.tensor(p + f"{hf}.weight").half() for name, hf in layer_norms(m).items()}
     for fused, parts in FUSED.items():
-        packed = [ckpt.w4(p + part + ".weight") for part in parts]
-        for key in ("qweight", "scales", "zeros"):
-            out[f"layers.{i}.{fused}.{key}"] = torch.cat([t[key] for t in packed]).contiguous()
+        out.update(fused_linear(ckpt, tuple(p + part + ".weight" for part in parts), f"layers.{i}.{fused}"))
     if m.qk_norm:
         for x in "qk":
             out[f"layers.{i}.{x}_norm"] = ckpt.tensor(p + f"self_attn.{x}_norm.weight").half()
@@ -95,7 +87,10 @@ def _repack_layer(ckpt: Checkpoint | GGUFCheckpoint, i: int) -> dict[str, torch.
 
 def _lm_head(ckpt: Checkpoint | GGUFCheckpoint, dtype: str, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
     """The output head in the plan's dtype; a tied fp16 head is the embedding itself (nothing stored).
-    `rows`: only those vocabulary rows, in that order (a draft's reduced vocabulary)."""
+    `rows`: only those vocabulary rows, in that order (a draft's reduced vocabulary). A GGUF's quantised
+    head stays in the file's blocks (`gguf_head`)."""
+    if rows is None and (blocks := gguf_head(ckpt)):
+        return blocks
     tied = ckpt.model.tie_word_embeddings
     head = ckpt.tensor("model.embed_tokens.weight" if tied else "lm_head.weight")
     if rows is not None:
@@ -180,7 +175,7 @@ def plan_for(ckpt: Checkpoint | GGUFCheckpoint, profile: BuildProfile, kv: KVCac
     return solve_plan(ckpt.model, profile, max_model_len=max_model_len, kv=kv, max_num_seqs=max_num_seqs,
                       chunked_prefill_size=chunked_prefill_size or profile.defaults.chunked_prefill_size,
                       weight_group_size=ckpt.quant.group_size, gpu_memory_utilization=gpu_memory_utilization,
-                      weight_float_zeros=getattr(ckpt, "float_zeros", False),
+                      linear_bytes=getattr(ckpt, "linear_bytes", None), lm_head_bytes=getattr(ckpt, "head_bytes", None),
                       num_speculative_tokens=num_speculative_tokens, **extra)
 
 

@@ -44,7 +44,8 @@ def _checkpoint_config(name_or_path: str) -> tuple[dict[str, Any], str]:
 
         ckpt = GGUFCheckpoint(path)
         return {**ckpt.hf_config, "quantization_config": {"group_size": ckpt.quant.group_size,
-                                                           "float_zeros": ckpt.float_zeros}}, str(path)
+                                                           "linear_bytes": ckpt.linear_bytes,
+                                                           "lm_head_bytes": ckpt.head_bytes}}, str(path)
     return _read_json(path / "config.json"), str(path / "config.json")
 
 
@@ -145,7 +146,8 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
         max_num_seqs=max_num_seqs or d.max_num_seqs,
         chunked_prefill_size=chunked_prefill_size or d.chunked_prefill_size,
         weight_group_size=_weight_group_size(hf, model),
-        weight_float_zeros=bool((hf.get("quantization_config") or {}).get("float_zeros")),
+        linear_bytes=(hf.get("quantization_config") or {}).get("linear_bytes"),
+        lm_head_bytes=(hf.get("quantization_config") or {}).get("lm_head_bytes"),
         draft=draft,
         draft_vocab_size=draft_vocab_size,
         draft_window_tokens=draft_window_tokens,

@@ -18,6 +18,7 @@ from . import delta_rule
 from . import reference as ref
 from .attention_ref import (DensePrefills, paged_decode_attention_ref, paged_prefills_dense, paged_tile_attention_ref,
                             tile_chunks)
+from .gguf_blocks import BlockWeight, block_linear_ref
 from .int8_rows import Int8Rows
 from .w4_layout import W4Weight
 
@@ -57,7 +58,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return ref.silu_mul_ref(gate_up)
 
 
-def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
+def block_linear(x: torch.Tensor, w: BlockWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x · Wᵀ (+ residual) with W in a GGUF file's own blocks (gguf_blocks.py)."""
+    if use_triton(x):
+        from .triton_gguf import block_linear_triton
+
+        return block_linear_triton(x, w, residual)
+    y = block_linear_ref(x, w)
+    return y if residual is None else y + residual
+
+
+def w4_linear(x: torch.Tensor, w: W4Weight | BlockWeight) -> torch.Tensor:
+    if isinstance(w, BlockWeight):
+        return block_linear(x, w)
     if use_triton(x):
         from .triton_w4 import w4_linear_triton
 
@@ -65,10 +78,14 @@ def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     return ref.w4_linear_ref(x, w)
 
 
-def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: W4Weight,
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: W4Weight | BlockWeight,
                 glu: str | None = None) -> torch.Tensor:
     """w4_linear(rms_norm(x)), then act(gate)·up when w is gate_up and `glu` names act ("silu", "gelu_tanh"):
-    one launch on the GPU for SiLU; GELU's gating runs behind the fused norm and GEMM (`glu_ref`)."""
+    one launch on the GPU for SiLU; GELU's gating runs behind the fused norm and GEMM (`glu_ref`). GGUF
+    blocks: the norm, the linear and the gating each their own launch."""
+    if isinstance(w, BlockWeight):
+        y = block_linear(rms_norm(x, norm_weight, eps)[0], w)
+        return ref.glu_ref(y, glu) if glu else y
     if use_triton(x):
         from .triton_w4 import w4_linear_triton
 
@@ -80,8 +97,10 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: W4Wei
     return ref.glu_ref(y, glu) if glu else y
 
 
-def linear_residual(x: torch.Tensor, w: W4Weight, residual: torch.Tensor) -> torch.Tensor:
+def linear_residual(x: torch.Tensor, w: W4Weight | BlockWeight, residual: torch.Tensor) -> torch.Tensor:
     """residual + w4_linear(x), added in the activation dtype: one launch on the GPU."""
+    if isinstance(w, BlockWeight):
+        return block_linear(x, w, residual)
     if use_triton(x):
         from .triton_w4 import w4_linear_triton
 

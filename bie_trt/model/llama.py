@@ -14,15 +14,16 @@ import torch.nn.functional as F
 
 from ..config import KVCacheConfig, ModelConfig
 from ..kernels import ops
+from ..kernels.gguf_blocks import BlockWeight, from_tensors, is_stored
 from ..kernels.int8_rows import Int8Rows
 from ..kernels.reference import QKNorm
 from ..kernels.rope import Rope
 from ..kernels.step_inputs import SeqInput, StepMetadata
-from ..kernels.w4_layout import W4Weight
 from ..kv.pool import KVPools
 from ..kv.rotation import rotate
 from .gated_deltanet import LINEARS as DELTANET_LINEARS
 from .gated_deltanet import DeltaNetWeights, deltanet_block, roll_back
+from .linears import Linear, load_linear
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -54,7 +55,7 @@ def rotates_values(kv: KVCacheConfig) -> bool:
 class Layer:
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    linears: dict[str, W4Weight] = field(default_factory=dict)
+    linears: dict[str, Linear] = field(default_factory=dict)
     qk_norm: QKNorm | None = None   # Qwen3's and Gemma 3's per-head q/k RMSNorm (in the qkv epilogue)
     # Gemma 3's sandwich norms: the attention's and the MLP's output normalised before the residual add
     post_attn_norm: torch.Tensor | None = None
@@ -80,8 +81,11 @@ class LlamaModel:
         embed = weights["embed_tokens"]
         self.embed = (embed.half().pin_memory() if torch.cuda.is_available() else embed.half()) \
             if self.embed_on_host else t("embed_tokens")
-        if "lm_head.q" in weights:
-            self.lm_head: Int8Rows | torch.Tensor = Int8Rows(weights["lm_head.q"].to(device),
+        if is_stored(weights, "lm_head"):   # a GGUF's head in the file's own blocks
+            self.lm_head: Int8Rows | BlockWeight | torch.Tensor = BlockWeight(
+                from_tensors(weights, "lm_head", device), keep_dense=keep_dense)
+        elif "lm_head.q" in weights:
+            self.lm_head = Int8Rows(weights["lm_head.q"].to(device),
                                                              weights["lm_head.scale"].to(device))
         elif "lm_head" in weights:
             self.lm_head = t("lm_head")
@@ -93,15 +97,9 @@ class LlamaModel:
         linear_attention = set(cfg.linear_layers)
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            lin = {}
-            for name in (*DELTANET_LINEARS, "gate_up", "down") if i in linear_attention else LINEARS:
-                q = p + name + "."
-                lin[name] = W4Weight(
-                    qweight=weights[q + "qweight"].to(device), scales=weights[q + "scales"].to(device),
-                    zeros=weights[q + "zeros"].to(device),
-                    bias=weights[q + "bias"].to(device=device, dtype=dtype) if q + "bias" in weights else None,
-                    gemv_config=(gemv_configs or {}).get(name), keep_dense=keep_dense)
             attends = i not in linear_attention
+            lin = {name: load_linear(weights, p + name, device, dtype, (gemv_configs or {}).get(name), keep_dense)
+                   for name in (LINEARS if attends else (*DELTANET_LINEARS, "gate_up", "down"))}
             qk_norm = (QKNorm(norm(p + "q_norm"), norm(p + "k_norm"), cfg.rms_norm_eps) if cfg.qk_norm and attends
                        else None)
             post = (norm(p + "post_attn_norm"), norm(p + "post_mlp_norm")) if cfg.sandwich_norms else (None, None)
@@ -179,18 +177,20 @@ class LlamaModel:
             rows = F.embedding(ids.to(self.device), self.embed)
         return rows * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else rows
 
-    def _residual(self, x: torch.Tensor, w: W4Weight, h: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+    def _residual(self, x: torch.Tensor, w: Linear, h: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
         """h + w4_linear(x) (one launch on the GPU), or with Gemma's sandwich norm h + norm(w4_linear(x))."""
         if post_norm is None:
             return ops.linear_residual(x, w, h)
         return h + ops.rms_norm(ops.w4_linear(x, w), post_norm, self.cfg.rms_norm_eps)[0]
 
-    def head_logits(self, rows: torch.Tensor, head: Int8Rows | torch.Tensor | None = None) -> torch.Tensor:
+    def head_logits(self, rows: torch.Tensor, head: Int8Rows | BlockWeight | torch.Tensor | None = None) -> torch.Tensor:
         """The final norm, then `head` (the model's own by default; any rows of it, in its dtype): one
         launch when the head is int8 (the norm rides in front)."""
         eps, head, cap = self.cfg.rms_norm_eps, self.lm_head if head is None else head, self.cfg.final_logit_softcapping
         if isinstance(head, Int8Rows):
             logits = ops.norm_int8_rows_linear(rows, self.norm, eps, head)
+        elif isinstance(head, BlockWeight):
+            logits = ops.block_linear(ops.rms_norm(rows, self.norm, eps)[0], head)
         else:
             logits = F.linear(ops.rms_norm(rows, self.norm, eps)[0], head)
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -6,11 +6,11 @@ it implies, every tensor's name, shape and type are checked before a weight is t
 (`w4`, `tensor`) then dequantises or repacks one tensor per call, so the host holds one tensor's floats
 besides the output.
 
-Q4_0 blocks (32 weights, one fp16 scale, codes 0..15 around 8) are the runtime's W4 at group 32 with
-zero point 8: copied bit for bit. Q4_1 and Q4_K (a scale and a minimum per 32 weights) keep their codes
-and scale, the minimum becoming a fractional fp16 zero point -m/d (the W4 kernels' FLOAT_ZERO form).
-Every other type is dequantised by the `gguf` package and rounded to W4 (asymmetric, the engine's group
-size).
+A fused linear (qkv, gate_up) whose parts are all Q4_0 (32 weights, one fp16 scale, codes 0..15 around 8)
+is the runtime's W4 at group 32 with zero point 8: copied bit for bit. One with any other quantised part
+(Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) keeps every part's bytes as the file stores them
+(`kernels/gguf_blocks.py`; a float part beside them too): exact. Only a linear that is all float is
+rounded to W4 (asymmetric, the engine's group size).
 """
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ import torch
 from ...config import ModelConfig, RopeScaling
 from ...errors import CheckpointError
 from ...kernels.awq import quantize_rtn
-from ...plan import default_weight_group_size
+from ...kernels.gguf_blocks import BlockPart
+from ...kernels.w4_layout import awq_to_w4, pack_w4
+from ...plan import awq_linear_bytes, default_weight_group_size
 from .gguf_config import GGUFMeta, hf_config_from_gguf
-from .loader import QuantConfig, layer_norms
+from .loader import FUSED, QuantConfig, layer_norms
 
 # GGUF names of the tensors the engine reads, by their Hugging Face names.
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -43,16 +45,11 @@ _GEMMA3_LAYER = _LAYER | {"post_attention_layernorm": "post_attention_norm",
                           "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 # llama.cpp's converter stores a Gemma norm's (1 + w) as its weight; the engine (as transformers) wants w.
 _NORM_SHIFT = {"gemma3": 1.0}
-# Types carried bit for bit, and those the engine rounds to W4 (or keeps in float) after the
-# `gguf` package dequantises them. Anything else is refused by name.
-EXACT_TYPES = ("Q4_0",)
-CARRIED_TYPES = ("Q4_1", "Q4_K")   # codes kept, the block minimum an fp16 zero point (Q4_K: its scale fp16 too)
-REQUANTISED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+# Linear types: Q4_0 is the engine's W4 itself; the others are kept in their blocks; floats beside
+# blocks are kept too, and a linear of floats only is rounded to W4. Anything else is refused by name.
+W4_TYPES = ("Q4_0",)
+BLOCK_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
-# Types whose 4-bit blocks of 32 weights are the engine's W4 at group 32, and those of them whose zero point
-# (the block minimum over its step) is fractional.
-_BLOCK32_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-_FLOAT_ZERO_TYPES = ("Q4_1", "Q4_K")
 GGUF_GROUP_SIZE = 32
 # Llama 3.1 / 3.3 (factor 8) and 3.2 (factor 32): the RoPE scalings a rope_freqs tensor is matched against.
 _LLAMA3_FACTORS = (8.0, 32.0)
@@ -68,44 +65,13 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
     return f"blk.{layer}.{(_GEMMA3_LAYER if arch == 'gemma3' else _LAYER)[base]}.{leaf}"
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[..., 16] bytes -> [..., 32] codes: byte j holds code j in its low nibble and code j + 16 in its high one."""
-    return torch.cat([qs & 0xF, qs >> 4], dim=-1)
-
-
-def _decode_blocks(kind: str, raw: np.ndarray, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0 / Q4_1 / Q4_K tensor's bytes [N, ...] -> (codes uint8 [N, K], scales fp16 [N, K/32], zeros [N, K/32])
-    with W = (codes - zeros) * scales. Q4_0: zero 8 (uint8), exact. Q4_1: W = d*q + m, so zero = -m/d (fp16).
-    Q4_K: per 32-weight sub-block d*sc and dmin*mn (6-bit sc, mn under fp16 d, dmin), rounded to fp16."""
-    import gguf
-
-    data = torch.from_numpy(raw).reshape(n, -1)
-
-    def half(b: torch.Tensor) -> torch.Tensor:
-        return b.contiguous().view(torch.float16)[..., 0].float()
-
-    if kind == "Q4_0":
-        blocks = data.reshape(n, -1, 18)
-        scales = half(blocks[..., :2]).half()
-        return _nibbles(blocks[..., 2:]).reshape(n, -1), scales, torch.full_like(scales, 8, dtype=torch.uint8)
-    if kind == "Q4_1":
-        blocks = data.reshape(n, -1, 20)
-        d, m = half(blocks[..., :2]), half(blocks[..., 2:4])
-        q = _nibbles(blocks[..., 4:]).reshape(n, -1)
-    else:   # Q4_K: 256 weights a block; its 64-weight chunks give two sub-blocks each (low, then high nibbles)
-        blocks = data.reshape(-1, 144)
-        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].numpy())
-        d = half(blocks[:, :2])[:, None] * torch.from_numpy(sc.astype(np.float32))
-        m = -half(blocks[:, 2:4])[:, None] * torch.from_numpy(mn.astype(np.float32))
-        d, m = d.reshape(n, -1), m.reshape(n, -1)
-        q = torch.cat([blocks[:, 16:].reshape(-1, 4, 1, 32) & 0xF, blocks[:, 16:].reshape(-1, 4, 1, 32) >> 4],
-                      dim=2).reshape(n, -1)
-    # A block with no step (d = 0) holds m everywhere: code 1, scale m, zero 0 say exactly that. So does,
-    # to within 15 steps of 1/1024 of m, one whose zero point would overflow fp16's exact range.
-    flat = (d == 0) | (m.abs() > 1024 * d.abs())
-    q = torch.where(flat.repeat_interleave(32, dim=1), 1, q).to(torch.uint8)
-    zeros = torch.where(flat, 0.0, -m / torch.where(flat, 1.0, d))
-    return q, torch.where(flat, m, d).half(), zeros.half()
+def _q4_0_w4(raw: np.ndarray, n: int) -> dict[str, torch.Tensor]:
+    """A Q4_0 tensor's bytes [N, ...] -> the W4 layout, bit for bit: a block of 32 weights is one fp16 scale d
+    and codes 0..15 around 8 (W = (q - 8) * d), byte j holding code j low and code j + 16 high."""
+    blocks = torch.from_numpy(raw).reshape(n, -1, 18)
+    scales = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+    q = torch.cat([blocks[..., 2:] & 0xF, blocks[..., 2:] >> 4], dim=-1).reshape(n, -1)
+    return {"qweight": pack_w4(q), "scales": scales, "zeros": torch.full_like(scales, 8, dtype=torch.uint8)}
 
 
 def _field_value(field: Any) -> Any:
@@ -128,8 +94,8 @@ def conversion_summary(conv: dict[str, Any]) -> str:
     def counts(d: dict[str, int]) -> str:
         return ", ".join(f"{n} {t}" for t, n in d.items()) or "none"
 
-    return (f"{conv['file']}: {counts(conv['tensor_types'])}; linears bit for bit: {counts(conv['linear_exact'])}; "
-            f"carried with an fp16 zero point: {counts(conv['linear_carried'])}; re-quantised to W4 group "
+    return (f"{conv['file']}: {counts(conv['tensor_types'])}; linears bit for bit: W4 {counts(conv['linear_exact'])}, "
+            f"GGUF blocks {counts(conv['linear_blocks'])}; re-quantised to W4 group "
             f"{conv['weight_group_size']}: {counts(conv['linear_requantised'])}; embedding {conv['embedding']}, "
             f"lm_head {conv['lm_head']}")
 
@@ -163,11 +129,9 @@ class GGUFCheckpoint:
         if "rope_freqs.weight" in self.tensors:
             self._read_rope_freqs()
         self._check_tensors()
-        linear_types = {self.tensors[self._gguf(n)].tensor_type.name for n in self._linear_names()}
-        group = GGUF_GROUP_SIZE if linear_types & set(_BLOCK32_TYPES) else default_weight_group_size(self.model)
+        linear_types = {self._kind(n) for n in self._linear_names()}
+        group = GGUF_GROUP_SIZE if linear_types & set(W4_TYPES) else default_weight_group_size(self.model)
         self.quant = QuantConfig(4, group, "gguf", True)
-        # A Q4_1 / Q4_K block's minimum is a fractional zero point: carried as fp16 (the kernels' FLOAT_ZERO).
-        self.float_zeros = bool(linear_types & set(_FLOAT_ZERO_TYPES))
 
     def _gguf(self, name: str) -> str:
         return gguf_name(name, self.meta.arch)
@@ -236,7 +200,7 @@ class GGUFCheckpoint:
         return out
 
     def _check_tensors(self) -> None:
-        allowed = EXACT_TYPES + CARRIED_TYPES + REQUANTISED_TYPES + FLOAT_TYPES
+        allowed = W4_TYPES + BLOCK_TYPES + FLOAT_TYPES
         for name, shape in self.expected_shapes().items():
             t = self.tensors.get(self._gguf(name))
             if t is None:
@@ -256,24 +220,41 @@ class GGUFCheckpoint:
         return dict(sorted(Counter(self.tensors[self._gguf(n)].tensor_type.name
                                    for n in self.expected_shapes()).items()))
 
+    def _kind(self, name: str) -> str:
+        return self.tensors[self._gguf(name)].tensor_type.name
+
+    def in_blocks(self, names: tuple[str, ...]) -> bool:
+        """Whether the fused linear of these Hugging Face linears is kept in GGUF blocks: any part quantised
+        in a format other than the engine's own W4 (a fused linear is one layout)."""
+        return any(self._kind(n) in BLOCK_TYPES for n in names)
+
+    def _fused_names(self) -> list[tuple[str, ...]]:
+        return [tuple(f"model.layers.{i}.{part}.weight" for part in parts)
+                for i in range(self.model.num_layers) for parts in FUSED.values()]
+
     def conversion(self, lm_head_dtype: str) -> dict[str, Any]:
         """The manifest's record of what was carried exactly and what was rounded, by GGUF type."""
-        linear = Counter(self.tensors[self._gguf(n)].tensor_type.name for n in self._linear_names())
+        blocks, w4 = Counter(), Counter()
+        for names in self._fused_names():
+            (blocks if self.in_blocks(names) else w4).update(self._kind(n) for n in names)
         G = self.quant.group_size
-        head = "model.embed_tokens.weight" if self.model.tie_word_embeddings else "lm_head.weight"
         return {
             "file": self.path.name,
             "tensor_types": self.tensor_types(),
-            "linear_exact": {k: v for k, v in sorted(linear.items()) if k in EXACT_TYPES},
-            "linear_carried": {k: v for k, v in sorted(linear.items()) if k in CARRIED_TYPES},
-            "linear_requantised": {k: v for k, v in sorted(linear.items())
-                                   if k not in EXACT_TYPES + CARRIED_TYPES},
-            "zeros": "fp16" if self.float_zeros else "uint8",
+            "linear_exact": {k: v for k, v in sorted(w4.items()) if k in W4_TYPES},
+            "linear_blocks": dict(sorted(blocks.items())),
+            "linear_requantised": {k: v for k, v in sorted(w4.items()) if k not in W4_TYPES},
+            "linear_bytes": self.linear_bytes,
             "weight_group_size": G,
             "embedding": f"{self._type(self.tensors['token_embd.weight'])} -> fp16",
-            "lm_head": f"{self._type(self.tensors[self._gguf(head)])} -> {lm_head_dtype}"
-                       + (" (per-row scale)" if lm_head_dtype == "int8" else ""),
+            "lm_head": self._head_record(lm_head_dtype),
         }
+
+    def _head_record(self, lm_head_dtype: str) -> str:
+        kind = self._type(self.tensors[self._gguf(self.head_name)])
+        if self.head_bytes is not None:
+            return f"{kind} kept in its blocks"
+        return f"{kind} -> {lm_head_dtype}" + (" (per-row scale)" if lm_head_dtype == "int8" else "")
 
     @staticmethod
     def _type(t: Any) -> str:
@@ -306,25 +287,44 @@ class GGUFCheckpoint:
         return w if rows is None else w[rows]
 
     def w4(self, name: str) -> dict[str, torch.Tensor]:
-        """A linear weight `name` in the runtime's W4 layout (w4_layout.py): Q4_0, Q4_1 and Q4_K blocks carried
-        over (codes and scales as stored, the minimum as an fp16 zero point), any other type dequantised
-        and rounded at the engine's group size. With float zeros anywhere, every zero is fp16 (a fused
-        qkv or gate_up is one tensor)."""
-        from ...kernels.w4_layout import awq_to_w4, pack_w4
-
+        """A linear weight `name` in the runtime's W4 layout (w4_layout.py): Q4_0 blocks carried bit for bit,
+        a float tensor rounded at the engine's group size."""
         t = self.tensors[self._gguf(name)]
-        kind = t.tensor_type.name
-        if kind in _BLOCK32_TYPES:
-            q, scales, zeros = _decode_blocks(kind, np.array(t.data), int(t.shape[1]))
-            out = {"qweight": pack_w4(q), "scales": scales, "zeros": zeros}
-        else:
-            out = awq_to_w4(*quantize_rtn(self.tensor(name).t().contiguous(), self.quant.group_size))
-            rows = None   # self.tensor already put the rows in order
-        if self.float_zeros:
-            out["zeros"] = out["zeros"].half()
-        if kind in _BLOCK32_TYPES and (rows := self._rows(name, out["qweight"].shape[0])) is not None:
+        if t.tensor_type.name not in W4_TYPES:   # self.tensor puts the rows in order itself
+            return awq_to_w4(*quantize_rtn(self.tensor(name).t().contiguous(), self.quant.group_size))
+        out = _q4_0_w4(np.array(t.data), int(t.shape[1]))
+        if (rows := self._rows(name, out["qweight"].shape[0])) is not None:
             out = {k: v[rows] for k, v in out.items()}
         return {k: v.contiguous() for k, v in out.items()}
+
+    def blocks(self, name: str) -> BlockPart:
+        """A linear weight `name` as the file stores it: its bytes, one row of blocks per output feature
+        (a Llama's q/k rows put back in order: a row of blocks moves whole)."""
+        t = self.tensors[self._gguf(name)]
+        raw = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(int(t.shape[1]), -1))
+        rows = self._rows(name, raw.shape[0])
+        return BlockPart(t.tensor_type.name, (raw if rows is None else raw[rows]).contiguous())
+
+    @property
+    def head_name(self) -> str:
+        return "model.embed_tokens.weight" if self.model.tie_word_embeddings else "lm_head.weight"
+
+    @cached_property
+    def head_bytes(self) -> int | None:
+        """The head's bytes when the engine keeps it in the file's blocks (any quantised type), else None."""
+        t = self.tensors[self._gguf(self.head_name)]
+        return int(t.n_bytes) if t.tensor_type.name in W4_TYPES + BLOCK_TYPES else None
+
+    @cached_property
+    def linear_bytes(self) -> int:
+        """What the engine's linears take, each as it is kept: the file's own bytes, or W4 at the group size."""
+        total = 0
+        for names in self._fused_names():
+            for n in names:
+                t = self.tensors[self._gguf(n)]
+                out, k = (int(d) for d in reversed(t.shape.tolist()))
+                total += int(t.n_bytes) if self.in_blocks(names) else awq_linear_bytes(k, out, self.quant.group_size)
+        return total
 
     @cached_property
     def tokenizer(self):

@@ -7,21 +7,30 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from gguf import Keys
+
 from ...errors import CheckpointError
+
+# llama.cpp's values where a file is silent: the RoPE base of every architecture (and of Gemma 3's sliding
+# layers always), Gemma 3's layer pattern, and the layer count that makes a Gemma 3 its 27B.
+LLAMA_CPP_ROPE_BASE = 10_000.0
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_27B_LAYERS = 62
 
 
 class GGUFMeta:
-    """The header's key-value pairs, read through the architecture's prefix (`llama.block_count`)."""
+    """The header's key-value pairs, read by the `gguf` package's key names (`Keys.LLM.BLOCK_COUNT`:
+    "{arch}.block_count"), filled in with the file's architecture."""
 
     def __init__(self, fields: dict[str, Any], source: str):
         self.fields, self.source = fields, source
-        self.arch = str(fields.get("general.architecture", ""))
+        self.arch = str(fields.get(Keys.General.ARCHITECTURE, ""))
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self.fields.get(f"{self.arch}.{key}", default)
+        return self.fields.get(key.format(arch=self.arch), default)
 
     def need(self, key: str) -> Any:
-        full = f"{self.arch}.{key}"
+        full = key.format(arch=self.arch)
         if full not in self.fields:
             raise CheckpointError(f"{self.source}: the GGUF metadata has no {full}; the file is incomplete.")
         return self.fields[full]
@@ -29,56 +38,60 @@ class GGUFMeta:
 
 def _rope_scaling(meta: GGUFMeta) -> dict[str, Any] | None:
     """llama.cpp's `rope.scaling.*` keys -> config.json's rope_scaling (linear scaling is refused by ModelConfig)."""
-    kind = meta.get("rope.scaling.type")
+    kind = meta.get(Keys.Rope.SCALING_TYPE)
     if kind in (None, "none"):
         return None
-    scaling = {"rope_type": kind, "factor": float(meta.need("rope.scaling.factor"))}
-    original = meta.get("rope.scaling.original_context_length")
+    scaling = {"rope_type": kind, "factor": float(meta.need(Keys.Rope.SCALING_FACTOR))}
+    original = meta.get(Keys.Rope.SCALING_ORIG_CTX_LEN)
     if original:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling
 
 
 def _decoder(meta: GGUFMeta, hf_arch: str, model_type: str) -> dict[str, Any]:
-    """The fields every Llama-family GGUF spells the same way."""
-    heads = int(meta.need("attention.head_count"))
-    hidden = int(meta.need("embedding_length"))
+    """The fields every Llama-family GGUF spells the same way, with llama.cpp's defaults for what a file
+    leaves out (llama_model::load_hparams): KV heads = heads, head size = hidden / heads, RoPE base 10,000."""
+    heads = int(meta.need(Keys.Attention.HEAD_COUNT))
+    hidden = int(meta.need(Keys.LLM.EMBEDDING_LENGTH))
     hf: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(meta.need("feed_forward_length")),
-        "num_hidden_layers": int(meta.need("block_count")),
+        "intermediate_size": int(meta.need(Keys.LLM.FEED_FORWARD_LENGTH)),
+        "num_hidden_layers": int(meta.need(Keys.LLM.BLOCK_COUNT)),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("attention.head_count_kv", heads)),
-        "head_dim": int(meta.get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(meta.need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.need("context_length")),
+        "num_key_value_heads": int(meta.get(Keys.Attention.HEAD_COUNT_KV, heads)),
+        "head_dim": int(meta.get(Keys.Attention.KEY_LENGTH, hidden // heads)),
+        "rms_norm_eps": float(meta.need(Keys.Attention.LAYERNORM_RMS_EPS)),
+        "rope_theta": float(meta.get(Keys.Rope.FREQ_BASE, LLAMA_CPP_ROPE_BASE)),
+        "max_position_embeddings": int(meta.need(Keys.LLM.CONTEXT_LENGTH)),
     }
-    if meta.get("vocab_size") is not None:
-        hf["vocab_size"] = int(meta.get("vocab_size"))
+    if meta.get(Keys.LLM.VOCAB_SIZE) is not None:
+        hf["vocab_size"] = int(meta.get(Keys.LLM.VOCAB_SIZE))
     scaling = _rope_scaling(meta)
     if scaling:
         hf["rope_scaling"] = scaling
-    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+    for key, name in (("bos_token_id", Keys.Tokenizer.BOS_ID), ("eos_token_id", Keys.Tokenizer.EOS_ID)):
         if name in meta.fields:
             hf[key] = int(meta.fields[name])
     return hf
 
 
 def _gemma3(meta: GGUFMeta) -> dict[str, Any]:
-    """Gemma 3 as transformers' GGUF loader reads it: the file states the full layers' RoPE base
-    (rope.freq_base) and the window; what it leaves out (the sliding layers' base 10,000, one full layer
-    in six, query_pre_attn_scalar 256, GELU-tanh) takes Gemma3TextConfig's defaults (config_gemma3.py)."""
+    """Gemma 3 as llama.cpp reads it (its LLM_ARCH_GEMMA3 hparams): the window from the file, one full layer
+    in six, the sliding layers' RoPE base 10,000 whatever the file says, the full layers' the file's
+    rope.freq_base (10,000 when absent, as for every architecture), and the attention scale
+    1/sqrt(head size) except on the 27B (62 layers), whose scale is 1/sqrt(hidden / heads)."""
     hf = _decoder(meta, "Gemma3ForCausalLM", "gemma3_text")
-    if meta.get("rope.freq_base") is None:
-        del hf["rope_theta"]   # Gemma 3's own default (1,000,000), not the Llama one
-    head_dim, value_dim = hf["head_dim"], meta.get("attention.value_length")
+    head_dim, value_dim = hf["head_dim"], meta.get(Keys.Attention.VALUE_LENGTH)
     if value_dim is not None and int(value_dim) != head_dim:
         raise CheckpointError(f"{meta.source}: gemma3.attention.value_length {value_dim} differs from key_length "
                               f"{head_dim}; Gemma 3's heads have one size.")
-    hf["sliding_window"] = int(meta.need("attention.sliding_window"))
+    hf["sliding_window"] = int(meta.need(Keys.Attention.SLIDING_WINDOW))
+    hf["sliding_window_pattern"] = GEMMA3_SWA_PATTERN
+    hf["rope_local_base_freq"] = LLAMA_CPP_ROPE_BASE
+    big = hf["num_hidden_layers"] == GEMMA3_27B_LAYERS
+    hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"] if big else head_dim
     return hf
 
 

@@ -30,6 +30,14 @@ MULTIMODAL = ("Gemma3ForConditionalGeneration",)
 TEXT_TOWER_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
                        "language_model.lm_head.": "lm_head."}
 
+# The runtime's fused linears, by the Hugging Face linears they hold.
+FUSED = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
 
 def text_tower_names(names) -> dict[str, str]:
     """The text model's name of each text-tower tensor among `names` -> its name in the checkpoint."""

@@ -1,0 +1,68 @@
+"""llama.cpp as a reference: greedy tokens (and their timings) from node-llama-cpp's prebuilt CPU build on
+the same GGUF file and the same prompt token ids as bie-trt.
+
+Installed once into a cache (no build; the package ships llama.cpp's binaries):
+
+    npm install --prefix ~/.cache/bie-trt/llama-cpp node-llama-cpp@3.22.1 @node-llama-cpp/linux-x64@3.22.1
+
+    python scripts/llama_cpp.py FILE.gguf --ids 1,2,3 --tokens 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+VERSION = "3.22.1"
+INSTALL = (f"npm install --prefix ~/.cache/bie-trt/llama-cpp node-llama-cpp@{VERSION} "
+           f"@node-llama-cpp/linux-x64@{VERSION}")
+_SCRIPT = Path(__file__).with_name("llama_cpp_greedy.mjs")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BIE_TRT_LLAMA_CPP", Path.home() / ".cache" / "bie-trt" / "llama-cpp"))
+
+
+def module_path() -> Path:
+    return cache_dir() / "node_modules" / "node-llama-cpp" / "dist" / "index.js"
+
+
+def missing() -> str | None:
+    """Why llama.cpp cannot run here (None when it can), naming the command that installs it."""
+    if shutil.which("node") is None:
+        return f"needs node (Node.js 20+) and node-llama-cpp: {INSTALL}"
+    if not module_path().is_file():
+        return f"needs node-llama-cpp in {cache_dir()}: {INSTALL}"
+    return None
+
+
+def greedy(model: str | Path, prompts: list[list[int]], tokens: int, context: int = 4096,
+           threads: int | None = None, timeout: float = 1800) -> dict:
+    """{"tokens": [[ids]] (each prompt's `tokens` greedy continuations), "prefill_s": [...], "decode_s": [...]}:
+    prefill is the time to the first new token, decode the time of the rest."""
+    why = missing()
+    if why:
+        raise RuntimeError(why)
+    job = {"module": str(module_path()), "model": str(model), "prompts": prompts, "tokens": tokens,
+           "context": context, "threads": threads or os.cpu_count()}
+    run = subprocess.run(["node", str(_SCRIPT)], input=json.dumps(job), capture_output=True, text=True,
+                         timeout=timeout)
+    if run.returncode:
+        raise RuntimeError(f"node-llama-cpp failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--ids", required=True, help="the prompt's token ids, comma-separated")
+    ap.add_argument("--tokens", type=int, default=16)
+    args = ap.parse_args()
+    print(json.dumps(greedy(args.model, [[int(i) for i in args.ids.split(",")]], args.tokens)))
+
+
+if __name__ == "__main__":
+    main()

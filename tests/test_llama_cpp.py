@@ -1,0 +1,43 @@
+"""llama.cpp as the reference: node-llama-cpp's CPU build and bie-trt, on the same real Q4_K_M file and the
+same prompt token ids, continue greedily to the same tokens (slow: a real build and two engines on the CPU;
+skipped, naming the install command, without node or the package)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from bie_trt.builder.checkpoint.registry import resolve_checkpoint
+from bie_trt.config import EngineConfig
+from bie_trt.errors import CheckpointError
+from bie_trt.eval_texts import load_eval_text
+from bie_trt.executor.engine import BieEngine
+from bie_trt.sampling_params import SamplingParams
+
+_spec = importlib.util.spec_from_file_location("llama_cpp", Path(__file__).parents[1] / "scripts" / "llama_cpp.py")
+llama_cpp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(llama_cpp)
+
+PROMPTS, PROMPT_TOKENS, TOKENS = 2, 400, 16
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_llama_cpps_on_the_coder_file(build):
+    if why := llama_cpp.missing():
+        pytest.skip(why)
+    try:
+        path = resolve_checkpoint("qwen2.5-coder-0.5b.gguf")
+    except CheckpointError as e:
+        pytest.skip(f"needs the Qwen2.5-Coder-0.5B pieces: {e}")
+    engine = BieEngine(EngineConfig(engine_dir=str(build(checkpoint=str(path), max_model_len=2048,
+                                                         kv_cache_dtype="fp16")), device="cpu"))
+    ids = engine.tokenizer(load_eval_text("builtin:python-docs")[:40_000])["input_ids"]
+    step = (len(ids) - PROMPT_TOKENS) // PROMPTS
+    prompts = [ids[i * step:i * step + PROMPT_TOKENS] for i in range(PROMPTS)]
+    theirs = llama_cpp.greedy(path, prompts, TOKENS, context=PROMPT_TOKENS + TOKENS + 16)["tokens"]
+    ours = [engine.generate(p, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)).token_ids
+            for p in prompts]
+    # both run the file's own weights; what may differ is float summation order, so a near-tie may flip once
+    same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
+    assert same >= PROMPTS * TOKENS - 1, (ours, theirs)
