@@ -32,8 +32,8 @@ SKIP_POSITIONS = 16
 
 
 @torch.inference_mode()
-def key_means(model: LlamaModel, token_ids: list[int], skip: int = SKIP_POSITIONS) -> torch.Tensor:
-    """Mean post-RoPE key over token_ids[skip:] of every layer and KV head: [L, Hkv, D] fp32."""
+def calibration_keys(model: LlamaModel, token_ids: list[int], skip: int = SKIP_POSITIONS) -> torch.Tensor:
+    """Post-RoPE keys over token_ids[skip:] of every layer and KV head: [L, Hkv, T - skip, D] fp32."""
     if len(token_ids) <= skip:
         raise ValueError(f"key calibration needs more than {skip} tokens; got {len(token_ids)}.")
     kv = KVCacheConfig(dtype="fp16")
@@ -45,7 +45,7 @@ def key_means(model: LlamaModel, token_ids: list[int], skip: int = SKIP_POSITION
     model.forward([SeqInput(torch.tensor(token_ids, device=model.device), 0, seq.block_table)], pools)
     # Pool layout [L, blocks, Hkv, block, D]: the table's blocks, in order, hold positions 0..
     keys = pools.k[:, seq.block_table].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, skip:len(token_ids)]
-    return keys.float().mean(dim=2).cpu()
+    return keys.float().cpu()
 
 
 def calibration_ids(tokenizer) -> list[int]:
