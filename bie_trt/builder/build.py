@@ -53,7 +53,7 @@ class BuildOptions:
     kv_sink_tokens: int | None = None
     kv_window: int | None = None
     kv_rotation: str | None = None          # None: hadamard
-    kv_key_centering: bool | None = None    # None: off (on for Gemma 3: config.FAMILY_KV_DEFAULTS)
+    kv_key_centering: bool | None = None    # None: measured at build (builder/kv_choice.py); on for Gemma 3
     max_num_seqs: int | None = None
     chunked_prefill_size: int | None = None
     gpu_memory_utilization: float | None = None

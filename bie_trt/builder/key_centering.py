@@ -6,9 +6,11 @@ levels covering that shared offset. Subtracting any fixed vector m is exact for 
 query q scores every key as q·(k − m) = q·k − q·m, one constant per query, which softmax
 ignores. With m near the keys' mean, INT4 rounding error falls by about a third
 (tests/test_kv_centering.py measures it). m is measured once, at build time, on a short fixed text.
-It is an option, off by default: on SmolLM2 it cuts the KL divergence from the FP16 cache but
-not perplexity. Gemma 3 builds turn it on (config.FAMILY_KV_DEFAULTS): there its k-normed keys' mean is
-most of each key, and centering cuts INT4's KL divergence from FP16 3.5-fold (docs/kv-cache-quality.md).
+The build turns it on where the keys' measured rounding error calls for it (kv_choice.py: Qwen2's k_proj
+bias makes the mean nearly the whole key in a few layers); on SmolLM2 it stays off (it cuts the KL divergence
+from the FP16 cache but not perplexity). Gemma 3 builds always turn it on (config.FAMILY_KV_DEFAULTS): there
+its k-normed keys' mean is most of each key, and centering cuts INT4's KL divergence from FP16 3.5-fold
+(docs/kv-cache-quality.md).
 """
 from __future__ import annotations
 
