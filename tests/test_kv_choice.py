@@ -90,3 +90,22 @@ def test_the_engine_runs_with_the_recorded_choice(smollm2_checkpoint, tmp_path, 
     shown = CliRunner().invoke(main, ["inspect", str(out)])
     assert shown.exit_code == 0, shown.output
     assert "key centering on: measured: worst key error without centering" in shown.output
+
+
+@pytest.mark.parametrize("dtype", ["int4_asym", "fp8"])
+def test_every_key_shifts_by_the_same_mean(tiny_engine, dtype):
+    """Centering is exact only if every key a query reads -- sinks, the FP16 window, quantised blocks -- had the
+    same mean subtracted. With the window over the whole prompt nothing is quantised, so the logits with
+    centering on must equal those with it off."""
+    from bie_trt.model.llama import SeqInput
+
+    tokens = torch.arange(3, 43)
+
+    def logits(centering: bool) -> torch.Tensor:
+        runner = ModelRunner(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_num_seqs=1,
+                                          kv_cache_dtype=dtype, kv_group_size=32, kv_window=1024,
+                                          kv_key_centering=centering))
+        assert runner.model.key_mean.abs().max() > 0.01   # a mean that moves the keys
+        return runner.forward([SeqInput(tokens, 0, list(range(3)), all_logits=True)])[0]
+
+    torch.testing.assert_close(logits(True), logits(False), atol=1e-4, rtol=1e-4)

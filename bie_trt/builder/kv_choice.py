@@ -16,6 +16,7 @@ records the measurements and the reason either way.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -30,6 +31,12 @@ from ..kv.rotation import rotate
 KEY_ERROR_BOUND = 0.3
 
 
+def int4_group(kv: KVCacheConfig, head_dim: int) -> int:
+    """The INT4 group the keys are measured in: the format's, or for an FP16 build (whose group was never
+    checked against head_dim) the largest that divides head_dim."""
+    return math.gcd(kv.group_size, head_dim)
+
+
 def round_trip_keys(keys: torch.Tensor, kv: KVCacheConfig) -> torch.Tensor:
     """keys [..., D] through the cache's quantiser as it stores them (rotated when the format rotates keys),
     back in the keys' own basis. An FP16 cache is measured in INT4, the format it is most often read in."""
@@ -38,7 +45,8 @@ def round_trip_keys(keys: torch.Tensor, kv: KVCacheConfig) -> torch.Tensor:
     if kv.dtype == "fp8":
         y = dequantize_fp8(*quantize_fp8(x))
     else:
-        y = dequantize_int4_asym(*quantize_int4_asym(x, kv.group_size), kv.group_size)
+        group = int4_group(kv, keys.shape[-1])
+        y = dequantize_int4_asym(*quantize_int4_asym(x, group), group)
     return rotate(y) if rotated else y
 
 
@@ -76,7 +84,7 @@ def choose_key_centering(keys: torch.Tensor, mean: torch.Tensor, kv: KVCacheConf
         "key_centering": centering,
         "why": why,
         "bound": bound,
-        "measured_format": "fp8" if kv.dtype == "fp8" else f"int4_asym group {kv.group_size}",
+        "measured_format": "fp8" if kv.dtype == "fp8" else f"int4_asym group {int4_group(kv, keys.shape[-1])}",
         "worst_key_error": {"without_centering": round(worst_off, 4), "with_centering": round(worst_on, 4)},
         # per layer, the worst KV head: what `inspect` lists
         "key_error_per_layer": {"without_centering": [round(x, 4) for x in off.amax(1).tolist()],
