@@ -120,6 +120,8 @@ class Manifest:
     triton_version: str | None            # the Triton that compiled kernels/
     speculative: Mapping[str, Any] | None  # the build's speculation default, in vLLM's spelling
     draft: DraftInfo | None
+    # how the build chose the KV settings it measured (builder/kv_choice.py); None: an engine of before
+    kv_choice: Mapping[str, Any] | None = None
 
 
 def read_manifest(engine_dir: str | Path) -> Manifest:
@@ -168,6 +170,7 @@ def _typed(path: Path, m: dict[str, Any]) -> Manifest:
         draft=None if draft is None else DraftInfo(
             str(draft["name"]), ModelConfig.from_dict(draft["config"]), int(draft["vocab_size"]),
             int(draft.get("request_vocab", 0)), int(draft["sink_tokens"]), int(draft["window"])),
+        kv_choice=m.get("kv_choice"),
     )
 
 

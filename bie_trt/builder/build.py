@@ -31,6 +31,7 @@ from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
 from .engine_docs import render
 from .fused_linears import fused_linear, gguf_head
+from .kv_choice import choose_key_centering
 
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
@@ -46,7 +47,7 @@ class BuildOptions:
     kv_sink_tokens: int | None = None
     kv_window: int | None = None
     kv_rotation: str | None = None          # None: hadamard
-    kv_key_centering: bool | None = None    # None: off (on for Gemma 3: config.FAMILY_KV_DEFAULTS)
+    kv_key_centering: bool | None = None    # None: measured at build (builder/kv_choice.py); on for Gemma 3
     max_num_seqs: int | None = None
     chunked_prefill_size: int | None = None
     gpu_memory_utilization: float | None = None
@@ -111,20 +112,21 @@ def _model_weights(ckpt: Checkpoint | GGUFCheckpoint, lm_head_dtype: str, head_r
     return weights
 
 
-def calibrate_key_mean(model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path) -> torch.Tensor:
-    """The mean key each layer's KV heads subtract before quantising (builder/key_centering.py), measured by
-    running the repacked model once on the CPU in fp32 over a fixed text: the same on every host.
+def calibrate_keys(model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path) -> torch.Tensor:
+    """Every layer's post-RoPE keys on a fixed text [L, Hkv, T, D] (builder/key_centering.py): their mean is what
+    key centering subtracts, and kv_choice.py measures from them whether to. The repacked model runs once on
+    the CPU in fp32: the same on every host.
 
     Memory stays near one layer's dequantised weights: none is kept once used, and the lm_head is
     left out (only the keys are wanted; the model then reuses the embedding as its head). Keeping
     them would need 4 bytes a parameter, 28 GB for an 8B."""
     from transformers import AutoTokenizer
 
-    from .key_centering import calibration_ids, key_means
+    from .key_centering import calibration_ids, calibration_keys
 
     ids = calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
     body = {name: t for name, t in weights.items() if not name.startswith("lm_head")}
-    return key_means(LlamaModel(model, body, torch.device("cpu"), torch.float32, keep_dense=False), ids).half()
+    return calibration_keys(LlamaModel(model, body, torch.device("cpu"), torch.float32, keep_dense=False), ids)
 
 
 def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> dict:
@@ -293,7 +295,12 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         if m.family == "gemma3" and not has_chat_template(tmp):   # the GGUF releases carry none
             (tmp / "chat_template.jinja").write_text(read_chat_template(CHAT_TEMPLATE))
         log("calibrating the KV key mean (one forward pass over a fixed text)")
-        weights["kv.key_mean"] = calibrate_key_mean(m, weights, tmp)
+        keys = calibrate_keys(m, weights, tmp)
+        mean = keys.mean(dim=2)
+        weights["kv.key_mean"] = mean.half()
+        # decided against the stored (fp16) mean: the one the runtime subtracts
+        kv, kv_choice = choose_key_centering(keys, mean.half().float(), kv, opts.kv_key_centering)
+        log(f"KV key centering {'on' if kv.key_centering else 'off'}: {kv_choice['why']}")
         save_file(weights, str(tmp / ef.WEIGHTS))
         manifest = {
             "schema_version": ef.SCHEMA_VERSION,
@@ -305,6 +312,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
             "profile": profile.to_dict(),
             "target": {"gpu": profile.description, "sm": profile.sm},
             "kv": dataclasses.asdict(kv),
+            "kv_choice": kv_choice,
             "max_model_len": max_len,
             "max_num_seqs": max_seqs,
             "chunked_prefill_size": chunk,

@@ -6,9 +6,11 @@ levels covering that shared offset. Subtracting any fixed vector m is exact for 
 query q scores every key as q·(k − m) = q·k − q·m, one constant per query, which softmax
 ignores. With m near the keys' mean, INT4 rounding error falls by about a third
 (tests/test_kv_centering.py measures it). m is measured once, at build time, on a short fixed text.
-It is an option, off by default: on SmolLM2 it cuts the KL divergence from the FP16 cache but
-not perplexity. Gemma 3 builds turn it on (config.FAMILY_KV_DEFAULTS): there its k-normed keys' mean is
-most of each key, and centering cuts INT4's KL divergence from FP16 3.5-fold (docs/kv-cache-quality.md).
+The build turns it on where the keys' measured rounding error calls for it (kv_choice.py: Qwen2's k_proj
+bias makes the mean nearly the whole key in a few layers); on SmolLM2 it stays off (it cuts the KL divergence
+from the FP16 cache but not perplexity). Gemma 3 builds always turn it on (config.FAMILY_KV_DEFAULTS): there
+its k-normed keys' mean is most of each key, and centering cuts INT4's KL divergence from FP16 3.5-fold
+(docs/kv-cache-quality.md).
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ SKIP_POSITIONS = 16
 
 
 @torch.inference_mode()
-def key_means(model: LlamaModel, token_ids: list[int], skip: int = SKIP_POSITIONS) -> torch.Tensor:
-    """Mean post-RoPE key over token_ids[skip:] of every layer and KV head: [L, Hkv, D] fp32."""
+def calibration_keys(model: LlamaModel, token_ids: list[int], skip: int = SKIP_POSITIONS) -> torch.Tensor:
+    """Post-RoPE keys over token_ids[skip:] of every layer and KV head: [L, Hkv, T - skip, D] fp32."""
     if len(token_ids) <= skip:
         raise ValueError(f"key calibration needs more than {skip} tokens; got {len(token_ids)}.")
     kv = KVCacheConfig(dtype="fp16")
@@ -45,7 +47,7 @@ def key_means(model: LlamaModel, token_ids: list[int], skip: int = SKIP_POSITION
     model.forward([SeqInput(torch.tensor(token_ids, device=model.device), 0, seq.block_table)], pools)
     # Pool layout [L, blocks, Hkv, block, D]: the table's blocks, in order, hold positions 0..
     keys = pools.k[:, seq.block_table].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, skip:len(token_ids)]
-    return keys.float().mean(dim=2).cpu()
+    return keys.float().cpu()
 
 
 def calibration_ids(tokenizer) -> list[int]:

@@ -5,7 +5,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 import click
 
@@ -111,6 +111,17 @@ def _kv_summary(kv: KVCacheConfig) -> str:
     return f"{kv.dtype} ({', '.join(parts)})"
 
 
+def _kv_choice_lines(choice: Mapping[str, Any] | None) -> list[str]:
+    """Why the build chose key centering, and the key error per layer it measured (builder/kv_choice.py)."""
+    if not choice:
+        return []
+    per_layer = choice["key_error_per_layer"]
+    return [f"  key centering {'on' if choice['key_centering'] else 'off'}: {choice['why']}",
+            f"  key error per layer ({choice['measured_format']}), without centering: "
+            + " ".join(f"{x:.2f}" for x in per_layer["without_centering"]),
+            "  with centering: " + " ".join(f"{x:.2f}" for x in per_layer["with_centering"])]
+
+
 def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
@@ -126,6 +137,7 @@ def _summary(engine_dir: str, m: Manifest) -> list[str]:
         f"target      {target}",
         f"context     {m.max_model_len} tokens x {m.max_num_seqs} sequences",
         f"kv cache    {_kv_summary(m.kv)}",
+        *_kv_choice_lines(m.kv_choice),
         f"plan        {plan.total_bytes / 2**30:.2f} GiB of {plan.budget_bytes / 2**30:.2f} GiB budget",
     ]
     if m.source.gguf is not None:

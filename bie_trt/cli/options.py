@@ -39,7 +39,7 @@ def kv_options(default_from: str, build_defaults: bool) -> Callable[[Callable], 
     d = f"[default: {default_from}]"
     # Gemma 3 takes key centering and a 512-token window by default (config.FAMILY_KV_DEFAULTS)
     window_d, rotation_d, centering_d = ((f"[default: {default_from}; 512 for Gemma 3]", "[default: hadamard]",
-                                          "[default: off; on for Gemma 3]") if build_defaults else (d, d, d))
+                                          "[default: measured at build; on for Gemma 3]") if build_defaults else (d, d, d))
     options = [
         click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES),
                      help=f"Storage of the KV body; sinks and the recent window stay fp16. {d}"),
