@@ -263,12 +263,14 @@ class Run:
 
 
 def run_agent(agent: str, task: str, agents_dir: Path, proxy: Proxy, out: Path, timeout_s: float) -> Run:
+    # one work folder and HOME per agent, for both its tasks: the prompts (which name the folder) then share
+    # their head, as one user's turns do
     folder = out / f"{agent}-{task}"
     shutil.rmtree(folder, ignore_errors=True)
     exchanges = proxy.switch(folder / "http")
-    work, home = folder / "work", folder / "home"
-    work.mkdir(parents=True)
-    home.mkdir(parents=True)
+    work, home = out / agent / "work", out / agent / "home"
+    work.mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True)
     (work / "hello.txt").write_text(SECRET + "\n")
     argv, env = COMMANDS[agent](agent_bin(agents_dir, agent), proxy.url, work, home, TASKS[task])
     start = time.perf_counter()
