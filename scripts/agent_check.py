@@ -86,6 +86,7 @@ class Exchange:
     cached_tokens: int | None = None
     error: str | None = None
     tool_called: bool = False
+    client_left: bool = False   # the agent closed the connection before the reply's end (it gave up waiting)
 
 
 # A reply's usage as each API words it (the last occurrence: a stream repeats usage in its final event).
@@ -176,8 +177,12 @@ class Proxy:
                 if exchange.first_byte_s is None:
                     exchange.first_byte_s = time.perf_counter() - start
                 reply += chunk
-                h.wfile.write(chunk)
-                h.wfile.flush()
+                try:
+                    h.wfile.write(chunk)
+                    h.wfile.flush()
+                except OSError:   # the agent's side: not the server's failure, reported apart
+                    exchange.client_left = True
+                    break
         except (OSError, http.client.HTTPException) as e:
             exchange.error = f"proxy: {type(e).__name__}: {e}"
         finally:
@@ -218,9 +223,11 @@ def codex_command(binary: Path, base: str, work: Path, home: Path, prompt: str) 
 
 def claude_command(binary: Path, base: str, work: Path, home: Path, prompt: str) -> tuple[list[str], dict]:
     """Claude Code: ANTHROPIC_BASE_URL, any key; print mode with its shell and file tools allowed."""
+    # its stream gives up on a first byte that takes minutes (a 10k-token prompt on a CPU does): wait 30 min
     env = {**agent_env(home), "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": "sk-ant-bie-trt",
            "CLAUDE_CONFIG_DIR": str(home / ".claude"), "DISABLE_AUTOUPDATER": "1",
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1"}
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+           "CLAUDE_STREAM_FIRST_BYTE_TIMEOUT_MS": "1800000", "API_TIMEOUT_MS": "1800000"}
     return [str(binary), "-p", prompt, "--model", MODEL, "--allowedTools", "Bash Read"], env
 
 
@@ -348,7 +355,8 @@ def report(runs: list[Run]) -> str:
         for e in r.exchanges:
             lines.append(f"  #{e.number} {e.method} {e.path} {e.status} prompt {e.prompt_tokens} cached "
                          f"{e.cached_tokens} first byte {seconds(e.first_byte_s)} s total {seconds(e.total_s)} s"
-                         f"{' (tool call)' if e.tool_called else ''}")
+                         f"{' (tool call)' if e.tool_called else ''}"
+                         f"{' (the agent closed the connection first)' if e.client_left else ''}")
         lines += [f"  FAILED: {f}" for f in r.failures]
     return "\n".join(lines)
 

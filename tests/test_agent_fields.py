@@ -264,3 +264,21 @@ def test_a_system_turn_holds_text_only(served):
     r = httpx.post(served[1] + "/v1/messages", headers=CLAUDE_HEADERS, timeout=60,
                    json=claude_body(bad, stream=False))
     assert r.status_code == 400 and "messages[1].content" in r.text, r.text
+
+
+
+def test_a_developer_message_is_a_system_message_to_a_template_without_the_role(tiny_engine):
+    """Codex sends its base prompt as a developer message; SmolLM2's template (as Qwen2.5's) has no branch
+    for the role and would drop its text, so it reaches such a template as a system message, in its place.
+    A template that names the role (the shipped Qwen3 one) gets it as sent."""
+    from bie_trt.executor.prompt_encoder import PromptEncoder
+
+    encoder = PromptEncoder.load(str(tiny_engine))
+    assert "developer" not in encoder.tokenizer.chat_template
+    ask = [{"role": "user", "content": "hi"}]
+    developer = {"role": "developer", "content": "You are a coding agent running in the Codex CLI."}
+    system = {**developer, "role": "system"}
+    assert encoder.encode_chat([developer] + ask) == encoder.encode_chat([system] + ask) != encoder.encode_chat(ask)
+    assert encoder.encode_chat(ask + [developer]) == encoder.encode_chat(ask + [system])
+    qwen3 = PromptEncoder.load(str(tiny_engine), "qwen3")
+    assert qwen3.encode_chat(ask + [developer]) != qwen3.encode_chat(ask + [system])
