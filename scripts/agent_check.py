@@ -236,7 +236,10 @@ def opencode_command(binary: Path, base: str, work: Path, home: Path, prompt: st
     config = {"$schema": "https://opencode.ai/config.json", "model": f"bie/{MODEL}", "autoupdate": False,
               "share": "disabled",
               "provider": {"bie": {"npm": "@ai-sdk/openai-compatible", "name": "bie-trt",
-                                   "options": {"baseURL": f"{base}/v1", "apiKey": "bie-trt"},
+                                   # its stream gives up after 5 min without a chunk; a CPU's first prompt
+                                   # can take longer
+                                   "options": {"baseURL": f"{base}/v1", "apiKey": "bie-trt",
+                                               "chunkTimeout": 1800000, "headerTimeout": 1800000},
                                    "models": {MODEL: {"name": MODEL, "limit": {"context": 32768, "output": 4096}}}}}}
     path = home / "opencode.json"
     path.write_text(json.dumps(config, indent=1))
