@@ -283,6 +283,7 @@ def run_agent(agent: str, task: str, agents_dir: Path, proxy: Proxy, out: Path, 
     home.mkdir(parents=True, exist_ok=True)
     (work / "hello.txt").write_text(SECRET + "\n")
     argv, env = COMMANDS[agent](agent_bin(agents_dir, agent), proxy.url, work, home, TASKS[task])
+    env["PWD"] = str(work)   # OpenCode takes its folder from $PWD, not from the process's working directory
     start = time.perf_counter()
     try:
         done = subprocess.run(argv, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
