@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import http.client
 import http.server
 import json
@@ -194,6 +195,8 @@ class Proxy:
         read_usage(exchange, text)
         if exchange.status >= 400:
             exchange.error = text[:2000]
+        with (folder / "exchanges.jsonl").open("a") as log:   # as it happens: a run cut short keeps its numbers
+            log.write(json.dumps(dataclasses.asdict(exchange)) + "\n")
 
     def close(self) -> None:
         self.server.shutdown()
