@@ -9,6 +9,15 @@ from ..errors import RequestError
 from .prompt_checks import check_encodable, check_prompt
 
 
+def developer_as_system(messages: list[dict], template: object) -> list[dict]:
+    """OpenAI's `developer` role (its newer name for system instructions; Codex CLI sends its whole base
+    prompt so) as a `system` message, for a template that names no developer role: Qwen's, Llama's and
+    most others have no branch for it and would leave its text out of the prompt without a word."""
+    if isinstance(template, str) and "developer" in template:
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
 class PromptEncoder:
     def __init__(self, tokenizer, template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
@@ -44,6 +53,7 @@ class PromptEncoder:
             raise RequestError("this engine's tokenizer has no chat template; send a plain prompt, or give the engine "
                                "one with --chat-template FILE (generate, serve).")
         variables = {**self.template_kwargs, **(template_kwargs or {})}
+        messages = developer_as_system(messages, self.tokenizer.chat_template)
         # continue_final: the last (assistant) message is left open, its text the start of the reply
         try:
             ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,

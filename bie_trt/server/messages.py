@@ -26,19 +26,20 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def content_block(block: Block) -> dict:
-    """A finished block as Anthropic's: thinking (unsigned: nothing here checks a signature), text, or
-    tool_use (its input an object; a call cut short by max_tokens, whose arguments are no object yet,
-    is sent as the text it is)."""
+def content_block(block: Block, omitted: bool = False) -> dict:
+    """A finished block as Anthropic's: thinking (unsigned: nothing here checks a signature; empty when the
+    request's thinking `display` is "omitted"), text, or tool_use (its input an object; a call cut short
+    by max_tokens, whose arguments are no object yet, is sent as the text it is)."""
     if block.kind == REASONING:
-        return {"type": "thinking", "thinking": block.text, "signature": ""}
+        return {"type": "thinking", "thinking": "" if omitted else block.text, "signature": ""}
     if block.kind == TEXT or (arguments := call_input(block)) is None:
         return {"type": "text", "text": block.text}
     return {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name, "input": arguments}
 
 
-def stream_events(event: BlockEvent) -> list[dict]:
-    """One block event as Anthropic's content_block_start / _delta / _stop."""
+def stream_events(event: BlockEvent, omitted: bool = False) -> list[dict]:
+    """One block event as Anthropic's content_block_start / _delta / _stop (a thinking block's deltas left
+    out when its display is "omitted")."""
     block = event.block
     if event.what == "start":
         opening = {REASONING: {"type": "thinking", "thinking": "", "signature": ""},
@@ -46,6 +47,8 @@ def stream_events(event: BlockEvent) -> list[dict]:
                    TOOL_CALL: {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name, "input": {}}}
         return [{"type": "content_block_start", "index": block.index, "content_block": opening[block.kind]}]
     if event.what == "delta":
+        if omitted and block.kind == REASONING:
+            return []
         delta = {REASONING: {"type": "thinking_delta", "thinking": event.delta},
                  TEXT: {"type": "text_delta", "text": event.delta},
                  TOOL_CALL: {"type": "input_json_delta", "partial_json": event.delta}}
@@ -127,7 +130,8 @@ async def messages(state: ServerState, req: MessagesRequest, http: Request) -> R
     def make_body(outputs: list[RequestOutput]) -> dict:
         out = outputs[0]
         blocks = reply_blocks(parser, out.text, inside)
-        return {**message, "content": [content_block(b) for b in blocks], **ending(out, called(blocks)),
+        return {**message, "content": [content_block(b, req.thinking_omitted) for b in blocks],
+                **ending(out, called(blocks)),
                 "usage": anthropic_usage(out), **edits}
 
     stream = BlockStream(parser, inside)
@@ -140,7 +144,7 @@ async def messages(state: ServerState, req: MessagesRequest, http: Request) -> R
                 "usage": {"input_tokens": len(ids), "output_tokens": 0}}})
         final = event.output is not None
         for block_event in stream.feed(event.delta, final):
-            chunks += stream_events(block_event)
+            chunks += stream_events(block_event, req.thinking_omitted)
         if final:
             chunks += [{"type": "message_delta", "delta": ending(event.output, called(stream.blocks)),
                         "usage": anthropic_usage(event.output), **edits},

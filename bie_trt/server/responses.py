@@ -129,7 +129,7 @@ class Rendering:
         if kind == LOCAL_SHELL:
             return {"type": "local_shell_call", "id": item_id, "call_id": call.call_id, "status": status,
                     "action": shell_action(call.text)}
-        return {"type": "function_call", "id": item_id, "call_id": call.call_id, "name": call.name,
+        return {"type": "function_call", "id": item_id, "call_id": call.call_id, **self.box.call_name(call.name),
                 "arguments": "" if opening else call.text, "status": status}
 
     def events(self, event: BlockEvent, status: str) -> list[dict]:
@@ -163,7 +163,7 @@ class Rendering:
         if kind == "function":
             if event.what == "delta":
                 return [{"type": "response.function_call_arguments.delta", **at, "delta": event.delta}]
-            return [{"type": "response.function_call_arguments.done", **at, "name": block.name,
+            return [{"type": "response.function_call_arguments.done", **at, **self.box.call_name(block.name),
                      "arguments": block.text}, done]
         part, prefix = PARTS[kind]
         logprobs = {"logprobs": []} if kind == TEXT else {}

@@ -6,6 +6,11 @@
   function with one string parameter, `input`; the reply item is a `custom_tool_call`.
 - `local_shell`: a function named `local_shell` whose arguments are the exec action's fields; the reply
   item is a `local_shell_call` with `action: {"type": "exec", "command": [...], ...}`.
+- `namespace` tools (a group of functions under one name, as Codex sends its sub-agent tools): each
+  function is offered under its flat name `<namespace>__<name>` (Codex's own spelling of a namespaced
+  name where a boundary cannot keep the split), the namespace's description opening its description;
+  the reply item is a `function_call` with the function's own `name` and its `namespace`, which is how
+  Codex routes it, and a replayed call with a `namespace` reaches the template under the flat name again.
 - hosted tools (web search, file search, a code interpreter, ...): OpenAI runs them on its side; this
   server cannot, so they are never offered to the model and the response lists them under
   `tools_not_offered`.
@@ -43,6 +48,7 @@ LOCAL_SHELL_PARAMETERS = {
 LOCAL_SHELL_FUNCTION = {"name": LOCAL_SHELL, "description": "Runs a command on the user's machine and returns its output.",
                         "parameters": LOCAL_SHELL_PARAMETERS}
 GrammarCheck = Callable[[StructuredOutputs, str], bool]   # whether a text is a sentence of a grammar
+NAMESPACE_DELIMITER = "__"
 CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
                      "additionalProperties": False}
 
@@ -82,19 +88,38 @@ class CustomTool(_Strict):
         return {"name": self.name, "description": text, "parameters": CUSTOM_PARAMETERS}
 
 
+def flat_name(namespace: str, name: str) -> str:
+    """A namespaced function's one name, as Codex joins them (underscores at the seam trimmed)."""
+    return f"{namespace.rstrip('_')}{NAMESPACE_DELIMITER}{name.lstrip('_')}"
+
+
 class Toolbox:
-    """A request's tools by kind: the functions, custom tools and local_shell the model is offered, and
-    the hosted tools it is not. A name given twice (local_shell's included) is a ValueError."""
+    """A request's tools by kind: the functions (a namespace's under their flat names), custom tools and
+    local_shell the model is offered, and the hosted tools it is not. A name given twice (local_shell's
+    and flat names included) is a ValueError."""
 
     def __init__(self, tools: list[Any]):
-        self.functions = {t.name: t for t in tools if t.type == "function"}
+        self.namespaced = {flat_name(t.name, f.name): (t.name, f.name)
+                           for t in tools if t.type == "namespace" for f in t.tools}
+        self.functions = {f.name: f for t in tools for f in self._functions(t)}   # in the request's order
         self.custom = {t.name: t for t in tools if t.type == "custom"}
         self.local_shell = any(t.type == LOCAL_SHELL for t in tools)
-        self.hosted = [t for t in tools if t.type not in ("function", "custom", LOCAL_SHELL)]
-        names = [t.name for t in tools if t.type in ("function", "custom")] + [LOCAL_SHELL] * self.local_shell
+        self.hosted = [t for t in tools if t.type not in ("function", "custom", "namespace", LOCAL_SHELL)]
+        names = [t.name for t in tools if t.type in ("function", "custom")] + [LOCAL_SHELL] * self.local_shell \
+            + list(self.namespaced)
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"names {twice} more than once (local_shell counts as a name); give each tool its own")
+
+    @staticmethod
+    def _functions(tool: Any) -> list[Any]:
+        """A function tool itself; a namespace's functions under their flat names."""
+        if tool.type == "function":
+            return [tool]
+        if tool.type != "namespace":
+            return []
+        return [f.model_copy(update={"name": flat_name(tool.name, f.name), "description": "\n\n".join(
+            d for d in (tool.description, f.description) if d)}) for f in tool.tools]
 
     @property
     def offered(self) -> bool:
@@ -111,6 +136,14 @@ class Toolbox:
         if name in self.custom:
             return "custom"
         return LOCAL_SHELL if self.local_shell and name == LOCAL_SHELL else "function"
+
+    def call_name(self, name: str) -> dict[str, str]:
+        """A function call's name fields in the reply item: a namespaced function's own name and its
+        namespace, any other's name alone."""
+        if name in self.namespaced:
+            namespace, own = self.namespaced[name]
+            return {"name": own, "namespace": namespace}
+        return {"name": name}
 
     def not_offered(self) -> list[dict[str, str]]:
         return [{"type": t.type, "reason": NOT_OFFERED_REASON} for t in self.hosted]

@@ -55,10 +55,23 @@ class ThinkingBlock(_Strict):
     cache_control: CacheControl = None
 
 
+class ToolReferenceBlock(_Strict):
+    """A tool search's result naming a deferred tool (Anthropic's tool search): from this turn on, the tool
+    is offered to the model with the others (`MessagesBody.offered_tools`)."""
+    type: Literal["tool_reference"]
+    tool_name: str
+    cache_control: CacheControl = None
+
+    @property
+    def text(self) -> str:
+        return f"Tool {self.tool_name} loaded: it is now in your tool list.\n"
+
+
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: list[TextBlock] = Field(default_factory=list)
+    content: list[Annotated[Union[TextBlock, ToolReferenceBlock], Field(discriminator="type")]] = \
+        Field(default_factory=list)
     is_error: bool = False
     cache_control: CacheControl = None
 
@@ -70,6 +83,9 @@ class ToolResultBlock(_Strict):
     def text(self) -> str:
         body = "".join(b.text for b in self.content)
         return f"Error: {body}" if self.is_error else body   # the model is told the tool failed
+
+    def references(self) -> list[str]:
+        return [b.tool_name for b in self.content if b.type == "tool_reference"]
 
 
 class RefusedBlock(_Strict):
@@ -95,7 +111,9 @@ BLOCK_TYPES = {"text", "thinking", "tool_use", "tool_result"} | set(RefusedBlock
 
 
 class AnthropicMessage(_Strict):
-    role: Literal["user", "assistant"]
+    """A turn. A `system` turn (Claude Code's per-turn control) is text the chat template places where it
+    occurs in the conversation, as a system message there; the `system` field stays the prompt's head."""
+    role: Literal["user", "assistant", "system"]
     content: list[ContentBlock] = Field(min_length=1)
 
     @field_validator("content", mode="before")
@@ -108,6 +126,8 @@ class AnthropicMessage(_Strict):
     def _blocks_in_their_role(cls, content: list, info: ValidationInfo) -> list:
         role = info.data.get("role")
         for i, block in enumerate(content):
+            if role == "system" and block.type != "text":
+                raise ValueError(f"[{i}] is a {block.type} block; a system message holds text blocks only")
             if (block.type, role) in (("tool_use", "user"), ("thinking", "user"), ("tool_result", "assistant")):
                 where = "a user" if block.type == "tool_result" else "an assistant"
                 raise ValueError(f"[{i}] is a {block.type} block, which belongs in {where} message")
@@ -121,6 +141,8 @@ class AnthropicTool(_Strict):
     input_schema: dict[str, Any]
     strict: bool | None = None     # the schema is always enforced when the tool is forced
     cache_control: CacheControl = None
+    # Anthropic's tool search: a deferred tool is left out of the prompt until a tool_reference names it
+    defer_loading: bool = False
 
     @field_validator("type")
     @classmethod
@@ -167,25 +189,31 @@ class JsonOutputFormat(_Strict):
     schema_: dict[str, Any] = Field(alias="schema")
 
 
+# output_config.effort -> the thinking budget (tokens of reasoning before the engine closes the block itself),
+# the same steps as the Responses API's reasoning.effort; "max" leaves the thinking unbounded. The budget acts
+# inside a thinking block only: a template that does not think writes none, and its reply is the same at
+# every level.
+EFFORT_BUDGETS = {"low": 1024, "medium": 2048, "high": 4096, "xhigh": 8192, "max": None}
+
+
 class OutputConfig(_Strict):
     format: JsonOutputFormat | None = None
-    effort: str | None = None
-
-    @field_validator("effort")
-    @classmethod
-    def _no_effort(cls, effort: str | None) -> str | None:
-        if effort is not None:
-            raise ValueError("is not supported: this model has no effort levels; use max_tokens")
-        return effort
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class ThinkingOff(_Strict):
     type: Literal["disabled"]
 
 
+# `display`: "summarized" returns the reasoning (this server has no summariser: the reasoning itself),
+# "omitted" returns each thinking block empty (the model still thinks; the client is sent no text of it).
+Display = Literal["summarized", "omitted"] | None
+
+
 class ThinkingAdaptive(_Strict):
     """The model decides whether and how long it thinks (within max_tokens), as a Qwen3 does."""
     type: Literal["adaptive"]
+    display: Display = None
 
 
 class ThinkingBudget(_Strict):
@@ -193,6 +221,7 @@ class ThinkingBudget(_Strict):
     Anthropic's floor of 1024 is not applied: a local model's context may hold far less."""
     type: Literal["enabled"]
     budget_tokens: int = Field(ge=1)
+    display: Display = None
 
 
 Thinking = Annotated[Union[ThinkingOff, ThinkingAdaptive, ThinkingBudget], Field(discriminator="type")]
@@ -258,18 +287,38 @@ class MessagesBody(_Strict):
             raise ValueError("needs tools: send the tools the model may call")
         return choice
 
+    @property
+    def thinking_omitted(self) -> bool:
+        return getattr(self.thinking, "display", None) == "omitted"
+
+    def offered_tools(self) -> list[AnthropicTool]:
+        """The tools the prompt shows, in their order: all but the deferred ones, and of those the ones a
+        tool search result has named (a tool_reference in any tool_result so far) or tool_choice names."""
+        named = {name for m in self.messages if m.role == "user" for b in m.content if b.type == "tool_result"
+                 for name in b.references()}
+        if isinstance(self.tool_choice, ToolChoiceTool):
+            named.add(self.tool_choice.name)
+        return [t for t in self.tools or [] if not t.defer_loading or t.name in named]
+
+    def thinking_budget(self) -> int | None:
+        """budget_tokens when given, else output_config.effort's budget (EFFORT_BUDGETS)."""
+        if isinstance(self.thinking, ThinkingBudget):
+            return self.thinking.budget_tokens
+        effort = self.output_config.effort if self.output_config is not None else None
+        return None if effort is None else EFFORT_BUDGETS[effort]
+
     def chat_fields(self) -> dict[str, Any]:
         """The chat body this request is: messages, tools, tool_choice and the response format."""
         fields: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages),
                                   "continue_final_message": self.prefilled()}
         if self.thinking is not None:   # the switch thinking templates read (Qwen3's); others ignore it
             fields["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
-            if isinstance(self.thinking, ThinkingBudget):
-                fields["thinking_token_budget"] = self.thinking.budget_tokens
-        if self.tools:
+        if (budget := self.thinking_budget()) is not None and not isinstance(self.thinking, ThinkingOff):
+            fields["thinking_token_budget"] = budget
+        if offered := self.offered_tools():
             fields["tools"] = [{"type": "function", "function": {
                 "name": t.name, "parameters": t.input_schema,
-                **({"description": t.description} if t.description is not None else {})}} for t in self.tools]
+                **({"description": t.description} if t.description is not None else {})}} for t in offered]
         choice = self.tool_choice
         if choice is not None:
             fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
@@ -304,13 +353,23 @@ class CountTokensRequest(MessagesBody):
     pass
 
 
+# Claude Code opens its system prompt with a line of per-request billing data for Anthropic's servers, not for
+# the model; left in, it would end the cached prefix at the prompt's first line.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
 def chat_messages(system: list[TextBlock] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
-    """Anthropic's turns -> chat messages: a user turn's tool_result blocks become tool messages (in
+    """Anthropic's turns -> chat messages: the system prompt (its billing line left out) first; a system
+    turn as a system message where it occurs; a user turn's tool_result blocks become tool messages (in
     their place among its text), an assistant turn's tool_use blocks its tool_calls."""
     out: list[dict[str, Any]] = []
-    if system:
-        out.append({"role": "system", "content": "".join(b.text for b in system)})
+    head = "".join(b.text for b in system or [] if not b.text.startswith(BILLING_HEADER))
+    if head:
+        out.append({"role": "system", "content": head})
     for m in messages:
+        if m.role == "system":
+            out.append({"role": "system", "content": "".join(b.text for b in m.content)})
+            continue
         if m.role == "assistant":
             text = "".join(b.text for b in m.content if b.type == "text")
             reasoning = "".join(b.thinking for b in m.content if b.type == "thinking")

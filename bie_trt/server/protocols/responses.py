@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from ..responses_tools import HOSTED_TOOLS, LOCAL_SHELL, CustomTool, Toolbox
+from ..responses_tools import HOSTED_TOOLS, LOCAL_SHELL, CustomTool, Toolbox, flat_name
 from .openai import NAME_PATTERN, _Strict, text_shorthand
 
 # The Responses API's union fields and what they accept.
@@ -107,10 +107,12 @@ class ReasoningItem(_Strict):
 
 
 class FunctionCallItem(_Strict):
+    """An earlier reply's function call; one of a namespace's functions names its `namespace` too."""
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None
     id: str | None = None
     status: str | None = None
 
@@ -201,6 +203,14 @@ class LocalShellTool(_Strict):
     type: Literal["local_shell"]
 
 
+class NamespaceTool(_Strict):
+    """Functions grouped under one name (`responses_tools` says how they are offered and called)."""
+    type: Literal["namespace"]
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    tools: list[FunctionTool] = Field(min_length=1)
+
+
 class HostedTool(_Strict):
     """A tool OpenAI runs on its own side (web search, file search, a code interpreter...): this server
     cannot, so it is never offered to the model; the response lists it under `tools_not_offered`."""
@@ -215,7 +225,7 @@ class UnknownTool(_Strict):
     @field_validator("type")
     @classmethod
     def _refuse(cls, kind: Any) -> Any:
-        raise ValueError(f"{kind!r} tools are not supported: send function, custom or local_shell tools "
+        raise ValueError(f"{kind!r} tools are not supported: send function, custom, namespace or local_shell tools "
                          f"(hosted tools: {', '.join(sorted(HOSTED_TOOLS))})")
 
 
@@ -223,18 +233,19 @@ def _tool_tag(tool: Any) -> str:
     kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
     if not isinstance(kind, str):   # a list or an object: no tool type (and no set member: unhashable)
         return "unknown"
-    if kind in ("function", "custom", "local_shell"):
+    if kind in ("function", "custom", "local_shell", "namespace"):
         return kind
     return "hosted" if kind in HOSTED_TOOLS else "unknown"
 
 
 Tool = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[CustomTool, Tag("custom")],
-                       Annotated[LocalShellTool, Tag("local_shell")], Annotated[HostedTool, Tag("hosted")],
+                       Annotated[LocalShellTool, Tag("local_shell")], Annotated[NamespaceTool, Tag("namespace")],
+                       Annotated[HostedTool, Tag("hosted")],
                        Annotated[UnknownTool, Tag("unknown")]], Discriminator(_tool_tag)]
 ITEM_TYPES = ({"message", "reasoning", "function_call", "custom_tool_call", "local_shell_call",
                "function_call_output", "custom_tool_call_output", "local_shell_call_output", "input_text",
                "output_text", "refusal", "reasoning_text", "summary_text", "function", "custom",
-               "local_shell", "hosted", "unknown"}
+               "local_shell", "namespace", "hosted", "unknown"}
               | set(RefusedItem.model_fields["type"].annotation.__args__)
               | set(RefusedPart.model_fields["type"].annotation.__args__))
 
@@ -333,6 +344,7 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
+    client_metadata: dict[str, str] | None = None   # Codex's thread and turn ids
 
     @field_validator("input", mode="before")
     @classmethod
@@ -447,7 +459,8 @@ def _call_of(item: FunctionCallItem | CustomToolCallItem | LocalShellCallItem) -
     """A call item as the chat tool call the model would have written (custom and local_shell calls in
     their functions' shapes, `Toolbox.chat_tools`)."""
     if item.type == "function_call":
-        name, arguments = item.name, item.arguments
+        name = item.name if item.namespace is None else flat_name(item.namespace, item.name)
+        arguments = item.arguments
     elif item.type == "custom_tool_call":
         name, arguments = item.name, json.dumps({"input": item.input}, ensure_ascii=False)
     else:
