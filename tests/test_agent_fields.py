@@ -63,8 +63,8 @@ def codex_body(model: str, items: list[dict], **overrides) -> dict:
 @pytest.fixture(scope="module")
 def served(tiny_engine):
     engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=CONTEXT,
-                                    chat_template="qwen3"))
-    with serving(engine, ServerOptions(reasoning_parser="deepseek_r1", reasoning_key="test-key")) as base:
+                                    chat_template="qwen3", reasoning_parser="deepseek_r1"))
+    with serving(engine, ServerOptions(reasoning_key="test-key")) as base:
         yield engine, base
 
 
