@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from .w4_layout import KeptDense
+
 # The formats the engine computes with, by name: (weights a block, bytes a block) from gguf's own table.
 BLOCK_FORMATS: dict[str, tuple[int, int]] = {
     name: GGML_QUANT_SIZES[GGMLQuantizationType[name]]
@@ -146,7 +148,7 @@ class BlockPart:
 
 
 @dataclass
-class BlockWeight:
+class BlockWeight(KeptDense):
     """A linear (a fused one: qkv, gate_up) as GGUF blocks: its output rows are the parts' rows in
     order, each part in its own format (a file may store q and v of one layer differently)."""
     parts: list[BlockPart]
@@ -166,12 +168,6 @@ class BlockWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat([dequantize(p.fmt, p.raw.cpu()).to(p.raw.device) for p in self.parts]).to(dtype)
 
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        if not self.keep_dense:
-            return self.dequantize(dtype)
-        if self._dense is None or self._dense.dtype != dtype:
-            self._dense = self.dequantize(dtype)
-        return self._dense
 
 
 def block_linear_ref(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:

@@ -28,8 +28,20 @@ def unpack_w4(packed: torch.Tensor) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF).reshape(packed.shape[0], -1).to(torch.uint8)
 
 
+class KeptDense:
+    """The CPU reference path's dequantised matrix, made once and kept (it trades memory for speed) unless
+    `keep_dense` is off; a weight class gives `dequantize`, `keep_dense` and `_dense`."""
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        if not self.keep_dense:
+            return self.dequantize(dtype)
+        if self._dense is None or self._dense.dtype != dtype:
+            self._dense = self.dequantize(dtype)
+        return self._dense
+
+
 @dataclass
-class W4Weight:
+class W4Weight(KeptDense):
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
@@ -54,13 +66,6 @@ class W4Weight:
         s = self.scales.to(torch.float32).repeat_interleave(g, dim=1)
         return ((q - z) * s).to(dtype)
 
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantised once and kept: the CPU reference path trades memory for speed."""
-        if not self.keep_dense:
-            return self.dequantize(dtype)
-        if self._dense is None or self._dense.dtype != dtype:
-            self._dense = self.dequantize(dtype)
-        return self._dense
 
 
 def awq_to_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
