@@ -337,9 +337,12 @@ def test_max_model_len_cuts_a_speculative_run_where_plain_decoding_stops(smollm2
 
 
 @pytest.mark.slow   # ~19 s on two cores: two 20-token runs of SmolLM2 with an INT4 cache
-def test_a_thinking_budget_closes_the_block_where_plain_decoding_does(spec, plain):
+def test_a_thinking_budget_closes_the_block_where_plain_decoding_does(smollm2_engine):
     """The budget's forced end of thinking lands inside verified runs: proposals past it are cut or rejected,
     and the tokens are plain decoding's (the n-gram proposer repeats the pattern across the budget)."""
+    # SmolLM2's template declares no thinking block, so the engines name the parser that finds one
+    plain, spec = (make(smollm2_engine, s, reasoning_parser="qwen3") for s in
+                   ({"method": "none"}, {"method": "ngram", "num_speculative_tokens": 5, "adaptive": True}))
     prompt = PROMPTS[2] + " one two three four\n<think>\n"
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, thinking_budget=6)
     want = plain.generate(prompt, params)
