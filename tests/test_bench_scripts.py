@@ -15,6 +15,7 @@ from bie_trt.config import ModelConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow   # kept out of the default suite's six minutes; CI runs it
 def test_bench_decode_smoke(tmp_path):
     out = tmp_path / "decode.json"
     subprocess.run([sys.executable, "scripts/bench_decode.py", "--smoke", "--out", str(out)],
@@ -83,6 +84,7 @@ def test_bench_eval_times_the_eval_command_and_the_reference(tmp_path, smollm2_e
     assert result["ratio"] == round(result["eval"]["seconds"] / result["reference_fp32_forward"]["seconds"], 2)
 
 
+@pytest.mark.slow   # kept out of the default suite's six minutes; CI runs it
 def test_bench_step_costs_smoke(tiny_draft_engine, tmp_path):
     """The step-cost benchmark on the tiny engine: each context and row count timed, each relative to the plain
     step at the same context; a context the engine cannot hold is refused, naming the fix."""

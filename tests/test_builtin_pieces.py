@@ -54,6 +54,7 @@ def test_a_missing_piece_names_the_install_command(pieces, tmp_path):
         _gguf_path(model(hashlib.sha256(pieces).hexdigest()))
 
 
+@pytest.mark.slow   # kept out of the default suite's six minutes; CI runs it
 def test_the_coder_model_is_a_32k_qwen2_gguf():
     spec = BUILTIN["qwen2.5-coder-0.5b"]
     if registry._package_dir(spec.pieces[0][0]) is None:

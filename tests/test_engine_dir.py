@@ -60,6 +60,7 @@ def test_verify_passes_then_catches_a_flipped_byte_in_every_file(tmp_path, smoll
         shutil.rmtree(copy)
 
 
+@pytest.mark.slow   # kept out of the default suite's six minutes; CI runs it
 def test_verify_cli_wrong_sm(build):
     engine = build(profile="rtx4060ti-8gb", max_model_len=4096)
     runner = CliRunner()

@@ -109,6 +109,7 @@ def test_seed_zero_is_reproducible_and_not_the_unseeded_draw(engine):
     assert a == b and a != unseeded
 
 
+@pytest.mark.slow   # kept out of the default suite's six minutes; CI runs it
 def test_unseeded_requests_draw_fresh_entropy_in_each_new_engine_and_seeded_ones_repeat(smollm2_engine):
     # A new user runs `generate` twice, or starts the SDK twice: each is a fresh engine, whose first
     # unseeded request must not repeat the last run's text (OpenAI and vLLM draw fresh entropy too).

@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow   # kept out of the default suite's six minutes; CI runs it
 def test_the_wheel_ships_profiles_templates_and_data(tmp_path):
     # found, not imported: importing setuptools here fails once another test's import loaded the stdlib distutils
     if importlib.util.find_spec("setuptools") is None:

@@ -191,6 +191,7 @@ def _up(base: str) -> bool:
         return False
 
 
+@pytest.mark.slow   # kept out of the default suite's six minutes; CI runs it
 def test_sigterm_stops_accepting_aborts_after_the_grace_period_and_exits_0(tiny_engine):
     port = free_port()
     base = f"http://127.0.0.1:{port}"

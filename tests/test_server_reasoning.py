@@ -82,6 +82,7 @@ def test_reasoning_content_apart_and_the_call_after_it(reference, reply):
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(sdk.token_ids))
 
 
+@pytest.mark.slow   # kept out of the default suite's six minutes; CI runs it
 def test_the_stream_carries_reasoning_deltas(served, reply):
     client, whole = served[2], reply.choices[0].message
     reasoning, content, arguments, names = [], [], [], []

@@ -264,6 +264,7 @@ def test_the_default_comes_from_the_manifest_else_a_draft_else_off():
         resolve_speculative({"method": "medusa"}, None, 0, False)
 
 
+@pytest.mark.slow   # kept out of the default suite's six minutes; CI runs it
 def test_generate_cli_speculates_and_reports_it(smollm2_engine):
     prompt = "Repeat after me: one two three four, one two three four, one two"
     res = CliRunner().invoke(main, ["generate", "--engine", str(smollm2_engine), "--prompt", prompt, "--max-tokens",
