@@ -44,7 +44,6 @@ async def chat_prompt(state: ServerState, req: ChatRequest, origin: BaseModel | 
     Every API that speaks in messages (chat, Anthropic's Messages, the Responses API) comes through here;
     `origin` is the body as its API sent it (default `req`), which a refusal's field is named in."""
     messages = [m.to_template() for m in req.messages]
-    state.check_fits([m["content"] for m in messages], chat=True)
     try:
         tools = tool_plan(req)
     except ParamError as e:

@@ -68,9 +68,6 @@ async def completions(state: ServerState, req: CompletionRequest, http: Request)
             check_prompt(p, "the prompt" if len(prompts) == 1 else f"prompt[{i}]")
         except BieError as e:
             raise ApiError(400, str(e), "prompt") from None
-    for p in prompts:
-        if isinstance(p, str):
-            state.check_fits([p], chat=False)
     try:
         ids = [await state.prepare(engine.encode, p, False) for p in prompts]
     except UnencodableText as e:

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..errors import BieError, RequestError
+from ..executor.prompt_checks import ContextTooLong
 from ..executor.outputs import RequestOutput, StreamEvent
 from ..executor.streams import RequestStream
 from ..sampling_params import SamplingParams, StructuredOutputs
@@ -41,14 +42,6 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
         structured_outputs=constraint, logit_bias=bias, min_tokens=req.min_tokens,
         # a reply shaped whole by a constraint has no reasoning block: there is nothing for a budget to bound
         thinking_budget=req.thinking_token_budget if constraint is None else None)
-
-
-def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> str:
-    """The message OpenAI and vLLM send when prompt plus completion exceed the context."""
-    what = "messages" if chat else "prompt"
-    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {what}, {max_tokens} in the completion). "
-            f"Please reduce the length of the {what} or completion.")
 
 
 def usage(outputs: list[RequestOutput], n: int) -> dict:
@@ -121,10 +114,9 @@ async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequ
         raise ApiError(400, str(e), e.param) from None
     per_prompt = []
     for ids in prompts:
-        room = engine.max_model_len - len(ids)   # what the context leaves for the completion
-        if room < 1:   # the prompt alone fills the context: no completion fits
-            raise ApiError(400, context_error(engine.max_model_len, len(ids), max_tokens or 1, chat), param,
-                           code="context_length_exceeded")
+        # what the context leaves for the completion; a prompt that leaves nothing is the engine's to refuse
+        # (ContextTooLong, the one check of the context), so at least 1 here
+        room = max(engine.max_model_len - len(ids), 1)
         # max_tokens is an upper bound the context may lower: agents send 32,000 to mean "as long as you
         # can"; the reply that reaches the bound ends as `length`, as one that reaches max_tokens does
         wanted = room if max_tokens is None else min(max_tokens, room)
@@ -162,6 +154,9 @@ async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequ
     if isinstance(started, tuple):
         state.in_flight -= count
         i, e = started
+        if isinstance(e, ContextTooLong):   # OpenAI's code, which agents read to compact the conversation
+            raise ApiError(400, f"{param}[{i}]: {e}" if len(prompts) > 1 else str(e), param,
+                           code="context_length_exceeded")
         where = error_param(str(e), set(type(req).model_fields), constraint_param or param)
         raise ApiError(400, f"{param}[{i}]: {e}" if len(prompts) > 1 and where == param else str(e), where)
     state.live.update(started)
