@@ -19,7 +19,7 @@ from ..errors import BieError, RequestError
 from ..executor.prompt_checks import ContextTooLong
 from ..executor.outputs import RequestOutput, StreamEvent
 from ..executor.streams import RequestStream
-from ..sampling_params import SamplingParams, StructuredOutputs
+from ..sampling_params import ConstraintError, SamplingParams, StructuredOutputs
 from .errors import ApiError, error_body
 from .metrics import Metrics
 from .protocols.openai import SamplingRequest
@@ -122,6 +122,8 @@ async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequ
         wanted = room if max_tokens is None else min(max_tokens, room)
         try:
             per_prompt.append(sampling_params(req, wanted, logprobs, constraint))
+        except ConstraintError as e:   # checked as the SDK's are; named by the field it came from
+            raise ApiError(400, f"{constraint_param}: {e}", constraint_param) from None
         except RequestError as e:
             raise ApiError(400, str(e), error_param(str(e), set(type(req).model_fields), constraint_param)) from None
     count = len(prompts) * req.n
