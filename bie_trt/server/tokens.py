@@ -6,8 +6,7 @@ import jinja2
 from fastapi import FastAPI
 
 from ..errors import BieError
-from ..executor.prompt_checks import UnencodableText
-from .errors import ApiError, unencodable_field
+from .errors import ApiError
 from .protocols.openai import DetokenizeRequest, TokenizeRequest
 from .state import ServerState
 
@@ -22,8 +21,6 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict:
                                                  req.chat_template_kwargs)
         else:
             ids = await anyio.to_thread.run_sync(engine.encode_text, req.prompt, req.add_special_tokens)
-    except UnencodableText as e:
-        raise unencodable_field(e, req) from None
     except (jinja2.TemplateError, BieError) as e:
         raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
