@@ -49,7 +49,7 @@ class ServerState:
         self.metrics = Metrics(engine.stats)
         # requests admitted and not yet finished; beyond the running batch plus --max-waiting, new ones get 503
         waiting = self.options.max_waiting
-        self.capacity = math.inf if waiting is None else engine.scheduler.max_num_seqs + waiting
+        self.capacity = math.inf if waiting is None else engine.max_num_seqs + waiting
         self.in_flight = 0
         self.live: set[RequestStream] = set()   # the engine requests of every HTTP request in flight
         self._preparers: anyio.CapacityLimiter | None = None

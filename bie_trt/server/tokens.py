@@ -28,7 +28,7 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict:
 
 async def detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
     """Token ids -> their text."""
-    vocab = state.engine.runner.model_config.vocab_size
+    vocab = state.engine.vocab_size
     if (bad := next((t for t in req.tokens if not 0 <= t < vocab), None)) is not None:
         raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab}).", "tokens")
     return {"prompt": await anyio.to_thread.run_sync(state.engine.tokenizer.decode, req.tokens)}
