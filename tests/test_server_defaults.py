@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -136,6 +137,29 @@ def test_the_context_check_lets_the_last_token_of_room_through(small):
 
 
 AGENT_ASK = [{"role": "user", "content": "Refactor this repository."}]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["Hi", "Hello"], "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": AGENT_ASK, "max_tokens": 1}),
+    ("/v1/messages", {"messages": AGENT_ASK, "max_tokens": 1}),
+    ("/v1/responses", {"input": AGENT_ASK, "max_output_tokens": 1}),
+])
+def test_a_request_takes_one_thread_hop_before_the_engine(small, monkeypatch, path, body):
+    """Encoding (the chat template), the sampling parameters, the grammar and the start run together in
+    one worker thread: each hop off the event loop is a wait in a queue of threads under load."""
+    _, base, _ = small
+    hops = []
+    real = anyio.to_thread.run_sync
+
+    def counted(fn, *args, **kwargs):
+        hops.append(fn)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+    r = httpx.post(base + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(hops) == 1, hops
 
 
 @pytest.mark.parametrize("route", ["chat", "messages", "responses"])

@@ -3,7 +3,7 @@ the Responses API): another API's body as a chat body, the prompt through the ch
 tools, the start on the engine, and where the reply starts for the reasoning parser."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jinja2
 import pydantic
@@ -36,9 +36,10 @@ def as_chat_request(fields: dict[str, Any]) -> ChatRequest:
         raise ApiError(400, message, param) from None
 
 
-async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], ToolPlan]:
-    """A chat body's prompt through the chat template (tools rendered), and how its tools shape the reply.
-    Every API that speaks in messages (chat, Anthropic's Messages, the Responses API) comes through here."""
+def chat_encoder(state: ServerState, req: ChatRequest) -> tuple[Callable[[], list[int]], ToolPlan]:
+    """A chat body's prompt as a function that puts it through the chat template (tools rendered), to run
+    in a worker thread, and how its tools shape the reply. Every API that speaks in messages (chat,
+    Anthropic's Messages, the Responses API) comes through here."""
     messages = [m.to_template() for m in req.messages]
     try:
         tools = tool_plan(req)
@@ -48,18 +49,28 @@ async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], 
         raise ApiError(400, "continue_final_message with an output constraint (tool_choice required or a named "
                             "function, response_format, structured_outputs): a constraint shapes the whole reply, "
                             "not the rest of one begun; send one of them.", "continue_final_message")
-    try:
-        ids = await state.prepare(state.engine.encode_chat, messages, tools.tools, req.chat_template_kwargs,
-                                  req.continue_final_message)
-    except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
-        raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
-    return ids, tools
+
+    def encode() -> list[int]:
+        try:
+            return state.engine.encode_chat(messages, tools.tools, req.chat_template_kwargs,
+                                            req.continue_final_message)
+        except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
+            raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
+
+    return encode, tools
+
+
+async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], ToolPlan]:
+    """A chat body's prompt (counted, not started) and how its tools shape the reply."""
+    encode, tools = chat_encoder(state, req)
+    return await state.prepare(encode), tools
 
 
 async def start_chat(state: ServerState, req: ChatRequest, top_n: int | None = None
                      ) -> tuple[list[RequestStream], ToolPlan, list[int]]:
-    """A chat body started on the engine: its n streams, its tool plan (each stream's ReplyParser comes
-    from it) and its prompt."""
-    ids, tools = await chat_prompt(state, req)
+    """A chat body started on the engine, encoded and started in one worker thread: its n streams, its
+    tool plan (each stream's ReplyParser comes from it) and its prompt."""
+    encode, tools = chat_encoder(state, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return await submit(state, [ids], req, max_tokens, top_n, chat=True, tools=tools), tools, ids
+    streams, prompts = await submit(state, lambda: [encode()], 1, req, max_tokens, top_n, chat=True, tools=tools)
+    return streams, tools, prompts[0]

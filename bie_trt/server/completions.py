@@ -68,8 +68,8 @@ async def completions(state: ServerState, req: CompletionRequest, http: Request)
             check_prompt(p, "the prompt" if len(prompts) == 1 else f"prompt[{i}]")
         except BieError as e:
             raise ApiError(400, str(e), "prompt") from None
-    ids = [await state.prepare(engine.encode, p, False) for p in prompts]
-    streams = await submit(state, ids, req, req.max_tokens, req.logprobs, chat=False)
+    streams, _ = await submit(state, lambda: [engine.encode(p, False) for p in prompts], len(prompts), req,
+                              req.max_tokens, req.logprobs, chat=False)
     # echo: each choice's text starts with its prompt (token-id prompts decoded)
     echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if req.echo else "" for p in prompts]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
