@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config_gemma3 import STOP_TOKENS as GEMMA3_STOP_TOKENS
 from .errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = {
@@ -32,6 +33,9 @@ KV_ROTATIONS = ("hadamard", "hadamard_kv", "none")   # keys only, keys and value
 # perplexity of FP16 only with key centering and a 512-token FP16 window (docs/kv-cache-quality.md). The
 # window costs a fixed 7.5 MiB a sequence on Gemma-3-4B, nothing per token.
 FAMILY_KV_DEFAULTS: dict[str, dict[str, Any]] = {"gemma3": {"key_centering": True, "window": 512}}
+# Tokens (by their text) that end a reply besides a checkpoint's eos ids, by model family: the family's end of
+# turn where its releases leave it out of their end ids (vLLM reads it from generation_config).
+FAMILY_STOP_TOKENS: dict[str, tuple[str, ...]] = {"gemma3": GEMMA3_STOP_TOKENS}
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -140,6 +144,11 @@ class ModelConfig:
     def family(self) -> str:
         """"llama", "qwen2", "qwen3", "gemma3" or "qwen3_5"."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def stop_tokens(self) -> tuple[str, ...]:
+        """The family's tokens (by their text) that end a reply besides eos_token_ids (FAMILY_STOP_TOKENS)."""
+        return FAMILY_STOP_TOKENS.get(self.family, ())
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:

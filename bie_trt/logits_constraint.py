@@ -82,7 +82,6 @@ class GrammarCompiler:
         problem when the spec cannot be compiled."""
         from llguidance import LLMatcher
 
-        spec.validate()
         key = spec.key()
         with self._lock:
             if key in self._cache:

@@ -19,6 +19,12 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
+class ConstraintError(RequestError):
+    """A StructuredOutputs that is no usable constraint. Checked in one place (SamplingParams, through
+    StructuredOutputs.validate), for the SDK and the server alike; the server names the request field the
+    constraint came from (response_format, guided_json, tool_choice, ...)."""
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on what may be generated, as vLLM's `structured_outputs`: exactly one field set.
@@ -44,8 +50,8 @@ class StructuredOutputs:
         next() would raise StopIteration, which an async route turns into a 500)."""
         set_ = self._set_kinds()
         if len(set_) != 1:
-            raise RequestError(f"structured_outputs must set exactly one of {list(STRUCTURED_KINDS)}; "
-                               f"got {set_ or 'none'}.")
+            raise ConstraintError(f"structured_outputs must set exactly one of {list(STRUCTURED_KINDS)}; "
+                                   f"got {set_ or 'none'}.")
         return set_[0]
 
     def _set_kinds(self) -> list[str]:
@@ -69,26 +75,26 @@ class StructuredOutputs:
         """Cheap checks that need no tokenizer; the grammar compiler checks the rest (unsupported keywords)."""
         self.kind   # exactly one set
         if self.json_object is not True and self.json_object is not False:
-            raise RequestError(f"structured_outputs.json_object must be true or false; got {self.json_object!r}.")
+            raise ConstraintError(f"structured_outputs.json_object must be true or false; got {self.json_object!r}.")
         if not isinstance(self.lenient, bool):
-            raise RequestError(f"structured_outputs.lenient must be true or false; got {self.lenient!r}.")
+            raise ConstraintError(f"structured_outputs.lenient must be true or false; got {self.lenient!r}.")
         if self.json is not None:
             check_json_schema(self.json)
         if self.regex is not None:
             if not isinstance(self.regex, str) or not self.regex:
-                raise RequestError(f"structured_outputs.regex must be a non-empty string; got {self.regex!r}.")
+                raise ConstraintError(f"structured_outputs.regex must be a non-empty string; got {self.regex!r}.")
             try:
                 re.compile(self.regex)
             except re.error as e:
-                raise RequestError(f"structured_outputs.regex does not compile ({e}); send a valid regular "
-                                   f"expression.") from None
+                raise ConstraintError(f"structured_outputs.regex does not compile ({e}); send a valid regular "
+                                       f"expression.") from None
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):
-                raise RequestError(f"structured_outputs.choice must be a non-empty list of non-empty strings; "
-                                   f"got {self.choice!r}.")
+                raise ConstraintError(f"structured_outputs.choice must be a non-empty list of non-empty strings; "
+                                       f"got {self.choice!r}.")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise RequestError(f"structured_outputs.grammar must be a non-empty grammar text; got {self.grammar!r}.")
+            raise ConstraintError(f"structured_outputs.grammar must be a non-empty grammar text; got {self.grammar!r}.")
 
     @classmethod
     def from_response_format(cls, response_format: dict) -> "StructuredOutputs | None":
@@ -116,22 +122,22 @@ def check_json_schema(schema: object) -> dict:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
-            raise RequestError(f"the JSON schema is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                               f"send a JSON object.") from None
+            raise ConstraintError(f"the JSON schema is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                                   f"send a JSON object.") from None
     if not isinstance(schema, (dict, bool)):
-        raise RequestError(f"the JSON schema must be an object; got {type(schema).__name__}.")
+        raise ConstraintError(f"the JSON schema must be an object; got {type(schema).__name__}.")
     try:
         text = json.dumps(schema, sort_keys=True)
     except (TypeError, ValueError) as e:
-        raise RequestError(f"the JSON schema cannot be written as JSON ({e}); send plain JSON values.") from None
+        raise ConstraintError(f"the JSON schema cannot be written as JSON ({e}); send plain JSON values.") from None
     _check_schema_text(text)
     return schema
 
 
 @functools.lru_cache(maxsize=256)
 def _check_schema_text(text: str) -> None:
-    """Against the JSON Schema meta-schema (milliseconds each): a request's schema is checked several times
-    on its way in, and the same schemas come back request after request."""
+    """Against the JSON Schema meta-schema (milliseconds each): a request's SamplingParams are checked as
+    they are made and again as they are submitted, and the same schemas come back request after request."""
     import jsonschema
 
     schema = json.loads(text)
@@ -139,8 +145,8 @@ def _check_schema_text(text: str) -> None:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/" + "/".join(str(p) for p in e.absolute_path)
-        raise RequestError(f"the JSON schema is not valid JSON Schema (at {where}: {e.message}); "
-                           f"fix the schema.") from None
+        raise ConstraintError(f"the JSON schema is not valid JSON Schema (at {where}: {e.message}); "
+                               f"fix the schema.") from None
 
 
 @dataclass

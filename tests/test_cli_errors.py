@@ -226,6 +226,6 @@ def test_generate_gives_a_prompt_longer_than_the_context_the_sdks_advice(smollm2
     limit = manifest["max_model_len"]
     r = run_cli(["generate", "--engine", smollm2_engine, "--device", "cpu", "--echo",
                  "--prompt", "the cat sat " * limit])
-    line = assert_one_line_error(r, 2, f"this engine's max_model_len is {limit}",
+    line = assert_one_line_error(r, 2, f"maximum context length is {limit} tokens",
                                  "shorten the prompt or rebuild with a larger --max-model-len")
     assert "--max-tokens" not in line and r.stdout == ""   # nothing echoed for a request that never ran

@@ -134,8 +134,8 @@ def test_request_errors_name_the_problem_and_the_fix_and_leave_nothing_behind(en
         (lambda: engine.generate([0, vocab, 5]),
          f"prompt token id {vocab} is outside the vocabulary [0, {vocab}); send ids from this model's tokenizer."),
         (lambda: engine.generate(list(range(600))),
-         "the prompt has 600 tokens but this engine's max_model_len is 512 (prompt plus at least one generated "
-         "token must fit); shorten the prompt or rebuild with a larger --max-model-len."),
+         "the prompt has 600 tokens but this model's maximum context length is 512 tokens (max_model_len; prompt "
+         "plus at least one generated token must fit); shorten the prompt or rebuild with a larger --max-model-len."),
         (lambda: engine.generate(["Hi", "Hello"], [SamplingParams()]),
          "1 SamplingParams for 2 prompts; send one, or one each."),
         (lambda: engine.generate("Hi", edited), "top_p must be in (0, 1]; got 2.0."),

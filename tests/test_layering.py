@@ -223,3 +223,88 @@ def test_the_checks_see_every_form_of_import(tmp_path):
     assert "layer kv may not import layer executor" in bad[2]
     assert cycles(pkg) == [["executor.engine", "executor.streams"]]
     assert unplaced(pkg) == ["bie_trt.stray"]
+
+
+# -- the engine's facade, and model families declared by their configs ------------------------------
+ABOVE_THE_ENGINE = ("server", "scale_out")   # callers that hold a BieEngine and must use only its public API
+
+
+def engine_api(engine_py: Path) -> tuple[set[str], set[str], set[str]]:
+    """BieEngine's public API read from its source: (its PUBLIC_ATTRIBUTES, its public methods, the
+    attributes its __init__ assigns)."""
+    cls = next(n for n in ast.walk(ast.parse(engine_py.read_text())) if isinstance(n, ast.ClassDef)
+               and n.name == "BieEngine")
+    methods = {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and not f.name.startswith("_")}
+    attributes: set[str] = set()
+    for node in cls.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PUBLIC_ATTRIBUTES" for t in node.targets):
+            attributes = set(ast.literal_eval(node.value))
+    init = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    assigned = {t.attr for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets
+                for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+                if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self"}
+    return attributes, methods, assigned
+
+
+def facade_leaks(pkg: Path) -> list[str]:
+    """Every read of `engine.X` (or `something.engine.X`) above the engine whose X is not BieEngine's public API."""
+    attributes, methods, _ = engine_api(pkg / "executor" / "engine.py")
+    api, bad = attributes | methods, []
+    for package in ABOVE_THE_ENGINE:
+        for path in sorted((pkg / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.Attribute) or node.attr in api:
+                    continue
+                holder = node.value
+                if getattr(holder, "id", None) == "engine" or getattr(holder, "attr", None) == "engine":
+                    bad.append(f"{path.relative_to(pkg.parent)}:{node.lineno} reads engine.{node.attr}")
+    return bad
+
+
+def family_knowledge(pkg: Path) -> list[str]:
+    """Executor modules that know a model family by name: importing a family's config module (config_gemma3,
+    config_qwen35; config_text is the shared reader) or branching on a config's `.family`."""
+    bad = [f"{imp.path.relative_to(pkg.parent)}:{imp.line} imports bie_trt.{imp.target}" for imp in imports(pkg)
+           if imp.source.startswith("executor") and imp.target.startswith("config_") and imp.target != "config_text"]
+    for path in sorted((pkg / "executor").rglob("*.py")):
+        bad += [f"{path.relative_to(pkg.parent)}:{n.lineno} reads .family"
+                for n in ast.walk(ast.parse(path.read_text(), str(path)))
+                if isinstance(n, ast.Attribute) and n.attr == "family"]
+    return bad
+
+
+def test_the_server_uses_only_the_engines_public_api():
+    leaks = facade_leaks(ROOT / "bie_trt")
+    assert not leaks, "reads of the engine's inside above it (add an accessor to BieEngine):\n" + "\n".join(leaks)
+    attributes, _, assigned = engine_api(ROOT / "bie_trt" / "executor" / "engine.py")
+    assert attributes and attributes <= assigned, f"PUBLIC_ATTRIBUTES names what __init__ never sets: " \
+                                                  f"{attributes - assigned}"
+
+
+def test_model_families_are_declared_by_their_configs_not_known_to_the_executor():
+    bad = family_knowledge(ROOT / "bie_trt")
+    assert not bad, "model-family knowledge in the executor (declare it on ModelConfig):\n" + "\n".join(bad)
+
+
+def test_the_facade_and_family_checks_see_their_faults(tmp_path):
+    pkg = _write(tmp_path, {
+        "bie_trt/__init__.py": "",
+        "bie_trt/config_gemma3.py": "STOP = ()\n",
+        "bie_trt/config_text.py": "",
+        "bie_trt/executor/__init__.py": "",
+        "bie_trt/executor/engine.py": ("class BieEngine:\n    PUBLIC_ATTRIBUTES = ('tokenizer',)\n"
+                                       "    def __init__(self):\n        self.tokenizer = self.runner = None\n"
+                                       "    def stream(self):\n        pass\n    def _on_loop(self):\n        pass\n"),
+        "bie_trt/executor/builder.py": ("from ..config_gemma3 import STOP\nfrom ..config_text import x\n"
+                                        "def f(cfg):\n    return cfg.family == 'gemma3'\n"),
+        "bie_trt/server/__init__.py": "",
+        "bie_trt/server/state.py": ("def f(state, engine):\n    engine.tokenizer.decode\n    engine.stream()\n"
+                                    "    state.engine.runner.model_config\n    engine._on_loop()\n"),
+        "bie_trt/scale_out/__init__.py": "",
+    })
+    assert facade_leaks(pkg) == ["bie_trt/server/state.py:4 reads engine.runner",
+                                 "bie_trt/server/state.py:5 reads engine._on_loop"]
+    assert engine_api(pkg / "executor" / "engine.py") == ({"tokenizer"}, {"stream"}, {"tokenizer", "runner"})
+    assert family_knowledge(pkg) == ["bie_trt/executor/builder.py:1 imports bie_trt.config_gemma3",
+                                     "bie_trt/executor/builder.py:4 reads .family"]

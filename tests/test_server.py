@@ -123,8 +123,9 @@ def test_seeded_sampling_is_reproducible(client, model_id):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
-CONTEXT = ("This model's maximum context length is 256 tokens. However, you requested 405 tokens (401 in the "
-           "prompt, 4 in the completion). Please reduce the length of the prompt or completion.")
+CONTEXT = ("the prompt has 401 tokens but this model's maximum context length is 256 tokens (max_model_len; "
+           "prompt plus at least one generated token must fit); shorten the prompt or rebuild with a larger "
+           "--max-model-len.")
 
 
 @pytest.mark.parametrize("bad, message, param", [
@@ -177,8 +178,8 @@ def test_completion_errors_name_the_problem_and_param(client, model_id, bad, mes
      "messages[0].content must be a string or a list of text parts", "messages[0].content"),
     ([], "messages: list should have at least 1 item", "messages"),
     ("hello", "messages: input should be a valid list", "messages"),
-    ([{"role": "user", "content": "word " * 300}], "This model's maximum context length is 256 tokens. However, "
-                                                   "you requested", "messages"),
+    ([{"role": "user", "content": "word " * 300}], "this model's maximum context length is 256 tokens",
+     "messages"),
 ])
 def test_chat_errors_name_the_problem_and_param(server, model_id, messages, message, param):
     r = httpx.post(server[1] + "/v1/chat/completions", json={"model": model_id, "messages": messages,

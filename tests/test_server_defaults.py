@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -100,45 +101,65 @@ def test_a_body_of_exactly_the_limit_is_served_and_one_byte_more_is_413(small):
                            headers={"content-type": "application/json"}, timeout=60)
             assert r.status_code == status, (size, type(content).__name__, r.text[:200])
 
-@pytest.mark.parametrize("route", ["completions", "chat"])
-def test_a_prompt_too_long_for_any_tokenisation_is_refused_before_tokenising(small, monkeypatch, route):
+LONG = [{"role": "user", "content": "abc " * 5_000}]   # 20,000 characters: far past 64 tokens however cut
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": LONG[0]["content"]}),
+    ("/v1/chat/completions", {"messages": LONG}),
+    ("/v1/messages", {"messages": LONG, "max_tokens": 8}),
+    ("/v1/responses", {"input": LONG}),
+])
+def test_every_route_meets_the_one_context_check_on_token_ids(small, path, body):
+    """The context is measured in one place, the engine's, on the prompt's token ids: every route refuses
+    with its words and its token count (no route counts characters, or words its own message)."""
     engine, base, _ = small
-    seen = []
-    real = engine.encode
-
-    def spy(prompt, chat=False):
-        seen.append(len(str(prompt)))
-        return real(prompt, chat)
-
-    monkeypatch.setattr(engine, "encode", spy)
-    text = "abc " * 50_000                            # 200,000 characters: far more than 64 tokens however cut
-    body = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
-    r = httpx.post(f"{base}/v1/{'completions' if route == 'completions' else 'chat/completions'}", json=body,
-                   timeout=60)
+    tokens = len(engine.encode(body["prompt"]) if "prompt" in body else engine.encode(LONG, chat=True))
+    r = httpx.post(base + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["code"] == "context_length_exceeded" and "(200,000 characters) holds at least" in error["message"]
-    assert seen == []
+    assert error["message"] == (f"the prompt has {tokens} tokens but this model's maximum context length is "
+                                f"{CONTEXT} tokens (max_model_len; prompt plus at least one generated token must "
+                                f"fit); shorten the prompt or rebuild with a larger --max-model-len."), error
+    if path != "/v1/messages":   # Anthropic's errors carry no code or param
+        assert (error["code"], error["param"]) == ("context_length_exceeded",
+                                                   "prompt" if "prompt" in body else "messages")
 
 
-@pytest.mark.parametrize("route", ["completions", "chat"])
-def test_the_prompt_bound_rounds_up_right_at_the_context_limit(small, route):
-    """A prompt of (CONTEXT - 1) longest tokens and one character more holds at least CONTEXT tokens (rounded
-    down, CONTEXT - 1 would let it through to the tokeniser); one character fewer must be tokenised to tell."""
-    engine, base, _ = small
-    longest = max(map(len, engine.tokenizer.get_vocab()))
-    assert longest > 1   # else every count is a multiple of it
-    url = f"{base}/v1/{'completions' if route == 'completions' else 'chat/completions'}"
-    for chars, bounded in ((longest * (CONTEXT - 1) + 1, True), (longest * (CONTEXT - 1), False)):
-        text = "x" * chars
-        body = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
-        r = httpx.post(url, json={**body, "max_tokens": 1}, timeout=60)
-        message = r.json()["error"]["message"]
-        assert r.status_code == 400 and "maximum context length is 64 tokens" in message, r.text
-        assert (f"({chars:,} characters) holds at least {CONTEXT} tokens" in message) == bounded, message
+def test_the_context_check_lets_the_last_token_of_room_through(small):
+    """CONTEXT - 1 prompt tokens leave room for one generated token; CONTEXT leave none."""
+    _, base, _ = small
+    for length, status in ((CONTEXT - 1, 200), (CONTEXT, 400)):
+        r = httpx.post(base + "/v1/completions", json={"prompt": [1] * length, "max_tokens": 1}, timeout=60)
+        assert r.status_code == status, (length, r.text)
+    batch = httpx.post(base + "/v1/completions", json={"prompt": [[1, 2], [1] * CONTEXT], "max_tokens": 1})
+    assert batch.json()["error"]["message"].startswith(f"prompt[1]: the prompt has {CONTEXT} tokens"), batch.text
 
 
 AGENT_ASK = [{"role": "user", "content": "Refactor this repository."}]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["Hi", "Hello"], "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": AGENT_ASK, "max_tokens": 1}),
+    ("/v1/messages", {"messages": AGENT_ASK, "max_tokens": 1}),
+    ("/v1/responses", {"input": AGENT_ASK, "max_output_tokens": 1}),
+])
+def test_a_request_takes_one_thread_hop_before_the_engine(small, monkeypatch, path, body):
+    """Encoding (the chat template), the sampling parameters, the grammar and the start run together in
+    one worker thread: each hop off the event loop is a wait in a queue of threads under load."""
+    _, base, _ = small
+    hops = []
+    real = anyio.to_thread.run_sync
+
+    def counted(fn, *args, **kwargs):
+        hops.append(fn)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+    r = httpx.post(base + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(hops) == 1, hops
 
 
 @pytest.mark.parametrize("route", ["chat", "messages", "responses"])

@@ -14,6 +14,8 @@ import pydantic
 import pytest
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
+from bie_trt.errors import RequestError
+from bie_trt.sampling_params import StructuredOutputs
 from structured_cases import SCHEMAS
 from test_server import serving
 
@@ -348,6 +350,32 @@ def test_bad_requests_get_400_naming_the_field(server, route, extra, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"], error
+
+
+# Each check of a constraint, sent through each field a constraint comes from: the server's refusal is the
+# SDK's (one place checks a constraint: SamplingParams), named by that field.
+BAD_CONSTRAINTS = [
+    ("structured_outputs", {"structured_outputs": {"regex": "(["}}, StructuredOutputs(regex="([")),
+    ("structured_outputs", {"structured_outputs": {"choice": []}}, StructuredOutputs(choice=[])),
+    ("structured_outputs", {"structured_outputs": {"grammar": "  "}}, StructuredOutputs(grammar="  ")),
+    ("structured_outputs", {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+     StructuredOutputs(regex="a", choice=["a"])),
+    ("guided_json", {"guided_json": "{not json"}, StructuredOutputs(json="{not json")),
+    ("response_format", {"response_format": schema_format("x", {"type": "nonsense"})},
+     StructuredOutputs(json={"type": "nonsense"})),
+    ("guided_regex", {"guided_regex": "a(b"}, StructuredOutputs(regex="a(b")),
+]
+
+
+@pytest.mark.parametrize("param, extra, constraint", BAD_CONSTRAINTS, ids=[f"{p}-{i}" for i, (p, _, _) in
+                                                                            enumerate(BAD_CONSTRAINTS)])
+def test_a_bad_constraint_is_refused_in_the_sdks_words_naming_its_field(server, param, extra, constraint):
+    with pytest.raises(RequestError) as sdk:
+        SamplingParams(structured_outputs=constraint)
+    r = httpx.post(server[1] + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **extra}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": f"{param}: {sdk.value}", "type": "invalid_request_error",
+                                 "param": param, "code": None}
 
 
 def test_server_goes_on_after_bad_requests(client, model):

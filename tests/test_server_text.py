@@ -1,5 +1,6 @@
-"""Text that is not Unicode (a lone surrogate: JSON's "\\ud800" parses into one) is refused where prompts meet
-the tokenizer, with a 400 naming the field as each API spells it, over real HTTP."""
+"""Text that is not Unicode (a lone surrogate: JSON's "\\ud800" parses into one) is refused in any field of a
+body, prompts and the fields a reply echoes alike, with a 400 naming the field as each API spells it, over
+real HTTP; the SDK refuses it where prompts meet the tokenizer."""
 from __future__ import annotations
 
 import json
@@ -39,6 +40,18 @@ CASES = [
     ("/v1/messages", {"system": LONE, "messages": HI, "max_tokens": 2}, "system[0].text"),
     ("/v1/messages/count_tokens", {"messages": HI + [{"role": "assistant", "content": [
         {"type": "text", "text": LONE}]}]}, "messages[1].content[0].text"),
+    # fields a reply echoes (the Responses object carries them back): refused before any handler runs
+    ("/v1/responses", {"input": "hi", "metadata": {"k": "v" + LONE}, "max_output_tokens": 2}, "metadata.k"),
+    ("/v1/responses", {"input": "hi", "user": LONE, "max_output_tokens": 2}, "user"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2,
+                       "tools": [{"type": "function", "name": "f", "description": LONE,
+                                  "parameters": {"type": "object"}}]}, "tools[0].description"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "text": {"format": {
+        "type": "json_schema", "name": "a", "schema": {"type": "object", "description": LONE}}}},
+     "text.format.schema.description"),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "user": LONE}, "user"),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "stop": ["x" + LONE]}, "stop[0]"),
+    ("/v1/messages", {"messages": HI, "max_tokens": 2, "metadata": {"user_id": LONE}}, "metadata.user_id"),
     ("/tokenize", {"prompt": LONE}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),
 ]
@@ -66,6 +79,25 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(base, path, body, field):
     else:
         assert r.json()["error"]["param"] == field, r.text
         assert "lone surrogate" in r.json()["error"]["message"]
+
+
+NAMED = [("/v1/responses", {"input": "hi", "max_output_tokens": 2,
+                            "tools": [{"type": "function", "name": "f" + LONE, "parameters": {"type": "object"}}]},
+          "tools[0].name"),
+         ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "tools": [{"type": "custom", "name": "p" + LONE}]},
+          "tools[0].name"),
+         ("/v1/chat/completions", {"messages": HI, "max_tokens": 2,
+                                   "tools": [{"type": "function", "function": {"name": "f" + LONE}}]},
+          "tools[0].function.name")]
+
+
+@pytest.mark.parametrize("path,body,field", NAMED, ids=[f"{c[0]}:{c[2]}" for c in NAMED])
+def test_a_lone_surrogate_in_a_tool_name_fails_the_names_pattern(base, path, body, field):
+    """A name is held to a pattern as the body validates, which text that is not Unicode fails: the
+    refusal names the field (and quotes the name escaped, so the error itself can be written)."""
+    r = post(base, path, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "unicode string" in r.json()["error"]["message"], r.text
 
 
 def test_a_surrogate_pair_is_text(base):

@@ -30,6 +30,11 @@ from .streams import RequestStream
 
 
 class BieEngine:
+    # What a caller above the executor (the server, a replica deployment) reads on an engine: these
+    # attributes and the public methods. The rest (core, runner, scheduler, blocks, ...) is the engine's
+    # inside, which tests look into between steps; tests/test_layering.py holds the server to this list.
+    PUBLIC_ATTRIBUTES = ("config", "tokenizer", "model_name", "max_model_len", "vocab_size", "max_num_seqs")
+
     def __init__(self, config: EngineConfig | str):
         self.config = config if isinstance(config, EngineConfig) else EngineConfig(engine_dir=str(config))
         # the core first: it checks the manifest before anything reads the tokenizer files
@@ -41,6 +46,8 @@ class BieEngine:
         self.runner, self.scheduler, self.blocks, self.disk = core.runner, core.scheduler, core.blocks, core.disk
         self.model_name = self.runner.manifest.model_name
         self.max_model_len = core.max_model_len
+        self.vocab_size = self.runner.model_config.vocab_size   # the model's: token ids run 0 .. vocab_size - 1
+        self.max_num_seqs = self.scheduler.max_num_seqs         # requests the loop runs at once
         self.speculative, self.proposer, self.adaptive = core.spec.config, core.spec.proposer, core.spec.adaptive
         self.eos_ids = core.requests.eos_ids
 

@@ -60,16 +60,26 @@ def check_encodable(value: object, field: str) -> None:
         raise found
 
 
+class ContextTooLong(RequestError):
+    """A prompt that leaves the context no room for one generated token. The one place a prompt is measured
+    against the context (on its token ids, whatever route or SDK call sent it); the server answers it as
+    OpenAI does (code context_length_exceeded), and the message holds OpenAI's words ("maximum context length"),
+    which clients match to compact a conversation."""
+
+    def __init__(self, prompt_tokens: int, max_model_len: int):
+        super().__init__(f"the prompt has {prompt_tokens} tokens but this model's maximum context length is "
+                         f"{max_model_len} tokens (max_model_len; prompt plus at least one generated token must "
+                         f"fit); shorten the prompt or rebuild with a larger --max-model-len.")
+        self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
+
+
 def check_prompt_ids(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
-    """One line for token ids this engine cannot run: none, too many for max_model_len, or an id (in the
-    prompt or in logit_bias) outside the vocabulary."""
+    """One line for token ids this engine cannot run: none, too many for max_model_len (ContextTooLong), or an
+    id (in the prompt or in logit_bias) outside the vocabulary."""
     if not prompt_ids:
         raise RequestError("the prompt is empty; send at least one token.")
     if len(prompt_ids) >= max_model_len:
-        raise RequestError(
-            f"the prompt has {len(prompt_ids)} tokens but this engine's max_model_len is {max_model_len} "
-            f"(prompt plus at least one generated token must fit); shorten the prompt or rebuild with a larger "
-            f"--max-model-len.")
+        raise ContextTooLong(len(prompt_ids), max_model_len)
     if (bad := next((t for t in prompt_ids if not 0 <= t < vocab_size), None)) is not None:
         raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size}); send ids from this "
                            f"model's tokenizer.")

@@ -9,7 +9,6 @@ import threading
 
 from ..chat.thinking_budget import ThinkingBudget
 from ..config import ModelConfig
-from ..config_gemma3 import STOP_TOKENS
 from ..logits_constraint import GrammarCompiler, LogitsConstraint
 from ..sampling import make_generator
 from ..sampling_params import SamplingParams
@@ -19,13 +18,13 @@ from .sequence import Detokenizer, Sequence
 
 
 def stop_token_ids(cfg: ModelConfig, tokenizer) -> set[int]:
-    """The ids that end a reply: the model's and the tokenizer's end of sequence, and Gemma 3's end of turn
-    (vLLM reads it from generation_config)."""
+    """The ids that end a reply: the model's and the tokenizer's end of sequence, and the stop tokens the
+    model's family declares (ModelConfig.stop_tokens: Gemma 3's end of turn) where the vocabulary has them."""
     ids = set(cfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    if cfg.family == "gemma3":
-        turn = tokenizer.convert_tokens_to_ids(list(STOP_TOKENS))
+    if cfg.stop_tokens:
+        turn = tokenizer.convert_tokens_to_ids(list(cfg.stop_tokens))
         ids.update(i for i in turn if i is not None and i != tokenizer.unk_token_id)
     return ids
 

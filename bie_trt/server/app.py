@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from ..executor.engine import BieEngine
 from . import cache_routes, completions, info, messages, responses, tokens
 from .auth import ApiKeyMiddleware
+from .body_text import TextCheckedRoute
 from .errors import install_error_handlers
 from .file_check import BackgroundFileCheck, DamagedEngineMiddleware
 from .limits import BodySizeLimit, default_max_request_bytes
@@ -34,8 +35,9 @@ __all__ = ["ServerOptions", "ServerState", "create_app", "install_routes"]
 
 def install_routes(app: FastAPI, state: ServerState) -> None:
     """Every route of the server on `app`: each API's module registers its own, calling its handlers with
-    `state`."""
+    `state`. Every route checks its body for text that is not Unicode first (TextCheckedRoute)."""
     install_error_handlers(app)
+    app.router.route_class = TextCheckedRoute   # for the routes registered below
     for api in (info, completions, messages, responses, tokens, cache_routes):
         api.register(app, state)
 

@@ -11,8 +11,7 @@ from fastapi import FastAPI
 
 from ..errors import BieError
 from ..executor.cache_file import CacheFileError
-from ..executor.prompt_checks import UnencodableText
-from .errors import ApiError, unencodable_field
+from .errors import ApiError
 from .protocols.openai import CacheRequest
 from .state import ServerState
 
@@ -29,8 +28,6 @@ async def _cache_file(state: ServerState, req: CacheRequest, action: Callable[[P
         return await anyio.to_thread.run_sync(action, path, prompt, chat)
     except FileNotFoundError:
         raise ApiError(404, f"no cache file {req.file!r} in this server's --kv-cache-dir.", "file") from None
-    except UnencodableText as e:
-        raise unencodable_field(e, req) from None
     except (jinja2.TemplateError, BieError) as e:
         raise ApiError(400, str(e), "file" if isinstance(e, CacheFileError) else "prompt") from None
 

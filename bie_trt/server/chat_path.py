@@ -3,16 +3,14 @@ the Responses API): another API's body as a chat body, the prompt through the ch
 tools, the start on the engine, and where the reply starts for the reasoning parser."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jinja2
 import pydantic
-from pydantic import BaseModel
 
 from ..errors import BieError
-from ..executor.prompt_checks import UnencodableText
 from ..executor.streams import RequestStream
-from .errors import ApiError, unencodable_field
+from .errors import ApiError
 from .generation import submit
 from .protocols.openai import ChatRequest, describe_error
 from .reply_format import ParamError, ToolPlan, tool_plan
@@ -38,13 +36,11 @@ def as_chat_request(fields: dict[str, Any]) -> ChatRequest:
         raise ApiError(400, message, param) from None
 
 
-async def chat_prompt(state: ServerState, req: ChatRequest, origin: BaseModel | None = None
-                      ) -> tuple[list[int], ToolPlan]:
-    """A chat body's prompt through the chat template (tools rendered), and how its tools shape the reply.
-    Every API that speaks in messages (chat, Anthropic's Messages, the Responses API) comes through here;
-    `origin` is the body as its API sent it (default `req`), which a refusal's field is named in."""
+def chat_encoder(state: ServerState, req: ChatRequest) -> tuple[Callable[[], list[int]], ToolPlan]:
+    """A chat body's prompt as a function that puts it through the chat template (tools rendered), to run
+    in a worker thread, and how its tools shape the reply. Every API that speaks in messages (chat,
+    Anthropic's Messages, the Responses API) comes through here."""
     messages = [m.to_template() for m in req.messages]
-    state.check_fits([m["content"] for m in messages], chat=True)
     try:
         tools = tool_plan(req)
     except ParamError as e:
@@ -53,20 +49,28 @@ async def chat_prompt(state: ServerState, req: ChatRequest, origin: BaseModel | 
         raise ApiError(400, "continue_final_message with an output constraint (tool_choice required or a named "
                             "function, response_format, structured_outputs): a constraint shapes the whole reply, "
                             "not the rest of one begun; send one of them.", "continue_final_message")
-    try:
-        ids = await state.prepare(state.engine.encode_chat, messages, tools.tools, req.chat_template_kwargs,
-                                  req.continue_final_message)
-    except UnencodableText as e:
-        raise unencodable_field(e, origin or req) from None
-    except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
-        raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
-    return ids, tools
+
+    def encode() -> list[int]:
+        try:
+            return state.engine.encode_chat(messages, tools.tools, req.chat_template_kwargs,
+                                            req.continue_final_message)
+        except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
+            raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
+
+    return encode, tools
 
 
-async def start_chat(state: ServerState, req: ChatRequest, top_n: int | None = None, origin: BaseModel | None = None
+async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], ToolPlan]:
+    """A chat body's prompt (counted, not started) and how its tools shape the reply."""
+    encode, tools = chat_encoder(state, req)
+    return await state.prepare(encode), tools
+
+
+async def start_chat(state: ServerState, req: ChatRequest, top_n: int | None = None
                      ) -> tuple[list[RequestStream], ToolPlan, list[int]]:
-    """A chat body started on the engine: its n streams, its tool plan (each stream's ReplyParser comes
-    from it) and its prompt; `origin` as for chat_prompt."""
-    ids, tools = await chat_prompt(state, req, origin)
+    """A chat body started on the engine, encoded and started in one worker thread: its n streams, its
+    tool plan (each stream's ReplyParser comes from it) and its prompt."""
+    encode, tools = chat_encoder(state, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return await submit(state, [ids], req, max_tokens, top_n, chat=True, tools=tools), tools, ids
+    streams, prompts = await submit(state, lambda: [encode()], 1, req, max_tokens, top_n, chat=True, tools=tools)
+    return streams, tools, prompts[0]

@@ -13,9 +13,9 @@ from fastapi.responses import Response
 from ..chat.reasoning import ReasoningStream, split_reasoning
 from ..errors import BieError
 from ..executor.outputs import RequestOutput, StreamEvent
-from ..executor.prompt_checks import UnencodableText, check_prompt
+from ..executor.prompt_checks import check_prompt
 from .chat_path import reasoning_start, start_chat
-from .errors import ApiError, unencodable_field
+from .errors import ApiError
 from .generation import respond, submit, usage
 from .protocols.openai import ChatRequest, CompletionRequest
 from .state import ServerState
@@ -68,14 +68,8 @@ async def completions(state: ServerState, req: CompletionRequest, http: Request)
             check_prompt(p, "the prompt" if len(prompts) == 1 else f"prompt[{i}]")
         except BieError as e:
             raise ApiError(400, str(e), "prompt") from None
-    for p in prompts:
-        if isinstance(p, str):
-            state.check_fits([p], chat=False)
-    try:
-        ids = [await state.prepare(engine.encode, p, False) for p in prompts]
-    except UnencodableText as e:
-        raise unencodable_field(e, req) from None
-    streams = await submit(state, ids, req, req.max_tokens, req.logprobs, chat=False)
+    streams, _ = await submit(state, lambda: [engine.encode(p, False) for p in prompts], len(prompts), req,
+                              req.max_tokens, req.logprobs, chat=False)
     # echo: each choice's text starts with its prompt (token-id prompts decoded)
     echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if req.echo else "" for p in prompts]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())

@@ -12,10 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pydantic import BaseModel
-
 from ..errors import BieError
-from ..executor.prompt_checks import UnencodableText, unencodable
 from .protocols import anthropic as anthropic_protocol, responses as responses_protocol
 from .protocols.openai import SHAPES, describe_error
 
@@ -61,13 +58,6 @@ class ApiError(Exception):
                  headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-
-def unencodable_field(error: UnencodableText, body: BaseModel) -> ApiError:
-    """The encoder's refusal of text that is not Unicode, naming the field as the body's API spells it: the
-    encoder saw the body as chat messages, whose paths a Messages or Responses body does not have."""
-    found = unencodable(body.model_dump(by_alias=True, exclude_none=True)) or error
-    return ApiError(400, str(found), found.field)
 
 
 # Each body route's union fields and the tags of its tagged lists, for its validation messages.

@@ -16,9 +16,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..errors import BieError, RequestError
+from ..executor.prompt_checks import ContextTooLong
 from ..executor.outputs import RequestOutput, StreamEvent
 from ..executor.streams import RequestStream
-from ..sampling_params import SamplingParams, StructuredOutputs
+from ..sampling_params import ConstraintError, SamplingParams, StructuredOutputs
 from .errors import ApiError, error_body
 from .metrics import Metrics
 from .protocols.openai import SamplingRequest
@@ -41,14 +42,6 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
         structured_outputs=constraint, logit_bias=bias, min_tokens=req.min_tokens,
         # a reply shaped whole by a constraint has no reasoning block: there is nothing for a budget to bound
         thinking_budget=req.thinking_token_budget if constraint is None else None)
-
-
-def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> str:
-    """The message OpenAI and vLLM send when prompt plus completion exceed the context."""
-    what = "messages" if chat else "prompt"
-    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {what}, {max_tokens} in the completion). "
-            f"Please reduce the length of the {what} or completion.")
 
 
 def usage(outputs: list[RequestOutput], n: int) -> dict:
@@ -108,38 +101,53 @@ class Wire:
 OPENAI_WIRE = Wire()
 
 
-async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequest, max_tokens: int | None,
-                 logprobs: int | None, chat: bool, tools: ToolPlan | None = None) -> list[RequestStream]:
-    """Check every prompt against the context and the queue against its bound, then start n requests
-    per prompt (choice j seeded seed + j: reproducible and distinct). Nothing starts unless all can.
-    The engine compiles a grammar as a request starts, so requests start in a worker thread."""
+async def submit(state: ServerState, encode: Callable[[], list[list[int]]], num_prompts: int, req: SamplingRequest,
+                 max_tokens: int | None, logprobs: int | None, chat: bool, tools: ToolPlan | None = None
+                 ) -> tuple[list[RequestStream], list[list[int]]]:
+    """Check the queue against its bound, then in one worker thread (the request's one hop off the event
+    loop): the `num_prompts` prompts encoded (`encode`, which raises ApiError for what it refuses), each
+    one's SamplingParams made (the context bounds its max_tokens) and n requests per prompt started
+    (choice j seeded seed + j: reproducible and distinct; the engine compiles a grammar and checks the
+    prompt against the context as a request starts). Nothing starts unless all can. -> the streams and
+    the prompts' ids."""
     engine = state.engine
     param = "messages" if chat else "prompt"
+    fields = set(type(req).model_fields)
     try:
         constraint, constraint_param = output_constraint(req, tools, state.options.json_schema_mode)
     except ParamError as e:
         raise ApiError(400, str(e), e.param) from None
-    per_prompt = []
-    for ids in prompts:
-        room = engine.max_model_len - len(ids)   # what the context leaves for the completion
-        if room < 1:   # the prompt alone fills the context: no completion fits
-            raise ApiError(400, context_error(engine.max_model_len, len(ids), max_tokens or 1, chat), param,
-                           code="context_length_exceeded")
-        # max_tokens is an upper bound the context may lower: agents send 32,000 to mean "as long as you
-        # can"; the reply that reaches the bound ends as `length`, as one that reaches max_tokens does
-        wanted = room if max_tokens is None else min(max_tokens, room)
-        try:
-            per_prompt.append(sampling_params(req, wanted, logprobs, constraint))
-        except RequestError as e:
-            raise ApiError(400, str(e), error_param(str(e), set(type(req).model_fields), constraint_param)) from None
-    count = len(prompts) * req.n
+    count = num_prompts * req.n
     if state.in_flight + count > state.capacity:
         raise ApiError(503, f"the server is full ({state.in_flight} requests in flight, at most "
                             f"{state.capacity}); retry after {RETRY_AFTER_S} s.",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
     state.in_flight += count   # held while the requests start, so that concurrent ones see them
 
-    def start() -> list[RequestStream] | tuple[int, BieError]:
+    def params_for(ids: list[int]) -> SamplingParams:
+        # what the context leaves for the completion; a prompt that leaves nothing is the engine's to refuse
+        # (ContextTooLong, the one check of the context), so at least 1 here
+        room = max(engine.max_model_len - len(ids), 1)
+        # max_tokens is an upper bound the context may lower: agents send 32,000 to mean "as long as you
+        # can"; the reply that reaches the bound ends as `length`, as one that reaches max_tokens does
+        wanted = room if max_tokens is None else min(max_tokens, room)
+        try:
+            return sampling_params(req, wanted, logprobs, constraint)
+        except ConstraintError as e:   # checked as the SDK's are; named by the field it came from
+            raise ApiError(400, f"{constraint_param}: {e}", constraint_param) from None
+        except RequestError as e:
+            raise ApiError(400, str(e), error_param(str(e), fields, constraint_param)) from None
+
+    def refusal(i: int, e: BieError, several: bool) -> ApiError:
+        """Prompt i's refusal by the engine, naming the field it came from."""
+        if isinstance(e, ContextTooLong):   # OpenAI's code, which agents read to compact the conversation
+            return ApiError(400, f"{param}[{i}]: {e}" if several else str(e), param, code="context_length_exceeded")
+        where = error_param(str(e), fields, constraint_param or param)
+        return ApiError(400, f"{param}[{i}]: {e}" if several and where == param else str(e), where)
+
+    def prepare() -> tuple[list[RequestStream], list[list[int]]]:
+        prompts = encode()
+        per_prompt = [params_for(ids) for ids in prompts]
         streams: list[RequestStream] = []
         for i, (ids, params) in enumerate(zip(prompts, per_prompt)):
             try:
@@ -150,22 +158,17 @@ async def submit(state: ServerState, prompts: list[list[int]], req: SamplingRequ
                 for events in streams:
                     events.close()
                 if isinstance(e, BieError):
-                    return i, e
+                    raise refusal(i, e, len(prompts) > 1) from None
                 raise
-        return streams
+        return streams, prompts
 
     try:
-        started = await state.prepare(start)
+        started, prompts = await state.prepare(prepare)
     except BaseException:
         state.in_flight -= count
         raise
-    if isinstance(started, tuple):
-        state.in_flight -= count
-        i, e = started
-        where = error_param(str(e), set(type(req).model_fields), constraint_param or param)
-        raise ApiError(400, f"{param}[{i}]: {e}" if len(prompts) > 1 and where == param else str(e), where)
     state.live.update(started)
-    return started
+    return started, prompts
 
 
 ChunkMaker = Callable[[StreamEvent, int, bool], list[dict]]

@@ -1,8 +1,7 @@
-"""Bounds checked before any work: the request body's size (413 before it is parsed) and a prompt so
-long that it cannot fit the context whatever its tokens (refused before it is tokenised)."""
+"""The bound checked before any work: the request body's size (413 before it is parsed). The body size is
+sized from the context, which bounds the text any prompt is tokenised from; the prompt itself is measured
+against the context once, on its token ids, by the engine."""
 from __future__ import annotations
-
-import math
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -58,14 +57,3 @@ class BodySizeLimit:
             return chunks.pop(0) if chunks else await receive()
 
         await self.app(scope, replay, send)
-
-
-def longest_token_chars(vocab: dict[str, int]) -> int:
-    """The most characters one token can stand for: each token's text is at most its vocabulary entry
-    long (byte-level BPE spells one byte a character; SentencePiece marks a space with one)."""
-    return max(map(len, vocab), default=1)
-
-
-def min_tokens(chars: int, longest: int) -> int:
-    """A lower bound on the tokens of any text of `chars` characters."""
-    return math.ceil(chars / longest)

@@ -84,7 +84,7 @@ def anthropic_usage(out: RequestOutput) -> dict:
 
 
 async def prompt_tokens(state: ServerState, req: MessagesBody) -> int:
-    ids, _ = await chat_prompt(state, as_chat_request(req.chat_fields()), req)
+    ids, _ = await chat_prompt(state, as_chat_request(req.chat_fields()))
     return len(ids)
 
 
@@ -113,7 +113,7 @@ async def edit_context(state: ServerState, req: Body) -> tuple[Body, dict | None
 async def messages(state: ServerState, req: MessagesRequest, http: Request) -> Response | dict:
     req, context_management, _ = await edit_context(state, req)
     chat = as_chat_request(req.chat_fields())
-    streams, tools, ids = await start_chat(state, chat, origin=req)
+    streams, tools, ids = await start_chat(state, chat)
     parser = tools.parser()
     inside = reasoning_start(state, ids, chat, tools)
 

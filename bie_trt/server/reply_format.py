@@ -50,9 +50,10 @@ def tool_plan(req: ChatRequest) -> ToolPlan:
 
 def output_constraint(req: SamplingRequest, tools: ToolPlan | None = None, json_schema_mode: str = "closed"
                       ) -> tuple[StructuredOutputs | None, str | None]:
-    """The body's one constraint, checked, and the field it came from; ParamError when a field is bad
-    or two fields both constrain the output. A JSON one is read in the body's `json_schema_mode`, else in
-    the server's (`json_schema_mode`: "closed" or "lenient")."""
+    """The body's one constraint and the field it came from; ParamError when a field is malformed or two
+    fields both constrain the output. The constraint itself is checked where every request's is, as its
+    SamplingParams are made (a ConstraintError, which the caller names this field in). A JSON one is read
+    in the body's `json_schema_mode`, else in the server's (`json_schema_mode`: "closed" or "lenient")."""
     try:
         found = req.constraints()
     except ValueError as e:
@@ -77,7 +78,6 @@ def output_constraint(req: SamplingRequest, tools: ToolPlan | None = None, json_
         elif req.json_schema_mode is not None:
             raise ParamError(f"json_schema_mode is only read with a JSON schema or JSON object constraint, "
                              f"not {param}'s {constraint.kind}; drop it.", "json_schema_mode")
-        constraint.validate()
     except RequestError as e:
         raise ParamError(f"{param}: {e}", param) from None
     return constraint, param

@@ -224,7 +224,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, http: Reque
     open_sealed(state, req)
     history = previous_conversation(state, req.previous_response_id)
     chat = as_chat_request(req.chat_fields(history))
-    streams, tools, ids = await start_chat(state, chat, origin=req)
+    streams, tools, ids = await start_chat(state, chat)
     checked = box.custom or box.local_shell
     parser = tools.parser(box.check(state.engine.grammar_compiler().accepts) if checked else None)
     inside = reasoning_start(state, ids, chat, tools)

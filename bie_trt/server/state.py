@@ -12,8 +12,6 @@ import anyio
 
 from ..executor.engine import BieEngine
 from ..executor.streams import RequestStream
-from .errors import ApiError
-from .limits import longest_token_chars, min_tokens
 from .metrics import Metrics
 from .response_store import DEFAULT_CAPACITY, ResponseStore
 from .sealing import ReasoningSeal
@@ -48,11 +46,10 @@ class ServerState:
         # the engine's (EngineConfig.reasoning_parser): its thinking budgets find the block as the replies do
         self.reasoning_parser = engine.reasoning_parser()
         self.started = int(time.time())   # /v1/models' "created": when this server made the model available
-        self.longest_token = longest_token_chars(engine.tokenizer.get_vocab())
         self.metrics = Metrics(engine.stats)
         # requests admitted and not yet finished; beyond the running batch plus --max-waiting, new ones get 503
         waiting = self.options.max_waiting
-        self.capacity = math.inf if waiting is None else engine.scheduler.max_num_seqs + waiting
+        self.capacity = math.inf if waiting is None else engine.max_num_seqs + waiting
         self.in_flight = 0
         self.live: set[RequestStream] = set()   # the engine requests of every HTTP request in flight
         self._preparers: anyio.CapacityLimiter | None = None
@@ -67,16 +64,6 @@ class ServerState:
         if self._preparers is None:   # made inside the event loop, on first use
             self._preparers = anyio.CapacityLimiter(PREPARE_THREADS)
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._preparers)
-
-    def check_fits(self, texts: list[str], chat: bool) -> None:
-        """Refuses a prompt whose length alone rules out the context, before it is tokenised."""
-        chars = sum(map(len, texts))
-        if (least := min_tokens(chars, self.longest_token)) < self.engine.max_model_len:
-            return
-        what = "messages" if chat else "prompt"
-        raise ApiError(400, f"This model's maximum context length is {self.engine.max_model_len} tokens. However, "
-                            f"the {what} ({chars:,} characters) holds at least {least:,} tokens. Please reduce "
-                            f"the length of the {what}.", what, code="context_length_exceeded")
 
     def close_live(self) -> None:
         """Ends every request still in flight (on shutdown, after the grace period)."""

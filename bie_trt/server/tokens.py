@@ -6,8 +6,7 @@ import jinja2
 from fastapi import FastAPI
 
 from ..errors import BieError
-from ..executor.prompt_checks import UnencodableText
-from .errors import ApiError, unencodable_field
+from .errors import ApiError
 from .protocols.openai import DetokenizeRequest, TokenizeRequest
 from .state import ServerState
 
@@ -22,8 +21,6 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict:
                                                  req.chat_template_kwargs)
         else:
             ids = await anyio.to_thread.run_sync(engine.encode_text, req.prompt, req.add_special_tokens)
-    except UnencodableText as e:
-        raise unencodable_field(e, req) from None
     except (jinja2.TemplateError, BieError) as e:
         raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
@@ -31,7 +28,7 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict:
 
 async def detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
     """Token ids -> their text."""
-    vocab = state.engine.runner.model_config.vocab_size
+    vocab = state.engine.vocab_size
     if (bad := next((t for t in req.tokens if not 0 <= t < vocab), None)) is not None:
         raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab}).", "tokens")
     return {"prompt": await anyio.to_thread.run_sync(state.engine.tokenizer.decode, req.tokens)}
