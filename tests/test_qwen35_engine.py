@@ -15,15 +15,11 @@ from bie_trt.config import EngineConfig
 from bie_trt.executor.engine import BieEngine
 from bie_trt.model.synthetic import write_word_tokenizer
 from bie_trt.sampling_params import SamplingParams
-from qwen35_tiny import GROUP, hf_tiny_qwen35
-
-CHUNK = 48                # prefill chunks of the built engine: the 150-token prompt takes four
-PROMPT = 150
-GREEDY_TOKENS = 8
+from qwen35_tiny import CHUNK, GREEDY_TOKENS, GROUP
 
 
-def greedy(params_tokens: int = GREEDY_TOKENS) -> SamplingParams:
-    return SamplingParams(max_tokens=params_tokens, temperature=0, ignore_eos=True)
+def greedy(max_tokens: int = GREEDY_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -32,23 +28,22 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, build):
-    """(transformers' model, the engine directory, the AWQ checkpoint): the model's weights rounded to fp16 first (the
-    checkpoint's dtype), its linears W4-exact (qwen35_tiny.py), so both run the same numbers."""
+def tiny(tmp_path_factory, qwen35_reference):
+    """(transformers' model, the engine directory, the AWQ checkpoint): the model written by transformers,
+    packed by `bie-trt quantize` and built; its weights are W4-exact and fp16 (qwen35_tiny.py), so the engine
+    and transformers run the same numbers."""
     root = tmp_path_factory.mktemp("qwen35")
-    model = hf_tiny_qwen35()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith(("A_log", "dt_bias")):   # those stay fp32 through quantize and build
-                p.copy_(p.half().float())
+    model = qwen35_reference[0]
     model.save_pretrained(root / "hf")   # config.json and model.safetensors, as transformers writes them
     write_word_tokenizer(root / "hf")
     r = CliRunner().invoke(main, ["quantize", "--model", str(root / "hf"), "--out", str(root / "awq"),
                                   "--group-size", str(GROUP)])
     assert r.exit_code == 0, r.output
-    engine = build(checkpoint=str(root / "awq"), max_model_len=1024, kv_cache_dtype="fp16", max_num_seqs=4,
-                   chunked_prefill_size=CHUNK)
-    return model, engine, str(root / "awq")
+    r = CliRunner().invoke(main, ["build", "--checkpoint", str(root / "awq"), "--out", str(root / "engine"),
+                                  "--profile", "cpu", "--max-model-len", "1024", "--kv-cache-dtype", "fp16",
+                                  "--max-num-seqs", "4", "--chunked-prefill-size", str(CHUNK)])
+    assert r.exit_code == 0, r.output
+    return model, root / "engine", str(root / "awq")
 
 
 @pytest.fixture(scope="module")
@@ -56,21 +51,12 @@ def engine(tiny):
     return BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu"))
 
 
-def hf_greedy(model, ids: list[int], n: int = GREEDY_TOKENS) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
-
-
 def assert_slots_free(engine: BieEngine) -> None:
     states = engine.runner.pools.recurrent
     assert sorted(states.free) == list(range(states.num_slots)) and not states.logs
 
 
-def test_bie_trt_build_makes_an_engine_of_the_checkpoint_and_plan_prints_its_state(tiny, tmp_path):
-    r = CliRunner().invoke(main, ["build", "--checkpoint", tiny[2], "--out", str(tmp_path / "engine"),
-                                  "--profile", "cpu", "--max-model-len", "256"])
-    assert r.exit_code == 0 and (tmp_path / "engine" / "manifest.json").exists(), r.output
+def test_plan_prints_the_recurrent_state_of_the_checkpoint(tiny):
     plan = CliRunner().invoke(main, ["plan", "--checkpoint", tiny[2], "--profile", "cpu"])
     assert plan.exit_code == 0 and "recurrent_state" in plan.stdout, plan.output
 
@@ -86,11 +72,10 @@ def test_the_engine_keeps_deltanet_tensors_as_built(tiny):
     assert dtypes["layers.0.conv"] == dtypes["layers.0.delta_norm"] == dtypes["layers.1.q_norm"] == "F16"
 
 
-def test_greedy_tokens_equal_transformers_over_a_multi_chunk_prompt(tiny, engine):
-    model = tiny[0]
-    ids = prompt(PROMPT, 0)
-    out = engine.generate(ids, greedy())
-    assert out.token_ids == hf_greedy(model, ids)
+def test_greedy_tokens_equal_transformers_over_a_multi_chunk_prompt(qwen35_reference, engine):
+    _, ids, continuation, _ = qwen35_reference
+    assert len(ids) > 3 * CHUNK
+    assert engine.generate(ids, greedy()).token_ids == continuation
     assert_slots_free(engine)
 
 
@@ -138,7 +123,7 @@ def test_ngram_speculation_rolls_the_state_back_to_the_same_tokens(tiny, engine)
     rolled back to the accepted rows, or every later token reads a state that saw them."""
     spec = BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu", speculative={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}))
-    ids = prompt(12, 58) * 4   # a prompt after which the lookup's proposals are accepted now and then
+    ids = prompt(12, 51) * 4   # a prompt after which the lookup's proposals are accepted now and then
     assert spec.generate(ids, greedy(64)).token_ids == engine.generate(ids, greedy(64)).token_ids
     counts, accepted = spec.core.spec.counts, spec.core.spec.accepted_by_position
     # most proposals rejected at once (the state kept after the pending row only), some after one or two rows

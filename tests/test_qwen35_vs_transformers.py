@@ -12,23 +12,13 @@ import torch
 
 from bie_trt.kernels import triton_ops
 from bie_trt.kernels.step_inputs import SeqInput
-from qwen35_tiny import engine_model, hf_tiny_qwen35
-
-PROMPT_TOKENS = 150      # three 48-token chunks and a part; the delta rule's 64-token chunks, and a part
-CHUNK = 48
-GREEDY_TOKENS = 8
+from qwen35_tiny import CHUNK, engine_model
 MAX_LOGIT_DIFF = 1e-4     # of the largest |logit| (about 30 here)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    model = hf_tiny_qwen35()
-    ids = torch.randint(0, 256, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
-                             do_sample=False)[0].tolist()
-        logits = model(torch.tensor([out])).logits[0]
-    return model, ids, out[len(ids):], logits
+def reference(qwen35_reference):
+    return qwen35_reference
 
 
 def run(model, pools, ids: list[int], continuation: list[int], slot: int, table: list[int]) -> torch.Tensor:
