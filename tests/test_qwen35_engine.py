@@ -63,13 +63,16 @@ def test_plan_prints_the_recurrent_state_of_the_checkpoint(tiny):
 
 def test_the_engine_keeps_deltanet_tensors_as_built(tiny):
     """4-bit fused linears for the DeltaNet layers as for attention; the decay's parameters fp32, the conv
-    and norms fp16 (the engine's weights file, read back)."""
+    and norms fp16; a key mean for the full-attention layers (the engine's weights file, read back)."""
     with safe_open(tiny[1] / "weights.safetensors", "pt") as f:
         dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
     assert dtypes["layers.0.in_proj.qweight"] == "I32" and dtypes["layers.0.out_proj.qweight"] == "I32"
     assert dtypes["layers.1.qkv.qweight"] == "I32" and "layers.1.in_proj.qweight" not in dtypes
     assert dtypes["layers.0.A_log"] == dtypes["layers.2.dt_bias"] == "F32"
     assert dtypes["layers.0.conv"] == dtypes["layers.0.delta_norm"] == dtypes["layers.1.q_norm"] == "F16"
+    with safe_open(tiny[1] / "weights.safetensors", "pt") as f:   # calibrated keys of attention layers only
+        key_mean = f.get_tensor("kv.key_mean")
+    assert [bool(row.any()) for row in key_mean] == [False, True, False, True]
 
 
 def test_greedy_tokens_equal_transformers_over_a_multi_chunk_prompt(qwen35_reference, engine):

@@ -86,6 +86,21 @@ def test_two_sequences_in_one_step_keep_their_own_state(reference):
     assert (mixed[0] - hf_logits[CHUNK + 1]).abs().max().item() <= MAX_LOGIT_DIFF * scale
 
 
+def test_a_sequence_cut_into_several_inputs_of_a_step_runs_through_them_in_order(reference):
+    """A step may cut one sequence's rows into runs (read through different views of its KV blocks): its
+    state goes through a chunk and then a one-row run in that order, the row not taken for the decode batch
+    (which runs before the chunks)."""
+    hf_model, ids, _, hf_logits = reference
+    model, pools = engine_model(hf_model)
+    slot, table = pools.recurrent.allocate(), list(range(16))
+    model.forward([SeqInput(torch.tensor(ids[:CHUNK]), 0, table, state_slot=slot)], pools)
+    out = model.forward([SeqInput(torch.tensor(ids[CHUNK:CHUNK + 5]), CHUNK, table, all_logits=True, state_slot=slot),
+                         SeqInput(torch.tensor([ids[CHUNK + 5]]), CHUNK + 5, table, state_slot=slot)], pools)
+    scale = hf_logits.abs().max().item()
+    assert (torch.cat([out[0], out[1][None]]) - hf_logits[CHUNK:CHUNK + 6]).abs().max().item() <= \
+        MAX_LOGIT_DIFF * scale
+
+
 def test_a_preempted_sequence_resumes_from_its_snapshot_in_another_slot(reference):
     """Preemption: the state after a chunk is copied out, the slot released and reused by another sequence;
     the first resumes in whichever slot it gets next, from the copy, as if never stopped."""
