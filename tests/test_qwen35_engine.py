@@ -70,6 +70,9 @@ def test_the_engine_keeps_deltanet_tensors_as_built(tiny):
     assert dtypes["layers.1.qkv.qweight"] == "I32" and "layers.1.in_proj.qweight" not in dtypes
     assert dtypes["layers.0.A_log"] == dtypes["layers.2.dt_bias"] == "F32"
     assert dtypes["layers.0.conv"] == dtypes["layers.0.delta_norm"] == dtypes["layers.1.q_norm"] == "F16"
+    with safe_open(f"{tiny[2]}/model.safetensors", "pt") as f:   # and in the AWQ checkpoint before it
+        assert f.get_slice("model.layers.0.linear_attn.A_log").get_dtype() == "F32"
+        assert f.get_slice("model.layers.0.linear_attn.in_proj_b.weight").get_dtype() == "F16"
     with safe_open(tiny[1] / "weights.safetensors", "pt") as f:   # calibrated keys of attention layers only
         key_mean = f.get_tensor("kv.key_mean")
     assert [bool(row.any()) for row in key_mean] == [False, True, False, True]
