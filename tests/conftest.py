@@ -143,3 +143,12 @@ def lee_text() -> Path:
         pytest.skip(f"needs the evaluation text {LEE_BACKGROUND} (300 English news articles from gensim's "
                     f"test data, LGPL-2.1; README 'The evaluation text' says how to get it) to score perplexity")
     return LEE_BACKGROUND
+
+
+@pytest.fixture(scope="session")
+def qwen35_reference():
+    """A tiny random Qwen3.5 in transformers, a multi-chunk prompt, its greedy continuation and logits
+    (tests/qwen35_tiny.py): made once for the decoder's and the built engine's comparisons."""
+    from qwen35_tiny import qwen35_reference
+
+    return qwen35_reference()

@@ -33,7 +33,7 @@ def hf_model(ckpt: Checkpoint):
         norms += ["self_attn.q_norm", "self_attn.k_norm"]
     for i in range(ckpt.model.num_layers):
         p = f"model.layers.{i}."
-        for sub in ckpt.linear_shapes():
+        for sub in ckpt.linear_shapes(i):
             t = [ckpt.tensor(p + sub + s) for s in (".qweight", ".qzeros", ".scales")]
             sd[p + sub + ".weight"] = awq_dequantize(*t, G).t().contiguous()
             if ckpt.model.qkv_bias and sub in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):

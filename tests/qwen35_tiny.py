@@ -13,6 +13,9 @@ from bie_trt.kv.recurrent import allocate_recurrent
 from bie_trt.model.llama import LlamaModel
 
 GROUP = 32
+PROMPT_TOKENS = 150      # three 48-token chunks and a part; the delta rule's 64-token chunks, and a part
+CHUNK = 48
+GREEDY_TOKENS = 8
 TINY_QWEN35 = {
     "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -30,11 +33,16 @@ def exact_w4(out_features: int, in_features: int, g: torch.Generator) -> torch.T
     q[..., 0], q[..., 1] = 0, 15
     zeros = torch.randint(0, 16, (out_features, in_features // GROUP, 1), generator=g)
     scales = (torch.rand(out_features, in_features // GROUP, 1, generator=g) + 0.5) * (0.5 / in_features ** 0.5)
-    return ((q - zeros) * scales.half().float()).reshape(out_features, in_features)
+    # scales of 6 significant bits: each (q - zero) * scale (at most 10 bits) is then exact in fp16 as well, so
+    # the fp16 checkpoint holds these very weights
+    mantissa, exponent = torch.frexp(scales)
+    scales = torch.ldexp(torch.round(mantissa * 64) / 64, exponent)
+    return ((q - zeros) * scales).reshape(out_features, in_features)
 
 
 def hf_tiny_qwen35(seed: int = 0):
-    """transformers' Qwen3_5ForCausalLM with random weights (fp32, eager attention)."""
+    """transformers' Qwen3_5ForCausalLM with random weights (fp32, eager attention), each a value fp16 holds
+    (as a checkpoint stores them) but A_log and dt_bias, which the engine keeps in fp32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(TINY_QWEN35)
@@ -52,7 +60,21 @@ def hf_tiny_qwen35(seed: int = 0):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             elif name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight"):
                 p.copy_(torch.randn(p.shape, generator=g))
+            if not name.endswith(("A_log", "dt_bias")):
+                p.copy_(p.half().float())
     return model
+
+
+def qwen35_reference() -> tuple[object, list[int], list[int], torch.Tensor]:
+    """(the tiny model, a prompt of PROMPT_TOKENS, transformers' greedy continuation of GREEDY_TOKENS, its logits
+    over prompt and continuation): what the decoder and the built engine are compared with."""
+    model = hf_tiny_qwen35()
+    ids = torch.randint(0, 256, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                             do_sample=False)[0].tolist()
+        logits = model(torch.tensor([out])).logits[0]
+    return model, ids, out[len(ids):], logits
 
 
 def engine_model(hf_model, slots: int = 2, blocks: int = 64) -> tuple[LlamaModel, object]:

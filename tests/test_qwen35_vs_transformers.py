@@ -12,23 +12,13 @@ import torch
 
 from bie_trt.kernels import triton_ops
 from bie_trt.kernels.step_inputs import SeqInput
-from qwen35_tiny import engine_model, hf_tiny_qwen35
-
-PROMPT_TOKENS = 150      # three 48-token chunks and a part; the delta rule's 64-token chunks, and a part
-CHUNK = 48
-GREEDY_TOKENS = 8
+from qwen35_tiny import CHUNK, engine_model
 MAX_LOGIT_DIFF = 1e-4     # of the largest |logit| (about 30 here)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    model = hf_tiny_qwen35()
-    ids = torch.randint(0, 256, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
-                             do_sample=False)[0].tolist()
-        logits = model(torch.tensor([out])).logits[0]
-    return model, ids, out[len(ids):], logits
+def reference(qwen35_reference):
+    return qwen35_reference
 
 
 def run(model, pools, ids: list[int], continuation: list[int], slot: int, table: list[int]) -> torch.Tensor:
@@ -94,6 +84,21 @@ def test_two_sequences_in_one_step_keep_their_own_state(reference):
     mixed = model.forward([SeqInput(torch.tensor([ids[CHUNK + 1]]), CHUNK + 1, ta, state_slot=a),
                            SeqInput(torch.tensor(other[1:6]), len(other) + 1, tb, state_slot=b)], pools)
     assert (mixed[0] - hf_logits[CHUNK + 1]).abs().max().item() <= MAX_LOGIT_DIFF * scale
+
+
+def test_a_sequence_cut_into_several_inputs_of_a_step_runs_through_them_in_order(reference):
+    """A step may cut one sequence's rows into runs (read through different views of its KV blocks): its
+    state goes through a chunk and then a one-row run in that order, the row not taken for the decode batch
+    (which runs before the chunks)."""
+    hf_model, ids, _, hf_logits = reference
+    model, pools = engine_model(hf_model)
+    slot, table = pools.recurrent.allocate(), list(range(16))
+    model.forward([SeqInput(torch.tensor(ids[:CHUNK]), 0, table, state_slot=slot)], pools)
+    out = model.forward([SeqInput(torch.tensor(ids[CHUNK:CHUNK + 5]), CHUNK, table, all_logits=True, state_slot=slot),
+                         SeqInput(torch.tensor([ids[CHUNK + 5]]), CHUNK + 5, table, state_slot=slot)], pools)
+    scale = hf_logits.abs().max().item()
+    assert (torch.cat([out[0], out[1][None]]) - hf_logits[CHUNK:CHUNK + 6]).abs().max().item() <= \
+        MAX_LOGIT_DIFF * scale
 
 
 def test_a_preempted_sequence_resumes_from_its_snapshot_in_another_slot(reference):

@@ -27,6 +27,7 @@ from ..profiles import BuildProfile, resolve_profile
 from ..spec_decode.draft_vocab import RANKING, reduced_vocabulary
 from .checkpoint.gguf_checkpoint import GGUFCheckpoint, conversion_summary
 from .checkpoint.loader import FUSED, TOKENIZER_FILES, Checkpoint, layer_norms
+from .checkpoint.qwen35_weights import DENSE_LINEARS, FP32_TENSORS, dense_w4, layer_weights
 from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
 from .engine_docs import render
@@ -72,8 +73,23 @@ def open_checkpoint(name_or_path: str | Path, log: Callable[[str], None] = lambd
     return GGUFCheckpoint(path) if path.suffix == ".gguf" else Checkpoint(path)
 
 
+def _repack_qwen35_layer(ckpt: Checkpoint, i: int) -> dict[str, torch.Tensor]:
+    """A Qwen3.5 layer through the conversion the tests check against transformers (qwen35_weights.py): its
+    AWQ linears repacked, in_proj_b / in_proj_a rounded to W4 here; floats in fp16 but the decay's fp32."""
+    def linear(name: str) -> dict[str, torch.Tensor]:
+        if name.rsplit(".", 1)[-1] in DENSE_LINEARS:
+            return dense_w4(ckpt.tensor(name + ".weight"), ckpt.quant.group_size)
+        return ckpt.w4(name + ".weight")
+
+    weights = layer_weights(ckpt.model, i, ckpt.tensor, linear)
+    return {name: (t.float() if name.endswith(FP32_TENSORS) else t.half()) if t.is_floating_point() else t
+            for name, t in weights.items()}
+
+
 def _repack_layer(ckpt: Checkpoint | GGUFCheckpoint, i: int) -> dict[str, torch.Tensor]:
     m, p = ckpt.model, f"model.layers.{i}."
+    if m.family == "qwen3_5":
+        return _repack_qwen35_layer(ckpt, i)
     out = {f"layers.{i}.{name}": ckpt.tensor(p + f"{hf}.weight").half() for name, hf in layer_norms(m).items()}
     for fused, parts in FUSED.items():
         out.update(fused_linear(ckpt, tuple(p + part + ".weight" for part in parts), f"layers.{i}.{fused}"))
@@ -217,6 +233,10 @@ def open_draft(opts: BuildOptions, target: Checkpoint | GGUFCheckpoint) -> Check
         raise CheckpointError("--draft-checkpoint with a GGUF target or draft is not supported yet; convert the "
                               "GGUF with `bie-trt quantize --model FILE.gguf --out DIR` and build from DIR.")
     draft = Checkpoint(resolve_checkpoint(opts.draft_checkpoint))
+    if draft.model.linear_layers:   # the draft's runner keeps no recurrent state slots
+        raise CheckpointError(f"{opts.draft_checkpoint}: a {draft.model.architecture} draft is not supported (its "
+                              f"linear-attention layers need state slots the draft does not keep); draft with a "
+                              f"model of attention layers only.")
     check_draft_vocab(draft.model.vocab_size, target.model.vocab_size)
     check_same_tokenizer(target.path, draft.path, draft.model.vocab_size)
     return draft

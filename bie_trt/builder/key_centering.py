@@ -23,6 +23,7 @@ from ..executor.block_manager import BlockManager
 from ..executor.sequence import Sequence
 from ..kernels.step_inputs import SeqInput
 from ..kv.pool import allocate_pools
+from ..kv.recurrent import allocate_recurrent
 from ..model.llama import LlamaModel
 from ..sampling import make_generator
 from ..sampling_params import SamplingParams
@@ -35,18 +36,27 @@ SKIP_POSITIONS = 16
 
 @torch.inference_mode()
 def calibration_keys(model: LlamaModel, token_ids: list[int], skip: int = SKIP_POSITIONS) -> torch.Tensor:
-    """Post-RoPE keys over token_ids[skip:] of every layer and KV head: [L, Hkv, T - skip, D] fp32."""
+    """Post-RoPE keys over token_ids[skip:] of every layer and KV head: [L, Hkv, T - skip, D] fp32 (zeros for
+    a linear-attention layer, which keeps no keys)."""
     if len(token_ids) <= skip:
         raise ValueError(f"key calibration needs more than {skip} tokens; got {len(token_ids)}.")
-    kv = KVCacheConfig(dtype="fp16")
+    cfg, kv = model.cfg, KVCacheConfig(dtype="fp16")
+    attention = [i for i in range(cfg.num_layers) if i not in cfg.linear_layers]
     n_blocks = -(-len(token_ids) // kv.block_size)
-    pools = allocate_pools(model.cfg, kv, n_blocks, 0, model.dtype, model.device)
+    pools = allocate_pools(cfg, kv, n_blocks, 0, model.dtype, model.device, num_layers=len(attention))
+    slot = None
+    if cfg.linear_layers:   # Qwen3.5: the DeltaNet layers run from a zero state, in a slot of their own
+        pools.recurrent = allocate_recurrent(cfg, 1, model.dtype, model.device)
+        slot = pools.recurrent.allocate()
     # One prompt, its blocks laid out by the block manager as serving lays them out
     seq = Sequence(list(token_ids), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
     BlockManager(kv, n_blocks, 0).grow(seq, len(token_ids))
-    model.forward([SeqInput(torch.tensor(token_ids, device=model.device), 0, seq.block_table)], pools)
+    model.forward([SeqInput(torch.tensor(token_ids, device=model.device), 0, seq.block_table, state_slot=slot)],
+                  pools)
     # Pool layout [L, blocks, Hkv, block, D]: the table's blocks, in order, hold positions 0..
-    keys = pools.k[:, seq.block_table].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, skip:len(token_ids)]
+    found = pools.k[:, seq.block_table].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, skip:len(token_ids)]
+    keys = found.new_zeros(cfg.num_layers, *found.shape[1:])
+    keys[attention] = found
     return keys.float().cpu()
 
 

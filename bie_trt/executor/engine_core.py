@@ -52,7 +52,8 @@ class EngineCore:
         self.blocks = self.runner.block_manager(config.enable_prefix_caching, self.runner.host_bytes)
         adaptive = self.spec.adaptive
         self.scheduler = Scheduler(self.blocks, seqs, budget, chunk, gamma, self.max_model_len,
-                                   self.spec.free if self.spec.proposer else None, adaptive.room if adaptive else None)
+                                   self.spec.free if self.spec.proposer else None, adaptive.room if adaptive else None,
+                                   states=pools.recurrent)
         try:   # chosen once: the thinking budget and the reply's split find the block with the same parser
             self.reasoning_parser = resolve_parser(config.reasoning_parser, str(self.tokenizer.chat_template or ""))
         except ValueError as e:
@@ -167,7 +168,10 @@ class EngineCore:
         self.generation_tokens += len(new)
         # K/V hold for the pending token and the accepted proposals: as many as were appended when the
         # request stopped inside the run (its blocks are freed just after; prefix caching keeps them).
-        self.scheduler.postprocess(seq, min(len(tokens), len(new) + 1) if verified else n, had_lookahead)
+        kept = min(len(tokens), len(new) + 1) if verified else n
+        if verified:
+            self.runner.keep_rows(seq, kept)
+        self.scheduler.postprocess(seq, kept, had_lookahead)
         if prefilled and self.disk is not None and self.disk.writable:   # handed over before the reply can end
             persist_prompt(self.blocks, self.runner, self.scheduler, self.disk, seq)
         kept = tops[:len(new)] if seq.params.logprobs is not None else None

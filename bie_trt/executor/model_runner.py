@@ -3,6 +3,7 @@ device work (copies, quantisations and host-tier moves the block manager decided
 CUDA graphs)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from ..kernels.kernel_cache import use_engine_kernels
 from ..kernels.step_inputs import SeqInput
 from ..kv.host_pool import HostPool, block_bytes
 from ..kv.pool import KVPools, allocate_kv
+from ..kv.recurrent import allocate_recurrent
 from ..kv.sizing import kv_pool_blocks, sliding_pool_blocks
 from ..model.cuda_graphs import DecodeGraphs
 from ..model.llama import LlamaModel, centres_keys
@@ -32,6 +34,9 @@ from .exact_rows import join_runs
 from .host_cache import Drop, Offload, Restore
 from .scheduler import Move, ScheduledBatch, Scheduler
 from .sequence import Sequence
+
+
+log = logging.getLogger(__name__)
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -115,11 +120,14 @@ class ModelRunner:
         n_sliding = sliding_pool_blocks(*sizes)
         if config.num_kv_blocks is not None:  # tests and small hosts shrink the pool on purpose
             n_fp = config.num_kv_blocks
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # (the DeltaNet step is not captured yet: a model with linear-attention layers runs eagerly)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and not self.model_config.linear_layers
         # "fp16" KV is stored in the activation dtype: exact fp32 on the CPU reference.
         # a hybrid model's sliding layers in pools.sliding, sized by the same formula as the plan's
         self.pools: KVPools = allocate_kv(self.model_config, self.kv_config, n_fp, n_q, n_sliding, self.dtype,
                                           self.device, scratch_block=use_graphs)
+        if self.model_config.linear_layers:   # a state slot for each sequence that may run at once
+            self.pools.recurrent = allocate_recurrent(self.model_config, self.max_num_seqs, self.dtype, self.device)
         try:
             self.host_bytes = host_bytes(config.host_kv_cache_gb, _available_memory())
         except ValueError as e:
@@ -134,10 +142,20 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up()
 
+    def prefix_caching(self, asked: bool) -> bool:
+        """Whether this engine's prefix cache can be on. Not with linear-attention layers: a hit would skip
+        their tokens too, and their state at the hit's end is not saved (no snapshots at block boundaries yet)."""
+        if asked and self.pools.recurrent is not None:
+            log.warning("prefix caching off: a model with linear-attention layers would need their recurrent "
+                        "state saved at the cached prefix's end, which this engine does not do yet")
+            return False
+        return asked
+
     def block_manager(self, enable_prefix_caching: bool = False, host_bytes: int = 0) -> BlockManager:
         """A block manager over this runner's pools: both cache groups of a hybrid model."""
         sliding = self.pools.sliding
-        return BlockManager(self.kv_config, self.pools.num_fp_blocks, self.pools.num_quant_blocks, enable_prefix_caching,
+        return BlockManager(self.kv_config, self.pools.num_fp_blocks, self.pools.num_quant_blocks,
+                            self.prefix_caching(enable_prefix_caching),
                             host_bytes, self.block_bytes,
                             sliding_window=int(self.model_config.sliding_window or 0) if sliding else 0,
                             num_sliding_blocks=sliding.num_fp_blocks if sliding else 0)
@@ -172,7 +190,7 @@ class ModelRunner:
         are and are not multiples of 16."""
         blocks = self.block_manager()
         n, chunk = self.max_num_seqs, self.chunked_prefill_size
-        scheduler = Scheduler(blocks, n, chunk + n, chunk)
+        scheduler = Scheduler(blocks, n, chunk + n, chunk, states=self.pools.recurrent)
         chunks = [k for k in (chunk, chunk - 1, 15, 16, 31, 32) if 0 < k <= chunk]
         if sum(chunks) > self.max_model_len - 2 * n and chunk > 48:
             chunks[:2] = [48, 47]   # the same kinds of launch as a full chunk (W4 BLOCK_M 64, rows % 16 == 0 or not)
@@ -226,6 +244,9 @@ class ModelRunner:
         or [1 + k, V] for a decode followed by its k proposals in `drafts`."""
         self.launch_moves(batch.moves)
         copy_blocks(self.pools, batch.copies)
+        if self.pools.recurrent is not None:   # a verify's log starts afresh (one cut short by a failure is stale)
+            for seq in drafts or {}:
+                self.pools.recurrent.drop_log(seq.state_slot)
         inputs, num_runs, all_logits = self.prepare_inputs(batch, drafts or {})
         return join_runs(self.forward(inputs, batch.layer_quantisations), num_runs, all_logits)
 
@@ -242,11 +263,24 @@ class ModelRunner:
             views = [(row, min(rows, len(ids) - row), table)
                      for row, rows, table in batch.views.get(seq, [(0, len(ids), seq.block_table)]) if row < len(ids)]
             # (a dense model's sequences have no sliding table: [] -> None)
+            # a verify logs its linear-attention layers' inputs, for `keep_rows` to roll back the rejected ones
             inputs += [SeqInput(ids[row:row + rows], seq.num_cached + row, table, all_logits=bool(extra),
-                                sliding_table=seq.sliding_table or None) for row, rows, table in views]
+                                sliding_table=seq.sliding_table or None, state_slot=seq.state_slot,
+                                log_state=bool(extra))
+                       for row, rows, table in views]
             num_runs.append(len(views))
             all_logits.append(bool(extra))
         return inputs, num_runs, all_logits
+
+    def keep_rows(self, seq: Sequence, keep: int) -> None:
+        """After seq's verify: its linear-attention layers' state as after the first `keep` rows (the pending
+        token and the accepted proposals), the rejected ones rolled back (LlamaModel.roll_back_recurrent)."""
+        states = self.pools.recurrent
+        if states is None:
+            return
+        if keep < states.logged_rows(seq.state_slot):
+            self.model.roll_back_recurrent(self.pools, seq.state_slot, keep)
+        states.drop_log(seq.state_slot)
 
     def forward(self, inputs: list[SeqInput], quantise: list[Quantisation] = ()) -> list[torch.Tensor]:
         """Each input's logits; `quantise`: blocks the step writes and later rows read quantised, which the

@@ -25,6 +25,7 @@ from typing import Callable
 
 from ..config import KVCacheConfig
 from ..errors import EngineError
+from ..kv.recurrent import RecurrentStates
 from ..kv.sizing import bounded_fp_blocks_per_seq
 from ..plan import step_tokens
 from .block_manager import BlockManager, Copy, Quantisation, View
@@ -51,8 +52,11 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill_size: int,
                  num_speculative_tokens: int = 0, max_model_len: int | None = None,
                  on_free: Callable[[Sequence], None] | None = None,
-                 gamma_for: Callable[[Sequence], int] | None = None):
+                 gamma_for: Callable[[Sequence], int] | None = None, states: RecurrentStates | None = None):
         self.blocks = blocks
+        # A model with linear-attention layers: a running sequence holds one of these state slots, taken at
+        # admission and given back with its blocks (a preempted one recomputes its state from the first token).
+        self.states = states
         self.num_speculative_tokens = num_speculative_tokens   # proposals per decode step (0: no speculation)
         self.gamma_for = gamma_for           # a decode's proposals this step, at most the above (None: all of them)
         self.max_model_len = max_model_len
@@ -86,6 +90,9 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.free(seq)
+        if seq.state_slot is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None
         if self.on_free:
             self.on_free(seq)
 
@@ -123,6 +130,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.blocks.admit(seq, hit)
+            if self.states is not None:
+                seq.state_slot = self.states.allocate()
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += cached
             self.host_hit_tokens += from_host

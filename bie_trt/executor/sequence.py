@@ -40,6 +40,8 @@ class Sequence:
     # `sliding_first` given back
     sliding_table: list[int] = field(default_factory=list)
     sliding_first: int = 0
+    # A model with linear-attention layers (Qwen3.5): the slot of its recurrent state while it runs (kv/recurrent.py)
+    state_slot: int | None = None
     num_cached: int = 0            # tokens whose K/V are in the cache
     num_prompt_cached: int | None = None   # prompt tokens the prefix cache held at first admission (both tiers)
     # Prefix-cache keys of the first full blocks of token_ids, in order; they depend on the tokens

@@ -3,6 +3,7 @@ per step, where every token sits in the paged cache (`StepMetadata`). The model 
 evaluation all prepare their steps here."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 from dataclasses import dataclass
@@ -87,8 +88,8 @@ class StepMetadata:
     # A hybrid model's sliding layers: the same rows through their own group's tables (its slot_blocks, tables
     # and tiles; positions and logit rows as here)
     sliding: "StepMetadata | None" = None
-    # Linear-attention layers: (first row, tokens, state slot) of each sequence, in row order; and the rows and
-    # slots of its one-token sequences (a decode batch, one launch)
+    # Linear-attention layers: (first row, tokens, state slot) of each input run on its own, in row order; and
+    # the rows and slots of the one-token inputs that are their sequence's only input (a decode batch, one launch)
     recurrent: list[tuple[int, int, int]] | None = None
     recurrent_decode: tuple[torch.Tensor, torch.Tensor] | None = None
     recurrent_log: frozenset[int] = frozenset()   # slots whose multi-token rows are logged (StepLog)
@@ -107,9 +108,13 @@ class StepMetadata:
             meta.sliding = cls._build(sliding, block_size, device)
         if seqs and seqs[0].state_slot is not None:
             starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
-            meta.recurrent = [(starts[i], len(s.token_ids), s.state_slot) for i, s in enumerate(seqs)]
+            runs = [(starts[i], len(s.token_ids), s.state_slot) for i, s in enumerate(seqs)]
             meta.recurrent_log = frozenset(s.state_slot for s in seqs if s.log_state)
-            decode = [(row, slot) for row, n, slot in meta.recurrent if n == 1]
+            # A sequence cut into several inputs (runs of rows reading its KV blocks differently) advances its
+            # state through them in order, so none of them joins the decode batch, which runs first.
+            inputs_of = collections.Counter(slot for _, _, slot in runs)
+            decode = [(row, slot) for row, n, slot in runs if n == 1 and inputs_of[slot] == 1]
+            meta.recurrent = [run for run in runs if run[1] > 1 or inputs_of[run[2]] > 1]
             if decode:
                 rows, slots = zip(*decode)
                 meta.recurrent_decode = (torch.tensor(rows, device=device), torch.tensor(slots, device=device))

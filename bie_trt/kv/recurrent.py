@@ -62,7 +62,17 @@ class RecurrentStates:
         self.logs = {}
 
     def log(self, slot: int, layer: int, entry: StepLog) -> None:
-        self.logs.setdefault(slot, {})[layer] = entry
+        """Keep `entry`; a sequence whose logged step is cut into several inputs logs each in turn, and their
+        rows extend the first one's log (the state before the step)."""
+        first = self.logs.setdefault(slot, {}).get(layer)
+        self.logs[slot][layer] = entry if first is None else StepLog(
+            first.conv, first.delta, torch.cat([first.inputs, entry.inputs]), torch.cat([first.g, entry.g]),
+            torch.cat([first.beta, entry.beta]))
+
+    def logged_rows(self, slot: int) -> int:
+        """Rows of `slot`'s logged step (0: none logged)."""
+        layers = self.logs.get(slot)
+        return next(iter(layers.values())).inputs.shape[0] if layers else 0
 
     def drop_log(self, slot: int) -> None:
         """Every row of the logged step was kept: nothing to roll back."""

@@ -99,13 +99,12 @@ def deltanet_block(cfg: ModelConfig, li: int, w: DeltaNetWeights, linears: dict[
         q, k, v = _delta_inputs(cfg, causal_conv_step(mixed[rows], w.conv, states.conv[li], slots))
         out[rows] = ops.gated_delta_rule(q[:, None], k[:, None], v[:, None], g[rows, None], beta[rows, None],
                                          states.delta[li], slots)[:, 0]
-    for row, n, slot in meta.recurrent:     # each chunk of several tokens on its own
-        if n > 1:
-            part = slice(row, row + n)
-            if slot in meta.recurrent_log:   # a speculative verify: what rolling part of it back needs
-                states.log(slot, li, StepLog(states.conv[li, slot].clone(), states.delta[li, slot].clone(),
-                                             mixed[part].clone(), g[part].clone(), beta[part].clone()))
-            out[part] = _advance(cfg, li, w, states, slot, mixed[part], g[part], beta[part])
+    for row, n, slot in meta.recurrent:     # each chunk (or part of a sequence cut into several) on its own
+        part = slice(row, row + n)
+        if slot in meta.recurrent_log:   # a speculative verify: what rolling part of it back needs
+            states.log(slot, li, StepLog(states.conv[li, slot].clone(), states.delta[li, slot].clone(),
+                                         mixed[part].clone(), g[part].clone(), beta[part].clone()))
+        out[part] = _advance(cfg, li, w, states, slot, mixed[part], g[part], beta[part])
     # the gated per-head RMSNorm (as transformers rounds it): the outputs in the activation dtype, normalised in
     # fp32, scaled by w in the activation dtype, gated by silu(z) in fp32
     o = out.to(h.dtype).float()

@@ -109,6 +109,9 @@ class LlamaModel:
         # Each layer's index inside its cache group (kv/pool.py, kv/recurrent.py): among the layers of its type.
         kinds = cfg.layer_types or ("full_attention",) * cfg.num_layers
         self.group_index = [kinds[:i].count(kinds[i]) for i in range(cfg.num_layers)]
+        # Over a single pool (no sliding group: a dense model, Qwen3.5, any model's key calibration) every attention
+        # layer has its own index there, the linear-attention layers skipped.
+        self.pool_index = [i - sum(j < i for j in linear_attention) for i in range(cfg.num_layers)]
         # YaRN multiplies cos and sin by its attention factor; rotation is linear, so every q·k grows by the
         # factor squared: folded into the softmax scale, the same for the torch and Triton paths.
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5 * self.rope.attention_factor ** 2
@@ -198,8 +201,8 @@ class LlamaModel:
     def _group(self, li: int, meta: StepMetadata, pools: KVPools) -> tuple[KVPools, int, StepMetadata]:
         """The cache group layer `li` reads and writes: its pools, its index in them, the step's metadata for
         its tables. One group (a dense model, or any model over a single pool) holds every layer."""
-        if pools.sliding is None:   # one attention group (its index skips any linear-attention layers)
-            return pools, self.group_index[li], meta
+        if pools.sliding is None:
+            return pools, self.pool_index[li], meta
         if self.rope.windows[li]:
             return pools.sliding, self.group_index[li], meta.sliding
         return pools, self.group_index[li], meta

@@ -14,6 +14,8 @@ from safetensors import SafetensorError, safe_open
 from ...config import ModelConfig
 from ...errors import CheckpointError
 from ...jsonio import read_json_object
+from ...kv.recurrent import conv_channels
+from .qwen35_weights import DENSE_LINEARS
 from .unbuilt import refuse_unbuilt
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -175,18 +177,43 @@ class Checkpoint:
         base = name.removesuffix(".weight")
         return awq_to_w4(*(self.tensor(base + s) for s in (".qweight", ".qzeros", ".scales")))
 
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """Per-layer linear name -> (in_features, out_features)."""
+    def linear_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
+        """Layer `layer`'s AWQ linears: name -> (in_features, out_features)."""
         m = self.model
+        mlp = {"mlp.gate_proj": (m.hidden_size, m.intermediate_size),
+               "mlp.up_proj": (m.hidden_size, m.intermediate_size),
+               "mlp.down_proj": (m.intermediate_size, m.hidden_size)}
+        if layer in m.linear_layers:   # Qwen3.5's DeltaNet: in_proj_b and in_proj_a stay dense (qwen35_weights)
+            value = m.linear_num_value_heads * m.linear_value_head_dim
+            return {"linear_attn.in_proj_qkv": (m.hidden_size, conv_channels(m)),
+                    "linear_attn.in_proj_z": (m.hidden_size, value),
+                    "linear_attn.out_proj": (value, m.hidden_size), **mlp}
         return {
-            "self_attn.q_proj": (m.hidden_size, m.q_size),
+            # Qwen3.5's q_proj gives each head's query and its output gate
+            "self_attn.q_proj": (m.hidden_size, m.q_size * (2 if m.attn_output_gate else 1)),
             "self_attn.k_proj": (m.hidden_size, m.kv_size),
             "self_attn.v_proj": (m.hidden_size, m.kv_size),
             "self_attn.o_proj": (m.q_size, m.hidden_size),
-            "mlp.gate_proj": (m.hidden_size, m.intermediate_size),
-            "mlp.up_proj": (m.hidden_size, m.intermediate_size),
-            "mlp.down_proj": (m.intermediate_size, m.hidden_size),
+            **mlp,
         }
+
+    def _float_tensors(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """Layer `layer`'s unquantised tensors beside its norms: name -> shape."""
+        m, p = self.model, f"model.layers.{layer}."
+        out: dict[str, tuple[int, ...]] = {}
+        if layer in m.linear_layers:
+            a, hv = p + "linear_attn.", m.linear_num_value_heads
+            out.update({a + f"{name}.weight": (hv, m.hidden_size) for name in DENSE_LINEARS})
+            out.update({a + "conv1d.weight": (conv_channels(m), 1, m.linear_conv_kernel),
+                        a + "A_log": (hv,), a + "dt_bias": (hv,), a + "norm.weight": (m.linear_value_head_dim,)})
+            return out
+        if m.qkv_bias:
+            for sub, n in (("q_proj", m.q_size), ("k_proj", m.kv_size), ("v_proj", m.kv_size)):
+                out[p + f"self_attn.{sub}.bias"] = (n,)
+        if m.qk_norm:
+            for sub in ("q_norm", "k_norm"):
+                out[p + f"self_attn.{sub}.weight"] = (m.head_dim,)
+        return out
 
     def _expect(self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
         if name not in self._index:
@@ -201,26 +228,21 @@ class Checkpoint:
     def _check_tensors(self) -> None:
         m, G = self.model, self.quant.group_size
         floats = (torch.float16, torch.bfloat16, torch.float32)
-        for sub, (k, n) in self.linear_shapes().items():
-            if k % G:
-                raise CheckpointError(
-                    f"group_size {G} does not divide in_features {k} of {sub}; "
-                    f"quantise with a group size that divides {k} (e.g. 64 or 32)."
-                )
-            if n % 8:
-                raise CheckpointError(f"{sub}: out_features {n} is not a multiple of 8, which AWQ packing needs.")
         for i in range(m.num_layers):
             p = f"model.layers.{i}."
-            for sub, (k, n) in self.linear_shapes().items():
+            for sub, (k, n) in self.linear_shapes(i).items():
+                if k % G:
+                    raise CheckpointError(
+                        f"group_size {G} does not divide in_features {k} of {sub}; "
+                        f"quantise with a group size that divides {k} (e.g. 64 or 32)."
+                    )
+                if n % 8:
+                    raise CheckpointError(f"{sub}: out_features {n} is not a multiple of 8, which AWQ packing needs.")
                 self._expect(p + sub + ".qweight", (torch.int32,), (k, n // 8))
                 self._expect(p + sub + ".qzeros", (torch.int32,), (k // G, n // 8))
                 self._expect(p + sub + ".scales", (torch.float16,), (k // G, n))
-            if m.qkv_bias:
-                for sub, n in (("q_proj", m.q_size), ("k_proj", m.kv_size), ("v_proj", m.kv_size)):
-                    self._expect(p + f"self_attn.{sub}.bias", floats, (n,))
-            if m.qk_norm:
-                for sub in ("q_norm", "k_norm"):
-                    self._expect(p + f"self_attn.{sub}.weight", floats, (m.head_dim,))
+            for name, shape in self._float_tensors(i).items():
+                self._expect(name, floats, shape)
             norms = ("input_layernorm", "post_attention_layernorm")
             if m.sandwich_norms:   # Gemma 3: a norm after attention and around the MLP too
                 norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")

@@ -22,8 +22,11 @@ from ...kernels.awq import quantize_rtn
 from ...plan import AWQ_GROUP_SIZES
 from .gguf_header import gguf_linear_sizes
 from .loader import MULTIMODAL, TEXT_TOWER_PREFIXES, TOKENIZER_FILES
+from .qwen35_weights import FP32_TENSORS
 
-_QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Qwen3.5's DeltaNet linears too, but for in_proj_b / in_proj_a (qwen35_weights.DENSE_LINEARS)
+_QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+              "in_proj_qkv", "in_proj_z", "out_proj")
 _TOKENIZER_EXTRA = ("special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
 
@@ -68,8 +71,12 @@ def choose_group_size(sizes: dict[str, int], group_size: int | None) -> int:
 
 
 def _linear_sizes(model: ModelConfig) -> dict[str, int]:
-    return {"hidden_size": model.hidden_size, "intermediate_size": model.intermediate_size,
-            "attention output (heads*head_dim)": model.q_size}
+    sizes = {"hidden_size": model.hidden_size, "intermediate_size": model.intermediate_size,
+             "attention output (heads*head_dim)": model.q_size}
+    if model.linear_layers:   # Qwen3.5's out_proj reads the DeltaNet's values
+        sizes["DeltaNet values (linear_num_value_heads*linear_value_head_dim)"] = \
+            model.linear_num_value_heads * model.linear_value_head_dim
+    return sizes
 
 
 def _check_source(src: Path) -> dict[str, int]:
@@ -135,6 +142,8 @@ def _quantize_into(src: Path, out: Path, group_size: int) -> None:
         if leaf == "weight" and base.rsplit(".", 1)[-1] in _QUANTISED:
             qweight, qzeros, scales = quantize_rtn(t.float().t().contiguous(), group_size)
             result.update({f"{base}.qweight": qweight, f"{base}.qzeros": qzeros, f"{base}.scales": scales})
+        elif leaf in FP32_TENSORS:
+            result[name] = t.float()
         else:
             result[name] = t.to(torch.float16)
     save_file(result, str(out / "model.safetensors"))

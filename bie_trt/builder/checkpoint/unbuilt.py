@@ -5,13 +5,8 @@ from __future__ import annotations
 from ...config import SUPPORTED_ARCHITECTURES, ModelConfig
 from ...errors import CheckpointError
 
-NOT_YET_BUILT = {
-    "qwen3_5": ("Qwen3.5 (hybrid Gated DeltaNet and gated full attention) is not supported by `bie-trt build` "
-                "yet. In place: the decoder's Qwen3.5 layers (checked against transformers' Qwen3_5ForCausalLM "
-                "on a tiny random model) and `bie-trt plan`, which plans it. Missing: reading a Qwen3.5 "
-                "checkpoint's DeltaNet tensors into an engine, and the engine's recurrent state slots across "
-                "batching, preemption, prefix caching and speculation."),
-}
+# family -> what is in place and what is missing (none at present: every supported family builds)
+NOT_YET_BUILT: dict[str, str] = {}
 
 
 def buildable_architectures() -> list[str]:
