@@ -349,9 +349,13 @@ def run_agent(agent: str, task: str, agents_dir: Path, proxy: Proxy, out: Path, 
 
 @contextlib.contextmanager
 def serving(engine: Path, port: int, extra: list[str], log: Path) -> Iterator[str]:
-    """`bie-trt serve ENGINE` in a child process until the block ends."""
+    """`bie-trt serve ENGINE` in a child process until the block ends, its prefix cache empty at the start."""
+    # a disk tier of its own, empty: the default one outlives the server, and would serve an agent's first
+    # turn from an earlier run's blocks
+    kv_dir = log.parent / "kv-cache"
+    shutil.rmtree(kv_dir, ignore_errors=True)
     argv = [sys.executable, "-m", "bie_trt.cli", "serve", "--engine", str(engine), "--port", str(port),
-            "--log-level", "warning", *extra]
+            "--log-level", "warning", "--kv-cache-dir", str(kv_dir), *extra]
     with log.open("w") as sink:
         child = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
