@@ -288,8 +288,10 @@ def opencode_command(binary: Path, base: str, work: Path, home: Path, prompt: st
 
 def qwen_command(binary: Path, base: str, work: Path, home: Path, prompt: str) -> tuple[list[str], dict]:
     """Qwen Code: its OpenAI auth type with the base URL and key on the command line."""
-    # it resends a request whose stream is quiet for minutes (a 13.6k-token prompt on a CPU is): no idle limit
-    env = {**agent_env(home), "QWEN_STREAM_IDLE_TIMEOUT_MS": "0", "QWEN_CODE_API_TIMEOUT_MS": "1800000"}
+    # it resends a request whose stream is quiet for minutes (a 17k-token prompt on a CPU is), and one not done
+    # within 15 minutes: no idle limit, no lifetime limit
+    env = {**agent_env(home), "QWEN_STREAM_IDLE_TIMEOUT_MS": "0", "QWEN_STREAM_MAX_LIFETIME_MS": "0",
+           "QWEN_CODE_API_TIMEOUT_MS": "1800000"}
     return [str(binary), "--auth-type", "openai", "--openai-base-url", f"{base}/v1", "--openai-api-key", "bie-trt",
             "-m", MODEL, "--approval-mode", "yolo", "-p", prompt], env
 

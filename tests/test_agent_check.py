@@ -64,8 +64,8 @@ def test_an_agent_finishes_its_turn_against_the_server(tmp_path):
                        check=True)
     out = tmp_path / "agents"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "agent_check.py"), "--engine", str(engine),
-                           "--agents", agent, "--tasks", "reply", "--out", str(out), "--timeout", "480"],
-                          capture_output=True, text=True, timeout=560)
+                           "--agents", agent, "--tasks", "reply", "--out", str(out), "--timeout", "600"],
+                          capture_output=True, text=True, timeout=690)
     # the script exits 1 on any 4xx/5xx (its message printed) or an agent that fails or times out
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     [turn] = json.loads((out / "summary.json").read_text())["agents"][agent]["turns"]
