@@ -448,14 +448,12 @@ def report(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def results(runs: list[Run], args: argparse.Namespace) -> dict:
+def results(runs: list[Run], args: argparse.Namespace, commit: str) -> dict:
     """What a run measured, with what it ran on: the summary.json beside report.md."""
     engine = {}
     if args.engine is not None and (args.engine / "manifest.json").exists():
         kv = json.loads((args.engine / "manifest.json").read_text()).get("kv", {})
         engine = {"kv_cache_dtype": kv.get("dtype"), "kv_block_size": kv.get("block_size")}
-    commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
     return {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": commit, "model": MODEL,
             "engine": engine, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "versions": {a: installed_version(args.agents_dir, a) for a in dict.fromkeys(r.agent for r in runs)},
@@ -491,6 +489,9 @@ def main() -> int:
     if (args.engine is None) == (args.base_url is None):
         raise SystemExit("give --engine or --base-url")
     args.out.mkdir(parents=True, exist_ok=True)
+    # the code the run starts with (the report is written at its end)
+    commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
     with contextlib.ExitStack() as stack:
         base = args.base_url or stack.enter_context(serving(args.engine, free_port(), args.serve_args.split(),
                                                             args.out / "server.log"))
@@ -505,7 +506,7 @@ def main() -> int:
                 runs.append(run)
     text = report(runs)
     (args.out / "report.md").write_text(text + "\n")
-    summary = results(runs, args)
+    summary = results(runs, args, commit)
     for path in [args.out / "summary.json", *([args.json] if args.json else [])]:
         path.write_text(json.dumps(summary, indent=1) + "\n")
     print(text)
