@@ -14,11 +14,14 @@ model may answer without calling one, which the report says ("tool called: no");
 the protocol is under test. What fails the run (exit 1): any 4xx/5xx from the server (its message is
 printed), or an agent that exits non-zero or times out.
 
-The proxy writes `NNN-request.json` and `NNN-reply.txt` per request into `--out`/<agent>-<task>/ and a table
+The proxy writes `NNN-request.json` and `NNN-reply.txt` per request into `--out`/<agent>-<task>/ and a line
 per request: status, prompt tokens, of them served by the prefix cache, time to the reply's first byte (the
-server sends its first streamed event with the first generated token) and to its end. The reply-only turn
-runs first, so the tool task's first request shows what the prefix cache kept of the agent's repeated system
-prompt and tools: its "cached" column against the reply-only turn's first request is turn 2 against turn 1.
+server sends its first streamed event with the first generated token, so this is the time to first token)
+and to its end. The reply-only turn runs first and is turn 1; the tool task, in the same work folder and
+HOME (so with the same system prompt and tools), is turn 2. The table in `report.md` gives per agent and turn
+the whole turn's time and its main request's (the first carrying the agent's whole prompt) prompt tokens,
+cached tokens and time to first token: turn 2's cached tokens are what the prefix cache kept of turn 1.
+`summary.json` (and `--json PATH`) holds the same with the agents' installed versions.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import http.server
 import json
 import os
 import re
+import select
 import shutil
 import socket
 import subprocess
@@ -60,6 +64,13 @@ def install_command(agents_dir: Path) -> list[str]:
 
 def agent_bin(agents_dir: Path, agent: str) -> Path:
     return agents_dir / "node_modules" / ".bin" / agent
+
+
+def installed_version(agents_dir: Path, agent: str) -> str | None:
+    """The version npm installed, from the package's own package.json."""
+    package = PINNED[agent].rsplit("@", 1)[0]
+    path = agents_dir / "node_modules" / package / "package.json"
+    return json.loads(path.read_text())["version"] if path.exists() else None
 
 
 def missing_agents(agents_dir: Path) -> list[str]:
@@ -110,6 +121,24 @@ def read_usage(exchange: Exchange, text: str) -> None:
         prompt = given + (cached or 0) if anthropic else given
     exchange.prompt_tokens, exchange.cached_tokens = prompt, cached
     exchange.tool_called = any(m in text for m in CALL_MARKERS)
+
+
+def close_when_client_leaves(client: socket.socket, upstream: http.client.HTTPConnection, done: threading.Event,
+                             exchange: Exchange) -> None:
+    """An agent that gives up on a request (a stream quiet for minutes during a long prefill) closes its
+    connection: close the server's too, so that the server aborts the request instead of computing a copy
+    nobody reads beside the agent's resend."""
+    while not done.wait(0.5):
+        readable, _, _ = select.select([client], [], [], 0)
+        try:
+            gone = bool(readable) and not client.recv(1, socket.MSG_PEEK)
+        except OSError:
+            gone = True
+        if gone:
+            exchange.client_left = True
+            with contextlib.suppress(OSError):
+                upstream.sock.shutdown(socket.SHUT_RDWR)
+            return
 
 
 class Proxy:
@@ -163,8 +192,11 @@ class Proxy:
         up = http.client.HTTPConnection(self.host, self.port_up, timeout=1800)
         headers = {k: v for k, v in h.headers.items() if k.lower() not in ("host", "connection", "accept-encoding")}
         reply = bytearray()
+        done = threading.Event()
         try:
             up.request(h.command, h.path, body=body or None, headers=headers)
+            threading.Thread(target=close_when_client_leaves, args=(h.connection, up, done, exchange),
+                             daemon=True).start()
             resp = up.getresponse()
             exchange.status = resp.status
             # the reply goes back close-delimited: streamed events pass through as they come
@@ -185,8 +217,10 @@ class Proxy:
                     exchange.client_left = True
                     break
         except (OSError, http.client.HTTPException) as e:
-            exchange.error = f"proxy: {type(e).__name__}: {e}"
+            if not exchange.client_left:   # else the watcher closed it, as the agent had
+                exchange.error = f"proxy: {type(e).__name__}: {e}"
         finally:
+            done.set()
             up.close()
             h.close_connection = True
         exchange.total_s = time.perf_counter() - start
@@ -214,11 +248,13 @@ def agent_env(home: Path) -> dict[str, str]:
 
 def codex_command(binary: Path, base: str, work: Path, home: Path, prompt: str) -> tuple[list[str], dict]:
     """Codex: a model_providers entry speaking the Responses API (wire_api = "responses")."""
+    # it abandons a stream quiet for 5 minutes and sends the request again (a CPU's 8k-token prefill can
+    # take longer): wait 30 min
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
     (codex_home / "config.toml").write_text(
         f'model = "{MODEL}"\nmodel_provider = "bie"\n\n[model_providers.bie]\nname = "bie-trt"\n'
-        f'base_url = "{base}/v1"\nwire_api = "responses"\n')
+        f'base_url = "{base}/v1"\nwire_api = "responses"\nstream_idle_timeout_ms = 1800000\n')
     env = {**agent_env(home), "CODEX_HOME": str(codex_home)}
     return [str(binary), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
             "-C", str(work), prompt], env
@@ -252,8 +288,10 @@ def opencode_command(binary: Path, base: str, work: Path, home: Path, prompt: st
 
 def qwen_command(binary: Path, base: str, work: Path, home: Path, prompt: str) -> tuple[list[str], dict]:
     """Qwen Code: its OpenAI auth type with the base URL and key on the command line."""
-    # it resends a request whose stream is quiet for minutes (a 13.6k-token prompt on a CPU is): no idle limit
-    env = {**agent_env(home), "QWEN_STREAM_IDLE_TIMEOUT_MS": "0", "QWEN_CODE_API_TIMEOUT_MS": "1800000"}
+    # it resends a request whose stream is quiet for minutes (a 17k-token prompt on a CPU is), and one not done
+    # within 15 minutes: no idle limit, no lifetime limit
+    env = {**agent_env(home), "QWEN_STREAM_IDLE_TIMEOUT_MS": "0", "QWEN_STREAM_MAX_LIFETIME_MS": "0",
+           "QWEN_CODE_API_TIMEOUT_MS": "1800000"}
     return [str(binary), "--auth-type", "openai", "--openai-base-url", f"{base}/v1", "--openai-api-key", "bie-trt",
             "-m", MODEL, "--approval-mode", "yolo", "-p", prompt], env
 
@@ -313,9 +351,13 @@ def run_agent(agent: str, task: str, agents_dir: Path, proxy: Proxy, out: Path, 
 
 @contextlib.contextmanager
 def serving(engine: Path, port: int, extra: list[str], log: Path) -> Iterator[str]:
-    """`bie-trt serve ENGINE` in a child process until the block ends."""
+    """`bie-trt serve ENGINE` in a child process until the block ends, its prefix cache empty at the start."""
+    # a disk tier of its own, empty: the default one outlives the server, and would serve an agent's first
+    # turn from an earlier run's blocks
+    kv_dir = log.parent / "kv-cache"
+    shutil.rmtree(kv_dir, ignore_errors=True)
     argv = [sys.executable, "-m", "bie_trt.cli", "serve", "--engine", str(engine), "--port", str(port),
-            "--log-level", "warning", *extra]
+            "--log-level", "warning", "--kv-cache-dir", str(kv_dir), *extra]
     with log.open("w") as sink:
         child = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -347,16 +389,53 @@ def seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def report(runs: list[Run]) -> str:
-    lines = ["| agent | task | exit | requests | 4xx/5xx | tool called | first request: prompt / cached tokens, "
-             "first byte s, total s | whole run s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+def main_exchange(run: Run) -> Exchange | None:
+    """The run's first request that carries the agent's whole prompt: the first answered one of at least half
+    the run's largest prompt (so not a title or summary request with a short prompt of its own, nor a copy
+    the agent gave up on before its end)."""
+    sized = [e for e in run.exchanges if e.prompt_tokens is not None and e.status == 200]
+    if not sized:
+        return None
+    largest = max(e.prompt_tokens for e in sized)
+    whole = [e for e in sized if 2 * e.prompt_tokens >= largest]
+    return next((e for e in whole if not e.client_left), whole[0])
+
+
+def turn_summary(run: Run) -> dict:
+    """One turn's numbers: the whole run, and its main request's prompt, cache hits and times."""
+    main = main_exchange(run)
+    return {"task": run.task, "exit": run.exit_code, "seconds": round(run.seconds, 1),
+            "requests": len(run.exchanges), "errors": sum(e.status >= 400 for e in run.exchanges),
+            "tool_called": run.tool_called,
+            "prompt_tokens": None if main is None else main.prompt_tokens,
+            "cached_tokens": None if main is None else main.cached_tokens,
+            "first_token_s": None if main is None or main.first_byte_s is None else round(main.first_byte_s, 1),
+            "request_s": None if main is None or main.total_s is None else round(main.total_s, 1)}
+
+
+def agent_summaries(runs: list[Run]) -> dict[str, dict]:
+    """Per agent, its turns in order: the reply-only turn is turn 1, the tool task (same work folder and
+    HOME, so the same system prompt and tools) turn 2."""
+    agents: dict[str, dict] = {}
     for r in runs:
-        first = max(r.exchanges, key=lambda e: e.prompt_tokens or 0, default=None)   # its main request
-        main = "-" if first is None else (f"{first.prompt_tokens} / {first.cached_tokens}, "
-                                          f"{seconds(first.first_byte_s)}, {seconds(first.total_s)}")
-        bad = sum(e.status >= 400 for e in r.exchanges)
-        lines.append(f"| {r.agent} | {r.task} | {r.exit_code} | {len(r.exchanges)} | {bad} | "
-                     f"{'yes' if r.tool_called else 'no'} | {main} | {r.seconds:.0f} |")
+        agents.setdefault(r.agent, {"turns": []})["turns"].append(turn_summary(r))
+    return agents
+
+
+def turns_table(summaries: dict[str, dict]) -> list[str]:
+    lines = ["| agent | turn | task | exit | requests | 4xx/5xx | tool called | prompt tokens | cached | "
+             "time to first token s | request s | whole turn s |",
+             "| --- | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for agent, s in summaries.items():
+        for n, t in enumerate(s["turns"], 1):
+            lines.append(f"| {agent} | {n} | {t['task']} | {t['exit']} | {t['requests']} | {t['errors']} | "
+                         f"{'yes' if t['tool_called'] else 'no'} | {t['prompt_tokens']} | {t['cached_tokens']} | "
+                         f"{seconds(t['first_token_s'])} | {seconds(t['request_s'])} | {t['seconds']:.0f} |")
+    return lines
+
+
+def report(runs: list[Run]) -> str:
+    lines = turns_table(agent_summaries(runs))
     lines.append("")
     for r in runs:
         lines.append(f"{r.agent} {r.task}: answer {r.answer[-300:]!r}")
@@ -369,6 +448,18 @@ def report(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def results(runs: list[Run], args: argparse.Namespace, commit: str) -> dict:
+    """What a run measured, with what it ran on: the summary.json beside report.md."""
+    engine = {}
+    if args.engine is not None and (args.engine / "manifest.json").exists():
+        kv = json.loads((args.engine / "manifest.json").read_text()).get("kv", {})
+        engine = {"kv_cache_dtype": kv.get("dtype"), "kv_block_size": kv.get("block_size")}
+    return {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": commit, "model": MODEL,
+            "engine": engine, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "versions": {a: installed_version(args.agents_dir, a) for a in dict.fromkeys(r.agent for r in runs)},
+            "agents": agent_summaries(runs)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", type=Path, help="engine directory to serve (bie-trt serve, in a child process)")
@@ -379,6 +470,7 @@ def main() -> int:
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated, of " + ", ".join(TASKS))
     ap.add_argument("--out", type=Path, default=Path("agent_check"))
     ap.add_argument("--timeout", type=float, default=900, help="seconds each agent run may take")
+    ap.add_argument("--json", type=Path, help="also write the summary (versions, per-agent turns) here")
     ap.add_argument("--install", action="store_true", help="npm install the pinned agents first")
     ap.add_argument("--install-only", action="store_true")
     args = ap.parse_args()
@@ -397,6 +489,9 @@ def main() -> int:
     if (args.engine is None) == (args.base_url is None):
         raise SystemExit("give --engine or --base-url")
     args.out.mkdir(parents=True, exist_ok=True)
+    # the code the run starts with (the report is written at its end)
+    commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
     with contextlib.ExitStack() as stack:
         base = args.base_url or stack.enter_context(serving(args.engine, free_port(), args.serve_args.split(),
                                                             args.out / "server.log"))
@@ -411,6 +506,9 @@ def main() -> int:
                 runs.append(run)
     text = report(runs)
     (args.out / "report.md").write_text(text + "\n")
+    summary = results(runs, args, commit)
+    for path in [args.out / "summary.json", *([args.json] if args.json else [])]:
+        path.write_text(json.dumps(summary, indent=1) + "\n")
     print(text)
     return 1 if any(r.failures for r in runs) else 0
 
