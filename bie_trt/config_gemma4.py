@@ -33,8 +33,10 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 def gemma4_text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """The text model's config with transformers' defaults filled in, RoPE spelled as for Gemma 3 (the full
     layers' base in rope_theta, the sliding layers' in rope_local_base_freq) plus the full layers' proportion."""
+    # The -it releases' top level names the end of turn as an end token too ([1, 106]); their text_config <eos> only.
+    whole_eos = hf.get("eos_token_id") if "text_config" in hf else None
     hf = text_tower(hf, "Gemma4ForConditionalGeneration", TEXT_DEFAULTS, source)
-    out = dict(hf)
+    out = dict(hf) | ({"eos_token_id": whole_eos} if whole_eos is not None else {})
     params = dict(out.pop("rope_parameters", None) or {})
     full = GLOBAL_ROPE | dict(params.get("full_attention") or {})
     local = LOCAL_ROPE | dict(params.get("sliding_attention") or {})
