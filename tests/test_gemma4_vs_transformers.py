@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bie_trt.config import ModelConfig
+from bie_trt.kernels import triton_ops
 from bie_trt.kernels.step_inputs import SeqInput
 from gemma4_tiny import TINY_GEMMA4, WINDOW, engine_model, hf_tiny_gemma4
 
@@ -59,7 +60,11 @@ def test_config_reads_the_gemma4_switches():
     assert (cfg.per_layer_input_size, cfg.per_layer_vocab_size) == (16, 256)
 
 
-def test_logits_and_greedy_tokens_equal_transformers(reference):
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=pytest.mark.slow)])
+def test_logits_and_greedy_tokens_equal_transformers(reference, kernels, monkeypatch):
+    if kernels == "triton" and not triton_ops.available():
+        pytest.skip("triton not importable")
+    monkeypatch.setenv("BIE_TRT_KERNELS", kernels)
     hf_model, ids, continuation, hf_logits = reference
     model, pools = engine_model(hf_model)
     # the shared layers own no cache: one full layer and three sliding ones hold K/V, of their own widths
