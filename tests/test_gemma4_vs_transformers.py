@@ -75,3 +75,20 @@ def test_logits_and_greedy_tokens_equal_transformers(reference, kernels, monkeyp
     diff = (ours - hf_logits).abs().max().item() / hf_logits.abs().max().item()
     assert diff <= MAX_LOGIT_DIFF, f"max |Δlogit| = {diff} of the largest"
     assert ours[len(ids) - 1:-1].argmax(-1).tolist() == continuation
+
+
+def test_build_refuses_a_gemma4_checkpoint_by_name_and_plan_plans_it(reference, tmp_path):
+    from click.testing import CliRunner
+
+    from bie_trt.cli import main
+    from bie_trt.model.synthetic import write_word_tokenizer
+
+    ckpt = tmp_path / "gemma4"
+    reference[0].save_pretrained(ckpt)   # a real checkpoint: config.json and safetensors
+    write_word_tokenizer(ckpt)
+    r = CliRunner().invoke(main, ["build", "--checkpoint", str(ckpt), "--out", str(tmp_path / "engine"),
+                                  "--profile", "cpu"])
+    assert r.exit_code != 0 and isinstance(r.exception, SystemExit), r.output
+    assert "Gemma4ForCausalLM: Gemma 4 is not supported by `bie-trt build` yet" in r.stderr, r.stderr
+    plan = CliRunner().invoke(main, ["plan", "--checkpoint", str(ckpt), "--profile", "cpu"])
+    assert plan.exit_code == 0 and "2 KV-shared layers own no cache" in plan.stdout, plan.output

@@ -11,6 +11,11 @@ NOT_YET_BUILT = {
                 "on a tiny random model) and `bie-trt plan`, which plans it. Missing: reading a Qwen3.5 "
                 "checkpoint's DeltaNet tensors into an engine, and the engine's recurrent state slots across "
                 "batching, preemption, prefix caching and speculation."),
+    "gemma4": ("Gemma 4 is not supported by `bie-trt build` yet. In place: the decoder's Gemma 4 switches "
+               "(per-layer embeddings, KV-shared layers, 512-wide full heads, K = V, proportional RoPE; checked "
+               "against transformers' Gemma4ForCausalLM on a tiny random model) and `bie-trt plan`, which plans "
+               "it. Missing: reading a Gemma 4 checkpoint (AWQ or GGUF) into an engine, its chat template, and "
+               "CUDA graphs with per-layer embeddings."),
 }
 
 
