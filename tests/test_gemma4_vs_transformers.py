@@ -1,7 +1,7 @@
 """A tiny random Gemma 4 (per-layer embeddings, KV-shared layers, 64-wide full heads with their own KV head
 count and keys reused as values, proportional RoPE, a 24-position window) through the engine's one decoder
 forward: its logits over a prompt of several windows, prefilled in chunks over scattered blocks, and over a
-greedy continuation equal transformers' Gemma4ForCausalLM on the same weights within fp32 rounding, and so do
+greedy continuation (decoded, then read as a speculative verify would) equal transformers' Gemma4ForCausalLM on the same weights within fp32 rounding, and so do
 its greedy tokens."""
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def reference():
 
 
 def run(model, pools, ids: list[int], continuation: list[int]) -> torch.Tensor:
-    """Prefill `ids` in chunks (every position's logits), then decode `continuation`: [rows, V]. Each cache group
-    through its own scattered table."""
+    """Prefill `ids` in chunks (every position's logits), decode the first half of `continuation` one token a
+    step, then the rest as one verify-sized input (as a speculative step reads the cache): [rows, V]. Each cache
+    group through its own scattered table."""
     table, sliding = list(range(16)), list(range(16))
     random.Random(0).shuffle(table)
     random.Random(1).shuffle(sliding)
@@ -43,8 +44,10 @@ def run(model, pools, ids: list[int], continuation: list[int]) -> torch.Tensor:
         seq = SeqInput(torch.tensor(tokens), start, table, all_logits=all_logits, sliding_table=sliding)
         return model.forward([seq], pools)[0]
 
+    half = len(continuation) // 2
     rows = [step(ids[s:s + CHUNK], s, True) for s in range(0, len(ids), CHUNK)]
-    rows += [step([t], len(ids) + i, False)[None] for i, t in enumerate(continuation)]
+    rows += [step([t], len(ids) + i, False)[None] for i, t in enumerate(continuation[:half])]
+    rows.append(step(continuation[half:], len(ids) + half, True))
     return torch.cat(rows)
 
 
