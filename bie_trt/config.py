@@ -19,10 +19,13 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "gemma3",   # the text tower of the multimodal releases
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # the text tower of the multimodal releases
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",    # the text tower of the multimodal releases
 }
 # Architectures with an RMSNorm over each q and k head (own weights, the model's eps) before RoPE.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                         "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+                         "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Gemma4ForCausalLM",
+                         "Gemma4ForConditionalGeneration")
 # transformers' Qwen3Config: head_dim is its own field, 128 when config.json leaves it out.
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 KV_DTYPES = ("fp16", "fp8", "int4_asym")
@@ -133,6 +136,62 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+    # Gemma 4's differences (config_gemma4.py reads them). The full layers' heads: their own width and KV head
+    # count (0: head_dim's, num_kv_heads'), keys reused as values where attention_k_eq_v, RoPE turning the
+    # first global_rope_proportion of each head's frequency pairs. The last num_kv_shared_layers layers read
+    # the cache of the last earlier layer of their type and own none; double_wide_mlp doubles their MLP.
+    global_head_dim: int = 0
+    global_num_kv_heads: int = 0
+    attention_k_eq_v: bool = False
+    value_norm: bool = False                 # V RMS-normalised per head, without a weight
+    global_rope_proportion: float = 1.0
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    per_layer_input_size: int = 0            # per-layer embedding width a layer (0: none)
+    per_layer_vocab_size: int = 0
+
+    def head_dim_of(self, layer: int) -> int:
+        if self.global_head_dim and not self.window_of(layer):
+            return self.global_head_dim
+        return self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        if self.global_num_kv_heads and not self.window_of(layer):
+            return self.global_num_kv_heads
+        return self.num_kv_heads
+
+    def k_eq_v_at(self, layer: int) -> bool:
+        """Gemma 4: a full layer without v_proj, whose values are its keys' projection."""
+        return self.attention_k_eq_v and not self.window_of(layer)
+
+    @property
+    def first_shared_layer(self) -> int:
+        return self.num_layers - self.num_kv_shared_layers
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cache `layer` reads: itself, or for a KV-shared layer the last layer before the
+        shared ones of its type."""
+        first = self.first_shared_layer
+        if layer < first:
+            return layer
+        kind = self.layer_types[layer]
+        return max(i for i in range(first) if self.layer_types[i] == kind)
+
+    def cache_layers(self, sliding: bool = False) -> int:
+        """Layers owning a cache in the sliding (or the full-attention) group: KV-shared layers and Qwen3.5's
+        linear-attention layers own none."""
+        return sum(1 for i in range(self.first_shared_layer)
+                   if bool(self.window_of(i)) == sliding and i not in self.linear_layers)
+
+    def cache_shape(self, sliding: bool = False) -> tuple[int, int]:
+        """(KV heads, head dim) of the sliding (or the full-attention) cache group's layers."""
+        if sliding:
+            return self.num_kv_heads, self.head_dim
+        return self.global_num_kv_heads or self.num_kv_heads, self.global_head_dim or self.head_dim
+
+    def intermediate_of(self, layer: int) -> int:
+        wide = self.double_wide_mlp and layer >= self.first_shared_layer
+        return self.intermediate_size * (2 if wide else 1)
 
     def window_of(self, layer: int) -> int:
         """How many positions layer `layer` attends back (its own included); 0 for the whole context."""
@@ -142,7 +201,7 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        """"llama", "qwen2", "qwen3", "gemma3" or "qwen3_5"."""
+        """"llama", "qwen2", "qwen3", "gemma3", "qwen3_5" or "gemma4"."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @property
@@ -214,6 +273,11 @@ class ModelConfig:
 
             hf = qwen35_text_config(hf, source)
             family = qwen35_fields(hf, source)
+        elif SUPPORTED_ARCHITECTURES[arch] == "gemma4":
+            from .config_gemma4 import gemma4_fields, gemma4_text_config
+
+            hf = gemma4_text_config(hf, source)
+            family = gemma4_fields(hf, source)
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -193,16 +194,16 @@ def format_bytes(n: int) -> str:
 
 # --- weights ---------------------------------------------------------------------------------
 
-def linear_shapes(model: ModelConfig) -> list[tuple[str, int, int]]:
-    """(name, in_features, out_features) of one decoder layer's linears (a full-attention layer's, in a model
-    with linear-attention layers too; Qwen3.5's q_proj gives the output gate as well)."""
-    h, i = model.hidden_size, model.intermediate_size
-    q_rows = model.q_size * (2 if model.attn_output_gate else 1)
-    return [
-        ("q_proj", h, q_rows), ("k_proj", h, model.kv_size), ("v_proj", h, model.kv_size),
-        ("o_proj", model.q_size, h),
-        ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h),
-    ]
+def linear_shapes(model: ModelConfig, layer: int = 0) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of attention layer `layer`'s linears (Qwen3.5's q_proj gives the output
+    gate as well; Gemma 4's layers differ in head width, in having k/v at all, and in MLP width)."""
+    h, i, d = model.hidden_size, model.intermediate_of(layer), model.head_dim_of(layer)
+    q_size, kv_size = model.num_heads * d, model.kv_heads_of(layer) * d
+    q_rows = q_size * (2 if model.attn_output_gate else 1)
+    kv = [] if model.kv_source(layer) != layer else \
+        [("k_proj", h, kv_size)] + ([] if model.k_eq_v_at(layer) else [("v_proj", h, kv_size)])
+    return [("q_proj", h, q_rows), *kv, ("o_proj", q_size, h),
+            ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
 
 
 def deltanet_shapes(model: ModelConfig) -> list[tuple[str, int, int]]:
@@ -217,8 +218,9 @@ def deltanet_shapes(model: ModelConfig) -> list[tuple[str, int, int]]:
 def layer_linear_shapes(model: ModelConfig) -> list[tuple[int, list[tuple[str, int, int]]]]:
     """(how many layers, their linears' shapes) for each kind of layer the model has."""
     linear = len(model.linear_layers)
-    kinds = [(model.num_layers - linear, linear_shapes(model)), (linear, deltanet_shapes(model) if linear else [])]
-    return [(n, shapes) for n, shapes in kinds if n]
+    attention = Counter(tuple(linear_shapes(model, i)) for i in range(model.num_layers) if i not in model.linear_layers)
+    kinds = [(n, list(shapes)) for shapes, n in attention.items()]
+    return kinds + ([(linear, deltanet_shapes(model))] if linear else [])
 
 
 def every_linear_shape(model: ModelConfig) -> list[tuple[str, int, int]]:
@@ -296,6 +298,7 @@ def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding:
         scale = " + per-row fp16 scale" if lm_head_dtype == "int8" else ""
         items.append(PlanItem("lm_head", lm_head_bytes(model, lm_head_dtype, head_rows),
                               f"{lm_head_dtype}{scale}{choice}{tied}"))
+    items += _per_layer_embedding(model, embedding)
     if embedding == "host":
         items.append(PlanItem(
             "embedding", 0, f"pinned host memory ({format_bytes(v * h * FP16)}); "
@@ -307,6 +310,23 @@ def _weights(model: ModelConfig, group_size: int, lm_head_dtype: str, embedding:
     per_layer = 4 if model.sandwich_norms else 2   # Gemma 3: a norm after attention and after the MLP too
     items.append(PlanItem("norms", (per_layer * model.num_layers + 1) * h * FP16 + head_norms, "fp16 RMSNorm weights"))
     return items
+
+
+def _per_layer_embedding(model: ModelConfig, embedding: str) -> list[PlanItem]:
+    """Gemma 4's per-layer embeddings: the table is only gathered from, so it lives where the token embedding
+    does (pinned host memory on the 8 GB profiles); its projections are dense fp16 on the device."""
+    if not model.per_layer_input_size:
+        return []
+    h, row = model.hidden_size, model.num_layers * model.per_layer_input_size
+    table = model.per_layer_vocab_size * row * FP16
+    item = (PlanItem("per_layer_embedding", 0, f"pinned host memory ({format_bytes(table)}); only {row * FP16:,} "
+                     f"bytes/token cross PCIe") if embedding == "host" else
+            PlanItem("per_layer_embedding", table, "fp16 table in device memory"))
+    # the embedding's projection to every layer's vector, and each layer's gate, projection and norm
+    dense = (row * h + model.num_layers * (2 * model.per_layer_input_size * h + h) + model.per_layer_input_size)
+    return [item, PlanItem("per_layer_projections", dense * FP16,
+                           f"fp16: the embedding's projection and a gate, projection and norm x {model.num_layers} "
+                           f"layers")]
 
 
 # --- KV cache (the pools' sizes per layer type: kv/sizing.py) -------------------------------
@@ -398,10 +418,15 @@ def activation_workspace_bytes(
     For 8B models the MLP phase dominates (the T*2I gate_up product); Qwen3.5-9B's DeltaNet phase is larger.
     (Qwen3.5's qkv also carries the output gate: T*q more.)
     """
-    t, h, i = chunked_prefill_size, model.hidden_size, model.intermediate_size
-    residual = (t * h + 2 * t * model.head_dim) * dtype_bytes
-    q_rows = model.q_size * (2 if model.attn_output_gate else 1)
-    attention = (t * h + t * (q_rows + 2 * model.kv_size) + t * model.q_size + t * h) * dtype_bytes
+    t, h = chunked_prefill_size, model.hidden_size
+    # the widest layer's (Gemma 4's full layers have wider heads, its shared layers a wider MLP)
+    i = max(model.intermediate_of(layer) for layer in range(model.num_layers))
+    full_heads, full_dim = model.cache_shape()
+    head_dim = max(model.head_dim, full_dim)
+    q_size, kv_size = model.num_heads * head_dim, max(model.kv_size, full_heads * full_dim)
+    residual = (t * h + 2 * t * head_dim) * dtype_bytes
+    q_rows = q_size * (2 if model.attn_output_gate else 1)
+    attention = (t * h + t * (q_rows + 2 * kv_size) + t * q_size + t * h) * dtype_bytes
     attention += t * model.num_heads * block_size * FP32
     mlp = (t * h + 2 * t * i + t * i + t * h) * dtype_bytes
     deltanet = deltanet_workspace_bytes(model, t, dtype_bytes) if model.linear_layers else 0
@@ -570,8 +595,11 @@ def solve_plan(
             layers = f" x {full_layers(groups)} full-attention layers"
             items = [dataclasses.replace(it, note=it.note + layers) for it in items]
             items.append(PlanItem("kv_sliding_pool", sliding_pool_bytes(groups, kv, n_sliding), (
-                f"fp16, {n_sliding:,} blocks x {len(groups.sliding_layers)} sliding layers: {max_num_seqs} seq(s) x "
-                f"(window {groups.sliding_window:,} + a block + a {chunked_prefill_size}-token chunk)")))
+                f"fp16, {n_sliding:,} blocks x {groups.cache_layers(sliding=True)} sliding layers: {max_num_seqs} "
+                f"seq(s) x (window {groups.sliding_window:,} + a block + a {chunked_prefill_size}-token chunk)")))
+        if groups.num_kv_shared_layers:   # Gemma 4: they read the cache of an earlier layer of their type
+            items.append(PlanItem("kv_shared_layers", 0, f"{groups.num_kv_shared_layers} KV-shared layers own no "
+                                  f"cache (they read the last earlier layer of their type)"))
         return items, (n_fp, n_q, n_sliding)
 
     def fits(length: int, groups: ModelConfig = model) -> bool:
@@ -580,7 +608,7 @@ def solve_plan(
     kv_list, (n_fp, n_q, n_sliding) = kv_items(max_model_len)
     all_full = None
     if n_sliding:   # what the same cache would need if every layer attended the whole context
-        dense = dataclasses.replace(model, layer_types=())
+        dense = dataclasses.replace(model, layer_types=(), num_kv_shared_layers=0)   # each layer its own cache
         all_full = {"kv_bytes": sum(it.bytes for it in kv_items(max_model_len, dense)[0]),
                     "max_model_len_that_fits": _largest_fitting_len(model.max_positions, kv.block_size,
                                                                     lambda n: fits(n, dense))}

@@ -36,6 +36,15 @@ def inverse_frequencies(cfg: ModelConfig, theta: float | None = None) -> torch.T
     return torch.where(mid, blended, out).float()
 
 
+def proportional_frequencies(head_dim: int, theta: float, proportion: float) -> torch.Tensor:
+    """Gemma 4's full layers: the first proportion x D/2 pairs turn at theta^(-2i/D) (the exponent over the whole
+    head, not over the turned part), the other pairs at frequency 0, passing through. Pairs are channels i and
+    i + D/2 as for every head here, so the checkpoint's channel order stays. In fp32, as transformers computes it."""
+    pairs = int(proportion * head_dim // 2)
+    inv = 1.0 / theta ** (torch.arange(0, 2 * pairs, 2, dtype=torch.float32) / head_dim)
+    return torch.cat([inv, inv.new_zeros(head_dim // 2 - pairs)])
+
+
 def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """For each channel of a q/k head as the engine stores it, the checkpoint's channel. A checkpoint rotates
     channels i and i + r/2 of its first r; the engine's RoPE rotates i and i + D/2 of all D. Placing the
@@ -97,6 +106,9 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype)
 class Rope:
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.inv_freq = inverse_frequencies(cfg).to(device)
+        if cfg.global_head_dim:   # Gemma 4: the full layers' wider heads turn proportionally
+            self.inv_freq = proportional_frequencies(cfg.global_head_dim, cfg.rope_theta,
+                                                     cfg.global_rope_proportion).to(device)
         # Gemma 3's sliding layers rotate with their own base (and no scaling)
         self.local_inv_freq = (inverse_frequencies(cfg, cfg.local_rope_theta).to(device)
                                if cfg.local_rope_theta is not None else self.inv_freq)

@@ -52,8 +52,9 @@ def quant_bytes_per_token_per_head(kv: KVCacheConfig, head_dim: int) -> int:
 
 
 def quant_bytes_per_token_per_layer(model: ModelConfig, kv: KVCacheConfig) -> int:
-    """Bytes one token costs in one layer of the quantised pool (K and V)."""
-    return 2 * model.num_kv_heads * quant_bytes_per_token_per_head(kv, model.head_dim)
+    """Bytes one token costs in one layer of the quantised pool (K and V): a full-attention layer."""
+    heads, head_dim = model.cache_shape()
+    return 2 * heads * quant_bytes_per_token_per_head(kv, head_dim)
 
 
 def pack_views(pack: torch.Tensor, kv: KVCacheConfig, block_size: int, head_dim: int
@@ -137,11 +138,12 @@ def allocate_pools(
     device: torch.device | str = "cpu",
     scratch_block: bool = False,
     num_layers: int | None = None,
+    sliding: bool = False,
 ) -> KVPools:
-    """Allocate every pool tensor once, for `num_layers` layers (the model's by default). `num_quant_blocks` is
-    ignored for fp16 KV."""
+    """Allocate every pool tensor once, for `num_layers` layers (the model's by default) of the full-attention
+    (or with `sliding` the sliding) layers' heads. `num_quant_blocks` is ignored for fp16 KV."""
     L = model.num_layers if num_layers is None else num_layers
-    H, B, D = model.num_kv_heads, kv.block_size, model.head_dim
+    (H, D), B = model.cache_shape(sliding), kv.block_size
     fp_shape = (L, num_fp_blocks + scratch_block, H, B, D)
     packs = {}
     if kv.dtype != "fp16" and num_quant_blocks:
@@ -163,10 +165,9 @@ def allocate_kv(model: ModelConfig, kv: KVCacheConfig, num_fp_blocks: int, num_q
                 scratch_block: bool = False) -> KVPools:
     """Every cache group's pools (kv/sizing.kv_pool_blocks gives the counts): a dense model's, or a hybrid
     model's full layers with its sliding layers' pools in `sliding`."""
-    sliding = model.sliding_layers
     pools = allocate_pools(model, kv, num_fp_blocks, num_quant_blocks, dtype, device, scratch_block,
-                           num_layers=model.num_layers - len(sliding) - len(model.linear_layers))
-    if sliding:
+                           num_layers=model.cache_layers())
+    if model.sliding_layers:
         pools.sliding = allocate_pools(model, sliding_config(kv), num_sliding_blocks, 0, dtype, device, scratch_block,
-                                       num_layers=len(sliding))
+                                       num_layers=model.cache_layers(sliding=True), sliding=True)
     return pools

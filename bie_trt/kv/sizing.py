@@ -20,14 +20,17 @@ FP16 = 2
 
 
 def full_layers(model: ModelConfig) -> int:
-    """Layers that attend over the whole context (all of a dense model's; not sliding, not linear attention)."""
-    return model.num_layers - len(model.sliding_layers) - len(model.linear_layers)
+    """Layers that attend over the whole context with a cache of their own (all of a dense model's; not sliding,
+    not linear attention, not Gemma 4's KV-shared layers)."""
+    return model.cache_layers()
 
 
-def fp16_kv_bytes_per_token(model: ModelConfig, layers: int | None = None) -> int:
-    """K and V of one token, fp16, in `layers` layers (every layer by default)."""
+def fp16_kv_bytes_per_token(model: ModelConfig, layers: int | None = None, sliding: bool = False) -> int:
+    """K and V of one token, fp16, in `layers` layers (every layer by default) with the full-attention (or the
+    sliding) layers' heads."""
     layers = model.num_layers if layers is None else layers
-    return 2 * layers * model.num_kv_heads * model.head_dim * FP16
+    heads, head_dim = model.cache_shape(sliding)
+    return 2 * layers * heads * head_dim * FP16
 
 
 def kv_bytes_per_token(model: ModelConfig, kv: KVCacheConfig) -> int:
@@ -91,7 +94,8 @@ def kv_pool_bytes(model: ModelConfig, kv: KVCacheConfig, num_fp_blocks: int, num
 
 def sliding_pool_bytes(model: ModelConfig, kv: KVCacheConfig, num_sliding_blocks: int) -> int:
     """Bytes of the sliding layers' FP16 pool (= `KVPools.nbytes()["sliding"]`)."""
-    return num_sliding_blocks * kv.block_size * fp16_kv_bytes_per_token(model, len(model.sliding_layers))
+    return num_sliding_blocks * kv.block_size * fp16_kv_bytes_per_token(model, model.cache_layers(sliding=True),
+                                                                           sliding=True)
 
 
 def check_max_model_len(model: ModelConfig, max_model_len: int) -> None:

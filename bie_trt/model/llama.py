@@ -4,7 +4,9 @@ Gemma 3 is the same decoder with a few switches from its config: embeddings scal
 (1 + w), a norm after attention and after the MLP too, GELU-tanh gating, its own softmax scale, sliding-window
 layers with their own RoPE base, and logit soft-capping. Qwen3.5 too: (1 + w) norms, Gated DeltaNet layers
 (model/gated_deltanet.py) in place of attention in most layers, and in the others a gate on the attention
-output and RoPE over part of each head."""
+output and RoPE over part of each head. Gemma 4 too: Gemma 3's switches with plain-weight norms, unit-RMS
+values, wider full-layer heads (keys reused as values where set), KV-shared layers reading an earlier layer's
+cache (model/shared_kv.py), per-layer embeddings (model/per_layer.py) and a scalar on each layer's output."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,6 +26,8 @@ from ..kv.rotation import rotate
 from .gated_deltanet import LINEARS as DELTANET_LINEARS
 from .gated_deltanet import DeltaNetWeights, deltanet_block, roll_back
 from .linears import Linear, load_linear
+from .per_layer import PerLayerEmbedding, PerLayerGate
+from .shared_kv import shared_query, with_normed_values
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -61,6 +65,8 @@ class Layer:
     post_attn_norm: torch.Tensor | None = None
     post_mlp_norm: torch.Tensor | None = None
     deltanet: DeltaNetWeights | None = None   # a Qwen3.5 linear-attention layer's own tensors (in place of attention)
+    per_layer: PerLayerGate | None = None     # Gemma 4: the layer's per-layer embedding gate
+    scalar: torch.Tensor | None = None        # Gemma 4: the layer's output multiplied by it
 
 
 class LlamaModel:
@@ -100,18 +106,26 @@ class LlamaModel:
             attends = i not in linear_attention
             lin = {name: load_linear(weights, p + name, device, dtype, (gemv_configs or {}).get(name), keep_dense)
                    for name in (LINEARS if attends else (*DELTANET_LINEARS, "gate_up", "down"))}
-            qk_norm = (QKNorm(norm(p + "q_norm"), norm(p + "k_norm"), cfg.rms_norm_eps) if cfg.qk_norm and attends
-                       else None)
+            # a KV-shared layer (Gemma 4) has a q norm only
+            qk_norm = (QKNorm(norm(p + "q_norm"), norm(p + "k_norm") if cfg.kv_source(i) == i else None,
+                              cfg.rms_norm_eps) if cfg.qk_norm and attends else None)
             post = (norm(p + "post_attn_norm"), norm(p + "post_mlp_norm")) if cfg.sandwich_norms else (None, None)
             deltanet = None if attends else DeltaNetWeights.load(weights, p, device, dtype)
-            self.layers.append(Layer(norm(p + "attn_norm"), norm(p + "mlp_norm"), lin, qk_norm, *post, deltanet))
+            gate = PerLayerGate.load(weights, p, device, dtype) if cfg.per_layer_input_size else None
+            scalar = t(p + "layer_scalar") if p + "layer_scalar" in weights else None
+            self.layers.append(Layer(norm(p + "attn_norm"), norm(p + "mlp_norm"), lin, qk_norm, *post, deltanet,
+                                     gate, scalar))
+        self.per_layer = (PerLayerEmbedding.load(cfg, weights, device, dtype, embedding_on_host)
+                          if cfg.per_layer_input_size else None)
         self.rope = Rope(cfg, device)
         # Each layer's index inside its cache group (kv/pool.py, kv/recurrent.py): among the layers of its type.
         kinds = cfg.layer_types or ("full_attention",) * cfg.num_layers
-        self.group_index = [kinds[:i].count(kinds[i]) for i in range(cfg.num_layers)]
-        # Over a single pool (no sliding group: a dense model, Qwen3.5, any model's key calibration) every attention
-        # layer has its own index there, the linear-attention layers skipped.
-        self.pool_index = [i - sum(j < i for j in linear_attention) for i in range(cfg.num_layers)]
+        # A KV-shared layer (Gemma 4) has the index of the layer whose cache it reads.
+        self.group_index = [kinds[:cfg.kv_source(i)].count(kinds[i]) for i in range(cfg.num_layers)]
+        # Over a single pool (no sliding group: a dense model, Qwen3.5, any model's key calibration) every layer
+        # owning a cache has its own index there; linear-attention and KV-shared layers own none.
+        owners = [j for j in range(cfg.num_layers) if j not in linear_attention and cfg.kv_source(j) == j]
+        self.pool_index = [sum(j < cfg.kv_source(i) for j in owners) for i in range(cfg.num_layers)]
         # YaRN multiplies cos and sin by its attention factor; rotation is linear, so every q·k grows by the
         # factor squared: folded into the softmax scale, the same for the torch and Triton paths.
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5 * self.rope.attention_factor ** 2
@@ -125,7 +139,7 @@ class LlamaModel:
         sequences read quantised (consecutive chunks of one text as sequences of one step): each
         layer quantises them between writing K/V and attention."""
         meta = self._step_meta(seqs, pools, quantise)
-        logits = self.forward_hidden(self.embed_ids(torch.cat([s.token_ids for s in seqs])), meta, pools)
+        logits = self.forward_hidden(meta=meta, pools=pools, **self._embed(seqs))
         return [rows if s.all_logits else rows[0] for rows, s in zip(logits.split(meta.logit_counts), seqs)]
 
     @torch.inference_mode()
@@ -135,23 +149,33 @@ class LlamaModel:
         other than the model's own, or the model's own a few rows at a time (`head_logits(rows)`: a
         [rows, V] logit matrix of a long text is gigabytes). `quantise` as in `forward`."""
         meta = self._step_meta(seqs, pools, quantise)
-        return self.forward_hidden(self.embed_ids(torch.cat([s.token_ids for s in seqs])), meta, pools, head=False)
+        return self.forward_hidden(meta=meta, pools=pools, head=False, **self._embed(seqs))
+
+    def _embed(self, seqs: list[SeqInput]) -> dict[str, torch.Tensor | None]:
+        """forward_hidden's `h` (the step's embedded rows) and `per_layer` (their per-layer embeddings [T, L, P],
+        Gemma 4's; None otherwise), as keywords: no caller frame keeps the rows alive."""
+        ids = torch.cat([s.token_ids for s in seqs])
+        h = self.embed_ids(ids)
+        return {"h": h, "per_layer": self.per_layer.inputs(ids, h) if self.per_layer is not None else None}
 
     def _step_meta(self, seqs: list[SeqInput], pools: KVPools, quantise: list[tuple[int, int]]) -> StepMetadata:
         meta = StepMetadata.build(seqs, pools.cfg.block_size, self.device)
         meta.quantise = tuple(list(ids) for ids in zip(*quantise)) or None
         return meta
 
-    def forward_hidden(self, h: torch.Tensor, meta: StepMetadata, pools: KVPools, head: bool = True) -> torch.Tensor:
+    def forward_hidden(self, h: torch.Tensor, meta: StepMetadata, pools: KVPools, head: bool = True,
+                       per_layer: torch.Tensor | None = None) -> torch.Tensor:
         """Embedded rows [T, H] -> logits of meta.logit_rows (without `head`: their last hidden state, before
         the final norm). Device work only (no host syncs in decode-only steps), so CUDA graphs can capture
         it; the embedding gather stays outside because its table may live in host memory. One function,
         not a body and a head around it: a caller frame holding `h` would keep the embedded rows alive
-        through every layer."""
+        through every layer. `per_layer`: Gemma 4's per-layer embeddings of the rows, gathered outside too."""
         cfg = self.cfg
         if pools.sliding is not None and meta.sliding is None:
             raise ValueError("the sliding-window layers have a cache group of their own: every input needs its "
                              "sliding_table")
+        if (per_layer is None) != (self.per_layer is None):
+            raise ValueError("per-layer embeddings are given exactly when the model has them (Gemma 4's E models)")
         # h is the residual stream: each linear that ends a sub-block adds into it, and the norm
         # in front of a sub-block is folded into the linear that starts it.
         for li, layer in enumerate(self.layers):
@@ -162,6 +186,10 @@ class LlamaModel:
                 h = self._attention(li, layer, h, meta, pools)
             act = ops.norm_linear(h, layer.mlp_norm, cfg.rms_norm_eps, layer.linears["gate_up"], glu=cfg.hidden_act)
             h = self._residual(act, layer.linears["down"], h, layer.post_mlp_norm)
+            if layer.per_layer is not None:
+                h = layer.per_layer(h, per_layer[:, li], cfg.rms_norm_eps)
+            if layer.scalar is not None:
+                h = h * layer.scalar
         if meta.logit_rows.numel() != h.shape[0]:   # build() lists rows in order: as many means all of them
             h = h[meta.logit_rows]
         return self.head_logits(h).float() if head else h
@@ -215,13 +243,21 @@ class LlamaModel:
         gate = None
         if cfg.attn_output_gate:   # Qwen3.5: qkv's last q_size columns gate the attention output
             qkv, gate = qkv[:, :-cfg.q_size].contiguous(), qkv[:, -cfg.q_size:]
-        # The q/k head norms (Qwen3), RoPE, the calibrated key centering and the Hadamard rotation of q and
-        # k (v too with hadamard_kv), K/V into the FP16 tail: one launch (the runner checked key_mean exists).
-        q = ops.qkv_epilogue(qkv, cfg.num_heads, cfg.num_kv_heads, meta.rope_positions, self.rope.inv_freq_of(li),
-                             self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
-                             rotates_values(pools.cfg), pools, gi, meta.slot_blocks, meta.slot_offsets,
-                             layer.qk_norm)
-        if meta.quantise:
+        if cfg.kv_source(li) != li:   # Gemma 4's KV-shared layer: q only, reading the source layer's cache
+            q = shared_query(qkv, cfg.num_heads, layer.qk_norm.q, cfg.rms_norm_eps, meta.rope_positions,
+                             self.rope.inv_freq_of(li), rotates_keys(pools.cfg))
+        else:
+            heads = cfg.kv_heads_of(li)
+            if cfg.value_norm:
+                qkv = with_normed_values(qkv, cfg.num_heads * cfg.head_dim_of(li), heads, cfg.head_dim_of(li),
+                                         cfg.k_eq_v_at(li), cfg.rms_norm_eps)
+            # The q/k head norms (Qwen3), RoPE, the calibrated key centering and the Hadamard rotation of q and
+            # k (v too with hadamard_kv), K/V into the FP16 tail: one launch (the runner checked key_mean exists).
+            q = ops.qkv_epilogue(qkv, cfg.num_heads, heads, meta.rope_positions, self.rope.inv_freq_of(li),
+                                 self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
+                                 rotates_values(pools.cfg), pools, gi, meta.slot_blocks, meta.slot_offsets,
+                                 layer.qk_norm)
+        if meta.quantise and cfg.kv_source(li) == li:
             ops.quantize_layer_blocks(pools, gi, *meta.quantise)
         window = self.rope.windows[li]
         if meta.all_decode:   # a decode-only step (the graphs'): no gather and scatter of rows
@@ -232,7 +268,7 @@ class LlamaModel:
             out = self._mixed_attention(gi, q, meta, pools, window)
         if rotates_values(pools.cfg):
             out = rotate(out)
-        out = out.reshape(-1, cfg.q_size)
+        out = out.flatten(1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self._residual(out, layer.linears["o"], h, layer.post_attn_norm)

@@ -1,0 +1,38 @@
+"""Gemma 4's attention differences on the way into the cache, as plain torch around the qkv epilogue: values
+RMS-normalised per head without a weight (from the keys' projection where a layer has no v_proj), and the
+query of a KV-shared layer, which projects, normalises and turns only q and reads another layer's cache."""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.rope import Rope, cos_sin
+from ..kv.rotation import rotate
+
+
+def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def with_normed_values(qkv: torch.Tensor, q_size: int, kv_heads: int, head_dim: int, k_eq_v: bool,
+                       eps: float) -> torch.Tensor:
+    """qkv rows [q | k | v] (or [q | k] where keys are values) -> [q | k | unit-RMS v per head]: the epilogue
+    then norms and turns k and writes v as it is. With k_eq_v the values are the keys' projection before the
+    key norm and RoPE."""
+    kv_size = kv_heads * head_dim
+    v = qkv[:, q_size:q_size + kv_size] if k_eq_v else qkv[:, q_size + kv_size:]
+    v = _unit_rms(v.unflatten(-1, (kv_heads, head_dim)), eps).flatten(-2)
+    return torch.cat([qkv[:, :q_size + kv_size], v], dim=-1)
+
+
+def shared_query(q: torch.Tensor, num_heads: int, q_norm: torch.Tensor, eps: float, positions: torch.Tensor,
+                 inv_freq: torch.Tensor, rotate_q: bool) -> torch.Tensor:
+    """A KV-shared layer's q rows [T, H_q x D] -> attention's q [T, H_q, D]: normed, turned, and rotated as the
+    cache's keys are (key centering shifts every score of a query alike, so q needs nothing for it). Nothing
+    is written: the layer owns no cache."""
+    q = q.unflatten(-1, (num_heads, -1))
+    qf = q.float()
+    q = (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + eps) * q_norm.float()).to(q.dtype)
+    cos, sin = cos_sin(positions, inv_freq, q.dtype)
+    q = Rope.apply(q, cos, sin)
+    return rotate(q) if rotate_q else q

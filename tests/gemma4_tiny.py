@@ -1,0 +1,65 @@
+"""A tiny random Gemma 4 as transformers builds it, with every Gemma 4 difference on: six layers (sliding,
+sliding, full, sliding | sliding, full) of which the last two share the KV of layers 3 and 2, a 24-position
+window, 32-wide sliding heads and 64-wide full ones with their own KV head count, keys reused as values on the
+full layers, proportional RoPE (a quarter) there, per-layer embeddings, doubled MLPs on the shared layers,
+layer scalars, soft-capped logits. Linears whose values W4 holds exactly (every group spans codes 0..15), so
+the engine and transformers run the same weights. And the engine's side: the decoder over an FP16 cache."""
+from __future__ import annotations
+
+import torch
+
+from bie_trt.builder.checkpoint.gemma4_weights import runtime_weights
+from bie_trt.config import KVCacheConfig, ModelConfig
+from bie_trt.kv.pool import allocate_kv
+from bie_trt.model.llama import LlamaModel
+from qwen35_tiny import GROUP, exact_w4
+
+WINDOW = 24
+TINY_GEMMA4 = {
+    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 32, "global_head_dim": 64, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+    "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 256, "sliding_window": WINDOW, "final_logit_softcapping": 30.0,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 1024, "tie_word_embeddings": True,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                    "sliding_attention", "full_attention"],
+    "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 10000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+}
+
+
+def hf_tiny_gemma4(seed: int = 0):
+    """transformers' Gemma4ForCausalLM with random weights (fp32, eager attention)."""
+    from transformers import AutoConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+
+    cfg = dict(TINY_GEMMA4)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(config).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" not in name and "per_layer" not in name:
+                p.copy_(exact_w4(*p.shape, g))
+            elif name.endswith("norm.weight"):   # plain-weight norms: away from their defaults
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:   # the embeddings and the per-layer projections
+                p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "per_layer" in name else 1.0))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    return model
+
+
+def engine_model(hf_model, blocks: int = 64) -> tuple[LlamaModel, object]:
+    """The engine's decoder on the same weights, and its cache: FP16-format KV (fp32 storage, as the CPU path
+    keeps activations), `blocks` blocks in each group."""
+    cfg = ModelConfig.from_hf(TINY_GEMMA4)
+    state = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    model = LlamaModel(cfg, runtime_weights(cfg, state, GROUP), torch.device("cpu"), torch.float32)
+    pools = allocate_kv(cfg, KVCacheConfig(dtype="fp16"), blocks, 0, blocks, dtype=torch.float32)
+    return model, pools
