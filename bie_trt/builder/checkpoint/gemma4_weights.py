@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ...config import ModelConfig
-from .qwen35_weights import _w4
+from .qwen35_weights import dense_w4
 
 _DENSE_PER_LAYER = {"per_layer_input_gate.weight": "per_layer_gate",
                     "per_layer_projection.weight": "per_layer_projection",
@@ -50,5 +50,5 @@ def runtime_weights(cfg: ModelConfig, hf: dict[str, torch.Tensor], group_size: i
                  "gate_up": torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]),
                  "down": hf[src + "mlp.down_proj.weight"]}
         for name, weight in fused.items():
-            out.update({f"{dst}{name}.{k}": v for k, v in _w4(weight, group_size).items()})
+            out.update({f"{dst}{name}.{k}": v for k, v in dense_w4(weight, group_size).items()})
     return out
