@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import random
 import time
 from pathlib import Path
 
@@ -48,8 +49,6 @@ def quality(engine: str, text: str, contexts: list[int]) -> list[dict]:
 
 def passkey(engine: str, filler: str, context: int, seed: int) -> dict:
     """Each format's answers at DEPTHS (the `recall` ending, needle.py's prompt); the same prompts for every one."""
-    import random
-
     rng = random.Random(seed)
     keys = [rng.randint(10000, 99999) for _ in DEPTHS]
     out = {}
