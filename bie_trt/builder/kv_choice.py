@@ -75,10 +75,6 @@ def choose_key_centering(keys: torch.Tensor, mean: torch.Tensor, kv: KVCacheConf
         centering, why = explicit, "set by the build option"
     elif kv.key_centering:
         centering, why = True, "the model family's default"
-    elif kv.dtype == "fp8":
-        # On Qwen2.5-Coder-0.5B the engine's FP8 cache with centred keys lost far more than this arithmetic
-        # predicts (docs/kv-cache-quality.md): not chosen until that is understood; the error is still recorded.
-        centering, why = False, f"measured: {measured}; not chosen for FP8 (centred FP8 keys measured worse)"
     elif worst_off > bound and worst_on < worst_off:
         centering, why = True, f"measured: {measured}; bound {bound}"
     else:
