@@ -70,6 +70,13 @@ class Source:
     checkpoint: str
     weight_group_size: int
     gguf: Mapping[str, Any] | None   # how a GGUF file was converted, tensor type by type (None: AWQ safetensors)
+    digest: str = ""                 # digest_files over the checkpoint's files ("": an engine of before the key)
+
+    def is_file(self, gguf: Path) -> bool:
+        """Whether the engine was built directly from this GGUF file, so its weights are the file's own. A built-in
+        name (`gemma3-270m`) or `bie-trt quantize` makes an AWQ conversion of the same file instead: another
+        model, whose tokens a comparison with the file would blame on the runtime."""
+        return self.gguf is not None and self.digest == digest_files([gguf], gguf.parent)
 
 
 @dataclass(frozen=True)
@@ -164,7 +171,8 @@ def _typed(path: Path, m: dict[str, Any]) -> Manifest:
                          str(inputs.get("embedding_placement", "gpu")),
                          int(inputs.get("num_speculative_tokens") or 0), inputs),
         files=m["files"],
-        source=Source(str(source["checkpoint"]), int(source["weight_group_size"]), source.get("gguf")),
+        source=Source(str(source["checkpoint"]), int(source["weight_group_size"]), source.get("gguf"),
+                      str(source.get("digest", ""))),
         w4_gemv_configs=(m.get("kernels") or {}).get("w4_gemv"), triton_version=m.get("toolchain", {}).get("triton"),
         speculative=m.get("speculative"),
         draft=None if draft is None else DraftInfo(

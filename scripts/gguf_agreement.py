@@ -4,7 +4,10 @@ Five prompts of --prompt-tokens tokens from a text (evenly spaced windows), each
 --tokens tokens by each reference (--reference, repeatable: `transformers`, fp32 on the weights the `gguf`
 package dequantises; `llama.cpp`, node-llama-cpp's CPU build on the file, scripts/llama_cpp.py) and by each
 engine with an FP16 KV cache. `prefix` counts the tokens up to the first disagreement (after it the two
-continue different texts); `same_position` counts positions that agree anyway.
+continue different texts); `same_position` counts positions that agree anyway. Each engine must be built from
+the file itself (`bie-trt build --checkpoint FILE.gguf`): one built from anything else, a conversion of the same
+file included (a built-in name without `.gguf`), is refused unless --converted is given, and each engine's
+`file_weights` in the JSON says which it is.
 
     python scripts/gguf_agreement.py --gguf FILE.gguf --engine engines/a --reference transformers \\
         --reference llama.cpp --out benchmarks/results/gguf_agreement_cpu.json
@@ -36,16 +39,27 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=700)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--reference", action="append", choices=["transformers", "llama.cpp"])
+    ap.add_argument("--converted", action="store_true",
+                    help="also compare engines not built from the file itself (a conversion: bie-trt quantize, "
+                         "a built-in name without .gguf)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
 
     from bie_trt.config import EngineConfig
+    from bie_trt.engine_format import read_manifest
     from bie_trt.sampling_params import SamplingParams
     from bie_trt.eval_texts import load_eval_text, text_token_ids
     from bie_trt.executor.engine import BieEngine
 
+    # checked before the references run (minutes): a conversion's tokens say nothing about the runtime
+    file_weights = {e: read_manifest(e).source.is_file(args.gguf) for e in args.engine}
+    for e, own in file_weights.items():
+        if not own and not args.converted:
+            ap.error(f"{e} was built from {read_manifest(e).source.checkpoint}, not from {args.gguf.name}: its "
+                     f"weights are not the file's. Build it with `bie-trt build --checkpoint {args.gguf}`, or pass "
+                     f"--converted to compare a conversion.")
     ids = text_token_ids(args.engine[0], load_eval_text(args.text))
     step = (len(ids) - args.prompt_tokens) // args.prompts
     prompts = [ids[i * step:i * step + args.prompt_tokens] for i in range(args.prompts)]
@@ -70,6 +84,7 @@ def main() -> None:
         outs = [engine.generate(p, params).token_ids for p in prompts]
         result["engines"].append({"engine": engine_dir, "source": engine.runner.manifest.source.checkpoint,
                                   "weight_group_size": engine.runner.manifest.source.weight_group_size,
+                                  "file_weights": file_weights[engine_dir],
                                   "tokens": outs, "against": {name: agreement(outs, reference, args.tokens)
                                                               for name, reference in references.items()}})
         del engine

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -22,6 +23,7 @@ from bie_trt.builder.checkpoint.registry import resolve_checkpoint
 from bie_trt.builder.key_centering import CALIBRATION_TEXT
 from bie_trt.cli import main
 from bie_trt.config import EngineConfig
+from bie_trt.engine_format import read_manifest
 from bie_trt.errors import CheckpointError, RequestError
 from bie_trt.eval_texts import load_eval_text
 from bie_trt.executor.engine import BieEngine
@@ -55,6 +57,19 @@ def hf_on_gguf(tiny_q4_0):
 @pytest.fixture(scope="module")
 def q4_0_engine(build, tiny_q4_0):
     return build(checkpoint=str(tiny_q4_0), max_model_len=TINY_GGUF["context"], kv_cache_dtype="fp16")
+
+
+def test_an_engine_says_whether_its_weights_are_a_gguf_files_own(q4_0_engine, tiny_q4_0, tiny_gemma3,
+                                                                smollm2_engine, tmp_path):
+    """What compares an engine with a GGUF's own references (scripts/gguf_agreement.py) must know the engine
+    was built from that file: `build --checkpoint smollm2-135m` (a built-in's name, no .gguf) builds an AWQ
+    conversion of the very same file, another model whose disagreements are not the runtime's."""
+    source = read_manifest(q4_0_engine).source
+    assert source.is_file(tiny_q4_0) and source.is_file(Path(shutil.copy(tiny_q4_0, tmp_path)))   # wherever it lies
+    assert not source.is_file(tiny_gemma3)
+    (tmp_path / "other").mkdir()   # another file under the same name
+    assert not source.is_file(Path(shutil.copy(tiny_gemma3, tmp_path / "other" / tiny_q4_0.name)))
+    assert not read_manifest(smollm2_engine).source.is_file(resolve_checkpoint("smollm2-135m.gguf"))
 
 
 def test_q4_0_weights_are_the_files_bit_for_bit(q4_0_engine, hf_on_gguf):
