@@ -116,7 +116,7 @@ def test_replicas_refuse_a_context_above_the_engines_like_one_engine(tiny_engine
 WITHOUT_RAY = "import sys; sys.modules['ray'] = None; from bie_trt.cli import main; main()"
 
 
-@pytest.mark.parametrize("option", [["--replicas", "2"], ["--ray-address", "127.0.0.1:6379"]])
+@pytest.mark.parametrize("option", [["--replicas", "2"], pytest.param(["--ray-address", "127.0.0.1:6379"], marks=pytest.mark.slow)])
 def test_replicas_without_ray_name_the_extra_in_one_line(tiny_engine, option):
     r = subprocess.run([sys.executable, "-c", WITHOUT_RAY, "serve", str(tiny_engine), "--device", "cpu", *option],
                        capture_output=True, text=True, timeout=120, cwd=ROOT,

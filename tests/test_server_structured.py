@@ -123,6 +123,7 @@ def call_pairs(message) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
 
 
+@pytest.mark.slow   # ~16 s: four sampled replies; the greedy tool_choice tests stay in the default suite
 def test_required_and_named_always_call(smollm2_client):
     """At temperature 1 over several seeds (n choices each seeded apart): calls whose arguments validate."""
     model, client = smollm2_client
