@@ -17,6 +17,16 @@ from bie_trt.sampling import make_generator
 from bie_trt.sampling_params import SamplingParams
 
 
+def greedy_reference(model, prompt_tokens: int, greedy_tokens: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """A seeded random prompt of `prompt_tokens` ids under 256, transformers' greedy continuation of exactly
+    `greedy_tokens`, and its logits over prompt and continuation: (prompt, continuation, logits)."""
+    ids = torch.randint(0, 256, (prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=greedy_tokens, min_new_tokens=greedy_tokens,
+                             do_sample=False)[0].tolist()
+        logits = model(torch.tensor([out])).logits[0]
+    return ids, out[len(ids):], logits
+
 def hf_model(ckpt: Checkpoint):
     from transformers import AutoConfig, AutoModelForCausalLM
 

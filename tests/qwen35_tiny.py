@@ -11,6 +11,7 @@ from bie_trt.config import KVCacheConfig, ModelConfig
 from bie_trt.kv.pool import allocate_kv
 from bie_trt.kv.recurrent import allocate_recurrent
 from bie_trt.model.llama import LlamaModel
+from hf_reference import greedy_reference
 
 GROUP = 32
 PROMPT_TOKENS = 150      # three 48-token chunks and a part; the delta rule's 64-token chunks, and a part
@@ -69,12 +70,7 @@ def qwen35_reference() -> tuple[object, list[int], list[int], torch.Tensor]:
     """(the tiny model, a prompt of PROMPT_TOKENS, transformers' greedy continuation of GREEDY_TOKENS, its logits
     over prompt and continuation): what the decoder and the built engine are compared with."""
     model = hf_tiny_qwen35()
-    ids = torch.randint(0, 256, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
-                             do_sample=False)[0].tolist()
-        logits = model(torch.tensor([out])).logits[0]
-    return model, ids, out[len(ids):], logits
+    return (model, *greedy_reference(model, PROMPT_TOKENS, GREEDY_TOKENS))
 
 
 def engine_model(hf_model, slots: int = 2, blocks: int = 64) -> tuple[LlamaModel, object]:

@@ -14,6 +14,7 @@ from bie_trt.config import ModelConfig
 from bie_trt.kernels import triton_ops
 from bie_trt.kernels.step_inputs import SeqInput
 from gemma4_tiny import TINY_GEMMA4, WINDOW, engine_model, hf_tiny_gemma4
+from hf_reference import greedy_reference
 
 PROMPT_TOKENS = 100      # four windows, not a whole number of 16-token blocks
 CHUNK = 40               # chunks that a window spans
@@ -24,12 +25,7 @@ MAX_LOGIT_DIFF = 1e-4    # of the largest |logit|
 @pytest.fixture(scope="module")
 def reference():
     model = hf_tiny_gemma4()
-    ids = torch.randint(0, 256, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
-                             do_sample=False)[0].tolist()
-        logits = model(torch.tensor([out])).logits[0]
-    return model, ids, out[len(ids):], logits
+    return (model, *greedy_reference(model, PROMPT_TOKENS, GREEDY_TOKENS))
 
 
 def run(model, pools, ids: list[int], continuation: list[int]) -> torch.Tensor:
