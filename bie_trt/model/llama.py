@@ -139,7 +139,8 @@ class LlamaModel:
         sequences read quantised (consecutive chunks of one text as sequences of one step): each
         layer quantises them between writing K/V and attention."""
         meta = self._step_meta(seqs, pools, quantise)
-        logits = self.forward_hidden(meta=meta, pools=pools, **self._embed(seqs))
+        ids = torch.cat([s.token_ids for s in seqs])
+        logits = self.forward_hidden(self.embed_ids(ids), meta, pools, per_layer=self._per_layer_rows(ids))
         return [rows if s.all_logits else rows[0] for rows, s in zip(logits.split(meta.logit_counts), seqs)]
 
     @torch.inference_mode()
@@ -149,14 +150,13 @@ class LlamaModel:
         other than the model's own, or the model's own a few rows at a time (`head_logits(rows)`: a
         [rows, V] logit matrix of a long text is gigabytes). `quantise` as in `forward`."""
         meta = self._step_meta(seqs, pools, quantise)
-        return self.forward_hidden(meta=meta, pools=pools, head=False, **self._embed(seqs))
-
-    def _embed(self, seqs: list[SeqInput]) -> dict[str, torch.Tensor | None]:
-        """forward_hidden's `h` (the step's embedded rows) and `per_layer` (their per-layer embeddings [T, L, P],
-        Gemma 4's; None otherwise), as keywords: no caller frame keeps the rows alive."""
         ids = torch.cat([s.token_ids for s in seqs])
-        h = self.embed_ids(ids)
-        return {"h": h, "per_layer": self.per_layer.inputs(ids, h) if self.per_layer is not None else None}
+        return self.forward_hidden(self.embed_ids(ids), meta, pools, head=False, per_layer=self._per_layer_rows(ids))
+
+    def _per_layer_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Gemma 4's per-layer table rows of the step's tokens (gathered here, outside forward_hidden, as the
+        token embedding is: the table may live in host memory); None for other models."""
+        return self.per_layer.rows(ids) if self.per_layer is not None else None
 
     def _step_meta(self, seqs: list[SeqInput], pools: KVPools, quantise: list[tuple[int, int]]) -> StepMetadata:
         meta = StepMetadata.build(seqs, pools.cfg.block_size, self.device)
@@ -169,13 +169,16 @@ class LlamaModel:
         the final norm). Device work only (no host syncs in decode-only steps), so CUDA graphs can capture
         it; the embedding gather stays outside because its table may live in host memory. One function,
         not a body and a head around it: a caller frame holding `h` would keep the embedded rows alive
-        through every layer. `per_layer`: Gemma 4's per-layer embeddings of the rows, gathered outside too."""
+        through every layer. `per_layer`: Gemma 4's per-layer table rows of the tokens, gathered outside too
+        (mixed here with the embedded rows)."""
         cfg = self.cfg
         if pools.sliding is not None and meta.sliding is None:
             raise ValueError("the sliding-window layers have a cache group of their own: every input needs its "
                              "sliding_table")
         if (per_layer is None) != (self.per_layer is None):
             raise ValueError("per-layer embeddings are given exactly when the model has them (Gemma 4's E models)")
+        if per_layer is not None:
+            per_layer = self.per_layer.mix(per_layer, h)
         # h is the residual stream: each linear that ends a sub-block adds into it, and the norm
         # in front of a sub-block is folded into the linear that starts it.
         for li, layer in enumerate(self.layers):

@@ -31,14 +31,18 @@ class PerLayerEmbedding:
         return cls(table, weights["per_layer.projection"].to(device=device, dtype=dtype),
                    weights["per_layer.norm"].to(device=device, dtype=dtype), cfg.rms_norm_eps, on_host)
 
-    def inputs(self, ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' table rows [T, L x P], on the device (one small row a token crosses PCIe when the table
+        lives on the host)."""
+        device = self.projection.device
+        if self.on_host:
+            return self.table[ids.cpu()].to(device, self.projection.dtype, non_blocking=True)
+        return F.embedding(ids.to(device), self.table)
+
+    def mix(self, rows: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """Each row's per-layer vectors [T, L, P]: (norm(projection of its scaled embedding / sqrt(H)) + its
         looked-up row x sqrt(P)) / sqrt(2), as transformers mixes them."""
         size = self.norm.shape[0]
-        if self.on_host:
-            rows = self.table[ids.cpu()].to(embedded.device, embedded.dtype, non_blocking=True)
-        else:
-            rows = F.embedding(ids.to(embedded.device), self.table)
         rows = rows.unflatten(-1, (-1, size)) * size ** 0.5
         mixed = F.linear(embedded, self.projection) * embedded.shape[-1] ** -0.5
         mixed = ops.rms_norm(mixed.unflatten(-1, (-1, size)), self.norm, self.eps)[0]
