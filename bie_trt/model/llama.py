@@ -101,13 +101,15 @@ class LlamaModel:
         self.key_mean = t("kv.key_mean") if "kv.key_mean" in weights else None   # [L, Hkv, D]
         self.layers = []
         linear_attention = set(cfg.linear_layers)
+        # a KV-shared layer (Gemma 4) reads an earlier layer's cache and writes none; decided once, not per step
+        self.owns_cache = [cfg.kv_source(i) == i for i in range(cfg.num_layers)]
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             attends = i not in linear_attention
             lin = {name: load_linear(weights, p + name, device, dtype, (gemv_configs or {}).get(name), keep_dense)
                    for name in (LINEARS if attends else (*DELTANET_LINEARS, "gate_up", "down"))}
-            # a KV-shared layer (Gemma 4) has a q norm only
-            qk_norm = (QKNorm(norm(p + "q_norm"), norm(p + "k_norm") if cfg.kv_source(i) == i else None,
+            # a KV-shared layer has a q norm only
+            qk_norm = (QKNorm(norm(p + "q_norm"), norm(p + "k_norm") if self.owns_cache[i] else None,
                               cfg.rms_norm_eps) if cfg.qk_norm and attends else None)
             post = (norm(p + "post_attn_norm"), norm(p + "post_mlp_norm")) if cfg.sandwich_norms else (None, None)
             deltanet = None if attends else DeltaNetWeights.load(weights, p, device, dtype)
@@ -124,7 +126,7 @@ class LlamaModel:
         self.group_index = [kinds[:cfg.kv_source(i)].count(kinds[i]) for i in range(cfg.num_layers)]
         # Over a single pool (no sliding group: a dense model, Qwen3.5, any model's key calibration) every layer
         # owning a cache has its own index there; linear-attention and KV-shared layers own none.
-        owners = [j for j in range(cfg.num_layers) if j not in linear_attention and cfg.kv_source(j) == j]
+        owners = [j for j in range(cfg.num_layers) if j not in linear_attention and self.owns_cache[j]]
         self.pool_index = [sum(j < cfg.kv_source(i) for j in owners) for i in range(cfg.num_layers)]
         # YaRN multiplies cos and sin by its attention factor; rotation is linear, so every q·k grows by the
         # factor squared: folded into the softmax scale, the same for the torch and Triton paths.
@@ -246,7 +248,7 @@ class LlamaModel:
         gate = None
         if cfg.attn_output_gate:   # Qwen3.5: qkv's last q_size columns gate the attention output
             qkv, gate = qkv[:, :-cfg.q_size].contiguous(), qkv[:, -cfg.q_size:]
-        if cfg.kv_source(li) != li:   # Gemma 4's KV-shared layer: q only, reading the source layer's cache
+        if not self.owns_cache[li]:   # Gemma 4's KV-shared layer: q only, reading the source layer's cache
             q = shared_query(qkv, cfg.num_heads, layer.qk_norm.q, cfg.rms_norm_eps, meta.rope_positions,
                              self.rope.inv_freq_of(li), rotates_keys(pools.cfg))
         else:
@@ -260,7 +262,7 @@ class LlamaModel:
                                  self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
                                  rotates_values(pools.cfg), pools, gi, meta.slot_blocks, meta.slot_offsets,
                                  layer.qk_norm)
-        if meta.quantise and cfg.kv_source(li) == li:
+        if meta.quantise and self.owns_cache[li]:
             ops.quantize_layer_blocks(pools, gi, *meta.quantise)
         window = self.rope.windows[li]
         if meta.all_decode:   # a decode-only step (the graphs'): no gather and scatter of rows
