@@ -2,7 +2,7 @@
 
 Every variant runs over the same windows as an FP16-KV baseline, sharing one copy of the weights.
 A window goes through one forward as one sequence whose rows read the cache exactly as plain
-decoding does at their positions (the engine's own mechanism, executor/exact_rows.py): its rows
+decoding does at their positions (the engine's own mechanism, cache_tiers/exact_rows.py): its rows
 are cut where the blocks read quantised change, each run with its block table (and into block-sized
 slices), and the blocks the window itself writes and later rows read quantised are quantised per
 layer between writing K/V and attention.
@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from .config import EngineConfig, KVCacheConfig
 from .errors import BieError
-from .executor.block_manager import BlockManager
+from .cache_tiers.block_manager import BlockManager
 from .executor.model_runner import ModelRunner
 from .executor.sequence import Sequence
 from .kernels.step_inputs import SeqInput

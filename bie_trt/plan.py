@@ -160,7 +160,7 @@ def host_bytes(gib: float | None, available: int | None) -> int:
 def host_tier(model: ModelConfig, kv: KVCacheConfig, size: int) -> dict[str, Any]:
     """What a KV host tier of `size` bytes holds, in host RAM beside the device plan (not in its budget):
     blocks of the body's format (quantised, or FP16 for an FP16 cache) and the tokens they cover. Off for a
-    hybrid model: its sliding-window layers' blocks stay on the device (executor/sliding_blocks.py)."""
+    hybrid model: its sliding-window layers' blocks stay on the device (cache_tiers/sliding_blocks.py)."""
     if model.sliding_layers:
         return {"bytes": 0, "block_bytes": 0, "blocks": 0, "tokens": 0,
                 "off": "a hybrid model's sliding-window layers keep their blocks on the device"}

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bie_trt.config import KVCacheConfig, ModelConfig
-from bie_trt.executor.block_manager import BlockManager
+from bie_trt.cache_tiers.block_manager import BlockManager
 from bie_trt.executor.model_runner import quantise_blocks
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools, encode_quant_block

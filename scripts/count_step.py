@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bie_trt.config import KVCacheConfig, ModelConfig  # noqa: E402
-from bie_trt.executor.exact_rows import runs  # noqa: E402
+from bie_trt.cache_tiers.exact_rows import runs  # noqa: E402
 from bie_trt.kernels.int8_rows import Int8Rows  # noqa: E402
 from bie_trt.kernels.step_inputs import SeqInput, StepTiles  # noqa: E402
 from bie_trt.kernels.triton_w4 import gemv_grid_for, sm_limits  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bie_trt.config import KVCacheConfig
-from bie_trt.executor.block_manager import BlockManager
+from bie_trt.cache_tiers.block_manager import BlockManager
 from bie_trt.executor.prompt_encoder import PromptEncoder
 from bie_trt.scale_out.affinity import (AFFINITY, LEAST_LOADED, OVERFLOW, AffinityTable, choose, least_loaded,
                                         prefix_keys)

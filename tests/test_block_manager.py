@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from bie_trt.config import KVCacheConfig, ModelConfig
-from bie_trt.executor.block_manager import BlockManager
-from bie_trt.executor.exact_rows import quantised_end, sink_blocks
+from bie_trt.cache_tiers.block_manager import BlockManager
+from bie_trt.cache_tiers.exact_rows import quantised_end, sink_blocks
 from bie_trt.executor.model_runner import copy_blocks, quantise_blocks
-from bie_trt.executor.prefix_cache import PrefixCache
+from bie_trt.cache_tiers.prefix_cache import PrefixCache
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools, decode_block
 from bie_trt.kv.quant import dequantize_block, quantize_block

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bie_trt.executor.cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
+from bie_trt.cache_tiers.cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
 
 IDENTITY = {"engine": "ab" * 32, "kv_layout": {"dtype": "int4_asym", "block_size": 16}}
 

@@ -96,7 +96,7 @@ def test_the_loop_reads_custom_and_local_shell_items_back(codex_server, patch_tu
     assert answer.error is None and answer.items[0]["type"] == "custom_tool_call"
     assert parses_as_codex_patch(codex_server[0], answer.items[0]["input"])
 
-    from bie_trt.server.protocols.responses import ResponsesRequest
+    from bie_trt.server.protocols.openai_responses import ResponsesRequest
     body = ResponsesRequest.model_validate(codex_body(codex_server[0].model_name, history, TOOLS))
     chat = body.chat_fields([])
     system = chat["messages"][0]["content"]
@@ -161,11 +161,11 @@ def test_sealed_reasoning_round_trip_and_tampering(codex_server):
 def test_a_free_replys_calls_pass_their_tools_rules(codex_server):
     """tool_choice auto: a Hermes call of a custom tool is a call only when its input parses by the tool's
     grammar, a local_shell call only when its arguments are an exec action; otherwise the text stays prose."""
-    from bie_trt.server.protocols.responses import ResponsesRequest
-    from bie_trt.server.reply_format import ToolPlan
+    from bie_trt.server.protocols.openai_responses import ResponsesRequest
+    from bie_trt.server.reply_format import ToolSetup
 
     box = ResponsesRequest.model_validate(codex_body("m", ASK, [APPLY_PATCH_TOOL, {"type": "local_shell"}])).toolbox()
-    plan = ToolPlan("auto", box.chat_tools(), None)
+    plan = ToolSetup("auto", box.chat_tools(), None)
     parser = plan.parser(box.check(codex_server[0].grammar_compiler().accepts))
 
     def tagged(name: str, arguments: dict) -> str:
@@ -196,13 +196,13 @@ def test_a_free_replys_calls_stream_as_codex_reads_them():
     """The events of a free reply that calls apply_patch and local_shell on its own (the tiny model never
     does, so the reply text is fed to the renderer in pieces): Codex parses each done item, the custom
     call's input deltas rebuild its input, and the items are those the whole reply renders."""
-    from bie_trt.server.blocks import BlockStream, reply_blocks
+    from bie_trt.server.reply_blocks import BlockStream, reply_blocks
     from bie_trt.server.responses import Rendering
-    from bie_trt.server.protocols.responses import ResponsesRequest
-    from bie_trt.server.reply_format import ToolPlan
+    from bie_trt.server.protocols.openai_responses import ResponsesRequest
+    from bie_trt.server.reply_format import ToolSetup
 
     box = ResponsesRequest.model_validate(codex_body("m", ASK, TOOLS)).toolbox()
-    plan = ToolPlan("auto", box.chat_tools(), None)
+    plan = ToolSetup("auto", box.chat_tools(), None)
     patch = "*** Begin Patch\n*** Delete File: a.txt\n*** End Patch\n"
     text = ('Deleting it.\n<tool_call>\n{"name": "apply_patch", "arguments": ' + json.dumps({"input": patch})
             + '}\n</tool_call>\n<tool_call>\n{"name": "local_shell", "arguments": {"command": ["ls"]}}\n</tool_call>')

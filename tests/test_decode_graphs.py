@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from bie_trt.config import KVCacheConfig
-from bie_trt.executor.block_manager import BlockManager
-from bie_trt.executor.exact_rows import join_runs
+from bie_trt.cache_tiers.block_manager import BlockManager
+from bie_trt.cache_tiers.exact_rows import join_runs
 from bie_trt.executor.model_runner import ModelRunner, apply_moves, copy_blocks
 from bie_trt.executor.scheduler import Scheduler
 from bie_trt.executor.sequence import Sequence

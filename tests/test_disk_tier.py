@@ -23,10 +23,10 @@ import torch
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.executor.cache_blocks import cache_identity
-from bie_trt.executor.cache_file import read_cache_file, read_header, write_cache_file
-from bie_trt.executor import disk_cache
-from bie_trt.executor.disk_cache import SUFFIX, DiskTier, PendingBlock, engine_dirname
-from bie_trt.executor.prefix_cache import block_key
+from bie_trt.cache_tiers.cache_file import read_cache_file, read_header, write_cache_file
+from bie_trt.cache_tiers import disk_cache
+from bie_trt.cache_tiers.disk_cache import SUFFIX, DiskTier, PendingBlock, engine_dirname
+from bie_trt.cache_tiers.prefix_cache import block_key
 from bie_trt.server.app import ServerOptions
 from test_server import serving
 
@@ -330,7 +330,7 @@ def test_a_crashed_writers_temporary_files_are_deleted_at_start(tmp_path):
 WRITER = """
 import sys
 from pathlib import Path
-from bie_trt.executor.disk_cache import SUFFIX, DiskTier
+from bie_trt.cache_tiers.disk_cache import SUFFIX, DiskTier
 tier = DiskTier(Path(sys.argv[1]), {"engine": "ab" * 32}, 1 << 20)
 assert tier.writable
 (tier.dir / f".{'07' * 16}{SUFFIX}.x1y2.tmp").write_bytes(b"BIEKVC half a file")

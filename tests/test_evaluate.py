@@ -13,7 +13,7 @@ from bie_trt.cli import main
 from bie_trt.config import EngineConfig, KVCacheConfig
 from bie_trt import evaluate as ev
 from bie_trt.evaluate import evaluate
-from bie_trt.executor.block_manager import BlockManager
+from bie_trt.cache_tiers.block_manager import BlockManager
 from bie_trt.executor.model_runner import ModelRunner, quantise_blocks
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kv.pool import allocate_pools

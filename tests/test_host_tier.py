@@ -18,7 +18,7 @@ from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.builder.build import BuildOptions, build_engine
 from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import KVCacheConfig
-from bie_trt.executor.block_manager import BlockManager
+from bie_trt.cache_tiers.block_manager import BlockManager
 from bie_trt.executor.model_runner import apply_moves
 from bie_trt.kv.host_pool import HostPool, block_bytes
 from bie_trt.model.synthetic import write_word_tokenizer
@@ -209,7 +209,7 @@ def test_fp16_copies_of_a_body_stay_off_the_host_unless_a_prompt_ends_near_them(
 
 
 def test_the_host_cache_drops_its_oldest_blocks_to_stay_within_its_bound():
-    from bie_trt.executor.host_cache import Drop, HostCache
+    from bie_trt.cache_tiers.host_cache import Drop, HostCache
 
     host = HostCache(100, {False: 40, True: 10}, itertools.count())
     moves = []
@@ -335,7 +335,7 @@ def saved_file(tiny_engine, tmp_path_factory) -> Path:
 
 
 def refused(tiny_engine, path: Path, dtype: str = "int4_asym", engine_dir: Path | None = None) -> str:
-    from bie_trt.executor.cache_file import CacheFileError
+    from bie_trt.cache_tiers.cache_file import CacheFileError
 
     with pytest.raises(CacheFileError) as e:
         engine(engine_dir or tiny_engine, dtype, "none").load_cache(path)

@@ -20,12 +20,12 @@ from bie_trt.builder.build import BuildOptions, resolve_kv
 from bie_trt.builder.key_centering import CALIBRATION_TEXT
 from bie_trt.cli import main
 from bie_trt.config import EngineConfig, KVCacheConfig, ModelConfig
-from bie_trt.executor.block_manager import BlockManager
-from bie_trt.executor.cache_file import CacheFileError
+from bie_trt.cache_tiers.block_manager import BlockManager
+from bie_trt.cache_tiers.cache_file import CacheFileError
 from bie_trt.executor.disk_blocks import open_disk_tier
 from bie_trt.executor.engine import BieEngine
 from bie_trt.executor.sequence import Sequence
-from bie_trt.executor.sliding_blocks import PAD, SlidingBlocks
+from bie_trt.cache_tiers.sliding_blocks import PAD, SlidingBlocks
 from bie_trt.kv.pool import allocate_kv
 from bie_trt.kv.sizing import kv_pool_blocks, sliding_blocks_per_seq, sliding_pool_blocks
 from bie_trt.plan import solve_plan

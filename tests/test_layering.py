@@ -33,7 +33,8 @@ RUNTIME: list[tuple[str, tuple[str, ...]]] = [
     ("chat", ("chat",)),                # tokenizer, chat templates, tool calls, reasoning: text only
     ("decoding", ("sampling", "logits_constraint", "closed_schema")),   # sampler and output constraints
     ("spec_decode", ("spec_decode",)),
-    ("executor", ("executor",)),
+    # the loop (executor) and the cache tiers it drives (block manager, prefix cache, host and disk tiers)
+    ("executor", ("executor", "cache_tiers")),
     ("sdk", ("",)),                     # bie_trt/__init__.py: the public API
     ("server", ("server",)),
     ("scale_out", ("scale_out",)),

@@ -9,9 +9,9 @@ import torch
 
 from bie_trt import BieEngine, EngineConfig, SamplingParams
 from bie_trt.config import KVCacheConfig
-from bie_trt.executor.block_manager import BlockManager
+from bie_trt.cache_tiers.block_manager import BlockManager
 from bie_trt.executor.model_runner import quantise_blocks
-from bie_trt.executor.prefix_cache import quant_key
+from bie_trt.cache_tiers.prefix_cache import quant_key
 from bie_trt.kv.pool import allocate_pools
 from test_block_manager import MODEL, new_seq
 

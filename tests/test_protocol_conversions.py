@@ -8,14 +8,14 @@ import jsonschema
 import pydantic
 import pytest
 
-from bie_trt.chat.tool_calls import ToolsError, plan_tools
-from bie_trt.server.blocks import TOOL_CALL, Block
+from bie_trt.chat.tool_calls import ToolsError, resolve_tool_choice
+from bie_trt.server.reply_blocks import TOOL_CALL, Block
 from bie_trt.server.chat_path import as_chat_request
 from bie_trt.server.messages import content_block, stop_reason
 from bie_trt.server.protocols.anthropic import MessagesRequest
 from bie_trt.server.protocols.openai import ChatRequest
-from bie_trt.server.protocols.responses import ResponsesRequest
-from bie_trt.server.reply_format import ParamError, tool_plan
+from bie_trt.server.protocols.openai_responses import ResponsesRequest
+from bie_trt.server.reply_format import ParamError, tool_setup
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -82,7 +82,7 @@ def named(parameters: dict | None) -> list[dict]:
 def test_a_forced_calls_grammar_admits_objects_only(parameters, choice):
     """The grammar of a forced call is the tool's schema with type "object": without it, a schema that
     declares no type lets the model write `"Oslo"` as the arguments (llguidance admits it)."""
-    mode, _, constraint = plan_tools(named(parameters), choice)
+    mode, _, constraint = resolve_tool_choice(named(parameters), choice)
     schema = constraint.schema()
     arguments = schema if mode == "named" else schema["items"]["properties"]["parameters"]
     assert arguments["type"] == "object"
@@ -102,10 +102,10 @@ def test_a_tool_whose_arguments_cannot_be_an_object_is_refused_on_each_openai_ap
     ).chat_fields([]))
     for req in (chat, responses):
         with pytest.raises(ParamError, match=r"tools\[0\] \('get_weather'\): parameters must be .*\"object\"") as e:
-            tool_plan(req)
+            tool_setup(req)
         assert e.value.param == "tools"
     with pytest.raises(ToolsError):
-        plan_tools(named(parameters), "none")
+        resolve_tool_choice(named(parameters), "none")
     with pytest.raises(pydantic.ValidationError, match="input_schema"):   # Anthropic's body refuses it itself
         MessagesRequest.model_validate({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
                                         "tools": [{"name": "get_weather", "input_schema": parameters}]})

@@ -6,7 +6,7 @@ import pytest
 
 from bie_trt.config import KVCacheConfig
 from bie_trt.errors import EngineError
-from bie_trt.executor.block_manager import BlockManager
+from bie_trt.cache_tiers.block_manager import BlockManager
 from bie_trt.executor.scheduler import Scheduler, check_progress, step_budget
 from bie_trt.executor.sequence import Status
 from bie_trt.plan import step_tokens

@@ -465,7 +465,7 @@ def test_anthropic_budget_tokens_bound_the_thinking_block(served, reference):
 
 
 def test_responses_effort_maps_to_a_budget_or_switches_thinking_off(served, reference):
-    from bie_trt.server.protocols.responses import EFFORT_BUDGETS, ResponsesRequest
+    from bie_trt.server.protocols.openai_responses import EFFORT_BUDGETS, ResponsesRequest
     fields = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "low"}}).chat_fields([])
     assert EFFORT_BUDGETS["low"] == 1024
     assert (fields["thinking_token_budget"], fields["chat_template_kwargs"]) == (1024, {"enable_thinking": True})

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from bie_trt.chat.tool_calls import (ReplyParser, held_back, parse_required, parse_tool_calls, required_schema,
                                 template_messages, template_renders_tools, tools_prompt)
 from bie_trt.server.protocols.openai import ChatRequest
-from bie_trt.server.reply_format import tool_plan
+from bie_trt.server.reply_format import tool_setup
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -150,7 +150,7 @@ def test_required_allows_one_call_unless_parallel_calls_are_asked_for(parallel, 
     """What LangChain and the Agents SDK send (no parallel_tool_calls) gets one call."""
     body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "tool_choice": "required",
             **({} if parallel is None else {"parallel_tool_calls": parallel})}
-    plan = tool_plan(ChatRequest.model_validate_json(json.dumps(body)))
+    plan = tool_setup(ChatRequest.model_validate_json(json.dumps(body)))
     assert plan.constraint.schema().get("maxItems") == max_items
 
 

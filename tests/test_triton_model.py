@@ -8,7 +8,7 @@ import torch
 from bie_trt.builder.build import BuildOptions, build_engine
 from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
 from bie_trt.config import EngineConfig
-from bie_trt.executor.block_manager import BlockManager
+from bie_trt.cache_tiers.block_manager import BlockManager
 from bie_trt.executor.model_runner import ModelRunner, quantise_blocks
 from bie_trt.executor.sequence import Sequence
 from bie_trt.kernels import triton_ops

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import KVCacheConfig
-from ..executor.block_manager import BlockManager
+from ..cache_tiers.block_manager import BlockManager
 from ..executor.sequence import Sequence
 from ..kernels.step_inputs import SeqInput
 from ..kv.pool import allocate_pools

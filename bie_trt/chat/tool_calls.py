@@ -354,7 +354,7 @@ def _arguments_delta(index: int, fragment: str) -> dict:
     return {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
 
 
-def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool = False
+def resolve_tool_choice(tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool = False
                ) -> tuple[str, str | None, StructuredOutputs | None]:
     """OpenAI's tools and tool_choice -> (reply mode: none, auto, required or named; the named function;
     the constraint that enforces it). `parallel`: "required" admits several calls, not exactly one."""

@@ -20,7 +20,7 @@ def _size(n: int) -> str:
 def inspect_cache(directory: str, as_json: bool) -> None:
     """List a KV cache directory: each engine's persisted prefix blocks (the disk tier of `serve`) and the
     cache files saved there with POST /v1/cache/save. Reads the files' headers only."""
-    from ..executor.disk_cache import describe
+    from ..cache_tiers.disk_cache import describe
 
     listing = describe(Path(directory))
     if as_json:

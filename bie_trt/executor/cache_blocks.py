@@ -9,8 +9,8 @@ import torch
 
 from ..sampling import make_generator
 from ..sampling_params import SamplingParams
-from .block_manager import BlockManager
-from .cache_file import CachedBlock, CacheFileError
+from ..cache_tiers.block_manager import BlockManager
+from ..cache_tiers.cache_file import CachedBlock, CacheFileError
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence

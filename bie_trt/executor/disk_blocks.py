@@ -12,12 +12,12 @@ from ..config import EngineConfig
 from ..errors import EngineError
 from ..sampling import make_generator
 from ..sampling_params import SamplingParams
-from .block_manager import BlockManager
+from ..cache_tiers.block_manager import BlockManager
 from .cache_blocks import adopt, cache_identity
-from .cache_file import CachedBlock
-from .disk_cache import DiskTier, PendingBlock, disk_bytes
+from ..cache_tiers.cache_file import CachedBlock
+from ..cache_tiers.disk_cache import DiskTier, PendingBlock, disk_bytes
 from .model_runner import ModelRunner
-from .prefix_cache import quant_key
+from ..cache_tiers.prefix_cache import quant_key
 from .scheduler import Scheduler
 from .sequence import Sequence
 

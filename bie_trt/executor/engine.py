@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Callable, Sequence as Seq
 
 from ..chat.reasoning import reply_start, resolve_parser, split_reasoning
-from ..chat.tool_calls import ReplyParser, plan_tools
+from ..chat.tool_calls import ReplyParser, resolve_tool_choice
 from ..config import EngineConfig
 from ..errors import RequestError
 from ..logits_constraint import GrammarCompiler
 from ..sampling_params import SamplingParams
 from .cache_blocks import adopt, cache_identity, copy_out
-from .cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
+from ..cache_tiers.cache_file import CachedBlock, CacheFileError, read_cache_file, write_cache_file
 from .engine_core import EngineCore
 from .engine_stats import engine_stats
 from .engine_thread import EngineThread
@@ -133,7 +133,7 @@ class BieEngine:
         ({"enable_thinking": False}); a thinking model's reasoning is split off as the server splits it
         (by the engine's parser, EngineConfig.reasoning_parser)."""
         params = params or SamplingParams()
-        mode, function, constraint = plan_tools(tools, tool_choice, parallel_tool_calls)
+        mode, function, constraint = resolve_tool_choice(tools, tool_choice, parallel_tool_calls)
         if constraint is not None:
             if params.structured_outputs is not None:
                 raise RequestError(f"tool_choice {tool_choice!r} and the params' structured_outputs both constrain "

@@ -29,9 +29,9 @@ from ..resolve import resolve
 from ..sampling import make_generator
 from ..sampling_params import SamplingParams
 from ..user_cache import cache_dir
-from .block_manager import BlockManager, Copy, OutOfBlocks, Quantisation
-from .exact_rows import join_runs
-from .host_cache import Drop, Offload, Restore
+from ..cache_tiers.block_manager import BlockManager, Copy, OutOfBlocks, Quantisation
+from ..cache_tiers.exact_rows import join_runs
+from ..cache_tiers.host_cache import Drop, Offload, Restore
 from .scheduler import Move, ScheduledBatch, Scheduler
 from .sequence import Sequence
 

@@ -28,8 +28,8 @@ from ..errors import EngineError
 from ..kv.recurrent import RecurrentStates
 from ..kv.sizing import bounded_fp_blocks_per_seq
 from ..plan import step_tokens
-from .block_manager import BlockManager, Copy, Quantisation, View
-from .host_cache import HostMove
+from ..cache_tiers.block_manager import BlockManager, Copy, Quantisation, View
+from ..cache_tiers.host_cache import HostMove
 from .sequence import Sequence, Status
 
 Move = Quantisation | HostMove   # a block move launched before a step's copies and forward

@@ -1,7 +1,7 @@
 """The host tier's storage: blocks evicted from the device KV pools, in their own layout (a quantised
 block's codes and scale/zero records as they are, an FP16 block's K and V), one slot each.
 
-The block manager's host cache (executor/host_cache.py) decides which slot holds what and keeps the
+The block manager's host cache (cache_tiers/host_cache.py) decides which slot holds what and keeps the
 total under its bound; this pool only copies. On a GPU the slots are pinned host memory and the copies
 are asynchronous on the device's stream (ordered with the quantisations and the forward around them);
 on the CPU it is simply a second pool of tensors.

@@ -6,7 +6,7 @@ in flight) and, with a quantised cache, the body in the quantised pool, both add
 A hybrid model (Gemma 3: five sliding-window layers to one full layer) has two: the full layers keep that
 layout, the sliding layers an FP16 pool of their own that holds only each sequence's window (plus a block,
 because the window rarely starts on a block boundary, plus the prefill chunk in flight): blocks that slide
-out of the window go back to it (executor/sliding_blocks.py). Pure arithmetic, no tensors.
+out of the window go back to it (cache_tiers/sliding_blocks.py). Pure arithmetic, no tensors.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
-from ..executor.prefix_cache import block_key
+from ..cache_tiers.prefix_cache import block_key
 
 MAX_BLOCKS = 256        # leading blocks hashed per prompt (4k tokens): enough to tell documents apart, cheap
 MIN_SHARE = 0.5         # of a prompt's hashed blocks a replica must hold for affinity

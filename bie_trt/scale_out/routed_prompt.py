@@ -4,8 +4,8 @@ from __future__ import annotations
 from ..executor.prompt_encoder import PromptEncoder
 from ..server.protocols.anthropic import MessagesRequest
 from ..server.protocols.openai import CacheRequest, ChatRequest
-from ..server.protocols.responses import ResponsesRequest
-from ..server.reply_format import tool_plan
+from ..server.protocols.openai_responses import ResponsesRequest
+from ..server.reply_format import tool_setup
 
 
 CHAT_PATHS = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
@@ -22,7 +22,7 @@ def routed_prompt(path: str, body: dict, encoder: PromptEncoder) -> list[int] | 
     if path in CHAT_PATHS:
         chat = chat_body(path, body)
         return None if chat is None else encoder.encode_chat(
-            [m.to_template() for m in chat.messages], tool_plan(chat).tools, chat.chat_template_kwargs,
+            [m.to_template() for m in chat.messages], tool_setup(chat).tools, chat.chat_template_kwargs,
             chat.continue_final_message)
     if path in ("/v1/cache/save", "/v1/cache/restore"):
         cache = CacheRequest.model_validate(body)

@@ -10,7 +10,7 @@ import jinja2
 from fastapi import FastAPI
 
 from ..errors import BieError
-from ..executor.cache_file import CacheFileError
+from ..cache_tiers.cache_file import CacheFileError
 from .errors import ApiError
 from .protocols.openai import CacheRequest
 from .state import ServerState

@@ -13,11 +13,11 @@ from ..executor.streams import RequestStream
 from .errors import ApiError
 from .generation import submit
 from .protocols.openai import ChatRequest, describe_error
-from .reply_format import ParamError, ToolPlan, tool_plan
+from .reply_format import ParamError, ToolSetup, tool_setup
 from .state import ServerState
 
 
-def reasoning_start(state: ServerState, prompt_ids: list[int], req: ChatRequest, tools: ToolPlan) -> bool | None:
+def reasoning_start(state: ServerState, prompt_ids: list[int], req: ChatRequest, tools: ToolSetup) -> bool | None:
     """Where this reply starts for the reasoning parser (inside a block or not), from its prompt's end;
     None: the reply is not split (no parser, the prompt closed the block, or an output constraint or
     tool_choice shapes the whole reply)."""
@@ -36,13 +36,13 @@ def as_chat_request(fields: dict[str, Any]) -> ChatRequest:
         raise ApiError(400, message, param) from None
 
 
-def chat_encoder(state: ServerState, req: ChatRequest) -> tuple[Callable[[], list[int]], ToolPlan]:
+def chat_encoder(state: ServerState, req: ChatRequest) -> tuple[Callable[[], list[int]], ToolSetup]:
     """A chat body's prompt as a function that puts it through the chat template (tools rendered), to run
     in a worker thread, and how its tools shape the reply. Every API that speaks in messages (chat,
     Anthropic's Messages, the Responses API) comes through here."""
     messages = [m.to_template() for m in req.messages]
     try:
-        tools = tool_plan(req)
+        tools = tool_setup(req)
     except ParamError as e:
         raise ApiError(400, str(e), e.param) from None
     if req.continue_final_message and (tools.mode not in ("none", "auto") or req.constraints()):
@@ -60,14 +60,14 @@ def chat_encoder(state: ServerState, req: ChatRequest) -> tuple[Callable[[], lis
     return encode, tools
 
 
-async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], ToolPlan]:
+async def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], ToolSetup]:
     """A chat body's prompt (counted, not started) and how its tools shape the reply."""
     encode, tools = chat_encoder(state, req)
     return await state.prepare(encode), tools
 
 
 async def start_chat(state: ServerState, req: ChatRequest, top_n: int | None = None
-                     ) -> tuple[list[RequestStream], ToolPlan, list[int]]:
+                     ) -> tuple[list[RequestStream], ToolSetup, list[int]]:
     """A chat body started on the engine, encoded and started in one worker thread: its n streams, its
     tool plan (each stream's ReplyParser comes from it) and its prompt."""
     encode, tools = chat_encoder(state, req)

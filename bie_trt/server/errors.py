@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..errors import BieError
-from .protocols import anthropic as anthropic_protocol, responses as responses_protocol
+from .protocols import anthropic as anthropic_protocol, openai_responses as responses_protocol
 from .protocols.openai import SHAPES, describe_error
 
 log = logging.getLogger("bie_trt.server")

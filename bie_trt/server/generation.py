@@ -23,7 +23,7 @@ from ..sampling_params import ConstraintError, SamplingParams, StructuredOutputs
 from .errors import ApiError, error_body
 from .metrics import Metrics
 from .protocols.openai import SamplingRequest
-from .reply_format import ParamError, ToolPlan, error_param, output_constraint
+from .reply_format import ParamError, ToolSetup, error_param, output_constraint
 from .state import ServerState
 
 DISCONNECT_POLL_S = 0.1   # how often a non-streamed request checks that its client is still there
@@ -102,7 +102,7 @@ OPENAI_WIRE = Wire()
 
 
 async def submit(state: ServerState, encode: Callable[[], list[list[int]]], num_prompts: int, req: SamplingRequest,
-                 max_tokens: int | None, logprobs: int | None, chat: bool, tools: ToolPlan | None = None
+                 max_tokens: int | None, logprobs: int | None, chat: bool, tools: ToolSetup | None = None
                  ) -> tuple[list[RequestStream], list[list[int]]]:
     """Check the queue against its bound, then in one worker thread (the request's one hop off the event
     loop): the `num_prompts` prompts encoded (`encode`, which raises ApiError for what it refuses), each

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..executor.outputs import RequestOutput, StreamEvent
-from .blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, call_input, reply_blocks
+from .reply_blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, call_input, reply_blocks
 from .chat_path import as_chat_request, chat_prompt, reasoning_start, start_chat
 from .errors import anthropic_error_body
 from .generation import Wire, respond, typed_sse

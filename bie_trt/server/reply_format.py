@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat.tool_calls import CallCheck, ReplyParser, ToolsError, plan_tools
+from ..chat.tool_calls import CallCheck, ReplyParser, ToolsError, resolve_tool_choice
 from ..errors import RequestError
 from ..sampling_params import StructuredOutputs
 from .protocols.openai import ChatRequest, SamplingRequest
@@ -23,7 +23,7 @@ class ParamError(Exception):
 
 
 @dataclass(frozen=True)
-class ToolPlan:
+class ToolSetup:
     """How a chat request's tools shape its reply: `mode` (none, auto, required, named), the tools as the
     template gets them, and the constraint tool_choice implies."""
 
@@ -37,18 +37,18 @@ class ToolPlan:
         return ReplyParser(self.mode, names, self.function, check)
 
 
-def tool_plan(req: ChatRequest) -> ToolPlan:
-    """The body's tools as the engine plans them (the body's checks already refused what it would)."""
+def tool_setup(req: ChatRequest) -> ToolSetup:
+    """The body's tools as the engine resolves them (the body's checks already refused what it would)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice if isinstance(req.tool_choice, (str, type(None))) else req.tool_choice.model_dump()
     try:
-        mode, function, constraint = plan_tools(tools, choice, req.parallel_tool_calls is True)
+        mode, function, constraint = resolve_tool_choice(tools, choice, req.parallel_tool_calls is True)
     except RequestError as e:
         raise ParamError(str(e), "tools" if isinstance(e, ToolsError) else "tool_choice") from None
-    return ToolPlan(mode, tools, constraint, function)
+    return ToolSetup(mode, tools, constraint, function)
 
 
-def output_constraint(req: SamplingRequest, tools: ToolPlan | None = None, json_schema_mode: str = "closed"
+def output_constraint(req: SamplingRequest, tools: ToolSetup | None = None, json_schema_mode: str = "closed"
                       ) -> tuple[StructuredOutputs | None, str | None]:
     """The body's one constraint and the field it came from; ParamError when a field is malformed or two
     fields both constrain the output. The constraint itself is checked where every request's is, as its

@@ -1,5 +1,5 @@
 """The handlers of OpenAI's Responses API: POST /v1/responses (the body converted once into the chat
-request (protocols/responses.py), run on the chat route's request path, the reply's blocks (a thinking
+request (protocols/openai_responses.py), run on the chat route's request path, the reply's blocks (a thinking
 model's reasoning split off as the chat route splits it) rendered as output items (messages, reasoning,
 function, custom-tool and local-shell calls: responses_tools), whole or as the API's typed, numbered
 events), GET and DELETE /v1/responses/{id} over the stored responses that `previous_response_id`
@@ -20,11 +20,11 @@ from pydantic import BaseModel
 from ..chat.tool_calls import new_call_id
 from ..errors import RequestError
 from ..executor.outputs import RequestOutput, StreamEvent
-from .blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, assistant_message, reply_blocks
+from .reply_blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, assistant_message, reply_blocks
 from .chat_path import as_chat_request, reasoning_start, start_chat
 from .errors import ApiError, error_body
 from .generation import Wire, respond, typed_sse
-from .protocols.responses import ReasoningText, ResponsesRequest, input_messages
+from .protocols.openai_responses import ReasoningText, ResponsesRequest, input_messages
 from .response_store import StoredResponse
 from .responses_tools import LOCAL_SHELL, Toolbox, call_input, shell_action
 from .sealing import ReasoningSeal, SealError

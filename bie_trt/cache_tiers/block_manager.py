@@ -24,7 +24,7 @@ from ..kv.pool import decode_block, encode_quant_block
 from .exact_rows import quantised_end, runs, sink_blocks
 from .host_cache import HostCache, HostMove, Offload, Restore
 from .prefix_cache import PrefixCache, block_key, quant_key, release, share
-from .sequence import Sequence
+from ..executor.sequence import Sequence
 from .sliding_blocks import OutOfBlocks, SlidingBlocks
 
 Copy = tuple[int, int]   # (source, destination) FP16 blocks

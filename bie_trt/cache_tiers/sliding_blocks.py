@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 
 from .prefix_cache import PrefixCache, release, share
-from .sequence import Sequence
+from ..executor.sequence import Sequence
 
 # The table entry of a block given back (or never held, below a prefix hit's window). Any valid block id:
 # the kernels never read below a row's window, and a real id keeps an unmasked address in bounds.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bie_trt.chat.tool_calls import ReplyParser
-from bie_trt.server.blocks import REASONING, TEXT, TOOL_CALL, BlockStream, reply_blocks
+from bie_trt.server.reply_blocks import REASONING, TEXT, TOOL_CALL, BlockStream, reply_blocks
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Berlin"}}\n</tool_call>'
 REPLIES = {
