@@ -7,21 +7,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config_gemma3 import STOP_TOKENS as GEMMA3_STOP_TOKENS
+from . import config_gemma3, config_gemma4, config_qwen35
+from .config_text import PLAIN_DECODER, QWEN2_DECODER, QWEN3_DECODER
 from .errors import CheckpointError
+from .families import ModelFamily
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-    "Gemma3ForConditionalGeneration": "gemma3",   # the text tower of the multimodal releases
-    "Qwen3_5ForCausalLM": "qwen3_5",
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # the text tower of the multimodal releases
-    "Gemma4ForCausalLM": "gemma4",
-    "Gemma4ForConditionalGeneration": "gemma4",    # the text tower of the multimodal releases
-}
+# Every family the engine runs, by name, as each declares itself (families.py).
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
+    PLAIN_DECODER, QWEN2_DECODER, QWEN3_DECODER, config_gemma3.FAMILY, config_qwen35.FAMILY, config_gemma4.FAMILY)}
+# architecture -> family name (the ...ForConditionalGeneration ones: the text tower of the multimodal releases)
+SUPPORTED_ARCHITECTURES = {arch: f.name for f in FAMILIES.values() for arch in f.architectures}
 # Architectures with an RMSNorm over each q and k head (own weights, the model's eps) before RoPE.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                          "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Gemma4ForCausalLM",
@@ -30,15 +25,6 @@ QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForCond
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 KV_DTYPES = ("fp16", "fp8", "int4_asym")
 KV_ROTATIONS = ("hadamard", "hadamard_kv", "none")   # keys only, keys and values, neither
-# KV settings a model family takes by default in every profile (an explicit option still wins). Gemma 3's
-# k-normed keys share a large mean direction (on Gemma-3-270M's full layers the mean key's RMS is 77-82% of
-# the keys' own) and its full layers lean on their last few hundred positions: INT4 there stays within +0.5%
-# perplexity of FP16 only with key centering and a 512-token FP16 window (docs/kv-cache-quality.md). The
-# window costs a fixed 7.5 MiB a sequence on Gemma-3-4B, nothing per token.
-FAMILY_KV_DEFAULTS: dict[str, dict[str, Any]] = {"gemma3": {"key_centering": True, "window": 512}}
-# Tokens (by their text) that end a reply besides a checkpoint's eos ids, by model family: the family's end of
-# turn where its releases leave it out of their end ids (vLLM reads it from generation_config).
-FAMILY_STOP_TOKENS: dict[str, tuple[str, ...]] = {"gemma3": GEMMA3_STOP_TOKENS}
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -205,9 +191,9 @@ class ModelConfig:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @property
-    def stop_tokens(self) -> tuple[str, ...]:
-        """The family's tokens (by their text) that end a reply besides eos_token_ids (FAMILY_STOP_TOKENS)."""
-        return FAMILY_STOP_TOKENS.get(self.family, ())
+    def declared(self) -> ModelFamily:
+        """What the model's family declares (its stop tokens, parsers, KV defaults, model class)."""
+        return FAMILIES[self.family]
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:
@@ -262,22 +248,10 @@ class ModelConfig:
                 f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
                 f"bie-trt supports {sorted(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
             )
-        family = {}   # a family's own fields (Gemma 3's, Qwen3.5's)
-        if SUPPORTED_ARCHITECTURES[arch] == "gemma3":
-            from .config_gemma3 import gemma3_fields, gemma3_text_config
-
-            hf = gemma3_text_config(hf, source)
-            family = gemma3_fields(hf, source)
-        elif SUPPORTED_ARCHITECTURES[arch] == "qwen3_5":
-            from .config_qwen35 import qwen35_fields, qwen35_text_config
-
-            hf = qwen35_text_config(hf, source)
-            family = qwen35_fields(hf, source)
-        elif SUPPORTED_ARCHITECTURES[arch] == "gemma4":
-            from .config_gemma4 import gemma4_fields, gemma4_text_config
-
-            hf = gemma4_text_config(hf, source)
-            family = gemma4_fields(hf, source)
+        family = {}   # a family's own fields (Gemma 3's, Qwen3.5's, Gemma 4's)
+        read = FAMILIES[SUPPORTED_ARCHITECTURES[arch]].read_config
+        if read is not None:
+            hf, family = read(hf, source)
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
@@ -352,7 +326,7 @@ class KVCacheConfig:
     window: int = 128
     rotation: str = "hadamard"
     # Subtract the engine's calibrated mean key before quantising (builder/key_centering.py); exact for attention.
-    # Off by default: it lowers KL divergence but not perplexity on SmolLM2; on for Gemma 3 (FAMILY_KV_DEFAULTS).
+    # Off by default: it lowers KL divergence but not perplexity on SmolLM2; on for Gemma 3 (its kv_defaults).
     key_centering: bool = False
     block_size: int = 16
     # "group": a scale and zero per group of channels per token per head (the format).
@@ -503,8 +477,9 @@ class EngineConfig:
     # extra variables for every chat template render ({"enable_thinking": False}); a request's own override
     # them key by key
     chat_template_kwargs: dict[str, Any] | None = None
-    # how a chat reply's reasoning block is found, by the thinking budget and the reply's split alike: auto
-    # (qwen3's when the chat template mentions <think>, else none), qwen3, deepseek_r1 or none (reasoning.PARSERS)
+    # how a chat reply's reasoning block is found, by the thinking budget and the reply's split alike: auto (the
+    # model family's, else qwen3's when the chat template mentions <think>, else none), qwen3, deepseek_r1 or
+    # none (reasoning.PARSERS)
     reasoning_parser: str = "auto"
     seed: int | None = None         # None: each unseeded request draws fresh entropy; an int: they repeat per run
     # KV-cache overrides (None: the engine's). Used by `bie-trt eval` for ablations; a larger

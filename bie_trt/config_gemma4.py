@@ -13,6 +13,7 @@ from typing import Any
 
 from .config_text import layer_types, text_tower
 from .errors import CheckpointError
+from .families import ModelFamily
 
 # transformers' Gemma4TextConfig defaults (global_head_dim is popped from its kwargs with 512).
 TEXT_DEFAULTS: dict[str, Any] = {
@@ -90,3 +91,11 @@ def gemma4_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
                 num_kv_shared_layers=shared, double_wide_mlp=bool(hf["use_double_wide_mlp"]),
                 per_layer_input_size=per_layer,
                 per_layer_vocab_size=int(hf["vocab_size_per_layer_input"]) if per_layer else 0)
+
+
+def read_gemma4(hf: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    text = gemma4_text_config(hf, source)
+    return text, gemma4_fields(text, source)
+
+
+FAMILY = ModelFamily("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), read_gemma4)

@@ -11,6 +11,7 @@ from typing import Any
 
 from .config_text import layer_types, text_tower
 from .errors import CheckpointError
+from .families import ModelFamily
 
 # transformers' Qwen3_5TextConfig defaults, for fields a config.json may leave out.
 TEXT_DEFAULTS: dict[str, Any] = {
@@ -57,3 +58,13 @@ def qwen35_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
                 linear_key_head_dim=int(hf["linear_key_head_dim"]),
                 linear_value_head_dim=int(hf["linear_value_head_dim"]),
                 linear_conv_kernel=int(hf["linear_conv_kernel_dim"]))
+
+
+def read_qwen35(hf: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    text = qwen35_text_config(hf, source)
+    return text, qwen35_fields(text, source)
+
+
+# Qwen3.5 thinks in Qwen3's <think> block; its template ends the generation prompt inside one (found per request).
+FAMILY = ModelFamily("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), read_qwen35,
+                     reasoning_parser="qwen3")

@@ -1,10 +1,18 @@
-"""What the hybrid families' config readers (config_gemma3.py, config_qwen35.py) share: the text tower of a
-multimodal config with the defaults filled in, and each layer's type."""
+"""The plain decoders' family declarations, and what the hybrid families' config readers (config_gemma3.py,
+config_qwen35.py, config_gemma4.py) share: the text tower of a multimodal config with the defaults filled in,
+and each layer's type."""
 from __future__ import annotations
 
 from typing import Any
 
 from .errors import CheckpointError
+from .families import ModelFamily
+
+# The Llama-style decoders with no fields of their own (Qwen2's qkv bias and Qwen3's q/k norms are read per
+# architecture in config.py): their chat templates decide the reasoning parser.
+PLAIN_DECODER = ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM"))
+QWEN2_DECODER = ModelFamily("qwen2", ("Qwen2ForCausalLM",))
+QWEN3_DECODER = ModelFamily("qwen3", ("Qwen3ForCausalLM",))
 
 
 def text_tower(hf: dict[str, Any], multimodal: str, defaults: dict[str, Any], source: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from .config import FAMILY_KV_DEFAULTS, KVCacheConfig, KVOverrides, ModelConfig
+from .config import KVCacheConfig, KVOverrides, ModelConfig
 from .errors import PlanError
 
 # The repository's build_profiles/, reached through a link inside the package so that a wheel ships them.
@@ -53,7 +53,7 @@ class ProfileDefaults:
     embedding_placement: str
 
     def kv_config(self, model: ModelConfig | None = None) -> KVCacheConfig:
-        """The profile's KV format, with `model`'s family defaults over it (config.FAMILY_KV_DEFAULTS)."""
+        """The profile's KV format, with `model`'s family defaults over it (ModelFamily.kv_defaults)."""
         kv = KVCacheConfig(
             dtype=self.kv_cache_dtype,
             group_size=self.kv_group_size,
@@ -61,7 +61,7 @@ class ProfileDefaults:
             window=self.kv_window,
             block_size=self.block_size,
         )
-        return dataclasses.replace(kv, **FAMILY_KV_DEFAULTS.get(model.family, {})) if model is not None else kv
+        return dataclasses.replace(kv, **model.declared.kv_defaults) if model is not None else kv
 
     def build_kv(self, model: ModelConfig, overrides: KVOverrides) -> KVCacheConfig:
         """The KV format a build of `model` writes and `plan` prices: the profile's, the family's defaults

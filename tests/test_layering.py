@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNTIME: list[tuple[str, tuple[str, ...]]] = [
     # the contract between builder and runtime: errors, configs, request parameters, GPU profiles,
     # the engine directory's format and its integrity ledger, the settings a run resolves against it
-    ("contract", ("errors", "jsonio", "devices", "user_cache", "config", "config_gemma3", "config_qwen35",
-                  "config_gemma4", "config_text", "sampling_params", "profiles", "engine_format", "integrity", "resolve")),
+    ("contract", ("errors", "jsonio", "devices", "user_cache", "families", "config", "config_gemma3",
+                  "config_qwen35", "config_gemma4", "config_text", "sampling_params", "profiles", "engine_format", "integrity", "resolve")),
     ("kv", ("kv",)),                    # cache pools and quantisers
     ("plan", ("plan",)),                # the memory plan, sized by the KV pools' byte layout
     ("kernels", ("kernels",)),          # reference twins, Triton kernels, what a step hands them

@@ -17,7 +17,6 @@ from tqdm import tqdm
 from .. import engine_format as ef
 from ..chat.templates import has_chat_template, read_chat_template
 from ..config import KVCacheConfig, KVOverrides, ModelConfig, SpeculativeConfig
-from ..config_gemma3 import CHAT_TEMPLATE
 from ..errors import BieError, CheckpointError, PlanError
 from ..kernels.int8_rows import quantize_rows_int8
 from ..kernels.kernel_cache import KERNELS_DIR, forget_compiled_kernels, triton_cache_at
@@ -312,8 +311,9 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         m = ckpt.model
         weights = _model_weights(ckpt, plan.inputs["lm_head_dtype"])
         write_tokenizer(ckpt, tmp)
-        if m.family == "gemma3" and not has_chat_template(tmp):   # the GGUF releases carry none
-            (tmp / "chat_template.jinja").write_text(read_chat_template(CHAT_TEMPLATE))
+        fallback = m.declared.chat_template   # Gemma 3's: its GGUF releases carry none
+        if fallback is not None and not has_chat_template(tmp):
+            (tmp / "chat_template.jinja").write_text(read_chat_template(fallback))
         log("calibrating the KV key mean (one forward pass over a fixed text)")
         keys = calibrate_keys(m, weights, tmp)
         mean = keys.mean(dim=2)

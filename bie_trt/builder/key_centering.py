@@ -8,7 +8,7 @@ ignores. With m near the keys' mean, INT4 rounding error falls by about a third
 (tests/test_kv_centering.py measures it). m is measured once, at build time, on a short fixed text.
 The build turns it on where the keys' measured rounding error calls for it (kv_choice.py: Qwen2's k_proj
 bias makes the mean nearly the whole key in a few layers); on SmolLM2 it stays off (it cuts the KL divergence
-from the FP16 cache but not perplexity). Gemma 3 builds always turn it on (config.FAMILY_KV_DEFAULTS): there
+from the FP16 cache but not perplexity). Gemma 3 builds always turn it on (config_gemma3.FAMILY.kv_defaults): there
 its k-normed keys' mean is most of each key, and centering cuts INT4's KL divergence from FP16 3.5-fold
 (docs/kv-cache-quality.md).
 """

@@ -15,18 +15,24 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..families import ModelFamily
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
 PROMPT_TAIL_TOKENS = 16   # enough of the prompt's end to hold a generation prompt's "<think>\n\n</think>\n\n"
 
 
-def resolve_parser(name: str, chat_template: str | None) -> str:
-    """--reasoning-parser -> the parser in use. "auto" is the one the chat template declares: qwen3's when
+def resolve_parser(name: str, chat_template: str | None, family: ModelFamily | None = None) -> str:
+    """--reasoning-parser -> the parser in use, chosen once per engine for its thinking budgets and its
+    replies alike. "auto" is the one the model's family declares (ModelFamily.reasoning_parser: Qwen3.5's is
+    qwen3), and where the family leaves it to the template, the one the chat template declares: qwen3's when
     it writes `<think>` (a prompt it ends inside an open block is found per request, below); DeepSeek-R1's
     when it only knows `</think>` (it cuts past turns' reasoning off at it, and its model starts each reply
     inside the block without writing the tag); else none."""
     if name not in PARSERS:
         raise ValueError(f"reasoning parser {name!r} is not one of {', '.join(PARSERS)}")
+    if name == "auto" and family is not None:
+        name = family.reasoning_parser
     if name == "auto":
         template = chat_template or ""
         if THINK_OPEN in template:

@@ -37,7 +37,7 @@ def kv_options(default_from: str, build_defaults: bool) -> Callable[[Callable], 
     """The KV-cache format options of `build` and `plan` (defaults: the profile's) and `eval` (the engine's), read
     by every one of them through config.KVOverrides."""
     d = f"[default: {default_from}]"
-    # Gemma 3 takes key centering and a 512-token window by default (config.FAMILY_KV_DEFAULTS)
+    # Gemma 3 takes key centering and a 512-token window by default (config_gemma3.FAMILY.kv_defaults)
     window_d, rotation_d, centering_d = ((f"[default: {default_from}; 512 for Gemma 3]", "[default: hadamard]",
                                           "[default: measured at build; on for Gemma 3]") if build_defaults else (d, d, d))
     options = [
@@ -133,6 +133,6 @@ reasoning_parser_option = click.option(
     help="Return a chat reply's <think> block apart from the answer, as message.reasoning_content (streamed "
          "as delta.reasoning_content). qwen3: the reply may open the block; deepseek_r1: the reply starts "
          "inside it; either way a prompt that ends inside an open block starts the reply inside it, and one "
-         "that closed it (thinking switched off) is not split. auto: the one the chat template declares: qwen3's "
-         "when it mentions <think>, deepseek_r1's when it mentions only </think>, else none. The engine's thinking "
+         "that closed it (thinking switched off) is not split. auto: the one the model family declares (qwen3 "
+         "for Qwen3.5), else the one the chat template declares: qwen3's when it mentions <think>, deepseek_r1's when it mentions only </think>, else none. The engine's thinking "
          "budgets find the block with the same parser.")

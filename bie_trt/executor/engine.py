@@ -149,13 +149,13 @@ class BieEngine:
         return ChatOutput(content, calls, ReplyParser.finish_reason(out.finish_reason, bool(calls)), out, reasoning)
 
     def reasoning_parser(self, name: str | None = None) -> str:
-        """The reasoning parser `name` stands for with this engine's chat template (auto: the one the template
-        declares, reasoning.resolve_parser); None: the engine's own (EngineConfig.reasoning_parser), which
-        its thinking budgets use."""
+        """The reasoning parser `name` stands for with this engine's model family and chat template (auto: the
+        one they declare, reasoning.resolve_parser); None: the engine's own (EngineConfig.reasoning_parser),
+        which its thinking budgets use."""
         if name is None:
             return self.core.reasoning_parser
         try:
-            return resolve_parser(name, str(self.tokenizer.chat_template or ""))
+            return resolve_parser(name, str(self.tokenizer.chat_template or ""), self.runner.model_config.declared)
         except ValueError as e:
             raise RequestError(str(e)) from None
 

@@ -55,7 +55,8 @@ class EngineCore:
                                    self.spec.free if self.spec.proposer else None, adaptive.room if adaptive else None,
                                    states=pools.recurrent)
         try:   # chosen once: the thinking budget and the reply's split find the block with the same parser
-            self.reasoning_parser = resolve_parser(config.reasoning_parser, str(self.tokenizer.chat_template or ""))
+            self.reasoning_parser = resolve_parser(config.reasoning_parser, str(self.tokenizer.chat_template or ""),
+                                                   self.runner.model_config.declared)
         except ValueError as e:
             raise SettingsError("reasoning_parser", str(e).removeprefix("reasoning parser ")) from None
         self.requests = RequestBuilder(self.tokenizer, self.runner.model_config, self.max_model_len, config.seed,

@@ -23,7 +23,7 @@ from ..kv.pool import KVPools, allocate_kv
 from ..kv.recurrent import allocate_recurrent
 from ..kv.sizing import kv_pool_blocks, sliding_pool_blocks
 from ..model.cuda_graphs import DecodeGraphs
-from ..model.llama import LlamaModel, centres_keys
+from ..model.llama import centres_keys, model_class
 from ..plan import host_bytes, linear_shapes
 from ..resolve import resolve
 from ..sampling import make_generator
@@ -108,10 +108,10 @@ class ModelRunner:
         self._cap_memory()
         if self.device.type == "cuda":   # before the first kernel compiles
             use_engine_kernels(self.engine_dir, self.manifest.files, self.manifest.triton_version, cache_dir())
-        self.model = LlamaModel(self.model_config, load_weights(weights_path), self.device, self.dtype,
-                                embedding_on_host=self.manifest.plan.embedding_placement == "host",
-                                gemv_configs=self.manifest.w4_gemv_configs,
-                                keep_dense=self._dense_fits())
+        self.model = model_class(self.model_config)(
+            self.model_config, load_weights(weights_path), self.device, self.dtype,
+            embedding_on_host=self.manifest.plan.embedding_placement == "host",
+            gemv_configs=self.manifest.w4_gemv_configs, keep_dense=self._dense_fits())
         if centres_keys(self.kv_config) and self.model.key_mean is None:
             raise EngineError(f"{self.engine_dir}: key centering needs the calibrated kv.key_mean this engine "
                               "lacks; rebuild it with this version of bie-trt.")

@@ -19,12 +19,13 @@ from .sequence import Detokenizer, Sequence
 
 def stop_token_ids(cfg: ModelConfig, tokenizer) -> set[int]:
     """The ids that end a reply: the model's and the tokenizer's end of sequence, and the stop tokens the
-    model's family declares (ModelConfig.stop_tokens: Gemma 3's end of turn) where the vocabulary has them."""
+    model's family declares (ModelFamily.stop_tokens: Gemma 3's end of turn) where the vocabulary has them."""
     ids = set(cfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    if cfg.stop_tokens:
-        turn = tokenizer.convert_tokens_to_ids(list(cfg.stop_tokens))
+    stop = cfg.declared.stop_tokens
+    if stop:
+        turn = tokenizer.convert_tokens_to_ids(list(stop))
         ids.update(i for i in turn if i is not None and i != tokenizer.unk_token_id)
     return ids
 

@@ -288,3 +288,14 @@ class LlamaModel:
         for (start, n, _), rows in zip(meta.prefills, chunks):
             out[start:start + n] = rows
         return out
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaModel]:
+    """The class that runs `cfg`, as its family declares it (ModelFamily.model_class): every family the engine
+    runs so far is the Llama decoder with its family's switches."""
+    classes = {"LlamaModel": LlamaModel}
+    name = cfg.declared.model_class
+    if name not in classes:
+        raise ValueError(f"{cfg.architecture}: its family declares model class {name!r}; this build has "
+                         f"{sorted(classes)}.")
+    return classes[name]
