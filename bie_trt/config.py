@@ -422,11 +422,13 @@ _KV_OPTION_FIELDS = {"kv_cache_dtype": "dtype", "kv_group_size": "group_size", "
                      "kv_window": "window", "kv_rotation": "rotation", "kv_key_centering": "key_centering"}
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True)
 class KVOverrides:
     """The KV-cache options a caller gave (None: not given), and the one way they are laid over a base
     format -- a profile's with its model family's defaults (build, plan), or an engine's (the runtime):
-    each given value replaces its field, the others stay the base's."""
+    each given value replaces its field, the others stay the base's. The base class of the options that
+    carry them (EngineConfig, builder.build.BuildOptions), so each is declared once; keyword-only, so a
+    subclass's own fields keep their order."""
 
     kv_cache_dtype: str | None = None
     kv_group_size: int | None = None
@@ -436,11 +438,9 @@ class KVOverrides:
     kv_key_centering: bool | None = None
 
     @classmethod
-    def of(cls, source: object) -> "KVOverrides":
-        """The options read by name off `source`: an object holding them (BuildOptions, EngineConfig) or a
-        command's keyword arguments (a dict, where a missing one is not given)."""
-        get = source.get if isinstance(source, dict) else lambda name: getattr(source, name)
-        return cls(**{name: get(name) for name in _KV_OPTION_FIELDS})
+    def of(cls, options: dict[str, Any]) -> "KVOverrides":
+        """The options among a command's keyword arguments (a missing one is not given)."""
+        return cls(**{name: options.get(name) for name in _KV_OPTION_FIELDS})
 
     def given(self) -> dict[str, Any]:
         """The KVCacheConfig fields the caller set, with their values."""
@@ -452,8 +452,10 @@ class KVOverrides:
 
 
 @dataclass
-class EngineConfig:
-    """What `BieEngine` needs to load and serve an engine directory."""
+class EngineConfig(KVOverrides):
+    """What `BieEngine` needs to load and serve an engine directory. Its KV-cache overrides (KVOverrides:
+    None, the engine's) are used by `bie-trt eval` for ablations; a larger format than the engine was planned
+    for may not fit the GPU budget."""
 
     engine_dir: str
     device: str = "auto"            # auto | cpu | cuda[:N]
@@ -482,14 +484,6 @@ class EngineConfig:
     # none (reasoning.PARSERS)
     reasoning_parser: str = "auto"
     seed: int | None = None         # None: each unseeded request draws fresh entropy; an int: they repeat per run
-    # KV-cache overrides (None: the engine's). Used by `bie-trt eval` for ablations; a larger
-    # format than the engine was planned for may not fit the GPU budget.
-    kv_cache_dtype: str | None = None
-    kv_group_size: int | None = None
-    kv_sink_tokens: int | None = None
-    kv_window: int | None = None
-    kv_rotation: str | None = None
-    kv_key_centering: bool | None = None
     # Speculative decoding: a SpeculativeConfig or a dict in vLLM's spelling; None: the engine's default
     # (its manifest's "speculative", else a draft if it has one, else off).
     speculative: SpeculativeConfig | dict[str, Any] | None = None

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .config import EngineConfig, KVCacheConfig, KVOverrides, SpeculativeConfig
+from .config import EngineConfig, KVCacheConfig, SpeculativeConfig
 from .engine_format import Manifest
 from .errors import EngineError, SettingsError
 
@@ -38,7 +38,7 @@ def resolve(config: EngineConfig, manifest: Manifest) -> Resolved:
     """The effective settings; SettingsError (a ValueError) naming the built value and the fix for one
     above the engine's, EngineError for a KV format or speculation that cannot run."""
     max_num_seqs = _at_most("max_num_seqs", config.max_num_seqs, manifest.max_num_seqs)
-    kv = KVOverrides.of(config).apply(manifest.kv)
+    kv = config.apply(manifest.kv)
     try:
         kv.validate(manifest.model.head_dim)
     except ValueError as e:

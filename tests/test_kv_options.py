@@ -57,3 +57,18 @@ def test_plan_and_build_price_the_same_cache(checkpoint, tmp_path, option):
     # the option took effect, so the comparison above is not between two defaults
     (field,) = KVOverrides(**{option: True}).given()
     assert manifest["kv"][field] != dataclasses.asdict(load_profile("cpu").defaults.kv_config())[field]
+
+
+def test_the_kv_options_are_declared_once():
+    """Build's options and the engine's take their KV fields from KVOverrides (none restated), so a seventh
+    option added there reaches build, plan and the runtime alike."""
+    from bie_trt.builder.build import BuildOptions
+    from bie_trt.config import EngineConfig
+
+    names = {f.name for f in dataclasses.fields(KVOverrides)}
+    assert len(names) == 6
+    for options in (BuildOptions, EngineConfig):
+        assert issubclass(options, KVOverrides) and not names & set(vars(options)["__annotations__"])
+    given = BuildOptions("ckpt", "out", kv_window=256, kv_rotation="none")
+    assert given.given() == {"window": 256, "rotation": "none"}
+    assert EngineConfig("engine", kv_cache_dtype="fp8").given() == {"dtype": "fp8"}

@@ -37,17 +37,14 @@ EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja", "gene
 
 
 @dataclass
-class BuildOptions:
+class BuildOptions(KVOverrides):
+    """What `bie-trt build` takes. Its KV options (KVOverrides) lay over the profile's format with the
+    family's defaults; kv_key_centering None is measured at build (builder/kv_choice.py)."""
+
     checkpoint: str
     out: str
     profile: str = "auto"
     max_model_len: int | None = None
-    kv_cache_dtype: str | None = None
-    kv_group_size: int | None = None
-    kv_sink_tokens: int | None = None
-    kv_window: int | None = None
-    kv_rotation: str | None = None          # None: hadamard
-    kv_key_centering: bool | None = None    # None: measured at build (builder/kv_choice.py); on for Gemma 3
     max_num_seqs: int | None = None
     chunked_prefill_size: int | None = None
     gpu_memory_utilization: float | None = None
@@ -62,7 +59,7 @@ class BuildOptions:
 
 def resolve_kv(opts: BuildOptions, profile: BuildProfile, model: ModelConfig) -> KVCacheConfig:
     """The options given, else the model family's defaults, else the profile's (as `plan` prices it)."""
-    return profile.defaults.build_kv(model, KVOverrides.of(opts))
+    return profile.defaults.build_kv(model, opts)
 
 
 def open_checkpoint(name_or_path: str | Path, log: Callable[[str], None] = lambda m: None
