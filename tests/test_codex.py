@@ -162,7 +162,7 @@ def test_a_free_replys_calls_pass_their_tools_rules(codex_server):
     """tool_choice auto: a Hermes call of a custom tool is a call only when its input parses by the tool's
     grammar, a local_shell call only when its arguments are an exec action; otherwise the text stays prose."""
     from bie_trt.server.protocols.openai_responses import ResponsesRequest
-    from bie_trt.server.reply_format import ToolSetup
+    from bie_trt.chat.tool_calls import ToolSetup
 
     box = ResponsesRequest.model_validate(codex_body("m", ASK, [APPLY_PATCH_TOOL, {"type": "local_shell"}])).toolbox()
     plan = ToolSetup("auto", box.chat_tools(), None)
@@ -196,17 +196,18 @@ def test_a_free_replys_calls_stream_as_codex_reads_them():
     """The events of a free reply that calls apply_patch and local_shell on its own (the tiny model never
     does, so the reply text is fed to the renderer in pieces): Codex parses each done item, the custom
     call's input deltas rebuild its input, and the items are those the whole reply renders."""
+    from bie_trt.chat.reply_processor import ReplyProcessor
     from bie_trt.server.reply_blocks import BlockStream, reply_blocks
     from bie_trt.server.responses import Rendering
     from bie_trt.server.protocols.openai_responses import ResponsesRequest
-    from bie_trt.server.reply_format import ToolSetup
+    from bie_trt.chat.tool_calls import ToolSetup
 
     box = ResponsesRequest.model_validate(codex_body("m", ASK, TOOLS)).toolbox()
     plan = ToolSetup("auto", box.chat_tools(), None)
     patch = "*** Begin Patch\n*** Delete File: a.txt\n*** End Patch\n"
     text = ('Deleting it.\n<tool_call>\n{"name": "apply_patch", "arguments": ' + json.dumps({"input": patch})
             + '}\n</tool_call>\n<tool_call>\n{"name": "local_shell", "arguments": {"command": ["ls"]}}\n</tool_call>')
-    rendering, stream = Rendering("resp_x", box), BlockStream(plan.parser())
+    rendering, stream = Rendering("resp_x", box), BlockStream(ReplyProcessor(plan.parser(), None))
     events = []
     for i in range(0, len(text), 7):
         for event in stream.feed(text[i:i + 7], final=i + 7 >= len(text)):
@@ -218,7 +219,7 @@ def test_a_free_replys_calls_stream_as_codex_reads_them():
     assert "".join(turn.custom_input_deltas) == turn.items[1]["input"] == patch
     assert turn.items[2]["action"] == {"type": "exec", "command": ["ls"], "timeout_ms": None,
                                        "working_directory": None, "env": {}, "user": None}
-    whole = [rendering.item(b, "completed") for b in reply_blocks(plan.parser(), text)]
+    whole = [rendering.item(b, "completed") for b in reply_blocks(ReplyProcessor(plan.parser(), None), text)]
     strip = ("id", "call_id")
     assert [{k: v for k, v in i.items() if k not in strip} for i in turn.items] == \
         [{k: v for k, v in i.items() if k not in strip} for i in whole]

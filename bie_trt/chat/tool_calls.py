@@ -18,6 +18,8 @@ from ..errors import RequestError
 from ..sampling_params import StructuredOutputs
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+# The reply formats a model family may declare (ModelFamily.tool_parser): "hermes" reads both of the above.
+TOOL_PARSERS = ("hermes",)
 PYTHON_TAG = "<|python_tag|>"     # Llama-3.1 may open a JSON call with it
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _PROBE = "bie_trt_probe_function"
@@ -384,3 +386,27 @@ def resolve_tool_choice(tools: list[dict] | None, tool_choice: str | dict | None
         raise RequestError(f"tool_choice names function {name!r}, which is not in tools "
                            f"({sorted(t['function']['name'] for t in tools)}).")
     return "named", name, StructuredOutputs(json=parameters_of(tool))
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """How a chat request's tools shape its reply, resolved once on the way in: `mode` (none, auto, required,
+    named), the tools as the template gets them, the constraint tool_choice implies and the named function."""
+
+    mode: str
+    tools: list[dict] | None
+    constraint: StructuredOutputs | None
+    function: str | None = None
+
+    @classmethod
+    def of(cls, tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool = False) -> "ToolSetup":
+        """OpenAI's tools and tool_choice, checked (RequestError, ToolsError for the tools themselves)."""
+        mode, function, constraint = resolve_tool_choice(tools, tool_choice, parallel)
+        return cls(mode, tools, constraint, function)
+
+    def parser(self, check: CallCheck | None = None, tool_parser: str = "hermes") -> ReplyParser:
+        """A reply's parser, reading calls in the model family's format (`tool_parser`)."""
+        if tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool parser {tool_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
+        names = {t["function"]["name"] for t in self.tools or []}
+        return ReplyParser(self.mode, names, self.function, check)

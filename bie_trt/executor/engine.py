@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Callable, Sequence as Seq
 
 from ..chat.reasoning import reply_start, resolve_parser, split_reasoning
-from ..chat.tool_calls import ReplyParser, resolve_tool_choice
+from ..chat.reply_processor import ReplyProcessor
+from ..chat.tool_calls import CallCheck, ToolSetup
 from ..config import EngineConfig
 from ..errors import RequestError
 from ..logits_constraint import GrammarCompiler
@@ -133,20 +134,25 @@ class BieEngine:
         ({"enable_thinking": False}); a thinking model's reasoning is split off as the server splits it
         (by the engine's parser, EngineConfig.reasoning_parser)."""
         params = params or SamplingParams()
-        mode, function, constraint = resolve_tool_choice(tools, tool_choice, parallel_tool_calls)
-        if constraint is not None:
+        setup = ToolSetup.of(tools, tool_choice, parallel_tool_calls)
+        if setup.constraint is not None:
             if params.structured_outputs is not None:
                 raise RequestError(f"tool_choice {tool_choice!r} and the params' structured_outputs both constrain "
                                    f"the reply; send one of them.")
-            params = dataclasses.replace(params, structured_outputs=constraint)
-        ids = self.encode_chat(messages, tools, template_kwargs)
+            params = dataclasses.replace(params, structured_outputs=setup.constraint)
+        ids = self.encode_chat(messages, setup.tools, template_kwargs)
         out = self.generate(ids, params)
-        # a reply shaped whole by a constraint is not split: the constraint covers all of it
-        reasoning, text = (None, out.text) if params.structured_outputs is not None else \
-            self.split_reasoning(ids, out.text)
-        parser = ReplyParser(mode, {t["function"]["name"] for t in tools or []}, function)
-        content, calls = (None, []) if text is None else parser.message(text)
-        return ChatOutput(content, calls, ReplyParser.finish_reason(out.finish_reason, bool(calls)), out, reasoning)
+        reply = self.reply_processor(ids, setup, params.structured_outputs is not None).reply(out.text,
+                                                                                             out.finish_reason)
+        return ChatOutput(reply.content, reply.tool_calls, reply.finish_reason, out, reply.reasoning)
+
+    def reply_processor(self, prompt_ids: list[int], tools: ToolSetup, constrained: bool = False,
+                        check: CallCheck | None = None) -> ReplyProcessor:
+        """The reader of one chat reply to `prompt_ids` (the server's routes and `chat` alike): its reasoning
+        split by the engine's parser, unless an output constraint (`constrained`, or tool_choice's) shapes the
+        whole reply; its calls read in the model family's format, passing `check` where given."""
+        inside = None if constrained or tools.constraint is not None else self.reasoning_start(prompt_ids)
+        return ReplyProcessor(tools.parser(check, self.runner.model_config.declared.tool_parser), inside)
 
     def reasoning_parser(self, name: str | None = None) -> str:
         """The reasoning parser `name` stands for with this engine's model family and chat template (auto: the

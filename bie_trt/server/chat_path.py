@@ -1,6 +1,6 @@
 """The chat request path every API that speaks in messages shares (OpenAI's chat, Anthropic's Messages,
 the Responses API): another API's body as a chat body, the prompt through the chat template with its
-tools, the start on the engine, and where the reply starts for the reasoning parser."""
+tools, the start on the engine, and the reader of its replies."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -8,22 +8,22 @@ from typing import Any, Callable
 import jinja2
 import pydantic
 
+from ..chat.reply_processor import ReplyProcessor
+from ..chat.tool_calls import CallCheck, ToolSetup
 from ..errors import BieError
 from ..executor.streams import RequestStream
 from .errors import ApiError
 from .generation import submit
 from .protocols.openai import ChatRequest, describe_error
-from .reply_format import ParamError, ToolSetup, tool_setup
+from .reply_format import ParamError, tool_setup
 from .state import ServerState
 
 
-def reasoning_start(state: ServerState, prompt_ids: list[int], req: ChatRequest, tools: ToolSetup) -> bool | None:
-    """Where this reply starts for the reasoning parser (inside a block or not), from its prompt's end;
-    None: the reply is not split (no parser, the prompt closed the block, or an output constraint or
-    tool_choice shapes the whole reply)."""
-    if tools.mode not in ("none", "auto") or req.constraints():
-        return None
-    return state.engine.reasoning_start(prompt_ids)
+def reply_processor(state: ServerState, prompt_ids: list[int], req: ChatRequest, tools: ToolSetup,
+                    check: CallCheck | None = None) -> ReplyProcessor:
+    """The reader of one reply to this chat body (BieEngine.reply_processor): not split for reasoning where an
+    output constraint or tool_choice shapes the whole reply."""
+    return state.engine.reply_processor(prompt_ids, tools, bool(req.constraints()), check)
 
 
 def as_chat_request(fields: dict[str, Any]) -> ChatRequest:

@@ -10,11 +10,10 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from ..chat.reasoning import ReasoningStream, split_reasoning
 from ..errors import BieError
 from ..executor.outputs import RequestOutput, StreamEvent
 from ..executor.prompt_checks import check_prompt
-from .chat_path import reasoning_start, start_chat
+from .chat_path import reply_processor, start_chat
 from .errors import ApiError
 from .generation import respond, submit, usage
 from .protocols.openai import ChatRequest, CompletionRequest
@@ -102,29 +101,22 @@ async def chat_completions(state: ServerState, req: ChatRequest, http: Request) 
         raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     streams, tools, ids = await start_chat(state, req, top_n)
-    parsers = [tools.parser() for _ in streams]
-    inside = reasoning_start(state, ids, req, tools)
-    splitters = [None if inside is None else ReasoningStream(inside) for _ in streams]
+    readers = [reply_processor(state, ids, req, tools) for _ in streams]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_id}
 
     def make_chunk(event: StreamEvent, i: int, first: bool) -> list[dict]:
         """The choice's deltas: reasoning and prose as they come, tool calls as they complete (a named
         function's arguments as they come); the event's logprobs and finish reason ride on the last."""
-        parser, splitter, ended = parsers[i], splitters[i], event.finish_reason is not None
-        reasoning, content = ("", event.delta) if splitter is None else splitter.feed(event.delta)
-        if ended and splitter is not None:
-            reasoning, content = (a + b for a, b in zip((reasoning, content), splitter.finish()))
-        deltas = ([{"reasoning_content": reasoning}] if reasoning else []) + parser.feed(content)
-        if ended:
-            deltas += parser.finish()
+        reader = readers[i]
+        deltas = reader.feed(event.delta, event.finish_reason is not None)
         chunks = [dict(base, choices=[{"index": i, "delta": d, "finish_reason": None}]) for d in deltas or [{}]]
         if first:
             opening = "" if tools.mode in ("none", "auto") else None
             chunks.insert(0, dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": opening},
                                                   "finish_reason": None}]))
         last = chunks[-1]["choices"][0]
-        last["finish_reason"] = parser.finish_reason(event.finish_reason, parser.calls > 0)
+        last["finish_reason"] = reader.finish_reason(event.finish_reason)
         if top_n is not None:
             last["logprobs"] = chat_logprobs(event.token_ids, event.logprobs, top_n, state.decode)
         return chunks
@@ -132,15 +124,13 @@ async def chat_completions(state: ServerState, req: ChatRequest, http: Request) 
     def make_body(outputs: list[RequestOutput]) -> dict:
         choices = []
         for i, out in enumerate(outputs):
-            reasoning, text = (None, out.text) if inside is None else split_reasoning(out.text, inside)
-            content, calls = (None, []) if text is None else parsers[i].message(text)
-            message = {"role": "assistant", "content": content}
+            reply = readers[i].reply(out.text, out.finish_reason)
+            message = {"role": "assistant", "content": reply.content}
             if state.reasoning_parser != "none":
-                message["reasoning_content"] = reasoning
-            if calls:
-                message["tool_calls"] = [call.to_openai() for call in calls]
-            choice = {"index": i, "message": message,
-                      "finish_reason": parsers[i].finish_reason(out.finish_reason, bool(calls))}
+                message["reasoning_content"] = reply.reasoning
+            if reply.tool_calls:
+                message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
+            choice = {"index": i, "message": message, "finish_reason": reply.finish_reason}
             if top_n is not None:
                 choice["logprobs"] = chat_logprobs(out.token_ids, out.logprobs, top_n, state.decode)
             choices.append(choice)

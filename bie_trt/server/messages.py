@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from ..executor.outputs import RequestOutput, StreamEvent
 from .reply_blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, call_input, reply_blocks
-from .chat_path import as_chat_request, chat_prompt, reasoning_start, start_chat
+from .chat_path import as_chat_request, chat_prompt, reply_processor, start_chat
 from .errors import anthropic_error_body
 from .generation import Wire, respond, typed_sse
 from .protocols.anthropic import CountTokensRequest, MessagesRequest, MessagesBody
@@ -114,8 +114,7 @@ async def messages(state: ServerState, req: MessagesRequest, http: Request) -> R
     req, context_management, _ = await edit_context(state, req)
     chat = as_chat_request(req.chat_fields())
     streams, tools, ids = await start_chat(state, chat)
-    parser = tools.parser()
-    inside = reasoning_start(state, ids, chat, tools)
+    reader = reply_processor(state, ids, chat, tools)
 
     def decode(tokens: list[int]) -> str:
         return state.engine.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -129,12 +128,12 @@ async def messages(state: ServerState, req: MessagesRequest, http: Request) -> R
 
     def make_body(outputs: list[RequestOutput]) -> dict:
         out = outputs[0]
-        blocks = reply_blocks(parser, out.text, inside)
+        blocks = reply_blocks(reader, out.text)
         return {**message, "content": [content_block(b, req.thinking_omitted) for b in blocks],
                 **ending(out, called(blocks)),
                 "usage": anthropic_usage(out), **edits}
 
-    stream = BlockStream(parser, inside)
+    stream = BlockStream(reader)
 
     def make_chunk(event: StreamEvent, i: int, first: bool) -> list[dict]:
         chunks = []

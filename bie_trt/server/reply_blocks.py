@@ -1,7 +1,6 @@
 """A reply as the ordered blocks the Anthropic Messages and OpenAI Responses APIs both speak of: a
-thinking model's reasoning, text, and tool calls (a call's id, name and arguments). A whole reply comes
-from the reasoning split and the chat path's ReplyParser (`reply_blocks`); a streamed one from its
-deltas (`BlockStream`), opened, grown and closed in order, and it closes into the same blocks. Each API
+thinking model's reasoning, text, and tool calls (a call's id, name and arguments), as the reply's
+ReplyProcessor reads them: a whole reply (`reply_blocks`), or a streamed one from its deltas (`BlockStream`), opened, grown and closed in order, and it closes into the same blocks. Each API
 renders a Block its own way (a content block, an output item)."""
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..chat.reasoning import ReasoningStream, split_reasoning
-from ..chat.tool_calls import ReplyParser
+from ..chat.reply_processor import ReplyProcessor
 
 REASONING, TEXT, TOOL_CALL = "reasoning", "text", "tool_call"
 
@@ -31,39 +29,32 @@ class BlockEvent:
     delta: str = ""
 
 
-def reply_blocks(parser: ReplyParser, text: str, inside: bool | None = None) -> list[Block]:
-    """A whole reply -> its blocks: its reasoning (split off as the chat route splits it, unless `inside`,
-    where the reply starts for the reasoning parser, is None), the prose, then each call."""
-    reasoning, rest = (None, text) if inside is None else split_reasoning(text, inside)
-    content, calls = parser.message(rest or "")
+def reply_blocks(reader: ReplyProcessor, text: str) -> list[Block]:
+    """A whole reply -> its blocks: its reasoning (where the reader splits it off), the prose, then each call."""
+    reply = reader.reply(text, None)
     blocks: list[Block] = []
-    for kind, part in ((REASONING, reasoning), (TEXT, content)):
+    for kind, part in ((REASONING, reply.reasoning), (TEXT, reply.content)):
         if part:
             blocks.append(Block(kind, len(blocks), part))
-    return blocks + [Block(TOOL_CALL, len(blocks) + i, c.arguments, c.id, c.name) for i, c in enumerate(calls)]
+    return blocks + [Block(TOOL_CALL, len(blocks) + i, c.arguments, c.id, c.name)
+                     for i, c in enumerate(reply.tool_calls)]
 
 
 class BlockStream:
-    """One reply's stream: its text in (its reasoning split off unless `inside` is None, as in
-    `reply_blocks`), the blocks' start / delta / stop events out."""
+    """One reply's stream: its text in (read by `reader`, as in `reply_blocks`), the blocks' start / delta /
+    stop events out."""
 
-    def __init__(self, parser: ReplyParser, inside: bool | None = None):
-        self.parser = parser
-        self.splitter = None if inside is None else ReasoningStream(inside)
+    def __init__(self, reader: ReplyProcessor):
+        self.reader = reader
         self.blocks: list[Block] = []
         self._open: Block | None = None
 
     def feed(self, delta: str, final: bool) -> list[BlockEvent]:
         """The events of the reply's next text (all of them, the last ones closed, when `final`)."""
         events = []
-        if self.splitter is not None:
-            reasoning, delta = self.splitter.feed(delta)
-            if final:
-                reasoning, delta = (a + b for a, b in zip((reasoning, delta), self.splitter.finish()))
-            if reasoning:
-                events += self._grow(REASONING, reasoning)
-        deltas = self.parser.feed(delta) + (self.parser.finish() if final else [])
-        for d in deltas:
+        for d in self.reader.feed(delta, final):
+            if d.get("reasoning_content"):
+                events += self._grow(REASONING, d["reasoning_content"])
             if d.get("content"):
                 events += self._grow(TEXT, d["content"])
             for call in d.get("tool_calls", ()):

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
-from typing import Any
 
-from ..chat.tool_calls import CallCheck, ReplyParser, ToolsError, resolve_tool_choice
+from ..chat.tool_calls import ToolsError, ToolSetup
 from ..errors import RequestError
 from ..sampling_params import StructuredOutputs
 from .protocols.openai import ChatRequest, SamplingRequest
@@ -22,30 +20,14 @@ class ParamError(Exception):
         self.param = param
 
 
-@dataclass(frozen=True)
-class ToolSetup:
-    """How a chat request's tools shape its reply: `mode` (none, auto, required, named), the tools as the
-    template gets them, and the constraint tool_choice implies."""
-
-    mode: str
-    tools: list[dict] | None
-    constraint: StructuredOutputs | None
-    function: str | None = None
-
-    def parser(self, check: CallCheck | None = None) -> ReplyParser:
-        names = {t["function"]["name"] for t in self.tools or []}
-        return ReplyParser(self.mode, names, self.function, check)
-
-
 def tool_setup(req: ChatRequest) -> ToolSetup:
     """The body's tools as the engine resolves them (the body's checks already refused what it would)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice if isinstance(req.tool_choice, (str, type(None))) else req.tool_choice.model_dump()
     try:
-        mode, function, constraint = resolve_tool_choice(tools, choice, req.parallel_tool_calls is True)
+        return ToolSetup.of(tools, choice, req.parallel_tool_calls is True)
     except RequestError as e:
         raise ParamError(str(e), "tools" if isinstance(e, ToolsError) else "tool_choice") from None
-    return ToolSetup(mode, tools, constraint, function)
 
 
 def output_constraint(req: SamplingRequest, tools: ToolSetup | None = None, json_schema_mode: str = "closed"

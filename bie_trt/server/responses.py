@@ -21,7 +21,7 @@ from ..chat.tool_calls import new_call_id
 from ..errors import RequestError
 from ..executor.outputs import RequestOutput, StreamEvent
 from .reply_blocks import REASONING, TEXT, TOOL_CALL, Block, BlockEvent, BlockStream, assistant_message, reply_blocks
-from .chat_path import as_chat_request, reasoning_start, start_chat
+from .chat_path import as_chat_request, reply_processor, start_chat
 from .errors import ApiError, error_body
 from .generation import Wire, respond, typed_sse
 from .protocols.openai_responses import ReasoningText, ResponsesRequest, input_messages
@@ -226,8 +226,8 @@ async def create_response(state: ServerState, req: ResponsesRequest, http: Reque
     chat = as_chat_request(req.chat_fields(history))
     streams, tools, ids = await start_chat(state, chat)
     checked = box.custom or box.local_shell
-    parser = tools.parser(box.check(state.engine.grammar_compiler().accepts) if checked else None)
-    inside = reasoning_start(state, ids, chat, tools)
+    reader = reply_processor(state, ids, chat, tools,
+                             box.check(state.engine.grammar_compiler().accepts) if checked else None)
     response_id, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     forced = req.forced_custom
     sealing = "reasoning.encrypted_content" in (req.include or [])
@@ -262,9 +262,9 @@ async def create_response(state: ServerState, req: ResponsesRequest, http: Reque
         return body
 
     def make_body(outputs: list[RequestOutput]) -> dict:
-        return finished(outputs[0], reply_blocks(parser, outputs[0].text, inside))
+        return finished(outputs[0], reply_blocks(reader, outputs[0].text))
 
-    stream = BlockStream(parser, inside)
+    stream = BlockStream(reader)
 
     def make_chunk(event: StreamEvent, i: int, first: bool) -> list[dict]:
         chunks = []
