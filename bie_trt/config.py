@@ -493,6 +493,10 @@ class EngineConfig:
     # GiB of host memory for prefix blocks evicted from the device (0: off; None: a fraction of the
     # available host memory, see kv/host_pool.py)
     host_kv_cache_gb: float | None = None
+    # A model with linear-attention layers: besides each prompt's last block boundary, save their state every
+    # this many tokens of a prompt for prefix hits (a multiple of the KV block size; 0: only there). The plan
+    # fixes how many snapshots are kept (the least recently used is overwritten).
+    state_snapshot_interval: int = 0
     # A directory for the prefix cache's disk tier (None: none; `serve` defaults it under the user cache), and
     # its bound in GiB over every engine's files there (0: off; None: 8 GiB, at most a quarter of the free space)
     kv_cache_dir: str | None = None
