@@ -60,6 +60,41 @@ class PlanItem:
 
 
 @dataclass
+class CacheGroup:
+    """One kind of per-layer cache, as data: which layers keep it, the plan items that hold it, their bytes."""
+    kind: str          # full_attention | sliding_attention | linear_attention | shared
+    layers: int
+    items: list[str]   # the plan items of this group
+    bytes: int
+    note: str = ""
+
+
+# What each cache kind holds, for the plan's "cache groups:" block.
+GROUP_NOTES = {
+    "full_attention": "paged KV over the whole context (FP16 sinks and window, the body in the KV format)",
+    "sliding_attention": "FP16 KV blocks covering the window, given back as it slides",
+    "linear_attention": "a fixed recurrent state per sequence, and snapshots saved for prefix hits",
+    "shared": "read an earlier layer's cache, own none",
+}
+GROUP_ITEMS = {
+    "full_attention": ("kv_fp16_pool", "kv_quant_pool"),
+    "sliding_attention": ("kv_sliding_pool",),
+    "linear_attention": ("recurrent_state", "recurrent_snapshots"),
+    "shared": ("kv_shared_layers",),
+}
+
+
+def cache_groups(model: ModelConfig, items: list[PlanItem]) -> list[CacheGroup]:
+    """The model's cache groups (each with at least one layer), their bytes summed from the plan's `items`."""
+    layers = {"full_attention": model.cache_layers(), "sliding_attention": model.cache_layers(sliding=True),
+              "linear_attention": len(model.linear_layers), "shared": model.num_kv_shared_layers}
+    size = {it.name: it.bytes for it in items}
+    return [CacheGroup(kind, n, [name for name in GROUP_ITEMS[kind] if name in size],
+                       sum(size.get(name, 0) for name in GROUP_ITEMS[kind]), GROUP_NOTES[kind])
+            for kind, n in layers.items() if n]
+
+
+@dataclass
 class MemoryPlan:
     items: list[PlanItem]
     budget_bytes: int
@@ -71,6 +106,7 @@ class MemoryPlan:
     num_sliding_blocks: int = 0   # a hybrid model's sliding-window layers' pool
     # a hybrid model's KV bytes and largest context if every layer attended the whole context (for comparison)
     all_full: dict[str, int] | None = None
+    groups: list[CacheGroup] = dataclasses.field(default_factory=list)   # the cache groups, each layer in one
 
     @property
     def total_bytes(self) -> int:
@@ -95,6 +131,7 @@ class MemoryPlan:
             "num_quant_blocks": self.num_quant_blocks,
             "num_sliding_blocks": self.num_sliding_blocks,
             "all_full": self.all_full,
+            "cache_groups": [dataclasses.asdict(g) for g in self.groups],
             "items": [dataclasses.asdict(i) for i in self.items],
             "inputs": self.inputs,
         }
@@ -124,6 +161,11 @@ class MemoryPlan:
         verdict = (f"fits, {format_bytes(spare)} spare" if self.fits
                    else f"DOES NOT FIT: {format_bytes(-spare)} over budget")
         lines.append(f"{verdict}; the largest max_model_len that fits is {self.max_model_len_that_fits:,}.")
+        if self.groups:
+            kind_width = max(len(g.kind) for g in self.groups)
+            lines.append("cache groups:")
+            lines += [f"  {g.kind:<{kind_width}}  {g.layers:>3} layers  {format_bytes(g.bytes):>10}  {g.note}"
+                      for g in self.groups]
         m = i["model"]
         linear = sum(t == "linear_attention" for t in m["layer_types"])
         if linear:
@@ -658,6 +700,7 @@ def solve_plan(
         inputs=inputs,
         num_sliding_blocks=n_sliding,
         all_full=all_full,
+        groups=cache_groups(model, kv_list),
     )
 
 
