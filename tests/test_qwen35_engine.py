@@ -196,3 +196,24 @@ def test_recurrent_state_memory_is_constant_over_1000_generated_tokens(engine):
     assert seq_blocks[0] <= 2 and max(seq_blocks) >= 1000 // engine.blocks.block_size
     assert_slots_free(engine)
 
+
+
+def test_a_snapshot_interval_lets_a_prompt_that_shares_only_a_start_resume(tiny, uncached):
+    """With state_snapshot_interval 32 a 200-token prompt also saves its state at 32, 64, 96...; a prompt that
+    shares only its first 100 tokens then resumes from 96 (without the interval: from nothing, as the
+    engine fixture shows), to the tokens of an engine without the cache. An interval off the block size is
+    refused."""
+    from bie_trt.errors import EngineError
+
+    every = BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu", state_snapshot_interval=32))
+    first = prompt(200, 35)
+    every.generate(first, greedy())
+    assert len(every.blocks.snapshots) == 200 // 32
+    other = first[:100] + prompt(60, 36)
+    hits = every.scheduler.prefix_hit_tokens
+    got, want = every.generate(other, greedy(logprobs=3)), uncached.generate(other, greedy(logprobs=3))
+    assert got.token_ids == want.token_ids
+    assert_same_logprobs(got.logprobs, want.logprobs)
+    assert every.scheduler.prefix_hit_tokens - hits == 96
+    with pytest.raises(EngineError, match="multiple of the KV block size"):
+        BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu", state_snapshot_interval=24))
