@@ -177,6 +177,16 @@ class ModelConfig:
         kind = self.layer_types[layer]
         return max(i for i in range(first) if self.layer_types[i] == kind)
 
+    def cache_kind(self, layer: int) -> str:
+        """The cache group `layer` belongs to (plan.CacheGroup.kind): "linear_attention" (a recurrent state a
+        sequence), "shared" (reads another layer's cache, owns none), "sliding_attention" (window-bounded KV
+        blocks) or "full_attention" (the paged KV over the whole context)."""
+        if layer in self.linear_layers:
+            return "linear_attention"
+        if layer >= self.first_shared_layer:
+            return "shared"
+        return "sliding_attention" if self.window_of(layer) else "full_attention"
+
     def cache_layers(self, sliding: bool = False) -> int:
         """Layers owning a cache in the sliding (or the full-attention) group: KV-shared layers and Qwen3.5's
         linear-attention layers own none."""

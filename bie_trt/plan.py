@@ -85,13 +85,13 @@ GROUP_ITEMS = {
 
 
 def cache_groups(model: ModelConfig, items: list[PlanItem]) -> list[CacheGroup]:
-    """The model's cache groups (each with at least one layer), their bytes summed from the plan's `items`."""
-    layers = {"full_attention": model.cache_layers(), "sliding_attention": model.cache_layers(sliding=True),
-              "linear_attention": len(model.linear_layers), "shared": model.num_kv_shared_layers}
+    """The model's cache groups, from the kind each layer declares (ModelConfig.cache_kind), in GROUP_ITEMS'
+    order; their bytes summed from the plan's `items`."""
+    layers = Counter(model.cache_kind(i) for i in range(model.num_layers))
     size = {it.name: it.bytes for it in items}
-    return [CacheGroup(kind, n, [name for name in GROUP_ITEMS[kind] if name in size],
-                       sum(size.get(name, 0) for name in GROUP_ITEMS[kind]), GROUP_NOTES[kind])
-            for kind, n in layers.items() if n]
+    return [CacheGroup(kind, layers[kind], [name for name in names if name in size],
+                       sum(size.get(name, 0) for name in names), GROUP_NOTES[kind])
+            for kind, names in GROUP_ITEMS.items() if layers[kind]]
 
 
 @dataclass
