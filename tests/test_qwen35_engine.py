@@ -217,3 +217,15 @@ def test_a_snapshot_interval_lets_a_prompt_that_shares_only_a_start_resume(tiny,
     assert every.scheduler.prefix_hit_tokens - hits == 96
     with pytest.raises(EngineError, match="multiple of the KV block size"):
         BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu", state_snapshot_interval=24))
+
+
+def test_an_engine_planned_without_snapshots_keeps_prefix_caching_off(tiny, tmp_path):
+    r = CliRunner().invoke(main, ["build", "--checkpoint", tiny[2], "--out", str(tmp_path / "engine"),
+                                  "--profile", "cpu", "--max-model-len", "512", "--kv-cache-dtype", "fp16",
+                                  "--max-num-seqs", "1", "--state-snapshots", "0"])
+    assert r.exit_code == 0, r.output
+    bare = BieEngine(EngineConfig(engine_dir=str(tmp_path / "engine"), device="cpu"))
+    assert bare.runner.pools.recurrent.num_snapshots == 0 and bare.blocks.cache is None
+    ids = prompt(80, 37)
+    assert bare.generate(ids, greedy()).token_ids == bare.generate(ids, greedy()).token_ids
+    assert bare.scheduler.prefix_hit_tokens == 0
