@@ -163,6 +163,16 @@ class ModelConfig:
         kind = self.layer_types[layer]
         return max(i for i in range(first) if self.layer_types[i] == kind)
 
+    def cache_kind(self, layer: int) -> str:
+        """The cache group `layer` belongs to (plan.CacheGroup.kind): "linear_attention" (a recurrent state a
+        sequence), "shared" (reads another layer's cache, owns none), "sliding_attention" (window-bounded KV
+        blocks) or "full_attention" (the paged KV over the whole context)."""
+        if layer in self.linear_layers:
+            return "linear_attention"
+        if layer >= self.first_shared_layer:
+            return "shared"
+        return "sliding_attention" if self.window_of(layer) else "full_attention"
+
     def cache_layers(self, sliding: bool = False) -> int:
         """Layers owning a cache in the sliding (or the full-attention) group: KV-shared layers and Qwen3.5's
         linear-attention layers own none."""
@@ -469,6 +479,10 @@ class EngineConfig(KVOverrides):
     # GiB of host memory for prefix blocks evicted from the device (0: off; None: a fraction of the
     # available host memory, see kv/host_pool.py)
     host_kv_cache_gb: float | None = None
+    # A model with linear-attention layers: besides each prompt's last block boundary, save their state every
+    # this many tokens of a prompt for prefix hits (a multiple of the KV block size; 0: only there). The plan
+    # fixes how many snapshots are kept (the least recently used is overwritten).
+    state_snapshot_interval: int = 0
     # A directory for the prefix cache's disk tier (None: none; `serve` defaults it under the user cache), and
     # its bound in GiB over every engine's files there (0: off; None: 8 GiB, at most a quarter of the free space)
     kv_cache_dir: str | None = None

@@ -47,6 +47,9 @@ DEFAULT_DRAFT_HEAD_BYTES = 64 * MIB
 # Besides them, each sequence gets up to this many rows of the draft's full head for the ids of its
 # own prompt and output (a document's names, identifiers and jargon): 8 MiB a sequence for a 1B int8 head.
 DEFAULT_DRAFT_REQUEST_VOCAB = 4096
+# A model with linear-attention layers keeps this many recurrent state snapshots per sequence slot for prefix
+# hits (cache_tiers/state_snapshots.py): a returning prompt's boundary, and one more (the previous prompt's).
+DEFAULT_STATE_SNAPSHOTS_PER_SEQ = 2
 
 
 @dataclass
@@ -54,6 +57,41 @@ class PlanItem:
     name: str
     bytes: int
     note: str = ""
+
+
+@dataclass
+class CacheGroup:
+    """One kind of per-layer cache, as data: which layers keep it, the plan items that hold it, their bytes."""
+    kind: str          # full_attention | sliding_attention | linear_attention | shared
+    layers: int
+    items: list[str]   # the plan items of this group
+    bytes: int
+    note: str = ""
+
+
+# What each cache kind holds, for the plan's "cache groups:" block.
+GROUP_NOTES = {
+    "full_attention": "paged KV over the whole context (FP16 sinks and window, the body in the KV format)",
+    "sliding_attention": "FP16 KV blocks covering the window, given back as it slides",
+    "linear_attention": "a fixed recurrent state per sequence, and snapshots saved for prefix hits",
+    "shared": "read an earlier layer's cache, own none",
+}
+GROUP_ITEMS = {
+    "full_attention": ("kv_fp16_pool", "kv_quant_pool"),
+    "sliding_attention": ("kv_sliding_pool",),
+    "linear_attention": ("recurrent_state", "recurrent_snapshots"),
+    "shared": ("kv_shared_layers",),
+}
+
+
+def cache_groups(model: ModelConfig, items: list[PlanItem]) -> list[CacheGroup]:
+    """The model's cache groups, from the kind each layer declares (ModelConfig.cache_kind), in GROUP_ITEMS'
+    order; their bytes summed from the plan's `items`."""
+    layers = Counter(model.cache_kind(i) for i in range(model.num_layers))
+    size = {it.name: it.bytes for it in items}
+    return [CacheGroup(kind, layers[kind], [name for name in names if name in size],
+                       sum(size.get(name, 0) for name in names), GROUP_NOTES[kind])
+            for kind, names in GROUP_ITEMS.items() if layers[kind]]
 
 
 @dataclass
@@ -68,6 +106,7 @@ class MemoryPlan:
     num_sliding_blocks: int = 0   # a hybrid model's sliding-window layers' pool
     # a hybrid model's KV bytes and largest context if every layer attended the whole context (for comparison)
     all_full: dict[str, int] | None = None
+    groups: list[CacheGroup] = dataclasses.field(default_factory=list)   # the cache groups, each layer in one
 
     @property
     def total_bytes(self) -> int:
@@ -92,6 +131,7 @@ class MemoryPlan:
             "num_quant_blocks": self.num_quant_blocks,
             "num_sliding_blocks": self.num_sliding_blocks,
             "all_full": self.all_full,
+            "cache_groups": [dataclasses.asdict(g) for g in self.groups],
             "items": [dataclasses.asdict(i) for i in self.items],
             "inputs": self.inputs,
         }
@@ -121,6 +161,11 @@ class MemoryPlan:
         verdict = (f"fits, {format_bytes(spare)} spare" if self.fits
                    else f"DOES NOT FIT: {format_bytes(-spare)} over budget")
         lines.append(f"{verdict}; the largest max_model_len that fits is {self.max_model_len_that_fits:,}.")
+        if self.groups:
+            kind_width = max(len(g.kind) for g in self.groups)
+            lines.append("cache groups:")
+            lines += [f"  {g.kind:<{kind_width}}  {g.layers:>3} layers  {format_bytes(g.bytes):>10}  {g.note}"
+                      for g in self.groups]
         m = i["model"]
         linear = sum(t == "linear_attention" for t in m["layer_types"])
         if linear:
@@ -166,7 +211,8 @@ def host_tier(model: ModelConfig, kv: KVCacheConfig, size: int) -> dict[str, Any
                 "off": "a hybrid model's sliding-window layers keep their blocks on the device"}
     if model.linear_layers:
         return {"bytes": 0, "block_bytes": 0, "blocks": 0, "tokens": 0,
-                "off": "a prefix of a model with linear-attention layers needs its recurrent state saved too"}
+                "off": "a prefix hit of a model with linear-attention layers resumes from their state snapshot, "
+                       "which stays on the device"}
     per_token = (fp16_kv_bytes_per_token(model) if kv.dtype == "fp16"
                  else quant_bytes_per_token_per_layer(model, kv) * model.num_layers)
     block = per_token * kv.block_size
@@ -516,6 +562,7 @@ def solve_plan(
     embedding_placement: str | None = None,
     gpu_memory_utilization: float | None = None,
     cuda_graph_batch_sizes: Sequence[int] | None = None,
+    state_snapshots: int | None = None,
 ) -> MemoryPlan:
     """Every GPU allocation of an engine serving `model` under `profile`, and whether it fits.
 
@@ -525,7 +572,8 @@ def solve_plan(
     as many as fit DEFAULT_DRAFT_HEAD_BYTES; the whole vocabulary when K >= it), and
     `draft_request_vocab` (R) more rows per sequence for the ids of its own text
     (DEFAULT_DRAFT_REQUEST_VOCAB when None). The draft's AWQ group size is the target's unless
-    `draft_weight_group_size` says otherwise.
+    `draft_weight_group_size` says otherwise. `state_snapshots`: recurrent states kept for prefix hits by a model
+    with linear-attention layers (None: DEFAULT_STATE_SNAPSHOTS_PER_SEQ per sequence; 0 for other models).
     """
     d = profile.defaults
     lm_head_dtype = lm_head_dtype or d.lm_head_dtype
@@ -542,6 +590,12 @@ def solve_plan(
         _check_inputs(draft, kv, min(max_model_len, draft.max_positions), max_num_seqs, chunked_prefill_size,
                       draft_group, None, lm_head_dtype, embedding, utilisation)
     budget = int(profile.vram_bytes * utilisation)
+    if not model.linear_layers:
+        state_snapshots = 0
+    elif state_snapshots is None:
+        state_snapshots = DEFAULT_STATE_SNAPSHOTS_PER_SEQ * max_num_seqs
+    elif state_snapshots < 0:
+        raise PlanError(f"state_snapshots must be 0 (no prefix hits) or more; got {state_snapshots}.")
 
     # Everything except the KV pools is independent of max_model_len.
     weights = _weights(model, weight_group_size, lm_head_dtype, embedding, linear_bytes=linear_bytes,
@@ -591,6 +645,9 @@ def solve_plan(
             items.append(PlanItem("recurrent_state", max_num_seqs * per_seq, (
                 f"{max_num_seqs} seq(s) x {format_bytes(per_seq)}: conv inputs fp16 and delta state fp32 x "
                 f"{len(groups.linear_layers)} linear-attention layers, the same at any context")))
+            items.append(PlanItem("recurrent_snapshots", state_snapshots * per_seq, (
+                f"{state_snapshots} saved state(s) at prompt block boundaries, for prefix hits" if state_snapshots
+                else "none: prefix caching off")))
         if n_sliding:   # a hybrid model: the full layers above, the sliding ones bounded by their window
             layers = f" x {full_layers(groups)} full-attention layers"
             items = [dataclasses.replace(it, note=it.note + layers) for it in items]
@@ -631,6 +688,7 @@ def solve_plan(
         "draft_vocab_size": vocab_rows,
         "draft_request_vocab": request_rows,
         "num_speculative_tokens": num_speculative_tokens,
+        "state_snapshots": state_snapshots,
     }
     return MemoryPlan(
         items=weights + kv_list + runtime,
@@ -642,6 +700,7 @@ def solve_plan(
         inputs=inputs,
         num_sliding_blocks=n_sliding,
         all_full=all_full,
+        groups=cache_groups(model, kv_list),
     )
 
 

@@ -21,7 +21,7 @@ TINY_QWEN35 = {
     "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 1024,
+    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
     # full attention in layers 1 and 3: each cache group holds two layers, interleaved
     "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
@@ -57,6 +57,9 @@ def hf_tiny_qwen35(seed: int = 0):
                 p.copy_(exact_w4(*p.shape, g))
             elif name.endswith("norm.weight"):   # (1 + w) norms and the gated norm: away from their defaults
                 p.copy_(1.0 * ("linear_attn.norm" in name) + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("A_log"):   # slow decays (exp(A_log) 0.002..0.02, not transformers' 0..16): the
+                # state keeps what came hundreds of tokens back, so a state restored wrong shows in the tokens
+                p.copy_(torch.log(0.002 + 0.018 * torch.rand(p.shape, generator=g)))
             elif "conv1d" in name:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             elif name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight"):

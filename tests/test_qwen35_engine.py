@@ -2,7 +2,8 @@
 packs it, `bie-trt build` makes an engine, and the engine serves it: greedy tokens equal transformers'
 Qwen3_5ForCausalLM over a multi-chunk prompt; a batch equals each prompt alone; a preempted sequence
 recomputes to the same tokens; every sequence's recurrent state slot is given back when it ends or is
-aborted; n-gram speculation rolls the state back past rejected proposals; prefix hits are off for it."""
+aborted; n-gram speculation rolls the state back past rejected proposals; a returning prompt resumes from the
+state saved at its last block boundary (prefix hits), to the same tokens as without the cache."""
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,15 @@ from bie_trt.sampling_params import SamplingParams
 from qwen35_tiny import CHUNK, GREEDY_TOKENS, GROUP
 
 
-def greedy(max_tokens: int = GREEDY_TOKENS) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def greedy(max_tokens: int = GREEDY_TOKENS, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs)
+
+
+def assert_same_logprobs(got: list[dict[int, float]], want: list[dict[int, float]]) -> None:
+    """The same top ids at each step, their logprobs equal within fp32 rounding (the state is carried exactly,
+    only the delta rule's chunks are cut elsewhere)."""
+    assert [list(g) for g in got] == [list(w) for w in want]
+    assert all(abs(g[i] - w[i]) < 1e-4 for g, w in zip(got, want) for i in g), (got, want)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -40,7 +48,7 @@ def tiny(tmp_path_factory, qwen35_reference):
                                   "--group-size", str(GROUP)])
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["build", "--checkpoint", str(root / "awq"), "--out", str(root / "engine"),
-                                  "--profile", "cpu", "--max-model-len", "1024", "--kv-cache-dtype", "fp16",
+                                  "--profile", "cpu", "--max-model-len", "4096", "--kv-cache-dtype", "fp16",
                                   "--max-num-seqs", "4", "--chunked-prefill-size", str(CHUNK)])
     assert r.exit_code == 0, r.output
     return model, root / "engine", str(root / "awq")
@@ -114,14 +122,40 @@ def test_an_aborted_sequence_gives_its_slot_back(engine):
     assert_slots_free(engine)
 
 
-def test_a_returning_prompt_is_recomputed_with_the_same_answer(engine):
-    """Prefix hits are off for a model with linear-attention layers (a hit would skip its DeltaNet tokens)."""
-    ids = prompt(80, 31)
-    first = engine.generate(ids, greedy()).token_ids
+@pytest.fixture(scope="module")
+def uncached(tiny):
+    return BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu", enable_prefix_caching=False))
+
+
+def test_a_returning_3000_token_prompt_resumes_from_its_saved_state(engine, uncached):
+    """The second time a 3,000-token prompt comes, all but its last partial block is a prefix hit: the full
+    layers share their KV blocks, the linear-attention layers start from the state saved at the hit's end; the
+    greedy tokens are those of an engine without a prefix cache (which computes all 3,000 again)."""
+    ids, block = prompt(3000, 32), engine.blocks.block_size
+    alone = uncached.generate(ids, greedy(logprobs=3))
+    assert engine.generate(ids, greedy()).token_ids == alone.token_ids
+    queried, hits = engine.scheduler.prefix_queried_tokens, engine.scheduler.prefix_hit_tokens
+    again = engine.generate(ids, greedy(logprobs=3))
+    assert again.token_ids == alone.token_ids
+    assert_same_logprobs(again.logprobs, alone.logprobs)
+    cached = engine.scheduler.prefix_hit_tokens - hits
+    assert engine.scheduler.prefix_queried_tokens - queried == 3000
+    assert cached == (3000 - 1) // block * block == 2992 and cached >= 0.9 * 3000
+    assert uncached.scheduler.prefix_hit_tokens == 0 and uncached.blocks.snapshots is None
+    assert_slots_free(engine)
+
+
+def test_a_longer_prompt_resumes_from_a_shorter_ones_boundary(engine, uncached):
+    """A prompt that extends an earlier one (a conversation's next turn) hits up to the boundary saved for the
+    earlier one, not past it: no state was saved later, though more of its KV blocks are cached."""
+    first, block = prompt(200, 33), engine.blocks.block_size
+    engine.generate(first, greedy())
+    longer = first + prompt(150, 34)
     hits = engine.scheduler.prefix_hit_tokens
-    assert engine.generate(ids, greedy()).token_ids == first
-    assert engine.scheduler.prefix_hit_tokens == hits
-    assert engine.blocks.cache is None
+    got, want = engine.generate(longer, greedy(logprobs=3)), uncached.generate(longer, greedy(logprobs=3))
+    assert got.token_ids == want.token_ids
+    assert_same_logprobs(got.logprobs, want.logprobs)
+    assert engine.scheduler.prefix_hit_tokens - hits == (200 - 1) // block * block
 
 
 def test_ngram_speculation_rolls_the_state_back_to_the_same_tokens(tiny, engine):
@@ -129,7 +163,7 @@ def test_ngram_speculation_rolls_the_state_back_to_the_same_tokens(tiny, engine)
     rolled back to the accepted rows, or every later token reads a state that saw them."""
     spec = BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu", speculative={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}))
-    ids = prompt(12, 51) * 4   # a prompt after which the lookup's proposals are accepted now and then
+    ids = prompt(12, 52) * 4   # a prompt after which the lookup's proposals are accepted now and then
     assert spec.generate(ids, greedy(64)).token_ids == engine.generate(ids, greedy(64)).token_ids
     counts, accepted = spec.core.spec.counts, spec.core.spec.accepted_by_position
     # most proposals rejected at once (the state kept after the pending row only), some after one or two rows
@@ -161,3 +195,37 @@ def test_recurrent_state_memory_is_constant_over_1000_generated_tokens(engine):
     assert len(event.output.token_ids) == 1000
     assert seq_blocks[0] <= 2 and max(seq_blocks) >= 1000 // engine.blocks.block_size
     assert_slots_free(engine)
+
+
+
+def test_a_snapshot_interval_lets_a_prompt_that_shares_only_a_start_resume(tiny, uncached):
+    """With state_snapshot_interval 32 a 200-token prompt also saves its state at 32, 64, 96...; a prompt that
+    shares only its first 100 tokens then resumes from 96 (without the interval: from nothing, as the
+    engine fixture shows), to the tokens of an engine without the cache. An interval off the block size is
+    refused."""
+    from bie_trt.errors import EngineError
+
+    every = BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu", state_snapshot_interval=32))
+    first = prompt(200, 35)
+    every.generate(first, greedy())
+    assert len(every.blocks.snapshots) == 200 // 32
+    other = first[:100] + prompt(60, 36)
+    hits = every.scheduler.prefix_hit_tokens
+    got, want = every.generate(other, greedy(logprobs=3)), uncached.generate(other, greedy(logprobs=3))
+    assert got.token_ids == want.token_ids
+    assert_same_logprobs(got.logprobs, want.logprobs)
+    assert every.scheduler.prefix_hit_tokens - hits == 96
+    with pytest.raises(EngineError, match="multiple of the KV block size"):
+        BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu", state_snapshot_interval=24))
+
+
+def test_an_engine_planned_without_snapshots_keeps_prefix_caching_off(tiny, tmp_path):
+    r = CliRunner().invoke(main, ["build", "--checkpoint", tiny[2], "--out", str(tmp_path / "engine"),
+                                  "--profile", "cpu", "--max-model-len", "512", "--kv-cache-dtype", "fp16",
+                                  "--max-num-seqs", "1", "--state-snapshots", "0"])
+    assert r.exit_code == 0, r.output
+    bare = BieEngine(EngineConfig(engine_dir=str(tmp_path / "engine"), device="cpu"))
+    assert bare.runner.pools.recurrent.num_snapshots == 0 and bare.blocks.cache is None
+    ids = prompt(80, 37)
+    assert bare.generate(ids, greedy()).token_ids == bare.generate(ids, greedy()).token_ids
+    assert bare.scheduler.prefix_hit_tokens == 0

@@ -40,8 +40,42 @@ def test_9b_at_its_native_context_fits_an_8gb_card():
     assert "fits" in r.stdout and "the largest max_model_len that fits is 262,144" in r.stdout
     # each cache group's line: the full layers' KV, and the recurrent state
     assert "int4_asym, 16,384 blocks x 8 full-attention layers" in r.stdout
-    assert "recurrent_state    49.1 MiB  1 seq(s) x 49.1 MiB" in r.stdout
+    assert "recurrent_state        49.1 MiB  1 seq(s) x 49.1 MiB" in r.stdout
+    assert "recurrent_snapshots    98.2 MiB  2 saved state(s)" in r.stdout
     assert "24 of 32 keep a fixed state per sequence" in r.stdout
+    assert "total                  7.29 GiB" in r.stdout
+    # the cache groups block: 2.25 GiB quantised + 26 FP16 blocks of 8 layers; 3 x 49.1 MiB of state
+    assert "full_attention      8 layers    2.26 GiB" in r.stdout
+    assert "linear_attention   24 layers   147.4 MiB" in r.stdout
+
+
+@pytest.mark.parametrize("size,total,layers", [("4b", "5.31", 32), ("2b", "2.61", 24), ("0.8b", "1.95", 24)])
+def test_the_smaller_qwen35_models_plan_their_native_context(size, total, layers):
+    path = CONFIG.with_name(f"qwen3.5-{size}.config.json")
+    cfg = ModelConfig.from_hf(json.loads(path.read_text()), str(path))
+    assert cfg.num_layers == layers and len(cfg.linear_layers) == layers * 3 // 4 and cfg.tie_word_embeddings
+    r = CliRunner().invoke(main, ["plan", "--model-config", str(path), "--profile", "rtx4060ti-8gb",
+                                  "--max-model-len", "262144", "--json"])
+    plan = json.loads(r.stdout)
+    assert plan["fits"] and f"{plan['total_bytes'] / 2**30:.2f}" == total
+
+
+def test_cache_group_bytes_by_hand():
+    """Each group's bytes from its own arithmetic: the full layers' INT4 body and FP16 blocks, the state of every
+    running sequence and snapshot (2 a sequence by default) over the linear layers."""
+    cfg, ti = qwen35_9b(), load_profile("rtx4060ti-8gb")
+    kv = KVCacheConfig(dtype="int4_asym")
+    plan = solve_plan(cfg, ti, max_model_len=65536, kv=kv, max_num_seqs=2)
+    groups = {g.kind: g for g in plan.groups}
+    assert list(groups) == ["full_attention", "linear_attention"]
+    quant_block = 16 * 8 * 2 * 4 * (256 // 2 + 256 // 64 * 4)      # tokens x layers x K,V x heads x bytes
+    fp_block = 16 * 8 * 2 * 4 * 256 * 2
+    assert groups["full_attention"].layers == 8
+    assert groups["full_attention"].bytes == plan.num_quant_blocks * quant_block + plan.num_fp_blocks * fp_block
+    state = 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    assert groups["linear_attention"].layers == 24 and groups["linear_attention"].bytes == (2 + 2 * 2) * state
+    assert plan.to_dict()["cache_groups"][1]["items"] == ["recurrent_state", "recurrent_snapshots"]
+    assert solve_plan(cfg, ti, max_model_len=4096, kv=kv, state_snapshots=0).bytes_of("recurrent_snapshots") == 0
 
 
 def test_9b_bytes_by_hand():
@@ -73,6 +107,8 @@ def test_plan_items_equal_the_allocated_tensors():
     pools = allocate_kv(cfg, kv, plan.num_fp_blocks, plan.num_quant_blocks, 0)
     assert pools.nbytes() == {"fp16": plan.bytes_of("kv_fp16_pool"), "quant": plan.bytes_of("kv_quant_pool")}
     assert allocate_recurrent(cfg, 3, torch.float16).nbytes() == plan.bytes_of("recurrent_state")
+    assert allocate_recurrent(cfg, 3, torch.float16, num_snapshots=6).nbytes() == \
+        plan.bytes_of("recurrent_state") + plan.bytes_of("recurrent_snapshots")
 
 
 def test_the_deltanet_phase_is_the_9bs_activation_peak():

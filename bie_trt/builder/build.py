@@ -55,6 +55,7 @@ class BuildOptions(KVOverrides):
     draft_request_vocab: int | None = None  # None: DEFAULT_DRAFT_REQUEST_VOCAB
     draft_window_tokens: int = DEFAULT_DRAFT_WINDOW_TOKENS
     speculative: SpeculativeConfig | None = None   # the engine's default speculation (None: off, or its draft)
+    state_snapshots: int | None = None   # linear-attention layers' states kept for prefix hits (None: the plan's)
 
 
 def resolve_kv(opts: BuildOptions, profile: BuildProfile, model: ModelConfig) -> KVCacheConfig:
@@ -181,9 +182,9 @@ def plan_for(ckpt: Checkpoint | GGUFCheckpoint, profile: BuildProfile, kv: KVCac
              max_num_seqs: int, chunked_prefill_size: int | None = None,
              gpu_memory_utilization: float | None = None, draft: Checkpoint | None = None,
              opts: BuildOptions | None = None, num_speculative_tokens: int | None = None) -> MemoryPlan:
-    extra = {}
+    extra = {"state_snapshots": opts.state_snapshots} if opts is not None else {}
     if draft is not None and opts is not None:
-        extra = dict(draft=draft.model, draft_vocab_size=opts.draft_vocab_size,
+        extra |= dict(draft=draft.model, draft_vocab_size=opts.draft_vocab_size,
                      draft_request_vocab=opts.draft_request_vocab,
                      draft_window_tokens=opts.draft_window_tokens, draft_weight_group_size=draft.quant.group_size)
     return solve_plan(ckpt.model, profile, max_model_len=max_model_len, kv=kv, max_num_seqs=max_num_seqs,

@@ -13,6 +13,10 @@ device block (a `Restore` before the step that reads it); a full host tier drops
 A hybrid model's sliding-window layers are a second cache group with tables of their own (`sliding`,
 sliding_blocks.py): every call here keeps both groups in step, a prefix hit needs both, and such an engine
 keeps no host tier (its sliding blocks would have to travel with the full layers' ones).
+
+A model with linear-attention layers (Qwen3.5) adds the recurrent group's snapshots (`snapshots`,
+state_snapshots.py): a hit also stops at the last block boundary whose state was saved, and such an engine keeps
+no host tier either (the snapshots stay on the device).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from .host_cache import HostCache, HostMove, Offload, Restore
 from .prefix_cache import PrefixCache, block_key, quant_key, release, share
 from ..executor.sequence import Sequence
 from .sliding_blocks import OutOfBlocks, SlidingBlocks
+from .state_snapshots import StateSnapshots
 
 Copy = tuple[int, int]   # (source, destination) FP16 blocks
 Quantisation = tuple[int, int]   # (FP16 block, quantised block id)
@@ -41,10 +46,11 @@ class BlockManager:
     def __init__(self, kv: KVCacheConfig, num_fp_blocks: int, num_quant_blocks: int,
                  enable_prefix_caching: bool = False, host_bytes: int = 0,
                  block_bytes: dict[bool, int] | None = None, host_tail_tokens: int = HOST_TAIL_TOKENS,
-                 sliding_window: int = 0, num_sliding_blocks: int = 0):
+                 sliding_window: int = 0, num_sliding_blocks: int = 0, snapshots: StateSnapshots | None = None):
         """`host_bytes` > 0 (with prefix caching) keeps evicted blocks in a host tier of that many bytes;
         `block_bytes`: is quantised -> bytes of one block, every layer's K and V. `sliding_window` > 0: a hybrid
-        model, whose sliding layers' group has `num_sliding_blocks` FP16 blocks (and no host tier)."""
+        model, whose sliding layers' group has `num_sliding_blocks` FP16 blocks (and no host tier).
+        `snapshots`: a model with linear-attention layers, with prefix caching (and no host tier)."""
         self.kv = kv
         self.num_fp_blocks, self.num_quant_blocks = num_fp_blocks, num_quant_blocks
         self.free_fp: deque[int] = deque(range(num_fp_blocks))
@@ -53,10 +59,12 @@ class BlockManager:
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.sliding = (SlidingBlocks(sliding_window, kv.block_size, num_sliding_blocks, enable_prefix_caching)
                         if sliding_window else None)
+        self.snapshots = snapshots if self.cache is not None else None
         self.quantised = kv.dtype != "fp16"
         self._slots = itertools.count()   # host slots: the tier's, and blocks loaded from a file
         self.host = (HostCache(host_bytes, block_bytes, self._slots)
-                     if self.cache is not None and host_bytes > 0 and self.sliding is None else None)
+                     if self.cache is not None and host_bytes > 0 and self.sliding is None and self.snapshots is None
+                     else None)
         self.host_moves: list[HostMove] = []   # decided since the scheduler last took them
         self.host_tail_tokens = host_tail_tokens
         self.tail: set[int] = set()   # FP16 entries near a prompt's end: worth the host tier even with a twin
@@ -207,8 +215,10 @@ class BlockManager:
         fp, quant = [], []
         keys = self.prompt_keys(seq)
 
-        def sliding_ok(h: int) -> bool:   # a hybrid model's sliding layers hold the window the hit's end reads
-            return self.sliding is None or self.sliding.hit(keys, h) is not None
+        def groups_ok(h: int) -> bool:   # a hybrid model's sliding layers hold the window the hit's end reads,
+            # and its linear-attention layers' state was saved at the hit's end
+            return ((self.sliding is None or self.sliding.hit(keys, h) is not None)
+                    and (self.snapshots is None or h == 0 or self.snapshots.has(keys[h - 1])))
 
         for key in keys:
             fp.append(self._find(key))
@@ -217,12 +227,12 @@ class BlockManager:
                 fp.pop(), quant.pop()
                 break
         if not self.quantised:
-            return fp[:next(h for h in range(len(fp), -1, -1) if sliding_ok(h))]
+            return fp[:next(h for h in range(len(fp), -1, -1) if groups_ok(h))]
         sinks = sink_blocks(self.kv)
         for h in range(len(fp), 0, -1):
             end = min(quantised_end(h * self.block_size, self.kv), h)
             if (all(fp[b] is not None for b in range(min(sinks, h))) and all(fp[b] is not None for b in range(end, h))
-                    and sliding_ok(h)):
+                    and groups_ok(h)):
                 return [quant[b] if sinks <= b < end and quant[b] is not None else fp[b] for b in range(h)]
         return []
 
@@ -365,6 +375,8 @@ class BlockManager:
             self.host.clear(self.host_moves)
         if self.sliding is not None:
             self.sliding.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
 
     # -- the window ------------------------------------------------------------------------------
     def compact(self, seq: Sequence) -> list[Quantisation]:

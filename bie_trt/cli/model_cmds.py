@@ -66,6 +66,9 @@ def quantize(src: str, out: str, group_size: int | None, force: bool) -> None:
 @click.option("--draft-window-tokens", type=POSITIVE, default=1024, show_default=True,
               help="Most recent tokens the draft's bounded cache keeps (besides its sinks).")
 @click.option("--draft-request-vocab", type=click.IntRange(min=0), help=DRAFT_REQUEST_VOCAB_HELP)
+@click.option("--state-snapshots", type=click.IntRange(min=0),
+              help="Recurrent states a model with linear-attention layers (Qwen3.5) keeps on the device for prefix hits, "
+                   "each a sequence's whole state (0: prefix caching off for it). [default: 2 per sequence]")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 @speculative_config
 def build(**kw) -> None:

@@ -102,6 +102,9 @@ def _advice(plan: MemoryPlan, int4_fits: bool) -> str:
 @click.option("--draft-request-vocab", type=int, help=DRAFT_REQUEST_VOCAB_HELP)
 @click.option("--num-speculative-tokens", type=int,
               help="Tokens proposed per step. [default: the profile's with a draft, else 0]")
+@click.option("--state-snapshots", type=click.IntRange(min=0),
+              help="Recurrent states a model with linear-attention layers (Qwen3.5) keeps on the device for prefix hits, "
+                   "each a sequence's whole state (0: prefix caching off for it). [default: 2 per sequence]")
 @host_kv_cache_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table.")
 @click.pass_context
@@ -110,7 +113,7 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
              chunked_prefill_size: int | None, lm_head_dtype: str | None, embedding_placement: str | None,
              gpu_memory_utilization: float | None, speculative_draft_config: Path | None,
              draft_vocab_size: int | None, draft_window_tokens: int, draft_request_vocab: int | None,
-             num_speculative_tokens: int | None, host_kv_cache_gb: float | None,
+             num_speculative_tokens: int | None, state_snapshots: int | None, host_kv_cache_gb: float | None,
              as_json: bool, **kv_flags: str | int | bool | None) -> None:
     """Print the fixed memory plan of an engine: every GPU allocation, item by item, and whether it
     fits the profile's budget.
@@ -156,6 +159,7 @@ def plan_cmd(ctx: click.Context, model_config: Path | None, checkpoint: str | No
         lm_head_dtype=lm_head_dtype,
         embedding_placement=embedding_placement,
         gpu_memory_utilization=gpu_memory_utilization,
+        state_snapshots=state_snapshots,
     )
     plan = solve_plan(model, prof, kv=kv, **settings)
     advice = None

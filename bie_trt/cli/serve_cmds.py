@@ -106,6 +106,10 @@ def _check_against_engine(config: EngineConfig, manifest: Manifest, gpu_memory_u
               type=click.Choice(["prefix-affinity", "power-of-two"]),
               help="How replicas are picked: by the prompt's cached prefix (least-loaded when its replica is "
                    "overloaded or none holds it), or Ray Serve's default power-of-two choices.")
+@click.option("--state-snapshot-interval", default=0, show_default=True, type=click.IntRange(min=0), metavar="TOKENS",
+              help="A model with linear-attention layers (Qwen3.5): besides each prompt's last block boundary, save "
+                   "their state every this many prompt tokens (a multiple of the KV block size) for prefix hits "
+                   "of longer prompts that start the same; 0: only there. The plan fixes how many are kept.")
 @speculative_config
 def serve(engine: str | None, engine_opt: str | None, host: str, port: int, device: str,
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int | None,
@@ -115,7 +119,8 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
           json_schema_mode: str,
           log_level: str, host_kv_cache_gb: float | None, kv_cache_dir: str | None,
           disk_kv_cache_gb: float | None, response_store_size: int,
-          reasoning_key: str | None, replicas: int, ray_address: str | None, router: str, speculative) -> None:
+          reasoning_key: str | None, replicas: int, ray_address: str | None, router: str,
+          state_snapshot_interval: int, speculative) -> None:
     """Serve an engine over OpenAI-compatible HTTP.
 
     \b
@@ -140,7 +145,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                           reasoning_parser=reasoning_parser, skip_verify=skip_verify, host_kv_cache_gb=host_kv_cache_gb,
                           kv_cache_dir=kv_cache_dir or str(cache_dir() / "kv-cache"),
-                          disk_kv_cache_gb=disk_kv_cache_gb)
+                          disk_kv_cache_gb=disk_kv_cache_gb, state_snapshot_interval=state_snapshot_interval)
     _check_against_engine(config, manifest, gpu_memory_utilization)
     if replicas == 1 and ray_address is None and router != "prefix-affinity":
         raise click.UsageError("--router picks among replicas; give --replicas 2 or more (or --ray-address).")

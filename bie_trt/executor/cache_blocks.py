@@ -25,10 +25,14 @@ def cache_identity(runner: ModelRunner) -> dict:
 
 
 def check_groups(blocks: BlockManager) -> None:
-    """Cache files carry one cache group: a hybrid model's sliding-window layers are refused by name."""
+    """Cache files carry one cache group: a hybrid model's sliding-window layers and linear-attention layers'
+    state snapshots are refused by name."""
     if blocks.sliding is not None:
         raise CacheFileError("cache files do not carry the sliding-window layers' blocks of a hybrid model "
                              "(Gemma 3); its prefix cache keeps a returning prompt on the device instead.")
+    if blocks.snapshots is not None:
+        raise CacheFileError("cache files do not carry the linear-attention layers' state snapshots (Qwen3.5); "
+                             "its prefix cache keeps a returning prompt on the device instead.")
 
 
 def copy_out(blocks: BlockManager, runner: ModelRunner, scheduler: Scheduler, ids: list[int]) -> list[CachedBlock]:

@@ -26,11 +26,16 @@ log = logging.getLogger(__name__)
 
 def open_disk_tier(config: EngineConfig, runner: ModelRunner, model_name: str) -> DiskTier | None:
     """The tier `config` asks for: `kv_cache_dir` set, `disk_kv_cache_gb` not 0, prefix caching on. None for a
-    hybrid model: its files would lack the sliding layers' blocks that a hit needs (logged once)."""
+    hybrid model: its files would lack the sliding layers' blocks or the linear-attention layers' state snapshots
+    that a hit needs (logged once)."""
     if config.kv_cache_dir is None or not runner.prefix_caching(config.enable_prefix_caching):
         return None
     if runner.pools.sliding is not None:
         log.warning("disk KV tier off: it does not keep the sliding-window layers' blocks of a hybrid model")
+        return None
+    if runner.pools.recurrent is not None:
+        log.warning("disk KV tier off: it does not keep the linear-attention layers' state snapshots a hit on "
+                    "this model resumes from")
         return None
     root = Path(config.kv_cache_dir).expanduser()
     try:

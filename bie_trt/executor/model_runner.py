@@ -32,6 +32,7 @@ from ..user_cache import cache_dir
 from ..cache_tiers.block_manager import BlockManager, Copy, OutOfBlocks, Quantisation
 from ..cache_tiers.exact_rows import join_runs
 from ..cache_tiers.host_cache import Drop, Offload, Restore
+from ..cache_tiers.state_snapshots import StateSnapshots
 from .scheduler import Move, ScheduledBatch, Scheduler
 from .sequence import Sequence
 
@@ -126,8 +127,14 @@ class ModelRunner:
         # a hybrid model's sliding layers in pools.sliding, sized by the same formula as the plan's
         self.pools: KVPools = allocate_kv(self.model_config, self.kv_config, n_fp, n_q, n_sliding, self.dtype,
                                           self.device, scratch_block=use_graphs)
-        if self.model_config.linear_layers:   # a state slot for each sequence that may run at once
-            self.pools.recurrent = allocate_recurrent(self.model_config, self.max_num_seqs, self.dtype, self.device)
+        if self.model_config.linear_layers:   # a state slot for each sequence that may run at once, and the plan's
+            # snapshot slots for prefix hits (an engine planned without them has none: prefix caching off)
+            self.pools.recurrent = allocate_recurrent(self.model_config, self.max_num_seqs, self.dtype, self.device,
+                                                      int(self.manifest.plan.inputs.get("state_snapshots") or 0))
+        if config.state_snapshot_interval < 0 or config.state_snapshot_interval % self.kv_config.block_size:
+            raise EngineError(f"state_snapshot_interval {config.state_snapshot_interval} must be 0 or a positive "
+                              f"multiple of the KV block size {self.kv_config.block_size}.")
+        self.state_snapshot_interval = config.state_snapshot_interval
         try:
             self.host_bytes = host_bytes(config.host_kv_cache_gb, _available_memory())
         except ValueError as e:
@@ -143,22 +150,29 @@ class ModelRunner:
             self.warm_up()
 
     def prefix_caching(self, asked: bool) -> bool:
-        """Whether this engine's prefix cache can be on. Not with linear-attention layers: a hit would skip
-        their tokens too, and their state at the hit's end is not saved (no snapshots at block boundaries yet)."""
-        if asked and self.pools.recurrent is not None:
-            log.warning("prefix caching off: a model with linear-attention layers would need their recurrent "
-                        "state saved at the cached prefix's end, which this engine does not do yet")
+        """Whether this engine's prefix cache can be on. With linear-attention layers only if the plan holds
+        snapshot slots: a hit skips their tokens too, so it must resume from their state saved at its end."""
+        states = self.pools.recurrent
+        if asked and states is not None and not states.num_snapshots:
+            log.warning("prefix caching off: this engine's plan holds no recurrent state snapshots, which a hit on "
+                        "a model with linear-attention layers resumes from; rebuild it with this version of bie-trt")
             return False
         return asked
 
     def block_manager(self, enable_prefix_caching: bool = False, host_bytes: int = 0) -> BlockManager:
-        """A block manager over this runner's pools: both cache groups of a hybrid model."""
-        sliding = self.pools.sliding
-        return BlockManager(self.kv_config, self.pools.num_fp_blocks, self.pools.num_quant_blocks,
-                            self.prefix_caching(enable_prefix_caching),
+        """A block manager over this runner's pools: every cache group of a hybrid model (the sliding layers'
+        blocks, the linear-attention layers' snapshots)."""
+        sliding, states = self.pools.sliding, self.pools.recurrent
+        caching = self.prefix_caching(enable_prefix_caching)
+        if caching and host_bytes and states is not None:
+            log.info("host KV tier off: the linear-attention layers' state snapshots stay on the device, and a "
+                        "hit restored from the host would need them")
+        return BlockManager(self.kv_config, self.pools.num_fp_blocks, self.pools.num_quant_blocks, caching,
                             host_bytes, self.block_bytes,
                             sliding_window=int(self.model_config.sliding_window or 0) if sliding else 0,
-                            num_sliding_blocks=sliding.num_fp_blocks if sliding else 0)
+                            num_sliding_blocks=sliding.num_fp_blocks if sliding else 0,
+                            snapshots=StateSnapshots(states.snapshot_slots, self.state_snapshot_interval)
+                            if caching and states is not None else None)
 
     def _dense_fits(self) -> bool:
         """The CPU path keeps every dequantised weight matrix (fast, but 4 bytes a weight in fp32) only
@@ -258,15 +272,18 @@ class ModelRunner:
         whether each chunk wants every row's logits)."""
         inputs, num_runs, all_logits = [], [], []
         for seq, n in batch.chunks:
-            extra = drafts.get(seq, [])
+            extra, saves = drafts.get(seq, []), batch.saves.get(seq, [])
             ids = torch.tensor(seq.token_slice(seq.num_cached, seq.num_cached + n) + extra)
             views = [(row, min(rows, len(ids) - row), table)
                      for row, rows, table in batch.views.get(seq, [(0, len(ids), seq.block_table)]) if row < len(ids)]
             # (a dense model's sequences have no sliding table: [] -> None)
             # a verify logs its linear-attention layers' inputs, for `keep_rows` to roll back the rejected ones
+            # a state saved after position p: by the input whose rows end at or past it
             inputs += [SeqInput(ids[row:row + rows], seq.num_cached + row, table, all_logits=bool(extra),
                                 sliding_table=seq.sliding_table or None, state_slot=seq.state_slot,
-                                log_state=bool(extra))
+                                log_state=bool(extra),
+                                save_states=[(p - seq.num_cached - row, slot) for p, slot in saves
+                                             if row < p - seq.num_cached <= row + rows])
                        for row, rows, table in views]
             num_runs.append(len(views))
             all_logits.append(bool(extra))

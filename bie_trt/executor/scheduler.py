@@ -16,6 +16,10 @@ the start of the next step, with its copies. They travel with the host tier's of
 drops in one list (`moves`), in the order the block manager decided them: a block offloaded is read
 before a later quantisation or restore reuses it, and a quantisation's FP16 block before a restore
 overwrites it.
+
+A model with linear-attention layers: each running sequence holds a recurrent state slot. A prefix hit restores
+the state saved at the hit's end into it; a prompt chunk that crosses a boundary worth a snapshot
+(state_snapshots.py) saves the state there during the step (`ScheduledBatch.saves`), findable once the step ran.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from ..kv.sizing import bounded_fp_blocks_per_seq
 from ..plan import step_tokens
 from ..cache_tiers.block_manager import BlockManager, Copy, Quantisation, View
 from ..cache_tiers.host_cache import HostMove
+from ..cache_tiers.state_snapshots import Save, save_positions
 from .sequence import Sequence, Status
 
 Move = Quantisation | HostMove   # a block move launched before a step's copies and forward
@@ -46,6 +51,7 @@ class ScheduledBatch:
     # a chunk without an entry is one run over its own table
     views: dict[Sequence, list[View]] = field(default_factory=dict)
     layer_quantisations: list[Quantisation] = field(default_factory=list)   # blocks the step writes, then reads quantised
+    saves: dict[Sequence, list[Save]] = field(default_factory=dict)   # recurrent states to save during the step
 
 
 class Scheduler:
@@ -90,6 +96,8 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.free(seq)
+        if self.blocks.snapshots is not None:
+            self.blocks.snapshots.cancel(seq)
         if seq.state_slot is not None:
             self.states.release(seq.state_slot)
             seq.state_slot = None
@@ -132,6 +140,9 @@ class Scheduler:
             self.blocks.admit(seq, hit)
             if self.states is not None:
                 seq.state_slot = self.states.allocate()
+                if hit:   # the linear-attention layers resume from their state saved at the hit's end
+                    key = self.blocks.prompt_keys(seq)[len(hit) - 1]
+                    self.states.copy(self.blocks.snapshots.take(key), seq.state_slot)
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += cached
             self.host_hit_tokens += from_host
@@ -152,7 +163,23 @@ class Scheduler:
         """The step over `chunks` (blocks already grown): its rows cut into views, with the quantisations
         decided since the last step."""
         views, layer_quantisations = self.cut_rows(chunks, lookahead)
-        return ScheduledBatch(chunks, copies, self.take_moves(), lookahead, views, layer_quantisations)
+        return ScheduledBatch(chunks, copies, self.take_moves(), lookahead, views, layer_quantisations,
+                              self._saves(chunks))
+
+    def _saves(self, chunks: list[tuple[Sequence, int]]) -> dict[Sequence, list[Save]]:
+        """The recurrent states each prompt chunk saves at the boundaries it crosses (state_snapshots.py)."""
+        snapshots, saves = self.blocks.snapshots, {}
+        if snapshots is None:
+            return saves
+        for seq, n in chunks:
+            positions = save_positions(seq.num_cached, n, len(seq.prompt_ids), self.blocks.block_size,
+                                       snapshots.interval)
+            keys = self.blocks.prompt_keys(seq) if positions else []
+            for p in positions:
+                slot = snapshots.reserve(seq, p, keys[p // self.blocks.block_size - 1])
+                if slot is not None:
+                    saves.setdefault(seq, []).append((p, slot))
+        return saves
 
     def cut_rows(self, chunks: list[tuple[Sequence, int]], lookahead: dict[Sequence, int]
                  ) -> tuple[dict[Sequence, list[View]], list[Quantisation]]:
@@ -185,6 +212,8 @@ class Scheduler:
         """The step wrote K/V for seq's next `num_computed` tokens: count them (indexing full blocks for the
         prefix cache), free the blocks held for proposals past them, and compact what left the window."""
         self.blocks.commit(seq, num_computed)
+        if self.blocks.snapshots is not None:
+            self.blocks.snapshots.commit(seq)
         if had_lookahead:
             self.blocks.truncate(seq)
         self._add_moves(self.blocks.compact(seq))

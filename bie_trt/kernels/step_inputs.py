@@ -36,6 +36,9 @@ class SeqInput:
     # holding its state after start_pos tokens.
     state_slot: int | None = None
     log_state: bool = False   # a speculative verify: keep what rolling the recurrent state back needs
+    # (rows, snapshot slot): copy the state as it is after the first `rows` tokens into that slot (a prompt's
+    # boundary kept for prefix hits, cache_tiers/state_snapshots.py)
+    save_states: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 def write_blocks(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
@@ -93,6 +96,7 @@ class StepMetadata:
     recurrent: list[tuple[int, int, int]] | None = None
     recurrent_decode: tuple[torch.Tensor, torch.Tensor] | None = None
     recurrent_log: frozenset[int] = frozenset()   # slots whose multi-token rows are logged (StepLog)
+    recurrent_saves: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)   # first row -> saves
 
     @property
     def all_decode(self) -> bool:
@@ -110,11 +114,14 @@ class StepMetadata:
             starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
             runs = [(starts[i], len(s.token_ids), s.state_slot) for i, s in enumerate(seqs)]
             meta.recurrent_log = frozenset(s.state_slot for s in seqs if s.log_state)
+            meta.recurrent_saves = {starts[i]: s.save_states for i, s in enumerate(seqs) if s.save_states}
             # A sequence cut into several inputs (runs of rows reading its KV blocks differently) advances its
-            # state through them in order, so none of them joins the decode batch, which runs first.
+            # state through them in order, so none of them joins the decode batch, which runs first; nor does an
+            # input that saves its state.
             inputs_of = collections.Counter(slot for _, _, slot in runs)
-            decode = [(row, slot) for row, n, slot in runs if n == 1 and inputs_of[slot] == 1]
-            meta.recurrent = [run for run in runs if run[1] > 1 or inputs_of[run[2]] > 1]
+            alone = [n == 1 and inputs_of[slot] == 1 and row not in meta.recurrent_saves for row, n, slot in runs]
+            decode = [(row, slot) for (row, _, slot), one in zip(runs, alone) if one]
+            meta.recurrent = [run for run, one in zip(runs, alone) if not one]
             if decode:
                 rows, slots = zip(*decode)
                 meta.recurrent_decode = (torch.tensor(rows, device=device), torch.tensor(slots, device=device))

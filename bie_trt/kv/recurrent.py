@@ -5,8 +5,12 @@ A slot holds, for every such layer, the causal conv's last W-1 inputs (activatio
 state [H_v, K, V] in fp32 (it accumulates over the whole context: rounding it to fp16 each token would
 compound). A sequence takes a slot when it starts and gives it back when it finishes or is preempted; a
 slot is handed out zeroed and never to two sequences at once. `snapshot` / `restore` copy a slot's state
-out and back (a prefix boundary to resume from, a preempted sequence); a speculative verify's step is logged
-per layer (`StepLog`) so that the model can roll the state back to the accepted rows.
+out and back (a preempted sequence); a speculative verify's step is logged per layer (`StepLog`) so that the
+model can roll the state back to the accepted rows.
+
+Snapshot slots (`num_snapshots`, after the sequences' slots in the same tensors) hold states saved at block
+boundaries of a prompt, for a returning prompt to resume from (cache_tiers/state_snapshots.py decides which
+key each holds; `copy` moves a state between any two slots).
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ class StepLog:
 class RecurrentStates:
     conv: torch.Tensor    # [L, slots, C, W-1], activation dtype
     delta: torch.Tensor   # [L, slots, H_v, K, V], fp32
+    num_snapshots: int = 0   # the last slots: saved states, never a running sequence's
     free: list[int] = field(init=False)
     logs: dict[int, dict[int, StepLog]] = field(init=False)   # slot -> layer -> its logged step
 
@@ -80,7 +85,12 @@ class RecurrentStates:
 
     @property
     def num_slots(self) -> int:
-        return self.conv.shape[1]
+        """Slots for running sequences."""
+        return self.conv.shape[1] - self.num_snapshots
+
+    @property
+    def snapshot_slots(self) -> list[int]:
+        return list(range(self.num_slots, self.num_slots + self.num_snapshots))
 
     def allocate(self) -> int:
         """A free slot, zeroed: a new sequence's state."""
@@ -108,16 +118,22 @@ class RecurrentStates:
         self.conv[:, slot].copy_(snap.conv)
         self.delta[:, slot].copy_(snap.delta)
 
+    def copy(self, src: int, dst: int) -> None:
+        """Slot `dst`'s state (every layer's) becomes slot `src`'s."""
+        self.conv[:, dst].copy_(self.conv[:, src])
+        self.delta[:, dst].copy_(self.delta[:, src])
+
     def nbytes(self) -> int:
         return self.conv.nbytes + self.delta.nbytes
 
 
 def allocate_recurrent(model: ModelConfig, num_slots: int, dtype: torch.dtype = torch.float16,
-                       device: torch.device | str = "cpu") -> RecurrentStates:
-    """Every linear-attention layer's states for `num_slots` sequences, allocated once."""
-    layers = len(model.linear_layers)
+                       device: torch.device | str = "cpu", num_snapshots: int = 0) -> RecurrentStates:
+    """Every linear-attention layer's states for `num_slots` sequences and `num_snapshots` saved states,
+    allocated once."""
+    layers, num_slots = len(model.linear_layers), num_slots + num_snapshots
     conv = torch.zeros(layers, num_slots, conv_channels(model), model.linear_conv_kernel - 1, dtype=dtype,
                        device=device)
     delta = torch.zeros(layers, num_slots, model.linear_num_value_heads, model.linear_key_head_dim,
                         model.linear_value_head_dim, dtype=torch.float32, device=device)
-    return RecurrentStates(conv, delta)
+    return RecurrentStates(conv, delta, num_snapshots)

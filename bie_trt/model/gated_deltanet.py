@@ -10,7 +10,8 @@ layers, in place of attention (the MLP around it is the decoder's own).
 
 The conv inputs and the delta state live in the sequence's recurrent slot (kv/recurrent.py). A speculative
 verify logs the state before it and its rows' inputs, so that `roll_back` can keep only the accepted rows
-without running the model again."""
+without running the model again; a prompt chunk that saves its state at block boundaries (SeqInput.save_states)
+runs its rows in parts cut there, copying the state into a snapshot slot after each."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -104,7 +105,14 @@ def deltanet_block(cfg: ModelConfig, li: int, w: DeltaNetWeights, linears: dict[
         if slot in meta.recurrent_log:   # a speculative verify: what rolling part of it back needs
             states.log(slot, li, StepLog(states.conv[li, slot].clone(), states.delta[li, slot].clone(),
                                          mixed[part].clone(), g[part].clone(), beta[part].clone()))
-        out[part] = _advance(cfg, li, w, states, slot, mixed[part], g[part], beta[part])
+        done = 0
+        for end, snap in [*meta.recurrent_saves.get(row, ()), (n, None)]:   # cut where a state is saved
+            if end > done:
+                piece = slice(row + done, row + end)
+                out[piece] = _advance(cfg, li, w, states, slot, mixed[piece], g[piece], beta[piece])
+                done = end
+            if snap is not None:   # the state after the first `end` rows, kept for a returning prompt
+                states.conv[li, snap], states.delta[li, snap] = states.conv[li, slot], states.delta[li, slot]
     # the gated per-head RMSNorm (as transformers rounds it): the outputs in the activation dtype, normalised in
     # fp32, scaled by w in the activation dtype, gated by silu(z) in fp32
     o = out.to(h.dtype).float()
