@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config_gemma3 import STOP_TOKENS as GEMMA3_STOP_TOKENS
+from .config_gemma4 import STOP_TOKENS as GEMMA4_STOP_TOKENS
 from .errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = {
@@ -38,7 +39,7 @@ KV_ROTATIONS = ("hadamard", "hadamard_kv", "none")   # keys only, keys and value
 FAMILY_KV_DEFAULTS: dict[str, dict[str, Any]] = {"gemma3": {"key_centering": True, "window": 512}}
 # Tokens (by their text) that end a reply besides a checkpoint's eos ids, by model family: the family's end of
 # turn where its releases leave it out of their end ids (vLLM reads it from generation_config).
-FAMILY_STOP_TOKENS: dict[str, tuple[str, ...]] = {"gemma3": GEMMA3_STOP_TOKENS}
+FAMILY_STOP_TOKENS: dict[str, tuple[str, ...]] = {"gemma3": GEMMA3_STOP_TOKENS, "gemma4": GEMMA4_STOP_TOKENS}
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -188,6 +189,13 @@ class ModelConfig:
         if sliding:
             return self.num_kv_heads, self.head_dim
         return self.global_num_kv_heads or self.num_kv_heads, self.global_head_dim or self.head_dim
+
+    @property
+    def keys_share_one_shape(self) -> bool:
+        """Whether every cache-owning layer's keys have one (KV heads, head dim), as the calibrated mean key
+        (one [layers, KV heads, head dim] tensor, measured through one pool) needs: not Gemma 4's, whose full
+        layers have wider heads of their own count."""
+        return not self.sliding_layers or self.cache_shape() == self.cache_shape(sliding=True)
 
     def intermediate_of(self, layer: int) -> int:
         wide = self.double_wide_mlp and layer >= self.first_shared_layer

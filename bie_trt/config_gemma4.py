@@ -28,6 +28,12 @@ GLOBAL_ROPE = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope
 LOCAL_ROPE = {"rope_type": "default", "rope_theta": 10_000.0}
 DEFAULT_PATTERN = 6
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# A reply ends at the end of the model's turn, or where it stops to wait for a tool's response (the caller runs
+# the tool and sends the response back); the -it releases name only <eos> and <turn|> as end tokens.
+STOP_TOKENS = ("<turn|>", "<|tool_response>")
+CHAT_TEMPLATE = "gemma4"   # templates/chat_gemma4.jinja: the engine's template when a checkpoint has none
+# What transformers' per_layer_config may override on a full layer (its writer puts both there).
+_FULL_LAYER_OVERRIDES = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
 
 
 def gemma4_text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -37,6 +43,7 @@ def gemma4_text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     whole_eos = hf.get("eos_token_id") if "text_config" in hf else None
     hf = text_tower(hf, "Gemma4ForConditionalGeneration", TEXT_DEFAULTS, source)
     out = dict(hf) | ({"eos_token_id": whole_eos} if whole_eos is not None else {})
+    out |= _full_layer_overrides(out, source)
     params = dict(out.pop("rope_parameters", None) or {})
     full = GLOBAL_ROPE | dict(params.get("full_attention") or {})
     local = LOCAL_ROPE | dict(params.get("sliding_attention") or {})
@@ -49,6 +56,24 @@ def gemma4_text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     out["rope_local_base_freq"] = float(local["rope_theta"])
     out["rope_proportion"] = float(full["partial_rotary_factor"]) if full["rope_type"] == "proportional" else 1.0
     return out
+
+
+def _full_layer_overrides(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The full layers' head width and KV head count from `per_layer_config`, where transformers (5.25) writes
+    them in place of global_head_dim / num_global_key_value_heads (and reads them from there first); {} when
+    the config has none. Only the same overrides on every full layer, and none on a sliding one, are read."""
+    per_layer = hf.get("per_layer_config")
+    if not per_layer:
+        return {}
+    types = layer_types(hf, LAYER_TYPES, DEFAULT_PATTERN, source)
+    overrides = {int(i): dict(o) for i, o in per_layer.items()}
+    full = [i for i, kind in enumerate(types[:-1]) if kind == "full_attention"] + [len(types) - 1]
+    first = overrides.get(full[0], {})
+    if set(overrides) != set(full) or any(overrides[i] != first for i in full) or set(first) - set(_FULL_LAYER_OVERRIDES):
+        raise CheckpointError(f"{source}: per_layer_config {per_layer!r} is not supported: bie-trt reads the same "
+                              f"{' and '.join(_FULL_LAYER_OVERRIDES)} on every full-attention layer, nothing else.")
+    return {"global_head_dim": first.get("head_dim", hf["head_dim"]),
+            "num_global_key_value_heads": first.get("num_key_value_heads")}
 
 
 def gemma4_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -74,7 +99,8 @@ def gemma4_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     if window < 1:
         raise CheckpointError(f"{source}: sliding_window must be a positive number of positions; got {window}.")
     k_eq_v = bool(hf["attention_k_eq_v"])
-    global_kv = hf.get("num_global_key_value_heads") if k_eq_v else None   # transformers reads it only then
+    # transformers reads it only then, or from per_layer_config whenever that names it
+    global_kv = hf.get("num_global_key_value_heads") if k_eq_v or hf.get("per_layer_config") else None
     global_dim = int(hf["global_head_dim"])
     proportion = float(hf["rope_proportion"])
     if int(proportion * global_dim // 2) < 1:

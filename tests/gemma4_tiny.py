@@ -2,8 +2,8 @@
 sliding, full, sliding | sliding, full) of which the last two share the KV of layers 3 and 2, a 24-position
 window, 32-wide sliding heads and 64-wide full ones with their own KV head count, keys reused as values on the
 full layers, proportional RoPE (a quarter) there, per-layer embeddings, doubled MLPs on the shared layers,
-layer scalars, soft-capped logits. Linears whose values W4 holds exactly (every group spans codes 0..15), so
-the engine and transformers run the same weights. And the engine's side: the decoder over an FP16 cache."""
+layer scalars, soft-capped logits. Linears whose values W4 holds exactly (every group spans codes 0..15) and
+every value one fp16 holds, so the engine (built, or from the state dict) and transformers run the same weights. And the engine's side: the decoder over an FP16 cache."""
 from __future__ import annotations
 
 import torch
@@ -12,9 +12,12 @@ from bie_trt.builder.checkpoint.gemma4_weights import runtime_weights
 from bie_trt.config import KVCacheConfig, ModelConfig
 from bie_trt.kv.pool import allocate_kv
 from bie_trt.model.llama import LlamaModel
+from hf_reference import greedy_reference
 from qwen35_tiny import GROUP, exact_w4
 
 WINDOW = 24
+PROMPT_TOKENS = 100      # four windows, not a whole number of 16-token blocks
+GREEDY_TOKENS = 8
 TINY_GEMMA4 = {
     "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -49,10 +52,18 @@ def hf_tiny_gemma4(seed: int = 0):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             else:   # the embeddings and the per-layer projections
                 p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "per_layer" in name else 1.0))
+            p.copy_(p.half().float())   # values fp16 holds, as a checkpoint (and the built engine) stores them
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
-                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+                b.copy_((0.5 + torch.rand(b.shape, generator=g)).half().float())
     return model
+
+
+def gemma4_reference() -> tuple[object, list[int], list[int], torch.Tensor]:
+    """(the tiny model, a prompt of PROMPT_TOKENS, transformers' greedy continuation of GREEDY_TOKENS, its logits
+    over prompt and continuation): what the decoder and the built engine are compared with."""
+    model = hf_tiny_gemma4()
+    return (model, *greedy_reference(model, PROMPT_TOKENS, GREEDY_TOKENS))
 
 
 def engine_model(hf_model, blocks: int = 64) -> tuple[LlamaModel, object]:
