@@ -20,7 +20,8 @@ from bie_trt.kv.pool import allocate_kv
 from bie_trt.model.cuda_graphs import DecodeGraphs
 from bie_trt.model.synthetic import write_word_tokenizer
 from bie_trt.sampling_params import SamplingParams
-from gemma4_tiny import GREEDY_TOKENS, TINY_GEMMA4, engine_model
+from gemma4_tiny import GREEDY_TOKENS, engine_model
+from hf_reference import run_engine_logits
 from qwen35_tiny import GROUP
 
 CHUNK = 40   # a 100-token prompt in three chunks, each longer than the 24-position window
@@ -94,6 +95,15 @@ def test_greedy_tokens_equal_transformers_and_again_through_a_prefix_hit(gemma4_
     hits = engine.scheduler.prefix_hit_tokens
     assert engine.generate(ids, greedy()).token_ids == continuation
     assert engine.scheduler.prefix_hit_tokens >= hits + 64   # the prompt's whole blocks came from the cache
+
+
+def test_the_built_engines_logits_equal_transformers(gemma4_reference, engine):
+    """Every position's logits of the prompt (prefilled in chunks over scattered blocks) and of the greedy
+    continuation (decoded) within fp32 rounding of transformers': greedy tokens alone would miss a small
+    mix-up of the weights (the tied embedding dominates this tiny model's logits)."""
+    _, ids, continuation, hf_logits = gemma4_reference
+    ours = torch.cat(run_engine_logits(engine, ids, continuation[:-1], scatter=True, chunk=CHUNK))
+    assert (ours - hf_logits[:len(ours)]).abs().max() <= 1e-4 * hf_logits.abs().max()
 
 
 def test_ngram_speculation_gives_the_greedy_tokens(tiny, gemma4_reference, engine):
