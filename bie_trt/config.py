@@ -22,11 +22,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # the text tower of the multimodal releases
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",    # the text tower of the multimodal releases
+    # the 12B: Gemma 4's decoder without per-layer embeddings, image and audio projected into its embeddings
+    "Gemma4UnifiedForCausalLM": "gemma4",
+    "Gemma4UnifiedForConditionalGeneration": "gemma4",
 }
 # Architectures with an RMSNorm over each q and k head (own weights, the model's eps) before RoPE.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                          "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Gemma4ForCausalLM",
-                         "Gemma4ForConditionalGeneration")
+                         "Gemma4ForConditionalGeneration", "Gemma4UnifiedForCausalLM",
+                         "Gemma4UnifiedForConditionalGeneration")
 # transformers' Qwen3Config: head_dim is its own field, 128 when config.json leaves it out.
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 KV_DTYPES = ("fp16", "fp8", "int4_asym")

@@ -24,6 +24,11 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "hidden_size_per_layer_input": 256, "attention_k_eq_v": False, "num_kv_shared_layers": 0,
     "use_double_wide_mlp": False,
 }
+# The 12B (transformers' Gemma4Unified*): no per-layer embeddings (its config has no such fields), a longer
+# window; the text model is otherwise Gemma 4's.
+UNIFIED_DEFAULTS: dict[str, Any] = {"hidden_size_per_layer_input": 0, "sliding_window": 1024,
+                                    "max_position_embeddings": 262_144}
+MULTIMODAL = ("Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration")   # by `unified`
 GLOBAL_ROPE = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}
 LOCAL_ROPE = {"rope_type": "default", "rope_theta": 10_000.0}
 DEFAULT_PATTERN = 6
@@ -41,7 +46,8 @@ def gemma4_text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     layers' base in rope_theta, the sliding layers' in rope_local_base_freq) plus the full layers' proportion."""
     # The -it releases' top level names the end of turn as an end token too ([1, 106]); their text_config <eos> only.
     whole_eos = hf.get("eos_token_id") if "text_config" in hf else None
-    hf = text_tower(hf, "Gemma4ForConditionalGeneration", TEXT_DEFAULTS, source)
+    unified = any(a.startswith("Gemma4Unified") for a in hf.get("architectures") or [])
+    hf = text_tower(hf, MULTIMODAL[unified], TEXT_DEFAULTS | (UNIFIED_DEFAULTS if unified else {}), source)
     out = dict(hf) | ({"eos_token_id": whole_eos} if whole_eos is not None else {})
     out |= _full_layer_overrides(out, source)
     params = dict(out.pop("rope_parameters", None) or {})
@@ -81,7 +87,8 @@ def gemma4_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     if hf.get("enable_moe_block") or hf.get("num_experts"):
         raise CheckpointError(f"{source}: enable_moe_block is on (Gemma 4's mixture-of-experts models); bie-trt "
                               f"runs the dense Gemma 4 models.")
-    if hf.get("use_bidirectional_attention"):
+    # "vision": image tokens attend both ways among themselves, text stays causal (the 12B's default)
+    if hf.get("use_bidirectional_attention") not in (None, "vision"):
         raise CheckpointError(f"{source}: use_bidirectional_attention={hf['use_bidirectional_attention']!r}; "
                               f"bie-trt runs causal decoders.")
     act = hf.get("hidden_activation") or hf.get("hidden_act")

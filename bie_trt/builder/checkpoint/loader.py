@@ -26,7 +26,8 @@ LINEARS = {
 
 
 # Multimodal checkpoints whose text tower the engine runs (the vision tower is never read).
-MULTIMODAL = ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration")
+MULTIMODAL = ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration",
+              "Gemma4UnifiedForConditionalGeneration")
 # Where their text tower's tensors live: transformers >= 4.52 writes model.language_model.*, earlier
 # releases language_model.model.* (and language_model.lm_head.*).
 TEXT_TOWER_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
