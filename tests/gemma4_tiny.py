@@ -33,16 +33,21 @@ TINY_GEMMA4 = {
 }
 
 
-def hf_tiny_gemma4(seed: int = 0):
-    """transformers' Gemma4ForCausalLM with random weights (fp32, eager attention)."""
-    from transformers import AutoConfig
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+# The 12B's text model (transformers' Gemma4Unified): the same without per-layer embeddings.
+TINY_GEMMA4_UNIFIED = {k: v for k, v in TINY_GEMMA4.items() if "per_layer" not in k} | {
+    "architectures": ["Gemma4UnifiedForCausalLM"], "model_type": "gemma4_unified_text"}
 
-    cfg = dict(TINY_GEMMA4)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    config._attn_implementation = "eager"
+
+def hf_tiny_gemma4(seed: int = 0, config: dict = TINY_GEMMA4):
+    """transformers' Gemma4ForCausalLM (or Gemma4UnifiedForCausalLM, by `config`) with random weights (fp32,
+    eager attention)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {k: v for k, v in config.items() if k != "architectures"}
     torch.manual_seed(seed)
-    model = Gemma4ForCausalLM(config).float().eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
+                                             attn_implementation="eager").float().eval()
+    assert type(model).__name__ == config["architectures"][0]
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -66,10 +71,10 @@ def gemma4_reference() -> tuple[object, list[int], list[int], torch.Tensor]:
     return (model, *greedy_reference(model, PROMPT_TOKENS, GREEDY_TOKENS))
 
 
-def engine_model(hf_model, blocks: int = 64) -> tuple[LlamaModel, object]:
-    """The engine's decoder on the same weights, and its cache: FP16-format KV (fp32 storage, as the CPU path
-    keeps activations), `blocks` blocks in each group."""
-    cfg = ModelConfig.from_hf(TINY_GEMMA4)
+def engine_model(hf_model, blocks: int = 64, config: dict = TINY_GEMMA4) -> tuple[LlamaModel, object]:
+    """The engine's decoder on the same weights (`config` read as the engine reads it), and its cache:
+    FP16-format KV (fp32 storage, as the CPU path keeps activations), `blocks` blocks in each group."""
+    cfg = ModelConfig.from_hf(config)
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}
     model = LlamaModel(cfg, runtime_weights(cfg, state, GROUP), torch.device("cpu"), torch.float32)
     pools = allocate_kv(cfg, KVCacheConfig(dtype="fp16"), blocks, 0, blocks, dtype=torch.float32)

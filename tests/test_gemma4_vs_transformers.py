@@ -13,7 +13,8 @@ import torch
 from bie_trt.config import ModelConfig
 from bie_trt.kernels import triton_ops
 from bie_trt.kernels.step_inputs import SeqInput
-from gemma4_tiny import TINY_GEMMA4, WINDOW, engine_model
+from gemma4_tiny import GREEDY_TOKENS, PROMPT_TOKENS, TINY_GEMMA4, TINY_GEMMA4_UNIFIED, WINDOW, engine_model, hf_tiny_gemma4
+from hf_reference import greedy_reference
 
 CHUNK = 40               # chunks that a window spans
 MAX_LOGIT_DIFF = 1e-4    # of the largest |logit|
@@ -64,4 +65,17 @@ def test_logits_and_greedy_tokens_equal_transformers(gemma4_reference, kernels, 
     assert ours.shape == hf_logits.shape
     diff = (ours - hf_logits).abs().max().item() / hf_logits.abs().max().item()
     assert diff <= MAX_LOGIT_DIFF, f"max |Δlogit| = {diff} of the largest"
+    assert ours[len(ids) - 1:-1].argmax(-1).tolist() == continuation
+
+
+def test_the_12b_text_model_without_per_layer_embeddings_equals_transformers():
+    """transformers' Gemma4UnifiedForCausalLM (the 12B's text model: no per-layer table, otherwise the same
+    switches) through the same decoder: its logits and greedy tokens."""
+    hf_model = hf_tiny_gemma4(config=TINY_GEMMA4_UNIFIED)
+    ids, continuation, hf_logits = greedy_reference(hf_model, PROMPT_TOKENS, GREEDY_TOKENS)
+    model, pools = engine_model(hf_model, config=TINY_GEMMA4_UNIFIED)
+    assert model.per_layer is None
+    ours = run(model, pools, ids, continuation)
+    hf_logits = hf_logits[: len(ids) + len(continuation)]
+    assert (ours - hf_logits).abs().max() <= MAX_LOGIT_DIFF * hf_logits.abs().max()
     assert ours[len(ids) - 1:-1].argmax(-1).tolist() == continuation
