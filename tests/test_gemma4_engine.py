@@ -21,7 +21,7 @@ from bie_trt.model.cuda_graphs import DecodeGraphs
 from bie_trt.model.synthetic import write_word_tokenizer
 from bie_trt.sampling_params import SamplingParams
 from gemma4_tiny import GREEDY_TOKENS, engine_model
-from hf_reference import run_engine_logits
+from hf_reference import quantize_and_build, run_engine_logits
 from qwen35_tiny import GROUP
 
 CHUNK = 40   # a 100-token prompt in three chunks, each longer than the 24-position window
@@ -51,14 +51,8 @@ def tiny(tmp_path_factory, gemma4_reference):
     root = tmp_path_factory.mktemp("gemma4")
     gemma4_reference[0].save_pretrained(root / "hf")
     write_tokenizer(root / "hf")
-    r = CliRunner().invoke(main, ["quantize", "--model", str(root / "hf"), "--out", str(root / "awq"),
-                                  "--group-size", str(GROUP)])
-    assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(main, ["build", "--checkpoint", str(root / "awq"), "--out", str(root / "engine"),
-                                  "--profile", "cpu", "--max-model-len", "512", "--kv-cache-dtype", "fp16",
-                                  "--max-num-seqs", "2", "--chunked-prefill-size", str(CHUNK)])
-    assert r.exit_code == 0, r.output
-    return root / "engine", root / "awq"
+    return quantize_and_build(root, GROUP, "--max-model-len", "512", "--max-num-seqs", "2",
+                              "--chunked-prefill-size", str(CHUNK))
 
 
 @pytest.fixture(scope="module")
