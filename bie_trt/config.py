@@ -20,7 +20,8 @@ SUPPORTED_ARCHITECTURES = {arch: f.name for f in FAMILIES.values() for arch in f
 # Architectures with an RMSNorm over each q and k head (own weights, the model's eps) before RoPE.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                          "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Gemma4ForCausalLM",
-                         "Gemma4ForConditionalGeneration")
+                         "Gemma4ForConditionalGeneration", "Gemma4UnifiedForCausalLM",
+                         "Gemma4UnifiedForConditionalGeneration")
 # transformers' Qwen3Config: head_dim is its own field, 128 when config.json leaves it out.
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 KV_DTYPES = ("fp16", "fp8", "int4_asym")
@@ -184,6 +185,13 @@ class ModelConfig:
         if sliding:
             return self.num_kv_heads, self.head_dim
         return self.global_num_kv_heads or self.num_kv_heads, self.global_head_dim or self.head_dim
+
+    @property
+    def keys_share_one_shape(self) -> bool:
+        """Whether every cache-owning layer's keys have one (KV heads, head dim), as the calibrated mean key
+        (one [layers, KV heads, head dim] tensor, measured through one pool) needs: not Gemma 4's, whose full
+        layers have wider heads of their own count."""
+        return not self.sliding_layers or self.cache_shape() == self.cache_shape(sliding=True)
 
     def intermediate_of(self, layer: int) -> int:
         wide = self.double_wide_mlp and layer >= self.first_shared_layer

@@ -25,10 +25,17 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "hidden_size_per_layer_input": 256, "attention_k_eq_v": False, "num_kv_shared_layers": 0,
     "use_double_wide_mlp": False,
 }
+# The 12B (transformers' Gemma4Unified*): no per-layer embeddings (its config has no such fields), a longer
+# window; the text model is otherwise Gemma 4's.
+UNIFIED_DEFAULTS: dict[str, Any] = {"hidden_size_per_layer_input": 0, "sliding_window": 1024,
+                                    "max_position_embeddings": 262_144}
+MULTIMODAL = ("Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration")   # by `unified`
 GLOBAL_ROPE = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}
 LOCAL_ROPE = {"rope_type": "default", "rope_theta": 10_000.0}
 DEFAULT_PATTERN = 6
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# What transformers' per_layer_config may override on a full layer (its writer puts both there).
+_FULL_LAYER_OVERRIDES = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
 
 
 def gemma4_text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -36,8 +43,10 @@ def gemma4_text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     layers' base in rope_theta, the sliding layers' in rope_local_base_freq) plus the full layers' proportion."""
     # The -it releases' top level names the end of turn as an end token too ([1, 106]); their text_config <eos> only.
     whole_eos = hf.get("eos_token_id") if "text_config" in hf else None
-    hf = text_tower(hf, "Gemma4ForConditionalGeneration", TEXT_DEFAULTS, source)
+    unified = any(a.startswith("Gemma4Unified") for a in hf.get("architectures") or [])
+    hf = text_tower(hf, MULTIMODAL[unified], TEXT_DEFAULTS | (UNIFIED_DEFAULTS if unified else {}), source)
     out = dict(hf) | ({"eos_token_id": whole_eos} if whole_eos is not None else {})
+    out |= _full_layer_overrides(out, source)
     params = dict(out.pop("rope_parameters", None) or {})
     full = GLOBAL_ROPE | dict(params.get("full_attention") or {})
     local = LOCAL_ROPE | dict(params.get("sliding_attention") or {})
@@ -52,12 +61,31 @@ def gemma4_text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
+def _full_layer_overrides(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The full layers' head width and KV head count from `per_layer_config`, where transformers (5.25) writes
+    them in place of global_head_dim / num_global_key_value_heads (and reads them from there first); {} when
+    the config has none. Only the same overrides on every full layer, and none on a sliding one, are read."""
+    per_layer = hf.get("per_layer_config")
+    if not per_layer:
+        return {}
+    types = layer_types(hf, LAYER_TYPES, DEFAULT_PATTERN, source)
+    overrides = {int(i): dict(o) for i, o in per_layer.items()}
+    full = [i for i, kind in enumerate(types[:-1]) if kind == "full_attention"] + [len(types) - 1]
+    first = overrides.get(full[0], {})
+    if set(overrides) != set(full) or any(overrides[i] != first for i in full) or set(first) - set(_FULL_LAYER_OVERRIDES):
+        raise CheckpointError(f"{source}: per_layer_config {per_layer!r} is not supported: bie-trt reads the same "
+                              f"{' and '.join(_FULL_LAYER_OVERRIDES)} on every full-attention layer, nothing else.")
+    return {"global_head_dim": first.get("head_dim", hf["head_dim"]),
+            "num_global_key_value_heads": first.get("num_key_value_heads")}
+
+
 def gemma4_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """The ModelConfig fields of a Gemma 4 text config (after `gemma4_text_config`)."""
     if hf.get("enable_moe_block") or hf.get("num_experts"):
         raise CheckpointError(f"{source}: enable_moe_block is on (Gemma 4's mixture-of-experts models); bie-trt "
                               f"runs the dense Gemma 4 models.")
-    if hf.get("use_bidirectional_attention"):
+    # "vision": image tokens attend both ways among themselves, text stays causal (the 12B's default)
+    if hf.get("use_bidirectional_attention") not in (None, "vision"):
         raise CheckpointError(f"{source}: use_bidirectional_attention={hf['use_bidirectional_attention']!r}; "
                               f"bie-trt runs causal decoders.")
     act = hf.get("hidden_activation") or hf.get("hidden_act")
@@ -75,7 +103,8 @@ def gemma4_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     if window < 1:
         raise CheckpointError(f"{source}: sliding_window must be a positive number of positions; got {window}.")
     k_eq_v = bool(hf["attention_k_eq_v"])
-    global_kv = hf.get("num_global_key_value_heads") if k_eq_v else None   # transformers reads it only then
+    # transformers reads it only then, or from per_layer_config whenever that names it
+    global_kv = hf.get("num_global_key_value_heads") if k_eq_v or hf.get("per_layer_config") else None
     global_dim = int(hf["global_head_dim"])
     proportion = float(hf["rope_proportion"])
     if int(proportion * global_dim // 2) < 1:
@@ -98,4 +127,12 @@ def read_gemma4(hf: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[s
     return text, gemma4_fields(text, source)
 
 
-FAMILY = ModelFamily("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), read_gemma4)
+FAMILY = ModelFamily(
+    "gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+               # the 12B: Gemma 4's decoder without per-layer embeddings
+               "Gemma4UnifiedForCausalLM", "Gemma4UnifiedForConditionalGeneration"), read_gemma4,
+    # a reply ends at the end of the model's turn, or where it stops to wait for a tool's response (the caller
+    # runs the tool and sends the response back); the -it releases name only <eos> and <turn|> as end tokens
+    stop_tokens=("<turn|>", "<|tool_response>"),
+    chat_template="gemma4",   # templates/chat_gemma4.jinja: the engine's template when a checkpoint has none
+)

@@ -601,7 +601,9 @@ def solve_plan(
     weights = _weights(model, weight_group_size, lm_head_dtype, embedding, linear_bytes=linear_bytes,
                        stored_head_bytes=lm_head_bytes)
     weights.append(PlanItem("kv_key_mean", model.num_layers * model.kv_size * FP16,
-                            "fp16 mean key per layer and KV head, subtracted before quantising"))
+                            "fp16 mean key per layer and KV head, subtracted before quantising")
+                   if model.keys_share_one_shape else
+                   PlanItem("kv_key_mean", 0, "none: key centering is off (the layers' keys differ in shape)"))
     draft_items: list[PlanItem] = []
     # A step runs a prefill chunk and every sequence's decode (and proposals) in one forward.
     step = step_tokens(chunked_prefill_size, max_num_seqs, num_speculative_tokens)

@@ -152,3 +152,12 @@ def qwen35_reference():
     from qwen35_tiny import qwen35_reference
 
     return qwen35_reference()
+
+
+@pytest.fixture(scope="session")
+def gemma4_reference():
+    """A tiny random Gemma 4 in transformers, a prompt of several windows, its greedy continuation and logits
+    (tests/gemma4_tiny.py): made once for the decoder's and the built engine's comparisons."""
+    from gemma4_tiny import gemma4_reference
+
+    return gemma4_reference()

@@ -2,8 +2,8 @@
 sliding, full, sliding | sliding, full) of which the last two share the KV of layers 3 and 2, a 24-position
 window, 32-wide sliding heads and 64-wide full ones with their own KV head count, keys reused as values on the
 full layers, proportional RoPE (a quarter) there, per-layer embeddings, doubled MLPs on the shared layers,
-layer scalars, soft-capped logits. Linears whose values W4 holds exactly (every group spans codes 0..15), so
-the engine and transformers run the same weights. And the engine's side: the decoder over an FP16 cache."""
+layer scalars, soft-capped logits. Linears whose values W4 holds exactly (every group spans codes 0..15) and
+every value one fp16 holds, so the engine (built, or from the state dict) and transformers run the same weights. And the engine's side: the decoder over an FP16 cache."""
 from __future__ import annotations
 
 import torch
@@ -12,9 +12,12 @@ from bie_trt.builder.checkpoint.gemma4_weights import runtime_weights
 from bie_trt.config import KVCacheConfig, ModelConfig
 from bie_trt.kv.pool import allocate_kv
 from bie_trt.model.llama import LlamaModel
+from hf_reference import greedy_reference
 from qwen35_tiny import GROUP, exact_w4
 
 WINDOW = 24
+PROMPT_TOKENS = 100      # four windows, not a whole number of 16-token blocks
+GREEDY_TOKENS = 8
 TINY_GEMMA4 = {
     "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -30,16 +33,21 @@ TINY_GEMMA4 = {
 }
 
 
-def hf_tiny_gemma4(seed: int = 0):
-    """transformers' Gemma4ForCausalLM with random weights (fp32, eager attention)."""
-    from transformers import AutoConfig
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+# The 12B's text model (transformers' Gemma4Unified): the same without per-layer embeddings.
+TINY_GEMMA4_UNIFIED = {k: v for k, v in TINY_GEMMA4.items() if "per_layer" not in k} | {
+    "architectures": ["Gemma4UnifiedForCausalLM"], "model_type": "gemma4_unified_text"}
 
-    cfg = dict(TINY_GEMMA4)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    config._attn_implementation = "eager"
+
+def hf_tiny_gemma4(seed: int = 0, config: dict = TINY_GEMMA4):
+    """transformers' Gemma4ForCausalLM (or Gemma4UnifiedForCausalLM, by `config`) with random weights (fp32,
+    eager attention)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {k: v for k, v in config.items() if k != "architectures"}
     torch.manual_seed(seed)
-    model = Gemma4ForCausalLM(config).float().eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
+                                             attn_implementation="eager").float().eval()
+    assert type(model).__name__ == config["architectures"][0]
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -49,16 +57,24 @@ def hf_tiny_gemma4(seed: int = 0):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             else:   # the embeddings and the per-layer projections
                 p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "per_layer" in name else 1.0))
+            p.copy_(p.half().float())   # values fp16 holds, as a checkpoint (and the built engine) stores them
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
-                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+                b.copy_((0.5 + torch.rand(b.shape, generator=g)).half().float())
     return model
 
 
-def engine_model(hf_model, blocks: int = 64) -> tuple[LlamaModel, object]:
-    """The engine's decoder on the same weights, and its cache: FP16-format KV (fp32 storage, as the CPU path
-    keeps activations), `blocks` blocks in each group."""
-    cfg = ModelConfig.from_hf(TINY_GEMMA4)
+def gemma4_reference() -> tuple[object, list[int], list[int], torch.Tensor]:
+    """(the tiny model, a prompt of PROMPT_TOKENS, transformers' greedy continuation of GREEDY_TOKENS, its logits
+    over prompt and continuation): what the decoder and the built engine are compared with."""
+    model = hf_tiny_gemma4()
+    return (model, *greedy_reference(model, PROMPT_TOKENS, GREEDY_TOKENS))
+
+
+def engine_model(hf_model, blocks: int = 64, config: dict = TINY_GEMMA4) -> tuple[LlamaModel, object]:
+    """The engine's decoder on the same weights (`config` read as the engine reads it), and its cache:
+    FP16-format KV (fp32 storage, as the CPU path keeps activations), `blocks` blocks in each group."""
+    cfg = ModelConfig.from_hf(config)
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}
     model = LlamaModel(cfg, runtime_weights(cfg, state, GROUP), torch.device("cpu"), torch.float32)
     pools = allocate_kv(cfg, KVCacheConfig(dtype="fp16"), blocks, 0, blocks, dtype=torch.float32)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from pathlib import Path
 
 import torch
 
@@ -87,3 +88,20 @@ def run_engine_logits(engine: BieEngine, ids: list[int], continuation: list[int]
         assert seq.block_table != sorted(seq.block_table)
     blocks.free(seq)
     return rows
+
+
+def quantize_and_build(root: Path, group_size: int, *build_args: str) -> tuple[Path, Path]:
+    """The checkpoint transformers wrote in root/hf (with its tokenizer) packed by `bie-trt quantize` into
+    root/awq and built by `bie-trt build` (CPU profile, FP16 KV, `build_args` more) into root/engine:
+    (the engine directory, the AWQ checkpoint)."""
+    from click.testing import CliRunner
+
+    from bie_trt.cli import main
+
+    r = CliRunner().invoke(main, ["quantize", "--model", str(root / "hf"), "--out", str(root / "awq"),
+                                  "--group-size", str(group_size)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["build", "--checkpoint", str(root / "awq"), "--out", str(root / "engine"),
+                                  "--profile", "cpu", "--kv-cache-dtype", "fp16", *build_args])
+    assert r.exit_code == 0, r.output
+    return root / "engine", root / "awq"

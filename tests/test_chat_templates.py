@@ -72,7 +72,7 @@ def test_earlier_turns_lose_their_reasoning(qwen3):
 
 
 def test_a_name_that_is_neither_file_nor_shipped(smollm2_checkpoint):
-    with pytest.raises(RequestError, match=r"chat template qwen9: cannot be read .*shipped template \(gemma3, qwen3\)"):
+    with pytest.raises(RequestError, match=r"chat template qwen9: cannot be read .*shipped template \(gemma3, gemma4, qwen3\)"):
         load_tokenizer(str(smollm2_checkpoint), "qwen9")
 
 

@@ -59,3 +59,22 @@ def test_bytes_by_hand():
                + 15 * (h * q_sliding + q_sliding * h) + 3 * (h * q_full + q_full * h) + 42 * 3 * h * i)
     # 4 bits a weight; an fp16 scale and a 4-bit zero per 128 inputs of each output
     assert linear_weight_bytes(cfg, 128) == weights // 2 + weights // 128 * 5 // 2
+
+
+TWELVE_B = EXAMPLES / "gemma-4-12b-it.config.json"
+
+
+def test_the_12b_reads_as_published_and_fits_32768_tokens_on_an_8gb_card():
+    """The 12B (Gemma4Unified): no per-layer embeddings and no KV sharing, K = V on its 8 full layers of one
+    512-wide KV head, a 1,024-token window on the 40 sliding ones; at 32,768 tokens it fits an 8 GB card with
+    its keys uncentred (no mean key: the two kinds' keys differ in shape)."""
+    cfg = read(TWELVE_B)
+    assert (cfg.family, cfg.num_layers, cfg.per_layer_input_size, cfg.num_kv_shared_layers) == ("gemma4", 48, 0, 0)
+    assert cfg.cache_shape() == (1, 512) and cfg.cache_shape(sliding=True) == (8, 256) and cfg.k_eq_v_at(5)
+    assert (cfg.cache_layers(), cfg.cache_layers(sliding=True), cfg.window_of(0)) == (8, 40, 1024)
+    r = CliRunner().invoke(main, ["plan", "--model-config", str(TWELVE_B), "--profile", "rtx4060ti-8gb",
+                                  "--max-model-len", "32768"])
+    assert r.exit_code == 0, r.output
+    assert "fits," in r.stdout and "the largest max_model_len that fits is 37,824" in r.stdout, r.stdout
+    assert "kv_key_mean             0 B  none: key centering is off" in r.stdout
+    assert "per_layer_embedding" not in r.stdout

@@ -13,19 +13,11 @@ import torch
 from bie_trt.config import ModelConfig
 from bie_trt.kernels import triton_ops
 from bie_trt.kernels.step_inputs import SeqInput
-from gemma4_tiny import TINY_GEMMA4, WINDOW, engine_model, hf_tiny_gemma4
+from gemma4_tiny import GREEDY_TOKENS, PROMPT_TOKENS, TINY_GEMMA4, TINY_GEMMA4_UNIFIED, WINDOW, engine_model, hf_tiny_gemma4
 from hf_reference import greedy_reference
 
-PROMPT_TOKENS = 100      # four windows, not a whole number of 16-token blocks
 CHUNK = 40               # chunks that a window spans
-GREEDY_TOKENS = 8
 MAX_LOGIT_DIFF = 1e-4    # of the largest |logit|
-
-
-@pytest.fixture(scope="module")
-def reference():
-    model = hf_tiny_gemma4()
-    return (model, *greedy_reference(model, PROMPT_TOKENS, GREEDY_TOKENS))
 
 
 def run(model, pools, ids: list[int], continuation: list[int]) -> torch.Tensor:
@@ -60,11 +52,11 @@ def test_config_reads_the_gemma4_switches():
 
 
 @pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=pytest.mark.slow)])
-def test_logits_and_greedy_tokens_equal_transformers(reference, kernels, monkeypatch):
+def test_logits_and_greedy_tokens_equal_transformers(gemma4_reference, kernels, monkeypatch):
     if kernels == "triton" and not triton_ops.available():
         pytest.skip("triton not importable")
     monkeypatch.setenv("BIE_TRT_KERNELS", kernels)
-    hf_model, ids, continuation, hf_logits = reference
+    hf_model, ids, continuation, hf_logits = gemma4_reference
     model, pools = engine_model(hf_model)
     # the shared layers own no cache: one full layer and three sliding ones hold K/V, of their own widths
     assert tuple(pools.k.shape[::2]) == (1, 1, 64) and tuple(pools.sliding.k.shape[::2]) == (3, 2, 32)
@@ -76,18 +68,14 @@ def test_logits_and_greedy_tokens_equal_transformers(reference, kernels, monkeyp
     assert ours[len(ids) - 1:-1].argmax(-1).tolist() == continuation
 
 
-def test_build_refuses_a_gemma4_checkpoint_by_name_and_plan_plans_it(reference, tmp_path):
-    from click.testing import CliRunner
-
-    from bie_trt.cli import main
-    from bie_trt.model.synthetic import write_word_tokenizer
-
-    ckpt = tmp_path / "gemma4"
-    reference[0].save_pretrained(ckpt)   # a real checkpoint: config.json and safetensors
-    write_word_tokenizer(ckpt)
-    r = CliRunner().invoke(main, ["build", "--checkpoint", str(ckpt), "--out", str(tmp_path / "engine"),
-                                  "--profile", "cpu"])
-    assert r.exit_code != 0 and isinstance(r.exception, SystemExit), r.output
-    assert "Gemma4ForCausalLM: Gemma 4 is not supported by `bie-trt build` yet" in r.stderr, r.stderr
-    plan = CliRunner().invoke(main, ["plan", "--checkpoint", str(ckpt), "--profile", "cpu"])
-    assert plan.exit_code == 0 and "2 KV-shared layers own no cache" in plan.stdout, plan.output
+def test_the_12b_text_model_without_per_layer_embeddings_equals_transformers():
+    """transformers' Gemma4UnifiedForCausalLM (the 12B's text model: no per-layer table, otherwise the same
+    switches) through the same decoder: its logits and greedy tokens."""
+    hf_model = hf_tiny_gemma4(config=TINY_GEMMA4_UNIFIED)
+    ids, continuation, hf_logits = greedy_reference(hf_model, PROMPT_TOKENS, GREEDY_TOKENS)
+    model, pools = engine_model(hf_model, config=TINY_GEMMA4_UNIFIED)
+    assert model.per_layer is None
+    ours = run(model, pools, ids, continuation)
+    hf_logits = hf_logits[: len(ids) + len(continuation)]
+    assert (ours - hf_logits).abs().max() <= MAX_LOGIT_DIFF * hf_logits.abs().max()
+    assert ours[len(ids) - 1:-1].argmax(-1).tolist() == continuation

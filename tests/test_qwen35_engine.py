@@ -16,6 +16,7 @@ from bie_trt.config import EngineConfig
 from bie_trt.executor.engine import BieEngine
 from bie_trt.model.synthetic import write_word_tokenizer
 from bie_trt.sampling_params import SamplingParams
+from hf_reference import quantize_and_build
 from qwen35_tiny import CHUNK, GREEDY_TOKENS, GROUP
 
 
@@ -44,14 +45,9 @@ def tiny(tmp_path_factory, qwen35_reference):
     model = qwen35_reference[0]
     model.save_pretrained(root / "hf")   # config.json and model.safetensors, as transformers writes them
     write_word_tokenizer(root / "hf")
-    r = CliRunner().invoke(main, ["quantize", "--model", str(root / "hf"), "--out", str(root / "awq"),
-                                  "--group-size", str(GROUP)])
-    assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(main, ["build", "--checkpoint", str(root / "awq"), "--out", str(root / "engine"),
-                                  "--profile", "cpu", "--max-model-len", "4096", "--kv-cache-dtype", "fp16",
-                                  "--max-num-seqs", "4", "--chunked-prefill-size", str(CHUNK)])
-    assert r.exit_code == 0, r.output
-    return model, root / "engine", str(root / "awq")
+    engine, awq = quantize_and_build(root, GROUP, "--max-model-len", "4096", "--max-num-seqs", "4",
+                                     "--chunked-prefill-size", str(CHUNK))
+    return model, engine, str(awq)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ from ..profiles import BuildProfile, resolve_profile
 from ..spec_decode.draft_vocab import RANKING, reduced_vocabulary
 from .checkpoint.gguf_checkpoint import GGUFCheckpoint, conversion_summary
 from .checkpoint.loader import FUSED, TOKENIZER_FILES, Checkpoint, layer_norms
-from .checkpoint.qwen35_weights import DENSE_LINEARS, FP32_TENSORS, dense_w4, layer_weights
+from .checkpoint import gemma4_weights, qwen35_weights
+from .checkpoint.qwen35_weights import DENSE_LINEARS, FP32_TENSORS, dense_w4
 from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
 from .engine_docs import render
@@ -34,6 +35,8 @@ from .fused_linears import fused_linear, gguf_head
 from .kv_choice import choose_key_centering
 
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+# Families whose layers go through the conversion the tests check against transformers (checkpoint/*_weights.py).
+CONVERTED_LAYERS = {"qwen3_5": qwen35_weights.layer_weights, "gemma4": gemma4_weights.layer_weights}
 
 
 @dataclass
@@ -70,23 +73,24 @@ def open_checkpoint(name_or_path: str | Path, log: Callable[[str], None] = lambd
     return GGUFCheckpoint(path) if path.suffix == ".gguf" else Checkpoint(path)
 
 
-def _repack_qwen35_layer(ckpt: Checkpoint, i: int) -> dict[str, torch.Tensor]:
-    """A Qwen3.5 layer through the conversion the tests check against transformers (qwen35_weights.py): its
-    AWQ linears repacked, in_proj_b / in_proj_a rounded to W4 here; floats in fp16 but the decay's fp32."""
+def _repack_converted_layer(ckpt: Checkpoint, i: int) -> dict[str, torch.Tensor]:
+    """A Qwen3.5 or Gemma 4 layer through the conversion the tests check against transformers (CONVERTED_LAYERS):
+    its AWQ linears repacked (Qwen3.5's in_proj_b / in_proj_a rounded to W4 here); floats in fp16 but Qwen3.5's
+    decay's fp32."""
     def linear(name: str) -> dict[str, torch.Tensor]:
         if name.rsplit(".", 1)[-1] in DENSE_LINEARS:
             return dense_w4(ckpt.tensor(name + ".weight"), ckpt.quant.group_size)
         return ckpt.w4(name + ".weight")
 
-    weights = layer_weights(ckpt.model, i, ckpt.tensor, linear)
+    weights = CONVERTED_LAYERS[ckpt.model.family](ckpt.model, i, ckpt.tensor, linear)
     return {name: (t.float() if name.endswith(FP32_TENSORS) else t.half()) if t.is_floating_point() else t
             for name, t in weights.items()}
 
 
 def _repack_layer(ckpt: Checkpoint | GGUFCheckpoint, i: int) -> dict[str, torch.Tensor]:
     m, p = ckpt.model, f"model.layers.{i}."
-    if m.family == "qwen3_5":
-        return _repack_qwen35_layer(ckpt, i)
+    if m.family in CONVERTED_LAYERS:
+        return _repack_converted_layer(ckpt, i)
     out = {f"layers.{i}.{name}": ckpt.tensor(p + f"{hf}.weight").half() for name, hf in layer_norms(m).items()}
     for fused, parts in FUSED.items():
         out.update(fused_linear(ckpt, tuple(p + part + ".weight" for part in parts), f"layers.{i}.{fused}"))
@@ -119,6 +123,7 @@ def _model_weights(ckpt: Checkpoint | GGUFCheckpoint, lm_head_dtype: str, head_r
     """Every weight the runtime's LlamaModel loads, repacked."""
     weights = {"embed_tokens": ckpt.tensor("model.embed_tokens.weight").half(),
                "norm": ckpt.tensor("model.norm.weight").half()}
+    weights.update({name: t.half() for name, t in gemma4_weights.model_tensors(ckpt.model, ckpt.tensor).items()})
     weights.update(_lm_head(ckpt, lm_head_dtype, head_rows))
     for i in tqdm(range(ckpt.model.num_layers), desc="repack", unit="layer"):
         weights.update(_repack_layer(ckpt, i))
@@ -140,6 +145,31 @@ def calibrate_keys(model: ModelConfig, weights: dict[str, torch.Tensor], tokeniz
     ids = calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
     body = {name: t for name, t in weights.items() if not name.startswith("lm_head")}
     return calibration_keys(LlamaModel(model, body, torch.device("cpu"), torch.float32, keep_dense=False), ids)
+
+
+def _choose_key_centering(m: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path, kv: KVCacheConfig,
+                          explicit: bool | None, log: Callable[[str], None]) -> tuple[KVCacheConfig, dict]:
+    """The KV config with key centering decided, and the manifest's record of why; the calibrated mean key goes
+    into `weights`. A model whose layers' keys differ in shape (Gemma 4's 512-wide full heads beside 256-wide
+    sliding ones) has no mean key: the one [layers, KV heads, head dim] tensor, calibrated through one pool of
+    one width, cannot hold them, so centering is off (not measured; its INT4 cache rounds uncentred keys)."""
+    if not m.keys_share_one_shape:
+        if explicit:
+            raise BieError(f"--kv-key-centering is not supported for {m.architecture}: its layers' keys differ in "
+                           f"shape {m.cache_shape()} and {m.cache_shape(sliding=True)} (KV heads, head dim), and the "
+                           f"calibrated mean key has one. Build without the option.")
+        why = (f"the layers' keys differ in shape ({m.cache_shape()} and {m.cache_shape(sliding=True)} KV heads x "
+               f"head dim), and the calibrated mean key has one; not measured")
+        log(f"KV key centering off: {why}")
+        return dataclasses.replace(kv, key_centering=False), {"key_centering": False, "why": why}
+    log("calibrating the KV key mean (one forward pass over a fixed text)")
+    keys = calibrate_keys(m, weights, tokenizer_dir)
+    mean = keys.mean(dim=2)
+    weights["kv.key_mean"] = mean.half()
+    # decided against the stored (fp16) mean: the one the runtime subtracts
+    kv, choice = choose_key_centering(keys, mean.half().float(), kv, explicit)
+    log(f"KV key centering {'on' if kv.key_centering else 'off'}: {choice['why']}")
+    return kv, choice
 
 
 def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> dict:
@@ -309,16 +339,10 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         m = ckpt.model
         weights = _model_weights(ckpt, plan.inputs["lm_head_dtype"])
         write_tokenizer(ckpt, tmp)
-        fallback = m.declared.chat_template   # Gemma 3's: its GGUF releases carry none
+        fallback = m.declared.chat_template   # Gemma's: its GGUF releases carry none
         if fallback is not None and not has_chat_template(tmp):
             (tmp / "chat_template.jinja").write_text(read_chat_template(fallback))
-        log("calibrating the KV key mean (one forward pass over a fixed text)")
-        keys = calibrate_keys(m, weights, tmp)
-        mean = keys.mean(dim=2)
-        weights["kv.key_mean"] = mean.half()
-        # decided against the stored (fp16) mean: the one the runtime subtracts
-        kv, kv_choice = choose_key_centering(keys, mean.half().float(), kv, opts.kv_key_centering)
-        log(f"KV key centering {'on' if kv.key_centering else 'off'}: {kv_choice['why']}")
+        kv, kv_choice = _choose_key_centering(m, weights, tmp, kv, opts.kv_key_centering, log)
         save_file(weights, str(tmp / ef.WEIGHTS))
         manifest = {
             "schema_version": ef.SCHEMA_VERSION,

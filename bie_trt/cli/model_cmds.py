@@ -118,8 +118,11 @@ def _kv_choice_lines(choice: Mapping[str, Any] | None) -> list[str]:
     """Why the build chose key centering, and the key error per layer it measured (builder/kv_choice.py)."""
     if not choice:
         return []
-    per_layer = choice["key_error_per_layer"]
-    return [f"  key centering {'on' if choice['key_centering'] else 'off'}: {choice['why']}",
+    line = f"  key centering {'on' if choice['key_centering'] else 'off'}: {choice['why']}"
+    per_layer = choice.get("key_error_per_layer")   # none where nothing was measured (keys of several shapes)
+    if per_layer is None:
+        return [line]
+    return [line,
             f"  key error per layer ({choice['measured_format']}), without centering: "
             + " ".join(f"{x:.2f}" for x in per_layer["without_centering"]),
             "  with centering: " + " ".join(f"{x:.2f}" for x in per_layer["with_centering"])]

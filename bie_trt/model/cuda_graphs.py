@@ -1,7 +1,7 @@
 """Decode and speculative-verify steps replayed from CUDA graphs, so Python and launch overhead do
 not show in the step time: decode per batch size of the profile, verify per (batch, γ+1) bucket.
 
-A graph reads static buffers: the embedded rows, one buffer of positions, KV slots, RoPE positions
+A graph reads static buffers: the embedded rows (and Gemma 4's per-layer table rows), one buffer of positions, KV slots, RoPE positions
 and context lengths (and a verify's query tiles), copied host-to-device once a step without a sync,
 from pinned memory, and the block tables. A table row is copied only when the table it holds changed
 since that row was last written (a new block every 16 tokens, a compaction), not every step: at 64k
@@ -50,6 +50,10 @@ class _StaticStep:
         self.max_tiles = 0 if rows == 1 else batch * (-(-rows // TILE_ROWS) + 1)
         self.rows = rows
         self.h = torch.zeros(self.capacity, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+        # Gemma 4's per-layer table rows of the step's tokens: gathered outside the graph as the embedded rows are
+        cfg = model.cfg
+        self.per_layer = (torch.zeros(self.capacity, cfg.num_layers * cfg.per_layer_input_size, dtype=model.dtype,
+                                      device=dev) if model.per_layer is not None else None)
         staged = _ROWS * self.capacity + 3 * self.max_tiles
         self.staged = torch.zeros(staged, dtype=torch.long, device=dev)
         self.small = self.staged[:_ROWS * self.capacity].view(_ROWS, self.capacity)
@@ -104,7 +108,7 @@ class _StaticStep:
             self.tiles.dense = None   # the CPU twin lays this step's tiles out afresh
             if self.sliding_tables is not None:
                 self.sliding_tiles.dense = None
-        return self.model.forward_hidden(self.h, self.meta, self.pools, head=self.head)
+        return self.model.forward_hidden(self.h, self.meta, self.pools, head=self.head, per_layer=self.per_layer)
 
     def fits(self, seqs: list[SeqInput]) -> bool:
         lengths = [len(s.token_ids) for s in seqs]
@@ -161,6 +165,8 @@ class _StaticStep:
         self._stage(seqs)
         ids = torch.cat([s.token_ids for s in seqs])
         self.h[:len(ids)].copy_(self.model.embed_ids(ids))
+        if self.per_layer is not None:
+            self.per_layer[:len(ids)].copy_(self.model.per_layer_rows(ids))
         if self.graph is None:
             out = self._step()
         else:

@@ -142,7 +142,7 @@ class LlamaModel:
         layer quantises them between writing K/V and attention."""
         meta = self._step_meta(seqs, pools, quantise)
         ids = torch.cat([s.token_ids for s in seqs])
-        logits = self.forward_hidden(self.embed_ids(ids), meta, pools, per_layer=self._per_layer_rows(ids))
+        logits = self.forward_hidden(self.embed_ids(ids), meta, pools, per_layer=self.per_layer_rows(ids))
         return [rows if s.all_logits else rows[0] for rows, s in zip(logits.split(meta.logit_counts), seqs)]
 
     @torch.inference_mode()
@@ -153,11 +153,12 @@ class LlamaModel:
         [rows, V] logit matrix of a long text is gigabytes). `quantise` as in `forward`."""
         meta = self._step_meta(seqs, pools, quantise)
         ids = torch.cat([s.token_ids for s in seqs])
-        return self.forward_hidden(self.embed_ids(ids), meta, pools, head=False, per_layer=self._per_layer_rows(ids))
+        return self.forward_hidden(self.embed_ids(ids), meta, pools, head=False, per_layer=self.per_layer_rows(ids))
 
-    def _per_layer_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """Gemma 4's per-layer table rows of the step's tokens (gathered here, outside forward_hidden, as the
-        token embedding is: the table may live in host memory); None for other models."""
+    def per_layer_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Gemma 4's per-layer table rows of the step's tokens (gathered outside forward_hidden, as the token
+        embedding is: the table may live in host memory, and a CUDA graph reads them from a static buffer);
+        None for other models."""
         return self.per_layer.rows(ids) if self.per_layer is not None else None
 
     def _step_meta(self, seqs: list[SeqInput], pools: KVPools, quantise: list[tuple[int, int]]) -> StepMetadata:

@@ -15,8 +15,8 @@ from ...config import ModelConfig
 from ...errors import CheckpointError
 from ...jsonio import read_json_object
 from ...kv.recurrent import conv_channels
+from ...plan import deltanet_shapes, linear_shapes
 from .qwen35_weights import DENSE_LINEARS
-from .unbuilt import refuse_unbuilt
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 LINEARS = {
@@ -26,7 +26,8 @@ LINEARS = {
 
 
 # Multimodal checkpoints whose text tower the engine runs (the vision tower is never read).
-MULTIMODAL = ("Gemma3ForConditionalGeneration",)
+MULTIMODAL = ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration",
+              "Gemma4UnifiedForConditionalGeneration")
 # Where their text tower's tensors live: transformers >= 4.52 writes model.language_model.*, earlier
 # releases language_model.model.* (and language_model.lm_head.*).
 TEXT_TOWER_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
@@ -121,7 +122,6 @@ class Checkpoint:
             raise CheckpointError(f"{cfg_path}: missing; a checkpoint needs its Hugging Face config.json.")
         self.hf_config = _read_json(cfg_path)
         self.model = ModelConfig.from_hf(self.hf_config, str(cfg_path))
-        refuse_unbuilt(self.model, str(cfg_path))
         self.quant = read_quant_config(self.path, self.hf_config)
         if not any((self.path / f).exists() for f in TOKENIZER_FILES):
             raise CheckpointError(
@@ -178,24 +178,15 @@ class Checkpoint:
         return awq_to_w4(*(self.tensor(base + s) for s in (".qweight", ".qzeros", ".scales")))
 
     def linear_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
-        """Layer `layer`'s AWQ linears: name -> (in_features, out_features)."""
+        """Layer `layer`'s AWQ linears: name -> (in_features, out_features), as the plan counts them (Qwen3.5's
+        q_proj gives each head's query and its output gate; Gemma 4's layers differ in head width, in having k
+        and v at all, and in MLP width). Qwen3.5's in_proj_b and in_proj_a stay dense (qwen35_weights)."""
         m = self.model
-        mlp = {"mlp.gate_proj": (m.hidden_size, m.intermediate_size),
-               "mlp.up_proj": (m.hidden_size, m.intermediate_size),
-               "mlp.down_proj": (m.intermediate_size, m.hidden_size)}
-        if layer in m.linear_layers:   # Qwen3.5's DeltaNet: in_proj_b and in_proj_a stay dense (qwen35_weights)
-            value = m.linear_num_value_heads * m.linear_value_head_dim
-            return {"linear_attn.in_proj_qkv": (m.hidden_size, conv_channels(m)),
-                    "linear_attn.in_proj_z": (m.hidden_size, value),
-                    "linear_attn.out_proj": (value, m.hidden_size), **mlp}
-        return {
-            # Qwen3.5's q_proj gives each head's query and its output gate
-            "self_attn.q_proj": (m.hidden_size, m.q_size * (2 if m.attn_output_gate else 1)),
-            "self_attn.k_proj": (m.hidden_size, m.kv_size),
-            "self_attn.v_proj": (m.hidden_size, m.kv_size),
-            "self_attn.o_proj": (m.q_size, m.hidden_size),
-            **mlp,
-        }
+        deltanet = layer in m.linear_layers
+        mixer = "linear_attn." if deltanet else "self_attn."
+        shapes = deltanet_shapes(m) if deltanet else linear_shapes(m, layer)
+        return {("mlp." if name in LINEARS["mlp"] else mixer) + name: (k, n)
+                for name, k, n in shapes if name not in DENSE_LINEARS}
 
     def _float_tensors(self, layer: int) -> dict[str, tuple[int, ...]]:
         """Layer `layer`'s unquantised tensors beside its norms: name -> shape."""
@@ -210,9 +201,15 @@ class Checkpoint:
         if m.qkv_bias:
             for sub, n in (("q_proj", m.q_size), ("k_proj", m.kv_size), ("v_proj", m.kv_size)):
                 out[p + f"self_attn.{sub}.bias"] = (n,)
-        if m.qk_norm:
-            for sub in ("q_norm", "k_norm"):
-                out[p + f"self_attn.{sub}.weight"] = (m.head_dim,)
+        if m.qk_norm:   # a KV-shared layer (Gemma 4) has no keys of its own, so no k norm
+            for sub in ("q_norm", "k_norm")[:1 + (m.kv_source(layer) == layer)]:
+                out[p + f"self_attn.{sub}.weight"] = (m.head_dim_of(layer),)
+        if m.family == "gemma4":
+            out[p + "layer_scalar"] = (1,)
+        if m.per_layer_input_size:
+            h, size = m.hidden_size, m.per_layer_input_size
+            out.update({p + "per_layer_input_gate.weight": (size, h), p + "per_layer_projection.weight": (h, size),
+                        p + "post_per_layer_input_norm.weight": (h,)})
         return out
 
     def _expect(self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
@@ -250,6 +247,11 @@ class Checkpoint:
                 self._expect(p + norm + ".weight", floats, (m.hidden_size,))
         self._expect("model.embed_tokens.weight", floats, (m.vocab_size, m.hidden_size))
         self._expect("model.norm.weight", floats, (m.hidden_size,))
+        if m.per_layer_input_size:   # Gemma 4's per-layer embeddings: the table, and the embedding's share
+            row = m.num_layers * m.per_layer_input_size
+            self._expect("model.embed_tokens_per_layer.weight", floats, (m.per_layer_vocab_size, row))
+            self._expect("model.per_layer_model_projection.weight", floats, (row, m.hidden_size))
+            self._expect("model.per_layer_projection_norm.weight", floats, (m.per_layer_input_size,))
         if not m.tie_word_embeddings:
             self._expect("lm_head.weight", floats, (m.vocab_size, m.hidden_size))
 

@@ -73,6 +73,8 @@ def choose_group_size(sizes: dict[str, int], group_size: int | None) -> int:
 def _linear_sizes(model: ModelConfig) -> dict[str, int]:
     sizes = {"hidden_size": model.hidden_size, "intermediate_size": model.intermediate_size,
              "attention output (heads*head_dim)": model.q_size}
+    if model.global_head_dim:   # Gemma 4's full layers' o_proj reads their wider heads
+        sizes["full layers' attention output (heads*global_head_dim)"] = model.num_heads * model.global_head_dim
     if model.linear_layers:   # Qwen3.5's out_proj reads the DeltaNet's values
         sizes["DeltaNet values (linear_num_value_heads*linear_value_head_dim)"] = \
             model.linear_num_value_heads * model.linear_value_head_dim

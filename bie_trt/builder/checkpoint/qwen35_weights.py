@@ -42,7 +42,8 @@ def _rows(w: W4, index: torch.Tensor) -> W4:
     return {k: v[index] for k, v in w.items()}
 
 
-def _stack(parts: list[W4]) -> W4:
+def stack(parts: list[W4]) -> W4:
+    """Linears fused by output rows (qkv, gate_up): their W4 tensors one after another."""
     return {k: torch.cat([p[k] for p in parts]).contiguous() for k in parts[0]}
 
 
@@ -53,13 +54,13 @@ def layer_weights(cfg: ModelConfig, i: int, tensor: Callable[[str], torch.Tensor
     D, order = cfg.head_dim, partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
     src, dst = f"model.layers.{i}.", f"layers.{i}."
 
-    fused: dict[str, W4] = {"gate_up": _stack([linear(src + "mlp.gate_proj"), linear(src + "mlp.up_proj")]),
+    fused: dict[str, W4] = {"gate_up": stack([linear(src + "mlp.gate_proj"), linear(src + "mlp.up_proj")]),
                             "down": linear(src + "mlp.down_proj")}
     out = {dst + "attn_norm": tensor(src + "input_layernorm.weight"),
            dst + "mlp_norm": tensor(src + "post_attention_layernorm.weight")}
     if i in cfg.linear_layers:
         a = src + "linear_attn."
-        fused["in_proj"] = _stack([linear(a + f"in_proj_{x}") for x in ("qkv", "z", "b", "a")])
+        fused["in_proj"] = stack([linear(a + f"in_proj_{x}") for x in ("qkv", "z", "b", "a")])
         fused["out_proj"] = linear(a + "out_proj")
         out[dst + "conv"] = tensor(a + "conv1d.weight").squeeze(1)
         out[dst + "A_log"], out[dst + "dt_bias"] = tensor(a + "A_log"), tensor(a + "dt_bias")
@@ -70,7 +71,7 @@ def layer_weights(cfg: ModelConfig, i: int, tensor: Callable[[str], torch.Tensor
         query = _rows(q_gate, torch.cat([2 * h * D + order for h in range(cfg.num_heads)]))
         gate = _rows(q_gate, torch.cat([torch.arange((2 * h + 1) * D, (2 * h + 2) * D) for h in range(cfg.num_heads)]))
         key = _rows(linear(a + "k_proj"), torch.cat([h * D + order for h in range(cfg.num_kv_heads)]))
-        fused["qkv"] = _stack([query, key, linear(a + "v_proj"), gate])
+        fused["qkv"] = stack([query, key, linear(a + "v_proj"), gate])
         fused["o"] = linear(a + "o_proj")
         out[dst + "q_norm"], out[dst + "k_norm"] = tensor(a + "q_norm.weight")[order], tensor(a + "k_norm.weight")[order]
     for name, w in fused.items():
@@ -78,12 +79,22 @@ def layer_weights(cfg: ModelConfig, i: int, tensor: Callable[[str], torch.Tensor
     return out
 
 
-def runtime_weights(cfg: ModelConfig, hf: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
-    """`hf`: the text model's dense state dict (model.layers.N...., model.embed_tokens, model.norm, lm_head),
-    every linear rounded to W4 (round to nearest, `group_size`), the rest as given."""
+LayerWeights = Callable[[ModelConfig, int, Callable[[str], torch.Tensor], Callable[[str], W4]], dict[str, torch.Tensor]]
+
+
+def dense_runtime_weights(cfg: ModelConfig, hf: dict[str, torch.Tensor], group_size: int,
+                          layer: LayerWeights) -> dict[str, torch.Tensor]:
+    """`hf`: a text model's dense state dict (model.layers.N...., model.embed_tokens, model.norm, lm_head),
+    every linear rounded to W4 (round to nearest, `group_size`), the rest as given; each layer's through its
+    family's `layer` (this module's `layer_weights`, or gemma4_weights')."""
     out = {"embed_tokens": hf["model.embed_tokens.weight"], "norm": hf["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         out["lm_head"] = hf["lm_head.weight"]
     for i in range(cfg.num_layers):
-        out.update(layer_weights(cfg, i, hf.__getitem__, lambda name: dense_w4(hf[name + ".weight"], group_size)))
+        out.update(layer(cfg, i, hf.__getitem__, lambda name: dense_w4(hf[name + ".weight"], group_size)))
     return out
+
+
+def runtime_weights(cfg: ModelConfig, hf: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
+    """A Qwen3.5's dense state dict -> its runtime weights (`dense_runtime_weights`)."""
+    return dense_runtime_weights(cfg, hf, group_size, layer_weights)
