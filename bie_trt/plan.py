@@ -548,6 +548,8 @@ def solve_plan(
                        stored_head_bytes=lm_head_bytes)
     weights.append(PlanItem("kv_key_mean", model.num_layers * model.kv_size * FP16,
                             "fp16 mean key per layer and KV head, subtracted before quantising"))
+    weights.append(PlanItem("kv_key_scale", model.num_layers * model.kv_size * FP16,
+                            "fp16 key scale per layer, KV head and channel (ones where a layer is unscaled)"))
     draft_items: list[PlanItem] = []
     # A step runs a prefill chunk and every sequence's decode (and proposals) in one forward.
     step = step_tokens(chunked_prefill_size, max_num_seqs, num_speculative_tokens)

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from safetensors.torch import save_file
@@ -32,7 +32,10 @@ from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
 from .engine_docs import render
 from .fused_linears import fused_linear, gguf_head
-from .kv_choice import choose_key_centering
+from .kv_choice import choose_key_centering, choose_key_scale
+
+if TYPE_CHECKING:
+    from .key_centering import Calibration
 
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
@@ -49,6 +52,7 @@ class BuildOptions:
     kv_window: int | None = None
     kv_rotation: str | None = None          # None: hadamard
     kv_key_centering: bool | None = None    # None: measured at build (builder/kv_choice.py); on for Gemma 3
+    kv_key_scale: bool | None = None        # None: measured at build, per layer (builder/kv_choice.py)
     max_num_seqs: int | None = None
     chunked_prefill_size: int | None = None
     gpu_memory_utilization: float | None = None
@@ -128,21 +132,21 @@ def _model_weights(ckpt: Checkpoint | GGUFCheckpoint, lm_head_dtype: str, head_r
     return weights
 
 
-def calibrate_keys(model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path) -> torch.Tensor:
-    """Every layer's post-RoPE keys on a fixed text [L, Hkv, T, D] (builder/key_centering.py): their mean is what
-    key centering subtracts, and kv_choice.py measures from them whether to. The repacked model runs once on
-    the CPU in fp32: the same on every host.
+def calibrate_keys(model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path) -> Calibration:
+    """Every layer's post-RoPE queries, keys and values on a fixed text (builder/key_centering.py): the keys' mean
+    is what key centering subtracts, and kv_choice.py measures from them whether to, and which layers' keys to
+    scale. The repacked model runs once on the CPU in fp32: the same on every host.
 
     Memory stays near one layer's dequantised weights: none is kept once used, and the lm_head is
     left out (only the keys are wanted; the model then reuses the embedding as its head). Keeping
     them would need 4 bytes a parameter, 28 GB for an 8B."""
     from transformers import AutoTokenizer
 
-    from .key_centering import calibration_ids, calibration_keys
+    from .key_centering import calibration_ids, calibration_pass
 
     ids = calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
     body = {name: t for name, t in weights.items() if not name.startswith("lm_head")}
-    return calibration_keys(LlamaModel(model, body, torch.device("cpu"), torch.float32, keep_dense=False), ids)
+    return calibration_pass(LlamaModel(model, body, torch.device("cpu"), torch.float32, keep_dense=False), ids)
 
 
 def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> dict:
@@ -314,13 +318,18 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         write_tokenizer(ckpt, tmp)
         if m.family == "gemma3" and not has_chat_template(tmp):   # the GGUF releases carry none
             (tmp / "chat_template.jinja").write_text(read_chat_template(CHAT_TEMPLATE))
-        log("calibrating the KV key mean (one forward pass over a fixed text)")
-        keys = calibrate_keys(m, weights, tmp)
-        mean = keys.mean(dim=2)
+        log("calibrating the KV key mean and scale (one forward pass over a fixed text)")
+        calibration = calibrate_keys(m, weights, tmp)
+        mean = calibration.keys.mean(dim=2)
         weights["kv.key_mean"] = mean.half()
         # decided against the stored (fp16) mean: the one the runtime subtracts
-        kv, kv_choice = choose_key_centering(keys, mean.half().float(), kv, opts.kv_key_centering)
+        kv, kv_choice = choose_key_centering(calibration.keys, mean.half().float(), kv, opts.kv_key_centering)
         log(f"KV key centering {'on' if kv.key_centering else 'off'}: {kv_choice['why']}")
+        kv, key_scale, kv_choice["key_scale"] = choose_key_scale(
+            calibration, m, mean.half().float() if kv.key_centering else None, kv, opts.kv_key_scale)
+        weights["kv.key_scale"] = key_scale.half()
+        log(f"KV key scale {'on' if kv.key_scale else 'off'} (layers {kv_choice['key_scale']['layers']}): "
+            f"{kv_choice['key_scale']['why']}")
         save_file(weights, str(tmp / ef.WEIGHTS))
         manifest = {
             "schema_version": ef.SCHEMA_VERSION,
