@@ -346,6 +346,9 @@ class KVCacheConfig:
     # Subtract the engine's calibrated mean key before quantising (builder/key_centering.py); exact for attention.
     # Off by default: it lowers KL divergence but not perplexity on SmolLM2; on for Gemma 3 (its kv_defaults).
     key_centering: bool = False
+    # Divide keys by the engine's calibrated per-channel scale before quantising and multiply queries by it
+    # (builder/kv_choice.py): q·k unchanged; on where the build measured that it lowers INT4's attention error.
+    key_scale: bool = False
     block_size: int = 16
     # "group": a scale and zero per group of channels per token per head (the format).
     # "block": one scale and zero for a whole block of a layer -- an ablation for the quality table.
@@ -369,6 +372,8 @@ class KVCacheConfig:
             raise ValueError(f"kv block size {self.block_size} must be a power of two.")
         if not isinstance(self.key_centering, bool):
             raise ValueError(f"kv key centering must be true or false; got {self.key_centering!r}.")
+        if not isinstance(self.key_scale, bool):
+            raise ValueError(f"kv key scale must be true or false; got {self.key_scale!r}.")
         if self.sink_tokens < 0 or self.window < 0:
             raise ValueError("kv sink tokens and window must be non-negative.")
 
@@ -437,7 +442,8 @@ class SpeculativeConfig:
 
 # Each KV-cache option as build, plan, eval and EngineConfig spell it -> the KVCacheConfig field it sets.
 _KV_OPTION_FIELDS = {"kv_cache_dtype": "dtype", "kv_group_size": "group_size", "kv_sink_tokens": "sink_tokens",
-                     "kv_window": "window", "kv_rotation": "rotation", "kv_key_centering": "key_centering"}
+                     "kv_window": "window", "kv_rotation": "rotation", "kv_key_centering": "key_centering",
+                     "kv_key_scale": "key_scale"}
 
 
 @dataclass(kw_only=True)
@@ -454,6 +460,7 @@ class KVOverrides:
     kv_window: int | None = None
     kv_rotation: str | None = None
     kv_key_centering: bool | None = None
+    kv_key_scale: bool | None = None
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> "KVOverrides":

@@ -604,6 +604,10 @@ def solve_plan(
                             "fp16 mean key per layer and KV head, subtracted before quantising")
                    if model.keys_share_one_shape else
                    PlanItem("kv_key_mean", 0, "none: key centering is off (the layers' keys differ in shape)"))
+    weights.append(PlanItem("kv_key_scale", model.num_layers * model.kv_size * FP16,
+                            "fp16 key scale per layer, KV head and channel (ones where a layer is unscaled)")
+                   if model.keys_share_one_shape else
+                   PlanItem("kv_key_scale", 0, "none: the key scale is off (the layers' keys differ in shape)"))
     draft_items: list[PlanItem] = []
     # A step runs a prefill chunk and every sequence's decode (and proposals) in one forward.
     step = step_tokens(chunked_prefill_size, max_num_seqs, num_speculative_tokens)

@@ -63,9 +63,9 @@ def test_kv_summary_names_what_each_format_uses():
     kv = KVCacheConfig(dtype="int4_asym", group_size=64, sink_tokens=8, window=128, rotation="hadamard",
                        key_centering=False, block_size=16)
     assert _kv_summary(kv) == ("int4_asym (group 64, sinks 8, window 128, rotation hadamard, key centering off, "
-                               "block 16)")
-    assert _kv_summary(dataclasses.replace(kv, dtype="fp8")) == ("fp8 (sinks 8, window 128, rotation hadamard, "
-                                                  "key centering off, block 16)")
+                               "key scale off, block 16)")
+    assert _kv_summary(dataclasses.replace(kv, dtype="fp8", key_scale=True)) == (
+        "fp8 (sinks 8, window 128, rotation hadamard, key centering off, key scale on, block 16)")
 
 
 def test_build_and_plan_state_the_drafts_head_rule_and_budget():

@@ -29,7 +29,7 @@ from bie_trt.model.synthetic import random_weights, tiny_llama
 cfg = tiny_llama(hidden_size=1024, num_heads=8, num_kv_heads=2, num_layers=16, vocab_size=256)
 weights = random_weights(cfg, group_size=128)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-mean = calibrate_keys(cfg, weights, Path(sys.argv[1])).mean(dim=2)
+mean = calibrate_keys(cfg, weights, Path(sys.argv[1])).keys.mean(dim=2)
 assert mean.shape == (16, 2, 128) and mean.isfinite().all()
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)   # MiB (ru_maxrss is KiB)
 """

@@ -147,7 +147,9 @@ def test_every_key_attention_reads_is_the_raw_key_less_the_one_mean(offset_engin
     quantize_block(pools, None, table, table)
     for layer in range(centred.model_config.num_layers):
         k_raw = dequantize_blocks(raw.pools, layer, table)[0][:, :len(tokens)]
-        expected = rotate(k_raw - centred.model.key_mean[layer].float()[:, None])
+        # divided by the stored key scale too where the build chose one (builder/kv_choice.py)
+        scale = centred.model.key_scale[layer].float()[:, None] if centred.kv_config.key_scale else 1
+        expected = rotate((k_raw - centred.model.key_mean[layer].float()[:, None]) / scale)
         k_fp = dequantize_blocks(pools, layer, table)[0][:, :len(tokens)]
         k_q = dequantize_blocks(pools, layer, [encode_quant_block(b) for b in table])[0][:, :len(tokens)]
         torch.testing.assert_close(k_fp, expected, atol=1e-3, rtol=1e-3)

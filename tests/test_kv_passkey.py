@@ -1,6 +1,7 @@
 """Long-context retrieval through the default INT4 cache on a real model whose keys carry a large shared offset:
 Qwen2.5-Coder-0.5B (Qwen2's k_proj bias). Before the build measured its keys, the INT4 cache lost a passkey at
-every depth of ~10k tokens; with the settings the build now chooses it must find all three (slow: a real build
+every depth of ~10k tokens; with the settings the build now chooses (key centering, and the per-channel key
+scale in the layers where it measured one helps) it must find all three (slow: a real build
 and a ~10k-token prefill on the CPU; skipped, naming the install command, without the model's pieces).
 
 One haystack carries three different secret numbers, at 10%, 50% and 90% of its depth, and each question is asked after it:
@@ -49,7 +50,7 @@ def test_the_default_int4_cache_finds_a_passkey_at_three_depths_of_10k_tokens(bu
     # Every KV option but the dtype at its default: the build decides centering from the measured keys.
     engine_dir = build(checkpoint=str(checkpoint), max_model_len=CONTEXT + 1024, kv_cache_dtype="int4_asym")
     kv = json.loads((engine_dir / "manifest.json").read_text())["kv"]
-    assert (kv["dtype"], kv["key_centering"]) == ("int4_asym", True)
+    assert (kv["dtype"], kv["key_centering"], kv["key_scale"]) == ("int4_asym", True, True)
     engine = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu", max_num_seqs=1))
     prefix = haystack(engine.tokenizer, load_eval_text("builtin:python-docs"))
     answers = {}

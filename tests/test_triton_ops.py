@@ -184,15 +184,18 @@ def test_quantize_block_refuses_what_it_does_not_implement() -> None:
 
 # --- the qkv epilogue -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype, centre, rotate_k, rotate_v, qk_norm", [
-    (torch.float32, False, True, False, False), (torch.float32, True, True, True, False),
-    (torch.float32, False, False, False, False), (torch.float16, True, True, False, False),
-    (torch.float32, False, False, False, True), (torch.float32, True, True, True, True),
-    (torch.float16, False, True, False, True)])
-def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v: bool, qk_norm: bool) -> None:
-    """Qwen3's per-head q/k norms, RoPE, centering, Hadamard rotation and the K/V write in one launch,
-    against the torch twin and against math written here (each head's RMS over its own channels,
-    rotation as an explicit matrix, RoPE as the complex rotation of pairs)."""
+@pytest.mark.parametrize("dtype, centre, rotate_k, rotate_v, qk_norm, scale", [
+    (torch.float32, False, True, False, False, False), (torch.float32, True, True, True, False, False),
+    (torch.float32, False, False, False, False, False), (torch.float16, True, True, False, False, False),
+    (torch.float32, False, False, False, True, False), (torch.float32, True, True, True, True, False),
+    (torch.float16, False, True, False, True, False), (torch.float32, True, True, False, False, True),
+    (torch.float16, True, True, False, False, True), (torch.float32, False, False, False, True, True)])
+def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v: bool, qk_norm: bool,
+                      scale: bool) -> None:
+    """Qwen3's per-head q/k norms, RoPE, centering, the per-channel key scale, Hadamard rotation and the K/V
+    write in one launch, against the torch twin and against math written here (each head's RMS over its own
+    channels, rotation as an explicit matrix, RoPE as the complex rotation of pairs, the scale dividing keys
+    and multiplying each query head by its KV head's, h // group)."""
     from bie_trt.kernels.reference import QKNorm, qkv_epilogue_ref
     from bie_trt.kernels.triton_ops import qkv_epilogue_triton
     from bie_trt.kernels.rope import inverse_frequencies
@@ -213,26 +216,40 @@ def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v
     # A large eps (0.05 against mean squares near 1) so that the eps in the wrong place shows.
     norms = QKNorm((1 + torch.rand(D, generator=g)).to(DEVICE, dtype), (1 + torch.rand(D, generator=g)).to(DEVICE, dtype),
                    0.05) if qk_norm else None
+    # a different scale per KV head and channel, 1/8..8 as calibrated scales spread
+    key_scale = torch.exp2(torch.rand(Hkv, D, generator=g) * 6 - 3).to(DEVICE, dtype) if scale else None
     args = (Hq, Hkv, positions, inv_freq, mean, rotate_k, rotate_v)
-    q = qkv_epilogue_triton(qkv, *args, pools, 1, blocks, offsets, norms)
-    q_ref = qkv_epilogue_ref(qkv, *args, ref_pools, 1, blocks, offsets, norms)
+    q = qkv_epilogue_triton(qkv, *args, pools, 1, blocks, offsets, norms, key_scale)
+    q_ref = qkv_epilogue_ref(qkv, *args, ref_pools, 1, blocks, offsets, norms, key_scale)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(q, q_ref, rtol=tol, atol=tol)
     torch.testing.assert_close(pools.k, ref_pools.k, rtol=tol, atol=tol)
     torch.testing.assert_close(pools.v, ref_pools.v, rtol=tol, atol=tol)
 
     # Independent float64 math for the keys: pair (d, d + D/2) turned by angle pos·inv_freq[d].
-    x = qkv.double().cpu()[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
-    if qk_norm:
-        x = x / (x.pow(2).mean(-1, keepdim=True) + norms.eps).sqrt() * norms.k.double().cpu()
     ang = positions.double().cpu()[:, None] * inv_freq.double().cpu()[None, :]
     c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
-    a, b = x[..., :D // 2], x[..., D // 2:]
-    k = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+    def turned(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        if qk_norm:
+            x = x / (x.pow(2).mean(-1, keepdim=True) + norms.eps).sqrt() * weight.double().cpu()
+        a, b = x[..., :D // 2], x[..., D // 2:]
+        return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+    k = turned(qkv.double().cpu()[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D), norms and norms.k)
     if centre:
         k = k - mean.double().cpu()
+    k_plain = k
+    if scale:
+        k = k / key_scale.double().cpu()
     if rotate_k:
         k = k @ hadamard_matrix(D, torch.float64)
     for t in range(T):
         got = pools.k[1, blocks[t], :, offsets[t]].double().cpu()
         torch.testing.assert_close(got, k[t], rtol=5e-3 if dtype == torch.float16 else 1e-4, atol=5e-3)
+    # Every query head's scores against the stored keys are its scores against the plain keys: q·k unchanged.
+    q_plain = turned(qkv.double().cpu()[:, :Hq * D].view(T, Hq, D), norms and norms.q)
+    kv_of = torch.arange(Hq) // (Hq // Hkv)
+    scores = torch.einsum("thd,shd->hts", q.double().cpu(), k[:, kv_of])
+    torch.testing.assert_close(scores, torch.einsum("thd,shd->hts", q_plain, k_plain[:, kv_of]),
+                               rtol=2e-2 if dtype == torch.float16 else 1e-3, atol=0.2 if dtype == torch.float16 else 1e-2)

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from safetensors.torch import save_file
@@ -32,7 +32,10 @@ from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
 from .engine_docs import render
 from .fused_linears import fused_linear, gguf_head
-from .kv_choice import choose_key_centering
+from .kv_choice import choose_key_centering, choose_key_scale
+
+if TYPE_CHECKING:
+    from .key_centering import Calibration
 
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 # Families whose layers go through the conversion the tests check against transformers (checkpoint/*_weights.py).
@@ -130,45 +133,53 @@ def _model_weights(ckpt: Checkpoint | GGUFCheckpoint, lm_head_dtype: str, head_r
     return weights
 
 
-def calibrate_keys(model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path) -> torch.Tensor:
-    """Every layer's post-RoPE keys on a fixed text [L, Hkv, T, D] (builder/key_centering.py): their mean is what
-    key centering subtracts, and kv_choice.py measures from them whether to. The repacked model runs once on
-    the CPU in fp32: the same on every host.
+def calibrate_keys(model: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path) -> Calibration:
+    """Every layer's post-RoPE queries, keys and values on a fixed text (builder/key_centering.py): the keys' mean
+    is what key centering subtracts, and kv_choice.py measures from them whether to, and which layers' keys to
+    scale. The repacked model runs once on the CPU in fp32: the same on every host.
 
     Memory stays near one layer's dequantised weights: none is kept once used, and the lm_head is
     left out (only the keys are wanted; the model then reuses the embedding as its head). Keeping
     them would need 4 bytes a parameter, 28 GB for an 8B."""
     from transformers import AutoTokenizer
 
-    from .key_centering import calibration_ids, calibration_keys
+    from .key_centering import calibration_ids, calibration_pass
 
     ids = calibration_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
     body = {name: t for name, t in weights.items() if not name.startswith("lm_head")}
-    return calibration_keys(LlamaModel(model, body, torch.device("cpu"), torch.float32, keep_dense=False), ids)
+    return calibration_pass(LlamaModel(model, body, torch.device("cpu"), torch.float32, keep_dense=False), ids)
 
 
-def _choose_key_centering(m: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path, kv: KVCacheConfig,
-                          explicit: bool | None, log: Callable[[str], None]) -> tuple[KVCacheConfig, dict]:
-    """The KV config with key centering decided, and the manifest's record of why; the calibrated mean key goes
-    into `weights`. A model whose layers' keys differ in shape (Gemma 4's 512-wide full heads beside 256-wide
-    sliding ones) has no mean key: the one [layers, KV heads, head dim] tensor, calibrated through one pool of
-    one width, cannot hold them, so centering is off (not measured; its INT4 cache rounds uncentred keys)."""
+def _choose_key_transforms(m: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path, kv: KVCacheConfig,
+                           opts: KVOverrides, log: Callable[[str], None]) -> tuple[KVCacheConfig, dict]:
+    """The KV config with key centering and the key scale decided, and the manifest's record of why; the
+    calibrated mean key and scale go into `weights`. A model whose layers' keys differ in shape (Gemma 4's
+    512-wide full heads beside 256-wide sliding ones) gets neither: the one [layers, KV heads, head dim] tensor
+    each, calibrated through one pool of one width, cannot hold them (not measured; its INT4 cache rounds
+    unscaled, uncentred keys)."""
     if not m.keys_share_one_shape:
-        if explicit:
-            raise BieError(f"--kv-key-centering is not supported for {m.architecture}: its layers' keys differ in "
-                           f"shape {m.cache_shape()} and {m.cache_shape(sliding=True)} (KV heads, head dim), and the "
-                           f"calibrated mean key has one. Build without the option.")
+        for given, option in ((opts.kv_key_centering, "--kv-key-centering"), (opts.kv_key_scale, "--kv-key-scale")):
+            if given:
+                raise BieError(f"{option} is not supported for {m.architecture}: its layers' keys differ in shape "
+                               f"{m.cache_shape()} and {m.cache_shape(sliding=True)} (KV heads, head dim), and the "
+                               f"calibrated tensor has one. Build without the option.")
         why = (f"the layers' keys differ in shape ({m.cache_shape()} and {m.cache_shape(sliding=True)} KV heads x "
-               f"head dim), and the calibrated mean key has one; not measured")
-        log(f"KV key centering off: {why}")
-        return dataclasses.replace(kv, key_centering=False), {"key_centering": False, "why": why}
-    log("calibrating the KV key mean (one forward pass over a fixed text)")
-    keys = calibrate_keys(m, weights, tokenizer_dir)
-    mean = keys.mean(dim=2)
+               f"head dim), and the calibrated tensors have one; not measured")
+        log(f"KV key centering and key scale off: {why}")
+        return (dataclasses.replace(kv, key_centering=False, key_scale=False),
+                {"key_centering": False, "why": why, "key_scale": {"layers": [], "why": why}})
+    log("calibrating the KV key mean and scale (one forward pass over a fixed text)")
+    calibration = calibrate_keys(m, weights, tokenizer_dir)
+    mean = calibration.keys.mean(dim=2)
     weights["kv.key_mean"] = mean.half()
-    # decided against the stored (fp16) mean: the one the runtime subtracts
-    kv, choice = choose_key_centering(keys, mean.half().float(), kv, explicit)
+    stored = mean.half().float()   # decided against the stored (fp16) mean: the one the runtime subtracts
+    kv, choice = choose_key_centering(calibration.keys, stored, kv, opts.kv_key_centering)
     log(f"KV key centering {'on' if kv.key_centering else 'off'}: {choice['why']}")
+    kv, key_scale, choice["key_scale"] = choose_key_scale(
+        calibration, m, stored if kv.key_centering else None, kv, opts.kv_key_scale)
+    weights["kv.key_scale"] = key_scale.half()
+    log(f"KV key scale {'on' if kv.key_scale else 'off'} (layers {choice['key_scale']['layers']}): "
+        f"{choice['key_scale']['why']}")
     return kv, choice
 
 
@@ -342,7 +353,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         fallback = m.declared.chat_template   # Gemma's: its GGUF releases carry none
         if fallback is not None and not has_chat_template(tmp):
             (tmp / "chat_template.jinja").write_text(read_chat_template(fallback))
-        kv, kv_choice = _choose_key_centering(m, weights, tmp, kv, opts.kv_key_centering, log)
+        kv, kv_choice = _choose_key_transforms(m, weights, tmp, kv, opts, log)
         save_file(weights, str(tmp / ef.WEIGHTS))
         manifest = {
             "schema_version": ef.SCHEMA_VERSION,

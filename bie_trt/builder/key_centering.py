@@ -14,6 +14,7 @@ its k-normed keys' mean is most of each key, and centering cuts INT4's KL diverg
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,10 +35,21 @@ CALIBRATION_TOKENS = 512
 SKIP_POSITIONS = 16
 
 
+@dataclass
+class Calibration:
+    """One forward over the calibration text, past its first `skip` positions: every attention layer's post-RoPE
+    keys and its values [L, Hkv, T, D] fp32 (zeros for a linear-attention layer, which keeps none), the queries
+    each layer attended with (li -> [H, T, D_li]) and the model's softmax scale."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: dict[int, torch.Tensor]
+    softmax_scale: float
+
+
 @torch.inference_mode()
-def calibration_keys(model: LlamaModel, token_ids: list[int], skip: int = SKIP_POSITIONS) -> torch.Tensor:
-    """Post-RoPE keys over token_ids[skip:] of every layer and KV head: [L, Hkv, T - skip, D] fp32 (zeros for
-    a linear-attention layer, which keeps no keys)."""
+def calibration_pass(model: LlamaModel, token_ids: list[int], skip: int = SKIP_POSITIONS) -> Calibration:
+    """Runs `model` once over token_ids with an FP16 cache (no centering, scale or rotation: the raw keys)."""
     if len(token_ids) <= skip:
         raise ValueError(f"key calibration needs more than {skip} tokens; got {len(token_ids)}.")
     cfg, kv = model.cfg, KVCacheConfig(dtype="fp16")
@@ -51,13 +63,22 @@ def calibration_keys(model: LlamaModel, token_ids: list[int], skip: int = SKIP_P
     # One prompt, its blocks laid out by the block manager as serving lays them out
     seq = Sequence(list(token_ids), SamplingParams(temperature=0), make_generator(SamplingParams(), 0))
     BlockManager(kv, n_blocks, 0).grow(seq, len(token_ids))
-    model.forward([SeqInput(torch.tensor(token_ids, device=model.device), 0, seq.block_table, state_slot=slot)],
-                  pools)
-    # Pool layout [L, blocks, Hkv, block, D]: the table's blocks, in order, hold positions 0..
-    found = pools.k[:, seq.block_table].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, skip:len(token_ids)]
-    keys = found.new_zeros(cfg.num_layers, *found.shape[1:])
-    keys[attention] = found
-    return keys.float().cpu()
+    model.recorded_queries = {}
+    try:
+        model.forward([SeqInput(torch.tensor(token_ids, device=model.device), 0, seq.block_table, state_slot=slot)],
+                      pools)
+        queries = {li: q[skip:].transpose(0, 1).cpu() for li, q in model.recorded_queries.items()}
+    finally:
+        model.recorded_queries = None
+
+    def rows(pool: torch.Tensor) -> torch.Tensor:
+        # Pool layout [L, blocks, Hkv, block, D]: the table's blocks, in order, hold positions 0..
+        found = pool[:, seq.block_table].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, skip:len(token_ids)]
+        out = found.new_zeros(cfg.num_layers, *found.shape[1:])
+        out[attention] = found
+        return out.float().cpu()
+
+    return Calibration(rows(pools.k), rows(pools.v), queries, model.scale)
 
 
 def calibration_ids(tokenizer) -> list[int]:

@@ -91,3 +91,93 @@ def choose_key_centering(keys: torch.Tensor, mean: torch.Tensor, kv: KVCacheConf
                                 "with_centering": [round(x, 4) for x in on.amax(1).tolist()]},
     }
     return dataclasses.replace(kv, key_centering=centering), record
+
+
+# --- The per-channel key scale --------------------------------------------------------------------------------
+# A layer's keys are divided by the scale only where that moves its attention output at least this fraction less
+# than without (measured through the cache's quantiser on the calibration text); elsewhere it stores ones.
+KEY_SCALE_MIN_GAIN = 0.25
+# How far one channel's scale may sit from its head's geometric mean: a channel that barely varies (or a query
+# channel that is nearly zero) must not get a scale that overflows fp16 keys or queries.
+KEY_SCALE_RANGE = 2.0 ** 6
+
+
+def balanced_key_scale(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The scale s [Hkv, D] that balances each channel's share of the INT4 error in q·k, from queries [H, T, D]
+    and keys [Hkv, T, D] as they are quantised (centred, when centering is on).
+
+    Keys stored as k/s and queries read as q·s leave q·k unchanged. After the Hadamard rotation INT4's rounding
+    error e is spread evenly over the channels, its size set by the stored keys' magnitude, so the score's error
+    (q∘s)·e grows with ‖q∘s‖·‖k/s‖; by Cauchy–Schwarz that is smallest when s_c² = rms(k_c) / rms(q_c), the
+    queries of each KV head's group pooled. Normalised to a geometric mean of 1 per head, within KEY_SCALE_RANGE."""
+    h_kv = keys.shape[0]
+    q_rms = queries.unflatten(0, (h_kv, -1)).pow(2).mean(dim=(1, 2)).sqrt()   # [Hkv, D]
+    k_rms = keys.pow(2).mean(dim=1).sqrt()
+    floor = 1e-6
+    s = (k_rms.clamp_min(floor) / q_rms.clamp_min(floor)).sqrt()
+    s = s / s.log().mean(dim=-1, keepdim=True).exp()
+    return s.clamp(1 / KEY_SCALE_RANGE, KEY_SCALE_RANGE)
+
+
+def attention_error(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read_keys: torch.Tensor,
+                    softmax_scale: float) -> float:
+    """‖O′ − O‖ / ‖O‖ of causal attention over one layer: queries [H, T, D] against keys and values [Hkv, T, D],
+    O reading `keys`, O′ reading `read_keys` (what the cache returns); query head h reads KV head h // group."""
+    group = queries.shape[0] // keys.shape[0]
+    T = keys.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def out(k: torch.Tensor) -> torch.Tensor:
+        scores = torch.einsum("htd,hsd->hts", queries, k.repeat_interleave(group, 0)) * softmax_scale
+        p = scores.masked_fill(~causal, -torch.inf).softmax(-1)
+        return torch.einsum("hts,hsd->htd", p, values.repeat_interleave(group, 0))
+
+    exact = out(keys)
+    return ((out(read_keys) - exact).norm() / exact.norm().clamp_min(1e-12)).item()
+
+
+def layer_key_scale(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv: KVCacheConfig,
+                    softmax_scale: float) -> tuple[torch.Tensor, float, float]:
+    """One layer: its balanced key scale [Hkv, D] (fp16-rounded, as stored) and the attention error through the
+    cache's quantiser without and with it. `keys` as they reach the quantiser (centred when centering is on)."""
+    s = balanced_key_scale(queries, keys).half().float()
+    without = attention_error(queries, keys, values, round_trip_keys(keys, kv), softmax_scale)
+    with_scale = attention_error(queries, keys, values, round_trip_keys(keys / s[:, None], kv) * s[:, None],
+                                 softmax_scale)
+    return s, without, with_scale
+
+
+def choose_key_scale(calibration: Any, model: Any, mean: torch.Tensor | None, kv: KVCacheConfig,
+                     explicit: bool | None, min_gain: float | None = None
+                     ) -> tuple[KVCacheConfig, torch.Tensor, dict[str, Any]]:
+    """The KV config with the key scale decided, the scale to store [L, Hkv, D] (ones in every layer left
+    unscaled) and the record the manifest keeps as `kv_choice.key_scale`.
+
+    `calibration`: key_centering.Calibration; `model`: its ModelConfig (each layer's KV heads and head_dim);
+    `mean`: the mean key the cache subtracts ([L, Hkv, D], or None without centering). A layer is scaled where
+    its measured attention error falls by at least `min_gain` (None: KEY_SCALE_MIN_GAIN); `explicit` (the build
+    option) True scales every layer, False none, and the measurements are recorded either way."""
+    min_gain = KEY_SCALE_MIN_GAIN if min_gain is None else min_gain
+    keys = calibration.keys if mean is None else calibration.keys - mean[:, :, None]
+    scale = torch.ones(keys.shape[0], keys.shape[1], keys.shape[3])
+    errors: list[list[float] | None] = []
+    layers = []
+    for li in range(keys.shape[0]):
+        q = calibration.queries.get(li)
+        if q is None or model.kv_source(li) != li:   # no keys of its own (linear attention, a KV-shared layer)
+            errors.append(None)
+            continue
+        h, d = model.kv_heads_of(li), model.head_dim_of(li)
+        s, without, with_scale = layer_key_scale(q[..., :d], keys[li, :h, :, :d], calibration.values[li, :h, :, :d],
+                                                 kv, calibration.softmax_scale)
+        errors.append([round(without, 4), round(with_scale, 4)])
+        if explicit if explicit is not None else with_scale < (1 - min_gain) * without:
+            scale[li, :h, :d] = s
+            layers.append(li)
+    why = ("set by the build option" if explicit is not None else
+           f"measured: attention error through the cache's quantiser falls by at least {min_gain:.0%} in "
+           f"{len(layers)} of {sum(e is not None for e in errors)} layers")
+    record = {"layers": layers, "why": why, "min_gain": min_gain,
+              # per layer, the attention error [without, with] the scale (None: a layer with no keys of its own)
+              "attention_error_per_layer": errors}
+    return dataclasses.replace(kv, key_scale=bool(layers)), scale, record

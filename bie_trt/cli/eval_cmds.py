@@ -31,7 +31,7 @@ from .options import NON_NEGATIVE, POSITIVE, kv_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, kv_cache_dtype: str | None,
              kv_group_size: int | None, kv_sink_tokens: int | None, kv_window: int | None, kv_rotation: str | None,
-             kv_key_centering: bool | None, max_windows: int | None, first_window: int,
+             kv_key_centering: bool | None, kv_key_scale: bool | None, max_windows: int | None, first_window: int,
              ablations: bool, reference: str | None, as_json: bool) -> None:
     """Perplexity over a text in windows of --context tokens, and the mean KL divergence of each
     position's next-token distribution from the FP16-KV run, scored the way decode sees the cache.
@@ -58,7 +58,8 @@ def eval_cmd(engine_dir: str, text_file: str, context: int, stride: int | None, 
     if manifest.kv.dtype == "fp16" and kv_cache_dtype is None and reference is None:
         kv_cache_dtype = "int4_asym"   # FP16 against FP16 would measure nothing
     chosen = resolve(EngineConfig(engine_dir=engine_dir, kv_cache_dtype=kv_cache_dtype, kv_rotation=kv_rotation,
-                                  kv_key_centering=kv_key_centering, kv_window=kv_window,
+                                  kv_key_centering=kv_key_centering, kv_key_scale=kv_key_scale,
+                                  kv_window=kv_window,
                                   kv_sink_tokens=kv_sink_tokens, kv_group_size=kv_group_size), manifest).kv
     variants = ablation_variants(chosen) if ablations else {chosen.dtype: chosen}
     against = None

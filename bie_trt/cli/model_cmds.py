@@ -108,24 +108,30 @@ def _kv_summary(kv: KVCacheConfig) -> str:
     if kv.dtype == "fp16":
         return f"fp16 (block {kv.block_size})"
     parts = [f"sinks {kv.sink_tokens}", f"window {kv.window}", f"rotation {kv.rotation}",
-             f"key centering {'on' if kv.key_centering else 'off'}", f"block {kv.block_size}"]
+             f"key centering {'on' if kv.key_centering else 'off'}", f"key scale {'on' if kv.key_scale else 'off'}",
+             f"block {kv.block_size}"]
     if kv.dtype == "int4_asym":
         parts.insert(0, f"group {kv.group_size}")
     return f"{kv.dtype} ({', '.join(parts)})"
 
 
 def _kv_choice_lines(choice: Mapping[str, Any] | None) -> list[str]:
-    """Why the build chose key centering, and the key error per layer it measured (builder/kv_choice.py)."""
+    """Why the build chose key centering and which layers' keys it scales, and the errors per layer it measured
+    (builder/kv_choice.py)."""
     if not choice:
         return []
-    line = f"  key centering {'on' if choice['key_centering'] else 'off'}: {choice['why']}"
-    per_layer = choice.get("key_error_per_layer")   # none where nothing was measured (keys of several shapes)
-    if per_layer is None:
-        return [line]
-    return [line,
-            f"  key error per layer ({choice['measured_format']}), without centering: "
-            + " ".join(f"{x:.2f}" for x in per_layer["without_centering"]),
-            "  with centering: " + " ".join(f"{x:.2f}" for x in per_layer["with_centering"])]
+    lines = [f"  key centering {'on' if choice['key_centering'] else 'off'}: {choice['why']}"]
+    if per_layer := choice.get("key_error_per_layer"):   # none where nothing was measured (keys of several shapes)
+        lines += [f"  key error per layer ({choice['measured_format']}), without centering: "
+                  + " ".join(f"{x:.2f}" for x in per_layer["without_centering"]),
+                  "  with centering: " + " ".join(f"{x:.2f}" for x in per_layer["with_centering"])]
+    if scale := choice.get("key_scale"):   # engines built before the key scale have no record of it
+        lines.append(f"  key scale in layers {scale['layers'] or 'none'}: {scale['why']}")
+        if "attention_error_per_layer" in scale:
+            errors = [e for e in scale["attention_error_per_layer"] if e is not None]
+            lines += ["  attention error per layer without the key scale: " + " ".join(f"{e[0]:.3f}" for e in errors),
+                      "  with it: " + " ".join(f"{e[1]:.3f}" for e in errors)]
+    return lines
 
 
 def _size(n: int) -> str:

@@ -38,8 +38,10 @@ def kv_options(default_from: str, build_defaults: bool) -> Callable[[Callable], 
     by every one of them through config.KVOverrides."""
     d = f"[default: {default_from}]"
     # Gemma 3 takes key centering and a 512-token window by default (config_gemma3.FAMILY.kv_defaults)
-    window_d, rotation_d, centering_d = ((f"[default: {default_from}; 512 for Gemma 3]", "[default: hadamard]",
-                                          "[default: measured at build; on for Gemma 3]") if build_defaults else (d, d, d))
+    window_d, rotation_d, centering_d, scale_d = (
+        (f"[default: {default_from}; 512 for Gemma 3]", "[default: hadamard]",
+         "[default: measured at build; on for Gemma 3]", "[default: measured at build, per layer]")
+        if build_defaults else (d, d, d, d))
     options = [
         click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES),
                      help=f"Storage of the KV body; sinks and the recent window stay fp16. {d}"),
@@ -54,6 +56,10 @@ def kv_options(default_from: str, build_defaults: bool) -> Callable[[Callable], 
                      help="Subtract the calibrated mean key before quantising: exact for attention, lower KL "
                           "divergence; lower perplexity on Gemma 3, not on SmolLM2 (docs/kv-cache-quality.md). "
                           f"{centering_d}"),
+        click.option("--kv-key-scale/--no-kv-key-scale", default=None,
+                     help="Divide keys by a calibrated per-channel scale before quantising (queries multiplied by "
+                          "it, so q·k is unchanged), in the layers where the build measured that it lowers the "
+                          f"INT4 attention error (docs/kv-cache-quality.md). {scale_d}"),
     ]
 
     def apply(f: Callable) -> Callable:

@@ -23,7 +23,7 @@ from ..kv.pool import KVPools, allocate_kv
 from ..kv.recurrent import allocate_recurrent
 from ..kv.sizing import kv_pool_blocks, sliding_pool_blocks
 from ..model.cuda_graphs import DecodeGraphs
-from ..model.llama import centres_keys, model_class
+from ..model.llama import centres_keys, model_class, scales_keys
 from ..plan import host_bytes, linear_shapes
 from ..resolve import resolve
 from ..sampling import make_generator
@@ -116,6 +116,9 @@ class ModelRunner:
         if centres_keys(self.kv_config) and self.model.key_mean is None:
             raise EngineError(f"{self.engine_dir}: key centering needs the calibrated kv.key_mean this engine "
                               "lacks; rebuild it with this version of bie-trt.")
+        if scales_keys(self.kv_config) and self.model.key_scale is None:
+            raise EngineError(f"{self.engine_dir}: the key scale needs the calibrated kv.key_scale this engine "
+                              "lacks; rebuild it with this version of bie-trt, or run it with --no-kv-key-scale.")
         sizes = (self.model_config, self.kv_config, self.max_model_len, self.max_num_seqs, self.chunked_prefill_size)
         n_fp, n_q = kv_pool_blocks(*sizes)
         n_sliding = sliding_pool_blocks(*sizes)

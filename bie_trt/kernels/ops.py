@@ -138,15 +138,15 @@ def write_kv(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,
 def qkv_epilogue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
                  inv_freq: torch.Tensor, key_mean: torch.Tensor | None, rotate_keys: bool, rotate_values: bool,
                  pools: KVPools, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
-                 qk_norm: ref.QKNorm | None = None) -> torch.Tensor:
-    """qkv rows -> attention's q [T, H_q, D]; the per-head q/k norms (Qwen3), RoPE, key centering and
-    rotation applied, K/V written."""
+                 qk_norm: ref.QKNorm | None = None, key_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv rows -> attention's q [T, H_q, D]; the per-head q/k norms (Qwen3), RoPE, key centering, the
+    per-channel key scale and rotation applied, K/V written."""
     if use_triton(qkv):
         from .triton_ops import qkv_epilogue_triton as fn
     else:
         fn = ref.qkv_epilogue_ref
     return fn(qkv, num_heads, num_kv_heads, positions, inv_freq, key_mean, rotate_keys, rotate_values,
-              pools, layer, slot_blocks, slot_offsets, qk_norm)
+              pools, layer, slot_blocks, slot_offsets, qk_norm, key_scale)
 
 
 def quantize_block(pools: KVPools, fp_block: int, q_block: int) -> None:

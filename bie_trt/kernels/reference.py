@@ -57,12 +57,13 @@ class QKNorm(NamedTuple):
 def qkv_epilogue_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
                      inv_freq: torch.Tensor, key_mean: torch.Tensor | None, rotate_keys: bool, rotate_values: bool,
                      pools: KVPools, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
-                     qk_norm: QKNorm | None = None) -> torch.Tensor:
+                     qk_norm: QKNorm | None = None, key_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The qkv projection's rows [T, (H_q + 2 H_kv) D] -> attention's q [T, H_q, D]; K and V into the cache.
 
     With qk_norm, each q and k head RMS-normalised first; then RoPE on q and k (rotate-half convention,
     cos and sin rounded to the activation dtype), the calibrated mean key subtracted (key_mean [H_kv, D],
-    or None), then the Hadamard rotation of q and k (and of v with rotate_values), and K/V written to
+    or None), keys divided by the calibrated per-channel scale and queries multiplied by their KV head's
+    (key_scale [H_kv, D], or None), then the Hadamard rotation of q and k (and of v with rotate_values), and K/V written to
     their FP16-tail slots."""
     D = pools.k.shape[-1]
     T = qkv.shape[0]
@@ -75,6 +76,9 @@ def qkv_epilogue_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, posit
     v = v.view(T, num_kv_heads, D)
     if key_mean is not None:   # every score of a query shifts by q·m: softmax is unchanged
         k = k - key_mean
+    if key_scale is not None:   # (q·s)·(k/s) = q·k: the scale only moves where INT4 spends its range
+        q = q * key_scale.repeat_interleave(num_heads // num_kv_heads, dim=0)
+        k = k / key_scale
     if rotate_keys:   # rotated keys quantise without outlier channels; rotating q too keeps q·k
         q, k = rotate(q), rotate(k)
     if rotate_values:

@@ -135,7 +135,7 @@ def write_kv_triton(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor
         BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D), num_warps=4)
 
 
-# --- The qkv epilogue: RoPE, key centering, Hadamard rotation, K/V into the FP16 tail -----------
+# --- The qkv epilogue: RoPE, key centering and scale, Hadamard rotation, K/V into the FP16 tail --
 
 @triton.jit
 def _halves(x, D: tl.constexpr):
@@ -175,11 +175,11 @@ def _head_norm(x, w_ptr, eps, D: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, qn_ptr, kn_ptr, q_out_ptr, kc_ptr, vc_ptr,
+def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, scale_ptr, qn_ptr, kn_ptr, q_out_ptr, kc_ptr, vc_ptr,
                          blocks_ptr, offsets_ptr, eps,
                          stride_qkv, stride_qo, stride_cb, stride_ch, stride_cs,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr,
-                         CENTRE: tl.constexpr, ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr,
+                         CENTRE: tl.constexpr, SCALE_K: tl.constexpr, ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr,
                          QK_NORM: tl.constexpr):
     """One program per (token, head): a query head, or a kv head's K and V. A program holds its whole
     head, so Qwen3's per-head q/k norm costs no extra pass (and nothing when QK_NORM is off)."""
@@ -198,6 +198,9 @@ def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, qn_ptr, kn_pt
         if QK_NORM:
             q = _head_norm(q, qn_ptr, eps, D, DTYPE)
         q = _rope(q, cos, sin, D, DTYPE)
+        if SCALE_K:   # times its KV head's key scale: q·k is unchanged by keys stored divided by it
+            s = tl.load(scale_ptr + (head // (NUM_HEADS // NUM_KV_HEADS)) * D + d).to(tl.float32)
+            q = (q * s).to(DTYPE).to(tl.float32)
         if ROTATE_K:
             q = _hadamard(q, D, LOG2_D)
         tl.store(q_out_ptr + t * stride_qo + head * D + d, q.to(DTYPE))
@@ -209,6 +212,8 @@ def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, qn_ptr, kn_pt
         k = _rope(k, cos, sin, D, DTYPE)
         if CENTRE:
             k = (k - tl.load(mean_ptr + kv_head * D + d).to(tl.float32)).to(DTYPE).to(tl.float32)
+        if SCALE_K:
+            k = (k / tl.load(scale_ptr + kv_head * D + d).to(tl.float32)).to(DTYPE).to(tl.float32)
         if ROTATE_K:
             k = _hadamard(k, D, LOG2_D)
         v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * D + d).to(tl.float32)
@@ -223,7 +228,8 @@ def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, qn_ptr, kn_pt
 def qkv_epilogue_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
                         inv_freq: torch.Tensor, key_mean: torch.Tensor | None, rotate_keys: bool, rotate_values: bool,
                         pools: KVPools, layer: int, slot_blocks: torch.Tensor,
-                        slot_offsets: torch.Tensor, qk_norm: QKNorm | None = None) -> torch.Tensor:
+                        slot_offsets: torch.Tensor, qk_norm: QKNorm | None = None,
+                        key_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One launch for everything between the qkv projection and attention; twin of `qkv_epilogue_ref`."""
     T = qkv.shape[0]
     D = pools.k.shape[-1]
@@ -236,12 +242,14 @@ def qkv_epilogue_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, po
         return q
     kc, vc = pools.k[layer], pools.v[layer]
     mean = key_mean if key_mean is not None else inv_freq   # never read without CENTRE
+    scale = key_scale if key_scale is not None else inv_freq   # never read without SCALE_K
     q_norm, k_norm, eps = qk_norm if qk_norm is not None else (None, None, 0.0)   # no pointers: nothing to read
     _qkv_epilogue_kernel[(T, num_heads + num_kv_heads)](
-        qkv, positions, inv_freq, mean, q_norm, k_norm, q, kc, vc, slot_blocks, slot_offsets, eps,
+        qkv, positions, inv_freq, mean, scale, q_norm, k_norm, q, kc, vc, slot_blocks, slot_offsets, eps,
         qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=D, LOG2_D=D.bit_length() - 1, CENTRE=key_mean is not None,
-        ROTATE_K=rotate_keys, ROTATE_V=rotate_values, QK_NORM=qk_norm is not None, num_warps=1 if D <= 64 else 2)
+        SCALE_K=key_scale is not None, ROTATE_K=rotate_keys, ROTATE_V=rotate_values, QK_NORM=qk_norm is not None,
+        num_warps=1 if D <= 64 else 2)
     return q
 
 

@@ -50,6 +50,12 @@ def centres_keys(kv: KVCacheConfig) -> bool:
     return kv.dtype != "fp16" and kv.key_centering
 
 
+def scales_keys(kv: KVCacheConfig) -> bool:
+    """Keys divided by the calibrated per-channel scale (queries multiplied by it) whenever keys may be quantised
+    (builder/kv_choice.py); a layer the build left unscaled stores ones."""
+    return kv.dtype != "fp16" and kv.key_scale
+
+
 def rotates_values(kv: KVCacheConfig) -> bool:
     """Values rotated too: attention then returns rotated outputs, rotated back (H is its own inverse)."""
     return kv.dtype != "fp16" and kv.rotation == "hadamard_kv"
@@ -99,6 +105,9 @@ class LlamaModel:
             self.lm_head = embed.to(device=device, dtype=dtype) if self.embed_on_host else self.embed
         self.norm = norm("norm")
         self.key_mean = t("kv.key_mean") if "kv.key_mean" in weights else None   # [L, Hkv, D]
+        self.key_scale = t("kv.key_scale") if "kv.key_scale" in weights else None   # [L, Hkv, D]
+        # li -> the q [T, H, D] layer li attended with, when set (the build's calibration reads them)
+        self.recorded_queries: dict[int, torch.Tensor] | None = None
         self.layers = []
         linear_attention = set(cfg.linear_layers)
         # a KV-shared layer (Gemma 4) reads an earlier layer's cache and writes none; decided once, not per step
@@ -241,6 +250,10 @@ class LlamaModel:
             return pools.sliding, self.group_index[li], meta.sliding
         return pools, self.group_index[li], meta
 
+    def _key_scale_of(self, li: int) -> torch.Tensor:
+        """Layer li's key scale [its KV heads, its head_dim] (the stored one is padded to the widest layer's)."""
+        return self.key_scale[li, :self.cfg.kv_heads_of(li), :self.cfg.head_dim_of(li)]
+
     def _attention(self, li: int, layer: Layer, h: torch.Tensor, meta: StepMetadata, pools: KVPools) -> torch.Tensor:
         """h + o_proj(attention(norm(h))): the residual stream after the attention sub-block."""
         cfg = self.cfg
@@ -251,18 +264,22 @@ class LlamaModel:
             qkv, gate = qkv[:, :-cfg.q_size].contiguous(), qkv[:, -cfg.q_size:]
         if not self.owns_cache[li]:   # Gemma 4's KV-shared layer: q only, reading the source layer's cache
             q = shared_query(qkv, cfg.num_heads, layer.qk_norm.q, cfg.rms_norm_eps, meta.rope_positions,
-                             self.rope.inv_freq_of(li), rotates_keys(pools.cfg))
+                             self.rope.inv_freq_of(li), rotates_keys(pools.cfg),
+                             self._key_scale_of(cfg.kv_source(li)) if scales_keys(pools.cfg) else None)
         else:
             heads = cfg.kv_heads_of(li)
             if cfg.value_norm:
                 qkv = with_normed_values(qkv, cfg.num_heads * cfg.head_dim_of(li), heads, cfg.head_dim_of(li),
                                          cfg.k_eq_v_at(li), cfg.rms_norm_eps)
-            # The q/k head norms (Qwen3), RoPE, the calibrated key centering and the Hadamard rotation of q and
-            # k (v too with hadamard_kv), K/V into the FP16 tail: one launch (the runner checked key_mean exists).
+            # The q/k head norms (Qwen3), RoPE, the calibrated key centering and key scale, and the Hadamard
+            # rotation of q and k (v too with hadamard_kv), K/V into the FP16 tail: one launch (the runner checked
+            # key_mean and key_scale exist).
             q = ops.qkv_epilogue(qkv, cfg.num_heads, heads, meta.rope_positions, self.rope.inv_freq_of(li),
                                  self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
                                  rotates_values(pools.cfg), pools, gi, meta.slot_blocks, meta.slot_offsets,
-                                 layer.qk_norm)
+                                 layer.qk_norm, self.key_scale[li] if scales_keys(pools.cfg) else None)
+        if self.recorded_queries is not None:
+            self.recorded_queries[li] = q.float()
         if meta.quantise and self.owns_cache[li]:
             ops.quantize_layer_blocks(pools, gi, *meta.quantise)
         window = self.rope.windows[li]
