@@ -32,9 +32,8 @@ def test_greedy_tokens_equal_llama_cpps_on_the_coder_file(build):
         pytest.skip(f"needs the Qwen2.5-Coder-0.5B pieces: {e}")
     engine = BieEngine(EngineConfig(engine_dir=str(build(checkpoint=str(path), max_model_len=2048,
                                                          kv_cache_dtype="fp16")), device="cpu"))
-    ids = engine.tokenizer(load_eval_text("builtin:python-docs")[:40_000])["input_ids"]
-    step = (len(ids) - PROMPT_TOKENS) // PROMPTS
-    prompts = [ids[i * step:i * step + PROMPT_TOKENS] for i in range(PROMPTS)]
+    prompts = llama_cpp.prompt_windows(engine.tokenizer(load_eval_text("builtin:python-docs")[:40_000])["input_ids"],
+                                       engine.tokenizer("")["input_ids"], PROMPTS, PROMPT_TOKENS)
     theirs = llama_cpp.greedy(path, prompts, TOKENS, context=PROMPT_TOKENS + TOKENS + 16)["tokens"]
     ours = [engine.generate(p, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)).token_ids
             for p in prompts]
