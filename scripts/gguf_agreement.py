@@ -1,6 +1,7 @@
 """Greedy agreement of engines with references running a GGUF itself; JSON on stdout (and --out).
 
-Five prompts of --prompt-tokens tokens from a text (evenly spaced windows), each continued greedily for
+Five prompts of --prompt-tokens tokens from a text (evenly spaced windows, each led by the BOS token where the
+tokenizer puts one before a text), each continued greedily for
 --tokens tokens by each reference (--reference, repeatable: `transformers`, fp32 on the weights the `gguf`
 package dequantises; `llama.cpp`, node-llama-cpp's CPU build on the file, scripts/llama_cpp.py) and by each
 engine with an FP16 KV cache. `prefix` counts the tokens up to the first disagreement (after it the two
@@ -60,9 +61,8 @@ def main() -> None:
             ap.error(f"{e} was built from {read_manifest(e).source.checkpoint}, not from {args.gguf.name}: its "
                      f"weights are not the file's. Build it with `bie-trt build --checkpoint {args.gguf}`, or pass "
                      f"--converted to compare a conversion.")
-    ids = text_token_ids(args.engine[0], load_eval_text(args.text))
-    step = (len(ids) - args.prompt_tokens) // args.prompts
-    prompts = [ids[i * step:i * step + args.prompt_tokens] for i in range(args.prompts)]
+    prompts = llama_cpp.prompt_windows(text_token_ids(args.engine[0], load_eval_text(args.text)),
+                                       text_token_ids(args.engine[0], ""), args.prompts, args.prompt_tokens)
     references = {}
     for name in args.reference or ["transformers"]:
         if name == "llama.cpp":

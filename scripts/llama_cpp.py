@@ -39,6 +39,17 @@ def missing() -> str | None:
     return None
 
 
+def prompt_windows(ids: list[int], lead: list[int], count: int, length: int) -> list[list[int]]:
+    """`count` evenly spaced prompts of `length` tokens from a text's ids, each made as a tokenizer makes a prompt:
+    `lead` (the ids a tokenizer puts before any text, `tokenizer("")`: Gemma's BOS, nothing for Qwen) and then a
+    window of the text. Without it only the first window would carry a BOS and the others would start mid-text
+    with none, a prompt no tokenizer makes (Gemma's continuations from such a prompt are near-ties everywhere)."""
+    body = ids[len(lead):] if ids[:len(lead)] == lead else ids
+    width = length - len(lead)
+    step = (len(body) - width) // count
+    return [lead + body[i * step:i * step + width] for i in range(count)]
+
+
 def greedy(model: str | Path, prompts: list[list[int]], tokens: int, context: int = 4096,
            threads: int | None = None, timeout: float = 1800) -> dict:
     """{"tokens": [[ids]] (each prompt's `tokens` greedy continuations), "prefill_s": [...], "decode_s": [...]}:

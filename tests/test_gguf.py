@@ -166,6 +166,14 @@ def test_a_gemma3_files_rope_base_is_read_and_its_absence_is_llama_cpps_default(
         assert m.local_rope_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"]
 
 
+def test_a_gemma3_files_sliding_rope_base_is_its_freq_base_swa(tmp_path):
+    """A file stating rope.freq_base_swa gives the sliding layers that base, as llama.cpp's gemma3 loader
+    reads it (its 10,000 is only the default), and the full layers keep rope.freq_base."""
+    path = write_tiny_gguf(tmp_path / "gemma3.gguf", arch="gemma3", metadata={"rope.freq_base_swa": 20_000.0})
+    m = GGUFCheckpoint(path).model
+    assert (m.rope_theta, m.local_rope_theta) == (1e6, 20_000.0)
+
+
 def test_gemma3_greedy_tokens_equal_transformers_on_the_gguf(build, tiny_gemma3):
     """40 prompt tokens and 16 more: past two of the sliding layers' 16-position windows. transformers is
     told llama.cpp's attention scale, 1/sqrt(head size 32) (its GGUF reader keeps Gemma 3's default 256,

@@ -11,7 +11,7 @@ import pytest
 from bie_trt.builder.checkpoint.registry import resolve_checkpoint
 from bie_trt.config import EngineConfig
 from bie_trt.errors import CheckpointError
-from bie_trt.eval_texts import load_eval_text
+from bie_trt.eval_texts import load_eval_text, text_token_ids
 from bie_trt.executor.engine import BieEngine
 from bie_trt.sampling_params import SamplingParams
 
@@ -30,11 +30,10 @@ def test_greedy_tokens_equal_llama_cpps_on_the_coder_file(build):
         path = resolve_checkpoint("qwen2.5-coder-0.5b.gguf")
     except CheckpointError as e:
         pytest.skip(f"needs the Qwen2.5-Coder-0.5B pieces: {e}")
-    engine = BieEngine(EngineConfig(engine_dir=str(build(checkpoint=str(path), max_model_len=2048,
-                                                         kv_cache_dtype="fp16")), device="cpu"))
-    ids = engine.tokenizer(load_eval_text("builtin:python-docs")[:40_000])["input_ids"]
-    step = (len(ids) - PROMPT_TOKENS) // PROMPTS
-    prompts = [ids[i * step:i * step + PROMPT_TOKENS] for i in range(PROMPTS)]
+    engine_dir = build(checkpoint=str(path), max_model_len=2048, kv_cache_dtype="fp16")
+    engine = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu"))
+    prompts = llama_cpp.prompt_windows(text_token_ids(engine_dir, load_eval_text("builtin:python-docs")[:40_000]),
+                                       text_token_ids(engine_dir, ""), PROMPTS, PROMPT_TOKENS)
     theirs = llama_cpp.greedy(path, prompts, TOKENS, context=PROMPT_TOKENS + TOKENS + 16)["tokens"]
     ours = [engine.generate(p, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)).token_ids
             for p in prompts]

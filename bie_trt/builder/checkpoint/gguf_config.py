@@ -12,7 +12,7 @@ from gguf import Keys
 from ...errors import CheckpointError
 
 # llama.cpp's values where a file is silent: the RoPE base of every architecture (and of Gemma 3's sliding
-# layers always), Gemma 3's layer pattern, and the layer count that makes a Gemma 3 its 27B.
+# layers without rope.freq_base_swa), Gemma 3's layer pattern, and the layer count that makes a Gemma 3 its 27B.
 LLAMA_CPP_ROPE_BASE = 10_000.0
 GEMMA3_SWA_PATTERN = 6
 GEMMA3_27B_LAYERS = 62
@@ -79,8 +79,9 @@ def _decoder(meta: GGUFMeta, hf_arch: str, model_type: str) -> dict[str, Any]:
 
 def _gemma3(meta: GGUFMeta) -> dict[str, Any]:
     """Gemma 3 as llama.cpp reads it (its LLM_ARCH_GEMMA3 hparams): the window from the file, one full layer
-    in six, the sliding layers' RoPE base 10,000 whatever the file says, the full layers' the file's
-    rope.freq_base (10,000 when absent, as for every architecture), and the attention scale
+    in six, the sliding layers' RoPE base the file's rope.freq_base_swa (10,000 when absent: never the full
+    layers' base), the full layers' the file's rope.freq_base (10,000 when absent, as for every
+    architecture), and the attention scale
     1/sqrt(head size) except on the 27B (62 layers), whose scale is 1/sqrt(hidden / heads)."""
     hf = _decoder(meta, "Gemma3ForCausalLM", "gemma3_text")
     head_dim, value_dim = hf["head_dim"], meta.get(Keys.Attention.VALUE_LENGTH)
@@ -89,7 +90,7 @@ def _gemma3(meta: GGUFMeta) -> dict[str, Any]:
                               f"{head_dim}; Gemma 3's heads have one size.")
     hf["sliding_window"] = int(meta.need(Keys.Attention.SLIDING_WINDOW))
     hf["sliding_window_pattern"] = GEMMA3_SWA_PATTERN
-    hf["rope_local_base_freq"] = LLAMA_CPP_ROPE_BASE
+    hf["rope_local_base_freq"] = float(meta.get(Keys.Rope.FREQ_BASE_SWA, LLAMA_CPP_ROPE_BASE))
     big = hf["num_hidden_layers"] == GEMMA3_27B_LAYERS
     hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"] if big else head_dim
     return hf
