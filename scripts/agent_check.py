@@ -98,6 +98,7 @@ class Exchange:
     cached_tokens: int | None = None
     error: str | None = None
     tool_called: bool = False
+    tool_output: str | None = None   # the tool results the request sent back to the model, joined (None: none)
     client_left: bool = False   # the agent closed the connection before the reply's end (it gave up waiting)
 
 
@@ -105,6 +106,36 @@ class Exchange:
 USAGE_FIELDS = {"prompt": ("prompt_tokens", "input_tokens"), "cached": ("cached_tokens", "cache_read_input_tokens")}
 CALL_MARKERS = ('"type":"function_call"', '"type": "function_call"', '"type":"tool_use"', '"type": "tool_use"',
                 '"tool_calls":[{', '"tool_calls": [{', '"type":"local_shell_call"', '"type":"custom_tool_call"')
+
+
+# A tool's result sent back to the model, as each API words it: a Responses output item, an Anthropic block, a
+# chat message (its `role`).
+OUTPUT_TYPES = ("function_call_output", "custom_tool_call_output", "local_shell_call_output", "tool_result")
+
+
+def text_of(value: object) -> str:
+    """Every string in a JSON value, joined: a tool result's content is a string or a list of blocks."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return "".join(text_of(v) for v in value.values())
+    if isinstance(value, list):
+        return "".join(text_of(v) for v in value)
+    return ""
+
+
+def tool_outputs(body: object) -> list[str]:
+    """The tool results a request body sends back to the model, in order, in any of the three APIs' shapes."""
+    found: list[str] = []
+    if isinstance(body, dict):
+        if body.get("type") in OUTPUT_TYPES or body.get("role") == "tool":
+            return [text_of(body.get("output", body.get("content", "")))]
+        for value in body.values():
+            found += tool_outputs(value)
+    elif isinstance(body, list):
+        for value in body:
+            found += tool_outputs(value)
+    return found
 
 
 def last_int(text: str, key: str) -> int | None:
@@ -187,6 +218,8 @@ class Proxy:
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = body.decode(errors="replace")
+        if outputs := tool_outputs(parsed):
+            exchange.tool_output = "\n".join(outputs)
         stem.with_name(stem.name + "-request.json").write_text(json.dumps(
             {"method": h.command, "path": h.path, "headers": dict(h.headers), "body": parsed}, indent=1))
         up = http.client.HTTPConnection(self.host, self.port_up, timeout=1800)
@@ -292,6 +325,11 @@ def qwen_command(binary: Path, base: str, work: Path, home: Path, prompt: str) -
     # within 15 minutes: no idle limit, no lifetime limit
     env = {**agent_env(home), "QWEN_STREAM_IDLE_TIMEOUT_MS": "0", "QWEN_STREAM_MAX_LIFETIME_MS": "0",
            "QWEN_CODE_API_TIMEOUT_MS": "1800000"}
+    # its background memory agent runs after every turn with a 10k-token prompt of its own (minutes of CPU
+    # prefill the turn waits for); it is a second agent, not the turn under test: switched off
+    settings = home / ".qwen" / "settings.json"
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text(json.dumps({"memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False}}))
     return [str(binary), "--auth-type", "openai", "--openai-base-url", f"{base}/v1", "--openai-api-key", "bie-trt",
             "-m", MODEL, "--approval-mode", "yolo", "-p", prompt], env
 
@@ -312,6 +350,14 @@ class Run:
     @property
     def tool_called(self) -> bool:
         return any(e.tool_called for e in self.exchanges)
+
+    @property
+    def carries_tool_output(self) -> bool:
+        """The agent ran a tool and sent its output back: a later request carried a tool result holding the
+        secret word of hello.txt (the tool task's file). A result without it (a failed call, another file)
+        shows the round trip works but not that the tool read the file."""
+        word = SECRET.rstrip(".").rsplit(" ", 1)[-1]
+        return any(word in (e.tool_output or "") for e in self.exchanges)
 
 
 def run_agent(agent: str, task: str, agents_dir: Path, proxy: Proxy, out: Path, timeout_s: float) -> Run:
@@ -406,7 +452,7 @@ def turn_summary(run: Run) -> dict:
     main = main_exchange(run)
     return {"task": run.task, "exit": run.exit_code, "seconds": round(run.seconds, 1),
             "requests": len(run.exchanges), "errors": sum(e.status >= 400 for e in run.exchanges),
-            "tool_called": run.tool_called,
+            "tool_called": run.tool_called, "carries_tool_output": run.carries_tool_output,
             "prompt_tokens": None if main is None else main.prompt_tokens,
             "cached_tokens": None if main is None else main.cached_tokens,
             "first_token_s": None if main is None or main.first_byte_s is None else round(main.first_byte_s, 1),
@@ -423,13 +469,14 @@ def agent_summaries(runs: list[Run]) -> dict[str, dict]:
 
 
 def turns_table(summaries: dict[str, dict]) -> list[str]:
-    lines = ["| agent | turn | task | exit | requests | 4xx/5xx | tool called | prompt tokens | cached | "
-             "time to first token s | request s | whole turn s |",
-             "| --- | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| agent | turn | task | exit | requests | 4xx/5xx | tool called | tool output sent back | prompt tokens | "
+             "cached | time to first token s | request s | whole turn s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for agent, s in summaries.items():
         for n, t in enumerate(s["turns"], 1):
             lines.append(f"| {agent} | {n} | {t['task']} | {t['exit']} | {t['requests']} | {t['errors']} | "
-                         f"{'yes' if t['tool_called'] else 'no'} | {t['prompt_tokens']} | {t['cached_tokens']} | "
+                         f"{'yes' if t['tool_called'] else 'no'} | {'yes' if t['carries_tool_output'] else 'no'} | "
+                         f"{t['prompt_tokens']} | {t['cached_tokens']} | "
                          f"{seconds(t['first_token_s'])} | {seconds(t['request_s'])} | {t['seconds']:.0f} |")
     return lines
 
@@ -443,6 +490,7 @@ def report(runs: list[Run]) -> str:
             lines.append(f"  #{e.number} {e.method} {e.path} {e.status} prompt {e.prompt_tokens} cached "
                          f"{e.cached_tokens} first byte {seconds(e.first_byte_s)} s total {seconds(e.total_s)} s"
                          f"{' (tool call)' if e.tool_called else ''}"
+                         f"{f' (tool output sent: {e.tool_output[:80]!r})' if e.tool_output else ''}"
                          f"{' (the agent closed the connection first)' if e.client_left else ''}")
         lines += [f"  FAILED: {f}" for f in r.failures]
     return "\n".join(lines)

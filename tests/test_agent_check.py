@@ -70,3 +70,34 @@ def test_an_agent_finishes_its_turn_against_the_server(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     [turn] = json.loads((out / "summary.json").read_text())["agents"][agent]["turns"]
     assert turn["errors"] == 0 and turn["prompt_tokens"] > 4000, turn   # the agent's whole prompt was served
+
+
+def test_a_tool_result_sent_back_is_found_in_each_apis_shape():
+    """The tool task passes its round trip when a later request carries the tool's output holding the file's
+    secret word: as a Responses `function_call_output` item (Codex), an Anthropic `tool_result` block (Claude
+    Code) or a chat `tool` message (OpenCode, Qwen Code). A tool result without the word (a failed call) is
+    found but does not count."""
+    word = "periwinkle"
+    responses = {"input": [{"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": "{}"},
+                           {"type": "function_call_output", "call_id": "c1", "output": f"The secret word is {word}."}]}
+    anthropic = {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": f"1\tThe secret word is {word}."}]}]}]}
+    chat = {"messages": [{"role": "assistant", "content": None, "tool_calls": []},
+                         {"role": "tool", "tool_call_id": "c1", "content": f"The secret word is {word}."}]}
+    failed = {"messages": [{"role": "tool", "tool_call_id": "c1", "content": "Error: file not found"}]}
+    for body in (responses, anthropic, chat):
+        [output] = agent_check.tool_outputs(body)
+        assert word in output, body
+    assert agent_check.tool_outputs({"messages": [{"role": "user", "content": word}]}) == []
+
+    def run(*bodies) -> agent_check.Run:
+        exchanges = []
+        for n, body in enumerate(bodies, 1):
+            e = exchange(n, 100, 0, 1.0)
+            e.tool_output = "\n".join(agent_check.tool_outputs(body)) or None
+            exchanges.append(e)
+        return agent_check.Run("codex", "tool", 0, 10.0, exchanges, "")
+
+    assert run({"input": []}, responses).carries_tool_output
+    assert not run({"input": []}, failed).carries_tool_output
+    assert agent_check.turn_summary(run(chat))["carries_tool_output"] is True
