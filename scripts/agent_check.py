@@ -53,8 +53,9 @@ SECRET = "The secret word is periwinkle."
 TASKS = {
     "reply": "Answer in one short sentence, without using any tool: what does the Python expression 2 + 3 * 4 "
              "evaluate to?",
-    "tool": "Use your shell or file-reading tool to read the file hello.txt in the current directory, then "
-            "tell me the secret word it contains.",
+    # one command named outright: a small model asked to "read the file" answered from nothing
+    "tool": "Call your shell tool now to run the command `cat hello.txt`, then tell me the secret word it "
+            "printed.",
 }
 
 
@@ -295,11 +296,13 @@ def codex_command(binary: Path, base: str, work: Path, home: Path, prompt: str) 
 
 def claude_command(binary: Path, base: str, work: Path, home: Path, prompt: str) -> tuple[list[str], dict]:
     """Claude Code: ANTHROPIC_BASE_URL, any key; print mode with its shell and file tools allowed."""
-    # its stream gives up on a first byte that takes minutes (a 10k-token prompt on a CPU does): wait 30 min
+    # its stream gives up on a first byte that takes minutes (a 10k-token prompt on a CPU does), and on a stream
+    # quiet for 5 minutes whatever the first-byte limit says (the idle limit): wait 30 min for both
     env = {**agent_env(home), "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": "sk-ant-bie-trt",
            "CLAUDE_CONFIG_DIR": str(home / ".claude"), "DISABLE_AUTOUPDATER": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
-           "CLAUDE_STREAM_FIRST_BYTE_TIMEOUT_MS": "1800000", "API_TIMEOUT_MS": "1800000"}
+           "CLAUDE_STREAM_FIRST_BYTE_TIMEOUT_MS": "1800000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",
+           "API_TIMEOUT_MS": "1800000"}
     return [str(binary), "-p", prompt, "--model", MODEL, "--allowedTools", "Bash Read"], env
 
 
