@@ -21,6 +21,7 @@ and to its end. The reply-only turn runs first and is turn 1; the tool task, in 
 HOME (so with the same system prompt and tools), is turn 2. The table in `report.md` gives per agent and turn
 the whole turn's time and its main request's (the first carrying the agent's whole prompt) prompt tokens,
 cached tokens and time to first token: turn 2's cached tokens are what the prefix cache kept of turn 1.
+With `--continue-conversation` (Claude Code) turn 2 goes on in turn 1's conversation instead of a new session.
 `summary.json` (and `--json PATH`) holds the same with the agents' installed versions.
 """
 from __future__ import annotations
@@ -337,6 +338,10 @@ def qwen_command(binary: Path, base: str, work: Path, home: Path, prompt: str) -
             "-m", MODEL, "--approval-mode", "yolo", "-p", prompt], env
 
 
+# Turn 2 in turn 1's conversation (--continue-conversation): the flag that resumes the work folder's last
+# conversation. Only Claude Code's is here so far, the one agent whose new-session turn 2 misses the cache.
+CONTINUE_FLAGS = {"claude": ["--continue"]}
+
 COMMANDS = {"codex": codex_command, "claude": claude_command, "opencode": opencode_command, "qwen": qwen_command}
 
 
@@ -363,7 +368,8 @@ class Run:
         return any(word in (e.tool_output or "") for e in self.exchanges)
 
 
-def run_agent(agent: str, task: str, agents_dir: Path, proxy: Proxy, out: Path, timeout_s: float) -> Run:
+def run_agent(agent: str, task: str, agents_dir: Path, proxy: Proxy, out: Path, timeout_s: float,
+              more_args: tuple[str, ...] = ()) -> Run:
     # one work folder and HOME per agent, for both its tasks: the prompts (which name the folder) then share
     # their head, as one user's turns do
     folder = out / f"{agent}-{task}"
@@ -374,6 +380,7 @@ def run_agent(agent: str, task: str, agents_dir: Path, proxy: Proxy, out: Path, 
     home.mkdir(parents=True, exist_ok=True)
     (work / "hello.txt").write_text(SECRET + "\n")
     argv, env = COMMANDS[agent](agent_bin(agents_dir, agent), proxy.url, work, home, TASKS[task])
+    argv += more_args
     env["PWD"] = str(work)   # OpenCode takes its folder from $PWD, not from the process's working directory
     start = time.perf_counter()
     try:
@@ -521,6 +528,9 @@ def main() -> int:
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated, of " + ", ".join(TASKS))
     ap.add_argument("--out", type=Path, default=Path("agent_check"))
     ap.add_argument("--timeout", type=float, default=900, help="seconds each agent run may take")
+    ap.add_argument("--continue-conversation", action="store_true",
+                    help="turns after the first continue the agent's conversation (agents: " + ", ".join(CONTINUE_FLAGS)
+                         + "); without it each turn is a new session")
     ap.add_argument("--json", type=Path, help="also write the summary (versions, per-agent turns) here")
     ap.add_argument("--install", action="store_true", help="npm install the pinned agents first")
     ap.add_argument("--install-only", action="store_true")
@@ -537,6 +547,8 @@ def main() -> int:
     if missing:
         raise SystemExit(f"agents not installed: {missing}; run `{' '.join(install_command(args.agents_dir))}` "
                          f"(or pass --install)")
+    if args.continue_conversation and (cannot := [a for a in agents if a not in CONTINUE_FLAGS]):
+        raise SystemExit(f"--continue-conversation is not set up for {cannot}; it is for {list(CONTINUE_FLAGS)}")
     if (args.engine is None) == (args.base_url is None):
         raise SystemExit("give --engine or --base-url")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -550,8 +562,9 @@ def main() -> int:
         stack.callback(proxy.close)
         runs = []
         for agent in agents:
-            for task in args.tasks.split(","):
-                run = run_agent(agent, task, args.agents_dir, proxy, args.out, args.timeout)
+            for n, task in enumerate(args.tasks.split(",")):
+                more = CONTINUE_FLAGS[agent] if args.continue_conversation and n > 0 else []
+                run = run_agent(agent, task, args.agents_dir, proxy, args.out, args.timeout, tuple(more))
                 print(f"{agent} {task}: exit {run.exit_code}, {len(run.exchanges)} requests, {run.seconds:.0f} s"
                       f"{'' if not run.failures else ', FAILED'}", flush=True)
                 runs.append(run)
