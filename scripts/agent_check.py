@@ -21,6 +21,7 @@ and to its end. The reply-only turn runs first and is turn 1; the tool task, in 
 HOME (so with the same system prompt and tools), is turn 2. The table in `report.md` gives per agent and turn
 the whole turn's time and its main request's (the first carrying the agent's whole prompt) prompt tokens,
 cached tokens and time to first token: turn 2's cached tokens are what the prefix cache kept of turn 1.
+With `--continue-conversation` (Claude Code) turn 2 goes on in turn 1's conversation instead of a new session.
 `summary.json` (and `--json PATH`) holds the same with the agents' installed versions.
 """
 from __future__ import annotations
@@ -53,8 +54,9 @@ SECRET = "The secret word is periwinkle."
 TASKS = {
     "reply": "Answer in one short sentence, without using any tool: what does the Python expression 2 + 3 * 4 "
              "evaluate to?",
-    "tool": "Use your shell or file-reading tool to read the file hello.txt in the current directory, then "
-            "tell me the secret word it contains.",
+    # one command named outright: a small model asked to "read the file" answered from nothing
+    "tool": "Call your shell tool now to run the command `cat hello.txt`, then tell me the secret word it "
+            "printed.",
 }
 
 
@@ -98,6 +100,7 @@ class Exchange:
     cached_tokens: int | None = None
     error: str | None = None
     tool_called: bool = False
+    tool_output: str | None = None   # the tool results the request sent back to the model, joined (None: none)
     client_left: bool = False   # the agent closed the connection before the reply's end (it gave up waiting)
 
 
@@ -105,6 +108,36 @@ class Exchange:
 USAGE_FIELDS = {"prompt": ("prompt_tokens", "input_tokens"), "cached": ("cached_tokens", "cache_read_input_tokens")}
 CALL_MARKERS = ('"type":"function_call"', '"type": "function_call"', '"type":"tool_use"', '"type": "tool_use"',
                 '"tool_calls":[{', '"tool_calls": [{', '"type":"local_shell_call"', '"type":"custom_tool_call"')
+
+
+# A tool's result sent back to the model, as each API words it: a Responses output item, an Anthropic block, a
+# chat message (its `role`).
+OUTPUT_TYPES = ("function_call_output", "custom_tool_call_output", "local_shell_call_output", "tool_result")
+
+
+def text_of(value: object) -> str:
+    """Every string in a JSON value, joined: a tool result's content is a string or a list of blocks."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return "".join(text_of(v) for v in value.values())
+    if isinstance(value, list):
+        return "".join(text_of(v) for v in value)
+    return ""
+
+
+def tool_outputs(body: object) -> list[str]:
+    """The tool results a request body sends back to the model, in order, in any of the three APIs' shapes."""
+    found: list[str] = []
+    if isinstance(body, dict):
+        if body.get("type") in OUTPUT_TYPES or body.get("role") == "tool":
+            return [text_of(body.get("output", body.get("content", "")))]
+        for value in body.values():
+            found += tool_outputs(value)
+    elif isinstance(body, list):
+        for value in body:
+            found += tool_outputs(value)
+    return found
 
 
 def last_int(text: str, key: str) -> int | None:
@@ -187,6 +220,8 @@ class Proxy:
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = body.decode(errors="replace")
+        if outputs := tool_outputs(parsed):
+            exchange.tool_output = "\n".join(outputs)
         stem.with_name(stem.name + "-request.json").write_text(json.dumps(
             {"method": h.command, "path": h.path, "headers": dict(h.headers), "body": parsed}, indent=1))
         up = http.client.HTTPConnection(self.host, self.port_up, timeout=1800)
@@ -262,11 +297,13 @@ def codex_command(binary: Path, base: str, work: Path, home: Path, prompt: str) 
 
 def claude_command(binary: Path, base: str, work: Path, home: Path, prompt: str) -> tuple[list[str], dict]:
     """Claude Code: ANTHROPIC_BASE_URL, any key; print mode with its shell and file tools allowed."""
-    # its stream gives up on a first byte that takes minutes (a 10k-token prompt on a CPU does): wait 30 min
+    # its stream gives up on a first byte that takes minutes (a 10k-token prompt on a CPU does), and on a stream
+    # quiet for 5 minutes whatever the first-byte limit says (the idle limit): wait 30 min for both
     env = {**agent_env(home), "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": "sk-ant-bie-trt",
            "CLAUDE_CONFIG_DIR": str(home / ".claude"), "DISABLE_AUTOUPDATER": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
-           "CLAUDE_STREAM_FIRST_BYTE_TIMEOUT_MS": "1800000", "API_TIMEOUT_MS": "1800000"}
+           "CLAUDE_STREAM_FIRST_BYTE_TIMEOUT_MS": "1800000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",
+           "API_TIMEOUT_MS": "1800000"}
     return [str(binary), "-p", prompt, "--model", MODEL, "--allowedTools", "Bash Read"], env
 
 
@@ -292,9 +329,18 @@ def qwen_command(binary: Path, base: str, work: Path, home: Path, prompt: str) -
     # within 15 minutes: no idle limit, no lifetime limit
     env = {**agent_env(home), "QWEN_STREAM_IDLE_TIMEOUT_MS": "0", "QWEN_STREAM_MAX_LIFETIME_MS": "0",
            "QWEN_CODE_API_TIMEOUT_MS": "1800000"}
+    # its background memory agent runs after every turn with a 10k-token prompt of its own (minutes of CPU
+    # prefill the turn waits for); it is a second agent, not the turn under test: switched off
+    settings = home / ".qwen" / "settings.json"
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text(json.dumps({"memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False}}))
     return [str(binary), "--auth-type", "openai", "--openai-base-url", f"{base}/v1", "--openai-api-key", "bie-trt",
             "-m", MODEL, "--approval-mode", "yolo", "-p", prompt], env
 
+
+# Turn 2 in turn 1's conversation (--continue-conversation): the flag that resumes the work folder's last
+# conversation. Only Claude Code's is here so far, the one agent whose new-session turn 2 misses the cache.
+CONTINUE_FLAGS = {"claude": ["--continue"]}
 
 COMMANDS = {"codex": codex_command, "claude": claude_command, "opencode": opencode_command, "qwen": qwen_command}
 
@@ -313,8 +359,17 @@ class Run:
     def tool_called(self) -> bool:
         return any(e.tool_called for e in self.exchanges)
 
+    @property
+    def carries_tool_output(self) -> bool:
+        """The agent ran a tool and sent its output back: a later request carried a tool result holding the
+        secret word of hello.txt (the tool task's file). A result without it (a failed call, another file)
+        shows the round trip works but not that the tool read the file."""
+        word = SECRET.rstrip(".").rsplit(" ", 1)[-1]
+        return any(word in (e.tool_output or "") for e in self.exchanges)
 
-def run_agent(agent: str, task: str, agents_dir: Path, proxy: Proxy, out: Path, timeout_s: float) -> Run:
+
+def run_agent(agent: str, task: str, agents_dir: Path, proxy: Proxy, out: Path, timeout_s: float,
+              more_args: tuple[str, ...] = ()) -> Run:
     # one work folder and HOME per agent, for both its tasks: the prompts (which name the folder) then share
     # their head, as one user's turns do
     folder = out / f"{agent}-{task}"
@@ -325,6 +380,7 @@ def run_agent(agent: str, task: str, agents_dir: Path, proxy: Proxy, out: Path, 
     home.mkdir(parents=True, exist_ok=True)
     (work / "hello.txt").write_text(SECRET + "\n")
     argv, env = COMMANDS[agent](agent_bin(agents_dir, agent), proxy.url, work, home, TASKS[task])
+    argv += more_args
     env["PWD"] = str(work)   # OpenCode takes its folder from $PWD, not from the process's working directory
     start = time.perf_counter()
     try:
@@ -406,7 +462,7 @@ def turn_summary(run: Run) -> dict:
     main = main_exchange(run)
     return {"task": run.task, "exit": run.exit_code, "seconds": round(run.seconds, 1),
             "requests": len(run.exchanges), "errors": sum(e.status >= 400 for e in run.exchanges),
-            "tool_called": run.tool_called,
+            "tool_called": run.tool_called, "carries_tool_output": run.carries_tool_output,
             "prompt_tokens": None if main is None else main.prompt_tokens,
             "cached_tokens": None if main is None else main.cached_tokens,
             "first_token_s": None if main is None or main.first_byte_s is None else round(main.first_byte_s, 1),
@@ -423,13 +479,14 @@ def agent_summaries(runs: list[Run]) -> dict[str, dict]:
 
 
 def turns_table(summaries: dict[str, dict]) -> list[str]:
-    lines = ["| agent | turn | task | exit | requests | 4xx/5xx | tool called | prompt tokens | cached | "
-             "time to first token s | request s | whole turn s |",
-             "| --- | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| agent | turn | task | exit | requests | 4xx/5xx | tool called | tool output sent back | prompt tokens | "
+             "cached | time to first token s | request s | whole turn s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for agent, s in summaries.items():
         for n, t in enumerate(s["turns"], 1):
             lines.append(f"| {agent} | {n} | {t['task']} | {t['exit']} | {t['requests']} | {t['errors']} | "
-                         f"{'yes' if t['tool_called'] else 'no'} | {t['prompt_tokens']} | {t['cached_tokens']} | "
+                         f"{'yes' if t['tool_called'] else 'no'} | {'yes' if t['carries_tool_output'] else 'no'} | "
+                         f"{t['prompt_tokens']} | {t['cached_tokens']} | "
                          f"{seconds(t['first_token_s'])} | {seconds(t['request_s'])} | {t['seconds']:.0f} |")
     return lines
 
@@ -443,6 +500,7 @@ def report(runs: list[Run]) -> str:
             lines.append(f"  #{e.number} {e.method} {e.path} {e.status} prompt {e.prompt_tokens} cached "
                          f"{e.cached_tokens} first byte {seconds(e.first_byte_s)} s total {seconds(e.total_s)} s"
                          f"{' (tool call)' if e.tool_called else ''}"
+                         f"{f' (tool output sent: {e.tool_output[:80]!r})' if e.tool_output else ''}"
                          f"{' (the agent closed the connection first)' if e.client_left else ''}")
         lines += [f"  FAILED: {f}" for f in r.failures]
     return "\n".join(lines)
@@ -470,6 +528,9 @@ def main() -> int:
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated, of " + ", ".join(TASKS))
     ap.add_argument("--out", type=Path, default=Path("agent_check"))
     ap.add_argument("--timeout", type=float, default=900, help="seconds each agent run may take")
+    ap.add_argument("--continue-conversation", action="store_true",
+                    help="turns after the first continue the agent's conversation (agents: " + ", ".join(CONTINUE_FLAGS)
+                         + "); without it each turn is a new session")
     ap.add_argument("--json", type=Path, help="also write the summary (versions, per-agent turns) here")
     ap.add_argument("--install", action="store_true", help="npm install the pinned agents first")
     ap.add_argument("--install-only", action="store_true")
@@ -486,6 +547,8 @@ def main() -> int:
     if missing:
         raise SystemExit(f"agents not installed: {missing}; run `{' '.join(install_command(args.agents_dir))}` "
                          f"(or pass --install)")
+    if args.continue_conversation and (cannot := [a for a in agents if a not in CONTINUE_FLAGS]):
+        raise SystemExit(f"--continue-conversation is not set up for {cannot}; it is for {list(CONTINUE_FLAGS)}")
     if (args.engine is None) == (args.base_url is None):
         raise SystemExit("give --engine or --base-url")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -499,8 +562,9 @@ def main() -> int:
         stack.callback(proxy.close)
         runs = []
         for agent in agents:
-            for task in args.tasks.split(","):
-                run = run_agent(agent, task, args.agents_dir, proxy, args.out, args.timeout)
+            for n, task in enumerate(args.tasks.split(",")):
+                more = CONTINUE_FLAGS[agent] if args.continue_conversation and n > 0 else []
+                run = run_agent(agent, task, args.agents_dir, proxy, args.out, args.timeout, tuple(more))
                 print(f"{agent} {task}: exit {run.exit_code}, {len(run.exchanges)} requests, {run.seconds:.0f} s"
                       f"{'' if not run.failures else ', FAILED'}", flush=True)
                 runs.append(run)

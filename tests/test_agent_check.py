@@ -3,7 +3,7 @@ against `bie-trt serve` on the built-in Qwen2.5-Coder-0.5B with an FP16 KV cache
 turn with no 4xx/5xx on the way. Slow, and skipped where node, the agents or the model's pieces are not
 installed (CI installs none of them): the skip names the install command. On two CPU cores one agent's first
 prompt (8k to 17k tokens) takes minutes, so this runs one agent, BIE_TRT_AGENT (default codex, the shortest
-prompt); the script runs all four. The script's report itself (which request of a turn is its main one) is
+prompt); the script runs all four. BIE_TRT_AGENT_TASKS=reply,tool adds the tool task as turn 2. The script's report itself (which request of a turn is its main one) is
 checked in the default suite on recorded numbers."""
 from __future__ import annotations
 
@@ -63,10 +63,46 @@ def test_an_agent_finishes_its_turn_against_the_server(tmp_path):
                         "--max-model-len", "32768", "--kv-cache-dtype", "fp16", "--out", str(engine), "--force"],
                        check=True)
     out = tmp_path / "agents"
+    tasks = os.environ.get("BIE_TRT_AGENT_TASKS", "reply").split(",")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "agent_check.py"), "--engine", str(engine),
-                           "--agents", agent, "--tasks", "reply", "--out", str(out), "--timeout", "600"],
-                          capture_output=True, text=True, timeout=690)
+                           "--agents", agent, "--tasks", ",".join(tasks), "--out", str(out), "--timeout", "600"],
+                          capture_output=True, text=True, timeout=690 * len(tasks))
     # the script exits 1 on any 4xx/5xx (its message printed) or an agent that fails or times out
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    [turn] = json.loads((out / "summary.json").read_text())["agents"][agent]["turns"]
-    assert turn["errors"] == 0 and turn["prompt_tokens"] > 4000, turn   # the agent's whole prompt was served
+    turns = json.loads((out / "summary.json").read_text())["agents"][agent]["turns"]
+    assert [t["task"] for t in turns] == tasks
+    for turn in turns:   # the agent's whole prompt was served, every time
+        assert turn["errors"] == 0 and turn["prompt_tokens"] > 4000, turn
+        if turn["tool_called"]:   # the model may not call one; when it does, the result goes back
+            print(f"{agent} {turn['task']}: tool output sent back: {turn['carries_tool_output']}")
+
+
+def test_a_tool_result_sent_back_is_found_in_each_apis_shape():
+    """The tool task passes its round trip when a later request carries the tool's output holding the file's
+    secret word: as a Responses `function_call_output` item (Codex), an Anthropic `tool_result` block (Claude
+    Code) or a chat `tool` message (OpenCode, Qwen Code). A tool result without the word (a failed call) is
+    found but does not count."""
+    word = "periwinkle"
+    responses = {"input": [{"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": "{}"},
+                           {"type": "function_call_output", "call_id": "c1", "output": f"The secret word is {word}."}]}
+    anthropic = {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": f"1\tThe secret word is {word}."}]}]}]}
+    chat = {"messages": [{"role": "assistant", "content": None, "tool_calls": []},
+                         {"role": "tool", "tool_call_id": "c1", "content": f"The secret word is {word}."}]}
+    failed = {"messages": [{"role": "tool", "tool_call_id": "c1", "content": "Error: file not found"}]}
+    for body in (responses, anthropic, chat):
+        [output] = agent_check.tool_outputs(body)
+        assert word in output, body
+    assert agent_check.tool_outputs({"messages": [{"role": "user", "content": word}]}) == []
+
+    def run(*bodies) -> agent_check.Run:
+        exchanges = []
+        for n, body in enumerate(bodies, 1):
+            e = exchange(n, 100, 0, 1.0)
+            e.tool_output = "\n".join(agent_check.tool_outputs(body)) or None
+            exchanges.append(e)
+        return agent_check.Run("codex", "tool", 0, 10.0, exchanges, "")
+
+    assert run({"input": []}, responses).carries_tool_output
+    assert not run({"input": []}, failed).carries_tool_output
+    assert agent_check.turn_summary(run(chat))["carries_tool_output"] is True
