@@ -60,13 +60,14 @@ def test_plan_and_build_price_the_same_cache(checkpoint, tmp_path, option):
 
 
 def test_the_kv_options_are_declared_once():
-    """Build's options and the engine's take their KV fields from KVOverrides (none restated), so a seventh
-    option added there reaches build, plan and the runtime alike."""
+    """Build's options and the engine's take their KV fields from KVOverrides (none restated), so a new
+    option added there reaches build, plan and the runtime alike: every option it maps to a cache field is one
+    of its fields."""
     from bie_trt.builder.build import BuildOptions
-    from bie_trt.config import EngineConfig
+    from bie_trt.config import _KV_OPTION_FIELDS, EngineConfig
 
     names = {f.name for f in dataclasses.fields(KVOverrides)}
-    assert len(names) == 6
+    assert names == set(_KV_OPTION_FIELDS) and "kv_key_scale" in names
     for options in (BuildOptions, EngineConfig):
         assert issubclass(options, KVOverrides) and not names & set(vars(options)["__annotations__"])
     given = BuildOptions("ckpt", "out", kv_window=256, kv_rotation="none")
