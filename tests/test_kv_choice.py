@@ -14,10 +14,8 @@ from bie_trt.builder.kv_choice import choose_key_centering, relative_key_error
 from bie_trt.cli import main
 from bie_trt.config import EngineConfig, KVCacheConfig
 from bie_trt.executor.model_runner import ModelRunner
-from bie_trt.kv.pool import encode_quant_block
-from bie_trt.kv.quant import dequantize_blocks, quantize_block
-from bie_trt.kv.rotation import rotate
 from bie_trt.model.llama import SeqInput
+from cache_reads import assert_cache_holds_transformed_keys
 from tiny_model import write_tiny_hf
 
 # A low-frequency RoPE channel of head_dim 32 (channel 15 turns by 1.8e-4 rad a position): an offset there stays
@@ -117,43 +115,13 @@ def test_a_measured_key_offset_turns_centering_on_and_the_engine_runs_with_it(of
     assert "key centering on: measured: worst key error without centering" in shown.output
 
 
-def rounding_bound(dtype: str, x: torch.Tensor) -> torch.Tensor:
-    """How far the cache's quantiser may move each value of keys x [..., D] (head_dim 32). INT4: half a step, the
-    step being each group's range over 15 levels (one group of 32). FP8 e4m3 with one scale a token (absmax / 448):
-    half a unit of its 3-bit mantissa, 1/16 of the value, or half its smallest subnormal step, scale / 1024."""
-    if dtype == "int4_asym":
-        return ((x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 30).expand_as(x)
-    return torch.maximum(x.abs() / 16, x.abs().amax(-1, keepdim=True) / 448 / 1024)
-
-
 @pytest.mark.parametrize("dtype", ["int4_asym", "fp8"])
 def test_every_key_attention_reads_is_the_raw_key_less_the_one_mean(offset_engine, dtype):
     """What attention reads of a centred cache, FP16 or quantised, must be rotate(k - m) for the raw key k and
     the engine's one stored mean m: the shift q·m is then the same for every key a query scores, which softmax
     ignores. The raw keys come from an FP16 cache (no centering, no rotation). Quantised keys are within the
     format's rounding of it; a mean missing, doubled or taken in another basis misses by the offset (40)."""
-    tokens = torch.arange(3, 43)
-    table = list(range(3))
-
-    def run(dtype: str) -> ModelRunner:
-        runner = ModelRunner(EngineConfig(engine_dir=str(offset_engine), device="cpu", max_num_seqs=1,
-                                          num_kv_blocks=4, kv_cache_dtype=dtype, kv_window=1024))
-        runner.forward([SeqInput(tokens, 0, table)])
-        return runner
-
-    raw, centred = run("fp16"), run(dtype)
-    assert centred.kv_config.key_centering
-    pools = centred.pools
-    quantize_block(pools, None, table, table)
-    for layer in range(centred.model_config.num_layers):
-        k_raw = dequantize_blocks(raw.pools, layer, table)[0][:, :len(tokens)]
-        # divided by the stored key scale too where the build chose one (builder/kv_choice.py)
-        scale = centred.model.key_scale[layer].float()[:, None] if centred.kv_config.key_scale else 1
-        expected = rotate((k_raw - centred.model.key_mean[layer].float()[:, None]) / scale)
-        k_fp = dequantize_blocks(pools, layer, table)[0][:, :len(tokens)]
-        k_q = dequantize_blocks(pools, layer, [encode_quant_block(b) for b in table])[0][:, :len(tokens)]
-        torch.testing.assert_close(k_fp, expected, atol=1e-3, rtol=1e-3)
-        assert ((k_q - expected).abs() <= rounding_bound(dtype, expected) * 1.01 + 1e-3).all(), layer
+    assert assert_cache_holds_transformed_keys(offset_engine, dtype).kv_config.key_centering
 
 
 @pytest.mark.parametrize("dtype", ["int4_asym", "fp8"])

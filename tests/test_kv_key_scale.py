@@ -15,11 +15,9 @@ from bie_trt.builder.kv_choice import (KEY_SCALE_MIN_GAIN, KEY_SCALE_RANGE, atte
 from bie_trt.cli import main
 from bie_trt.config import EngineConfig, KVCacheConfig
 from bie_trt.executor.model_runner import ModelRunner
-from bie_trt.kv.pool import encode_quant_block
-from bie_trt.kv.quant import dequantize_blocks, quantize_block
-from bie_trt.kv.rotation import rotate
 from bie_trt.model.llama import SeqInput
 from bie_trt.model.synthetic import tiny_llama
+from cache_reads import assert_cache_holds_transformed_keys
 
 
 def product(q: torch.Tensor, k: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -158,24 +156,4 @@ def test_the_scale_leaves_attention_exact_where_nothing_is_quantised(scaled_engi
 def test_every_key_attention_reads_is_the_centred_key_over_the_stored_scale(scaled_engine):
     """What a scaled cache holds, FP16 or INT4, is rotate((k - m) / s) for the raw key k (from an FP16 cache), the
     engine's mean m (when centering is on) and its stored scale s; INT4 within half a step of it."""
-    tokens = torch.arange(3, 43)
-    table = list(range(3))
-
-    def run(dtype: str) -> ModelRunner:
-        runner = ModelRunner(EngineConfig(engine_dir=str(scaled_engine), device="cpu", max_num_seqs=1,
-                                          num_kv_blocks=4, kv_cache_dtype=dtype, kv_window=1024))
-        runner.forward([SeqInput(tokens, 0, table)])
-        return runner
-
-    raw, scaled = run("fp16"), run("int4_asym")
-    model = scaled.model
-    quantize_block(scaled.pools, None, table, table)
-    for layer in range(scaled.model_config.num_layers):
-        k_raw = dequantize_blocks(raw.pools, layer, table)[0][:, :len(tokens)]
-        m = model.key_mean[layer].float()[:, None] if scaled.kv_config.key_centering else 0
-        expected = rotate((k_raw - m) / model.key_scale[layer].float()[:, None])
-        k_fp = dequantize_blocks(scaled.pools, layer, table)[0][:, :len(tokens)]
-        k_q = dequantize_blocks(scaled.pools, layer, [encode_quant_block(b) for b in table])[0][:, :len(tokens)]
-        torch.testing.assert_close(k_fp, expected, atol=1e-3, rtol=1e-3)
-        step = (expected.amax(-1, keepdim=True) - expected.amin(-1, keepdim=True)) / 15
-        assert ((k_q - expected).abs() <= step / 2 * 1.01 + 1e-3).all(), layer
+    assert assert_cache_holds_transformed_keys(scaled_engine, "int4_asym").kv_config.key_scale
