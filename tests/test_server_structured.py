@@ -382,3 +382,33 @@ def test_a_bad_constraint_is_refused_in_the_sdks_words_naming_its_field(server, 
 def test_server_goes_on_after_bad_requests(client, model):
     r = client.chat.completions.create(model=model, messages=ASK, max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason == "length"
+
+
+# logit_bias is checked where the SDK's is: its keys and range as its SamplingParams are made, its ids against
+# the vocabulary as the engine takes the request (executor/prompt_checks.py). The protocol model holds no check
+# of its own, so each body below is refused by that one place alone, in the SDK's words.
+BAD_BIAS = [{"50": 101.5}, {"7": -100.25}, {"x": 1.0}, {"-3": 1.0}, "vocabulary", "vocabulary+1"]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("bias", BAD_BIAS, ids=[str(b) for b in BAD_BIAS])
+def test_a_bad_logit_bias_is_refused_in_the_sdks_words(server, route, bias):
+    engine = server[0]
+    if isinstance(bias, str):   # the first id past the vocabulary, and one further
+        bias = {str(engine.vocab_size + bias.count("+1")): 1.0}
+    with pytest.raises(RequestError) as sdk:
+        engine.generate("Hi", SamplingParams(max_tokens=4, logit_bias=bias))
+    body = {"max_tokens": 4, "logit_bias": bias, **({"messages": ASK} if "chat" in route else {"prompt": "Hi"})}
+    r = httpx.post(server[1] + route, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": str(sdk.value), "type": "invalid_request_error", "param": "logit_bias",
+                                 "code": None}
+
+
+def test_the_last_id_of_the_vocabulary_takes_a_bias(server):
+    """The other side of the vocabulary's bound: its last id is biased (greedily drawn), not refused."""
+    engine, base = server
+    r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "temperature": 0,
+                                                   "logit_bias": {str(engine.vocab_size - 1): 100}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == engine.tokenizer.decode([engine.vocab_size - 1])

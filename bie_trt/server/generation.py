@@ -33,13 +33,12 @@ RETRY_AFTER_S = 1         # what a 503 (queue full) asks the client to wait
 def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
                     constraint: StructuredOutputs | None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
     return SamplingParams(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids,
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs,
-        structured_outputs=constraint, logit_bias=bias, min_tokens=req.min_tokens,
+        structured_outputs=constraint, logit_bias=req.logit_bias, min_tokens=req.min_tokens,
         # a reply shaped whole by a constraint has no reasoning block: there is nothing for a budget to bound
         thinking_budget=req.thinking_token_budget if constraint is None else None)
 
