@@ -166,7 +166,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None     # return the top-N log-probabilities of each sampled token (0..20)
-    # a constraint on the output (vLLM's structured_outputs); OpenAI's response_format is turned into one
+    # a constraint on the output (vLLM's structured_outputs); OpenAI's response_format is turned into one as
+    # the params are made (and reads None after)
     structured_outputs: StructuredOutputs | None = None
     response_format: dict | None = None
     logit_bias: dict[int, float] | None = None   # token id -> bias in [-100, 100], added to the logits
@@ -189,6 +190,13 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise RequestError(f"logit_bias keys must be token ids (integers); got "
                                    f"{sorted(map(str, self.logit_bias))[:5]}.") from None
+        if self.response_format is not None:
+            # OpenAI's spelling of a constraint, read once into the one field the engine reads, so that the
+            # params hold one meaning and validate() is a pure check however often it runs
+            converted = StructuredOutputs.from_response_format(self.response_format)
+            if self.structured_outputs is not None:
+                raise RequestError("both response_format and structured_outputs are set; send one of them.")
+            self.structured_outputs, self.response_format = converted, None
         self.validate()
 
     def validate(self) -> None:
@@ -245,13 +253,9 @@ class SamplingParams:
                 raise RequestError(f"logit_bias[{token}] must be a number in [{low:g}, {high:g}]; got {bias!r}.")
 
     def _validate_structured(self) -> None:
-        """Turn response_format into structured_outputs (once) and check the constraint."""
-        if self.response_format is not None:
-            converted = StructuredOutputs.from_response_format(self.response_format)
-            if self.structured_outputs is None:
-                self.structured_outputs = converted
-            elif self.structured_outputs != converted:
-                raise RequestError("both response_format and structured_outputs are set; send one of them.")
+        if self.response_format is not None:   # set on an instance after it was made: never read into a constraint
+            raise RequestError("response_format is read as SamplingParams are made; on an instance already made, "
+                               "set structured_outputs (StructuredOutputs.from_response_format converts one).")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise RequestError(f"structured_outputs must be a StructuredOutputs (or a dict of its fields); got "

@@ -3,6 +3,7 @@
 row i by the grammar after drafts[:i] and leaving the grammar where it was. Real SmolLM2 tokenizer."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -50,6 +51,7 @@ def constraint(compiler, so: StructuredOutputs | None = None, **kw) -> LogitsCon
     (dict(response_format={"type": "yaml"}), "response_format.type 'yaml' is unknown"),
     (dict(response_format={"type": "json_schema"}), "needs json_schema"),
     (dict(response_format={"type": "json_object"}, structured_outputs=StructuredOutputs(regex="x")), "both"),
+    (dict(response_format={"type": "json_object"}, structured_outputs=StructuredOutputs(json_object=True)), "both"),
     (dict(logit_bias={1: 101}), r"logit_bias\[1\] must be a number in \[-100, 100\]"),
     (dict(logit_bias={1: float("nan")}), "logit_bias"),
     (dict(logit_bias={"x": 1}), "keys must be token ids"),
@@ -66,8 +68,12 @@ def test_response_format_becomes_structured_outputs():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     p = SamplingParams(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
                                                                                "strict": True}})
-    assert p.structured_outputs == StructuredOutputs(json=schema)
-    p.validate()   # again (as the engine does): the converted field is not "both set"
+    # read once, into the one field the engine reads: the params hold one constraint, whatever checks them again
+    assert (p.structured_outputs, p.response_format) == (StructuredOutputs(json=schema), None)
+    assert dataclasses.replace(p, seed=3).structured_outputs == p.structured_outputs   # the server's per choice
+    p.response_format = {"type": "json_object"}   # an edit the engine would never read: refused, not ignored
+    with pytest.raises(RequestError, match="response_format is read as SamplingParams are made"):
+        p.validate()
     assert SamplingParams(response_format={"type": "json_object"}).structured_outputs == StructuredOutputs(
         json_object=True)
     assert SamplingParams(response_format={"type": "text"}).structured_outputs is None
