@@ -326,6 +326,8 @@ BAD = [
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}},
+                              "guided_regex": "[0-9]+"}, "tool_choice"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
      "tools[0].function.name"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "12"}]}, "messages"),

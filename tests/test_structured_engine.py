@@ -302,6 +302,10 @@ def test_chat_auto_leaves_prose_as_content_and_bad_tool_choices_are_refused(tiny
         tiny.chat(ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(RequestError, match="needs tools"):
         tiny.chat(ASK, tool_choice="required")
+    # merged with the params' constraint where the server merges a body's (ToolSetup.constrain)
+    with pytest.raises(RequestError, match="^the params' structured_outputs and tool_choice both constrain the output"):
+        tiny.chat(ASK, SamplingParams(structured_outputs=StructuredOutputs(json_object=True)), tools=[WEATHER],
+                  tool_choice="required")
 
 
 def test_a_grammar_failing_mid_run_ends_only_its_request(tiny, monkeypatch):

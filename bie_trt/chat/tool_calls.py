@@ -404,6 +404,14 @@ class ToolSetup:
         mode, function, constraint = resolve_tool_choice(tools, tool_choice, parallel)
         return cls(mode, tools, constraint, function)
 
+    def constrain(self, other: StructuredOutputs | None, field: str) -> StructuredOutputs | None:
+        """The reply's one output constraint: tool_choice's (required, a named function) or `other`, the one
+        the request sets elsewhere (`field` names where, for the error). Both: a RequestError naming the two.
+        The server and the SDK's chat() merge them here alike."""
+        if self.constraint is not None and other is not None:
+            raise RequestError(f"{field} and tool_choice both constrain the output; send only one of them.")
+        return self.constraint or other
+
     def parser(self, check: CallCheck | None = None, tool_parser: str = "hermes") -> ReplyParser:
         """A reply's parser, reading calls in the model family's format (`tool_parser`)."""
         if tool_parser not in TOOL_PARSERS:

@@ -136,10 +136,8 @@ class BieEngine:
         params = params or SamplingParams()
         setup = ToolSetup.of(tools, tool_choice, parallel_tool_calls)
         if setup.constraint is not None:
-            if params.structured_outputs is not None:
-                raise RequestError(f"tool_choice {tool_choice!r} and the params' structured_outputs both constrain "
-                                   f"the reply; send one of them.")
-            params = dataclasses.replace(params, structured_outputs=setup.constraint)
+            params = dataclasses.replace(params, structured_outputs=setup.constrain(params.structured_outputs,
+                                                                                    "the params' structured_outputs"))
         ids = self.encode_chat(messages, setup.tools, template_kwargs)
         out = self.generate(ids, params)
         reply = self.reply_processor(ids, setup, params.structured_outputs is not None).reply(out.text,

@@ -40,20 +40,24 @@ def output_constraint(req: SamplingRequest, tools: ToolSetup | None = None, json
         found = req.constraints()
     except ValueError as e:
         raise ParamError(f"response_format: {e}.", "response_format") from None
-    if tools is not None and tools.constraint is not None:
-        found.append(("tool_choice", tools.constraint))
-    if not found:
-        if req.json_schema_mode is not None:
-            raise ParamError("json_schema_mode is only read with a JSON schema or JSON object constraint "
-                             "(response_format, structured_outputs, guided_json or tool_choice); drop it.",
-                             "json_schema_mode")
-        return None, None
     if len(found) > 1:
         raise ParamError(f"{found[0][0]} and {found[1][0]} both constrain the output; send only one of them.",
                          found[1][0])
-    param, fields = found[0]
+    param, constraint = found[0] if found else (None, None)
     try:
-        constraint = fields if isinstance(fields, StructuredOutputs) else StructuredOutputs(**fields)
+        if constraint is not None:
+            constraint = StructuredOutputs(**constraint)
+        if tools is not None and tools.constraint is not None:   # merged as the SDK's chat() merges them
+            try:
+                constraint, param = tools.constrain(constraint, param), "tool_choice"
+            except RequestError as e:
+                raise ParamError(str(e), "tool_choice") from None
+        if constraint is None:
+            if req.json_schema_mode is not None:
+                raise ParamError("json_schema_mode is only read with a JSON schema or JSON object constraint "
+                                 "(response_format, structured_outputs, guided_json or tool_choice); drop it.",
+                                 "json_schema_mode")
+            return None, None
         if constraint.kind in ("json", "json_object"):
             lenient = (req.json_schema_mode or json_schema_mode) == "lenient"
             constraint = dataclasses.replace(constraint, lenient=lenient)
