@@ -19,7 +19,7 @@ import torch
 from .chat.thinking_budget import ThinkingBudget
 from .closed_schema import close_schema
 from .errors import RequestError
-from .sampling_params import SamplingParams, StructuredOutputs, check_json_schema
+from .sampling_params import SamplingParams, StructuredOutputs
 
 # The closed form's whitespace is json.dumps' (`{"a": 1, "b": [1, 2]}`): one way to write each value, so
 # no token goes to layout. The lenient form's, between JSON tokens: nothing, one space, or one line break
@@ -35,12 +35,13 @@ class GrammarError(RuntimeError):
 
 
 def grammar_text(spec: StructuredOutputs) -> str:
-    """The llguidance grammar for a spec; RequestError for a spec it cannot express."""
+    """The llguidance grammar for a spec SamplingParams has checked (StructuredOutputs.validate, not repeated
+    here); RequestError for a spec the library cannot express."""
     from llguidance import LLMatcher, gbnf_to_lark
 
     try:
         if spec.kind in ("json", "json_object"):
-            schema = check_json_schema(spec.json) if spec.kind == "json" else ANY_OBJECT
+            schema = spec.schema() if spec.kind == "json" else ANY_OBJECT
             if spec.lenient:
                 return LLMatcher.grammar_from_json_schema(schema, defaults=LENIENT_JSON_OPTIONS)
             return LLMatcher.grammar_from_json_schema(close_schema(schema), defaults=CLOSED_JSON_OPTIONS)

@@ -48,13 +48,14 @@ class StructuredOutputs:
     def kind(self) -> str:
         """The one field that is set; a RequestError naming the fields when not exactly one is (a bare
         next() would raise StopIteration, which an async route turns into a 500)."""
-        set_ = self._set_kinds()
+        set_ = self.kinds()
         if len(set_) != 1:
             raise ConstraintError(f"structured_outputs must set exactly one of {list(STRUCTURED_KINDS)}; "
                                    f"got {set_ or 'none'}.")
         return set_[0]
 
-    def _set_kinds(self) -> list[str]:
+    def kinds(self) -> list[str]:
+        """The fields that are set (any number: `kind` is the checked one)."""
         return [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
 
     def key(self) -> str:

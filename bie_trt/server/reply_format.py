@@ -43,29 +43,26 @@ def output_constraint(req: SamplingRequest, tools: ToolSetup | None = None, json
     if len(found) > 1:
         raise ParamError(f"{found[0][0]} and {found[1][0]} both constrain the output; send only one of them.",
                          found[1][0])
-    param, constraint = found[0] if found else (None, None)
-    try:
-        if constraint is not None:
-            constraint = StructuredOutputs(**constraint)
-        if tools is not None and tools.constraint is not None:   # merged as the SDK's chat() merges them
-            try:
-                constraint, param = tools.constrain(constraint, param), "tool_choice"
-            except RequestError as e:
-                raise ParamError(str(e), "tool_choice") from None
-        if constraint is None:
-            if req.json_schema_mode is not None:
-                raise ParamError("json_schema_mode is only read with a JSON schema or JSON object constraint "
-                                 "(response_format, structured_outputs, guided_json or tool_choice); drop it.",
-                                 "json_schema_mode")
-            return None, None
-        if constraint.kind in ("json", "json_object"):
-            lenient = (req.json_schema_mode or json_schema_mode) == "lenient"
-            constraint = dataclasses.replace(constraint, lenient=lenient)
-        elif req.json_schema_mode is not None:
-            raise ParamError(f"json_schema_mode is only read with a JSON schema or JSON object constraint, "
-                             f"not {param}'s {constraint.kind}; drop it.", "json_schema_mode")
-    except RequestError as e:
-        raise ParamError(f"{param}: {e}", param) from None
+    param, fields = found[0] if found else (None, None)
+    constraint = None if fields is None else StructuredOutputs(**fields)
+    if tools is not None and tools.constraint is not None:   # merged as the SDK's chat() merges them
+        try:
+            constraint, param = tools.constrain(constraint, param), "tool_choice"
+        except RequestError as e:
+            raise ParamError(str(e), "tool_choice") from None
+    if constraint is None:
+        if req.json_schema_mode is not None:
+            raise ParamError("json_schema_mode is only read with a JSON schema or JSON object constraint "
+                             "(response_format, structured_outputs, guided_json or tool_choice); drop it.",
+                             "json_schema_mode")
+        return None, None
+    # read, not checked: whether exactly one kind is set is SamplingParams' to say, as for the SDK's
+    if constraint.json is not None or constraint.json_object:
+        lenient = (req.json_schema_mode or json_schema_mode) == "lenient"
+        constraint = dataclasses.replace(constraint, lenient=lenient)
+    elif req.json_schema_mode is not None and len(constraint.kinds()) == 1:
+        raise ParamError(f"json_schema_mode is only read with a JSON schema or JSON object constraint, not "
+                         f"{param}'s {constraint.kind}; drop it.", "json_schema_mode")
     return constraint, param
 
 
