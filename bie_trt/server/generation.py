@@ -4,7 +4,6 @@ with timeouts, engine faults and clients that leave handled once for all of them
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 import json
 import math
@@ -31,12 +30,13 @@ RETRY_AFTER_S = 1         # what a 503 (queue full) asks the client to wait
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                    constraint: StructuredOutputs | None) -> SamplingParams:
+                    constraint: StructuredOutputs | None, choice: int = 0) -> SamplingParams:
+    """Choice `choice`'s params: seeded seed + choice, reproducible and distinct from its siblings'."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids,
-        seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        seed=None if req.seed is None else req.seed + choice, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs,
         structured_outputs=constraint, logit_bias=req.logit_bias, min_tokens=req.min_tokens,
         # a reply shaped whole by a constraint has no reasoning block: there is nothing for a budget to bound
@@ -123,7 +123,7 @@ async def submit(state: ServerState, encode: Callable[[], list[list[int]]], num_
                        headers={"Retry-After": str(RETRY_AFTER_S)})
     state.in_flight += count   # held while the requests start, so that concurrent ones see them
 
-    def params_for(ids: list[int]) -> SamplingParams:
+    def params_for(ids: list[int], choice: int) -> SamplingParams:
         # what the context leaves for the completion; a prompt that leaves nothing is the engine's to refuse
         # (ContextTooLong, the one check of the context), so at least 1 here
         room = max(engine.max_model_len - len(ids), 1)
@@ -131,7 +131,7 @@ async def submit(state: ServerState, encode: Callable[[], list[list[int]]], num_
         # can"; the reply that reaches the bound ends as `length`, as one that reaches max_tokens does
         wanted = room if max_tokens is None else min(max_tokens, room)
         try:
-            return sampling_params(req, wanted, logprobs, constraint)
+            return sampling_params(req, wanted, logprobs, constraint, choice)
         except ConstraintError as e:   # checked as the SDK's are; named by the field it came from
             raise ApiError(400, f"{constraint_param}: {e}", constraint_param) from None
         except RequestError as e:
@@ -146,13 +146,12 @@ async def submit(state: ServerState, encode: Callable[[], list[list[int]]], num_
 
     def prepare() -> tuple[list[RequestStream], list[list[int]]]:
         prompts = encode()
-        per_prompt = [params_for(ids) for ids in prompts]
+        per_prompt = [[params_for(ids, j) for j in range(req.n)] for ids in prompts]   # each made (checked) once
         streams: list[RequestStream] = []
-        for i, (ids, params) in enumerate(zip(prompts, per_prompt)):
+        for i, (ids, choices) in enumerate(zip(prompts, per_prompt)):
             try:
-                for j in range(req.n):
-                    seed = None if params.seed is None else params.seed + j
-                    streams.append(engine.stream(ids, dataclasses.replace(params, seed=seed)))
+                for params in choices:
+                    streams.append(engine.stream(ids, params))
             except BaseException as e:
                 for events in streams:
                     events.close()
