@@ -169,7 +169,7 @@ def serve(engine: str | None, engine_opt: str | None, host: str, port: int, devi
         if replicas == 1 and ray_address is None:
             bie = BieEngine(config)
             click.echo(f"serving {served_model_name or bie.model_name} (max_model_len {bie.max_model_len}, "
-                       f"max_num_seqs {bie.runner.max_num_seqs}) on http://{host}:{port}", err=True)
+                       f"max_num_seqs {bie.max_num_seqs}) on http://{host}:{port}", err=True)
             try:
                 run_server(create_app(bie, options), host, port, log_level, shutdown_timeout, sock=listener)
             finally:
