@@ -414,3 +414,21 @@ def test_the_last_id_of_the_vocabulary_takes_a_bias(server):
                                                    "logit_bias": {str(engine.vocab_size - 1): 100}}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == engine.tokenizer.decode([engine.vocab_size - 1])
+
+
+# tool_choice is checked against tools where the SDK's chat() checks it (ToolSetup.of): the chat body holds no
+# check of its own, so each of these is refused by that one place, in the SDK's words.
+BAD_TOOL_CHOICES = [(TOOLS, {"type": "function", "function": {"name": "nope"}}), (None, "required"), (None, "auto"),
+                    (None, {"type": "function", "function": {"name": "add"}})]
+
+
+@pytest.mark.parametrize("tools, choice", BAD_TOOL_CHOICES, ids=["unknown-name", "required-alone", "auto-alone",
+                                                                 "named-alone"])
+def test_a_bad_tool_choice_is_refused_in_the_sdks_words(server, tools, choice):
+    with pytest.raises(RequestError) as sdk:
+        server[0].chat(ASK, tools=tools, tool_choice=choice)
+    r = httpx.post(server[1] + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, "tool_choice": choice,
+                                                             **({"tools": tools} if tools else {})}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": str(sdk.value), "type": "invalid_request_error", "param": "tool_choice",
+                                 "code": None}

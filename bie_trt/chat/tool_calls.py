@@ -361,7 +361,7 @@ def resolve_tool_choice(tools: list[dict] | None, tool_choice: str | dict | None
     """OpenAI's tools and tool_choice -> (reply mode: none, auto, required or named; the named function;
     the constraint that enforces it). `parallel`: "required" admits several calls, not exactly one."""
     if not tools:
-        if tool_choice not in (None, "none", "auto"):
+        if tool_choice not in (None, "none"):   # OpenAI refuses "auto" without tools too
             raise RequestError(f"tool_choice {tool_choice!r} needs tools; send the functions in tools.")
         return "none", None, None
     if not all(isinstance(t, dict) and isinstance(t.get("function"), dict)

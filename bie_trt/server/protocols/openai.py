@@ -298,6 +298,7 @@ class ChatRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
+    # checked against tools where the SDK's chat() checks it (ToolSetup.of, chat/tool_calls.py)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: TemplateKwargs = None
@@ -312,20 +313,6 @@ class ChatRequest(SamplingRequest):
                 raise ValueError(f"messages[{i}] is a tool message without tool_call_id; send the id of the call "
                                  f"it answers")
         return messages
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
-        tools = info.data.get("tools")
-        if choice is None or choice == "none":
-            return choice
-        if not tools:
-            raise ValueError("needs tools: send the functions the model may call")
-        if isinstance(choice, NamedToolChoice):
-            names = [t.function.name for t in tools]
-            if choice.function.name not in names:
-                raise ValueError(f"names function {choice.function.name!r}, which is not in tools {names}")
-        return choice
 
     @field_validator("continue_final_message")
     @classmethod
