@@ -432,3 +432,21 @@ def test_a_bad_tool_choice_is_refused_in_the_sdks_words(server, tools, choice):
     assert r.status_code == 400, r.text
     assert r.json()["error"] == {"message": str(sdk.value), "type": "invalid_request_error", "param": "tool_choice",
                                  "code": None}
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1, \"b\": 2}"}}
+
+
+@pytest.mark.parametrize("last", [{"role": "user", "content": "Go on."},
+                                  {"role": "assistant", "content": "", "tool_calls": [CALL]}], ids=["user", "calls"])
+def test_a_final_message_that_cannot_be_continued_is_refused_in_the_sdks_words(server, last):
+    """Which final message a reply can continue is the prompt encoder's to say (the chat body holds no check of
+    its own): the server's 400 is the SDK's refusal, named by the body's field."""
+    messages = [{"role": "user", "content": "Count."}, last]
+    with pytest.raises(RequestError) as sdk:
+        server[0].encode_chat(messages, TOOLS, continue_final=True)
+    r = httpx.post(server[1] + "/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "max_tokens": 4,
+                                                             "continue_final_message": True}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": str(sdk.value), "type": "invalid_request_error",
+                                 "param": "continue_final_message", "code": None}

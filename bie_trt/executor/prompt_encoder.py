@@ -18,6 +18,11 @@ def developer_as_system(messages: list[dict], template: object) -> list[dict]:
     return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
+class FinalMessageError(RequestError):
+    """A final message that cannot be continued (continue_final): not an assistant's text, or one the chat
+    template does not write as sent. Checked here alone, for the SDK and the server (which names its field)."""
+
+
 class PromptEncoder:
     def __init__(self, tokenizer, template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
@@ -62,8 +67,8 @@ class PromptEncoder:
         except ValueError as e:   # transformers cuts the render after the final message's text: not found
             if not continue_final:
                 raise
-            raise RequestError(f"the chat template does not write the final assistant message as sent, so the "
-                               f"reply cannot continue it ({e})") from None
+            raise FinalMessageError(f"the chat template does not write the final assistant message as sent, so "
+                                    f"the reply cannot continue it ({e})") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
@@ -72,8 +77,10 @@ class PromptEncoder:
         key by key by `template_kwargs`. A template that does not render tools gets them as a system
         prompt, and assistant tool calls and tool results as text it can render. `continue_final`: the
         last message is an assistant's reply begun by the client (a prefill), which the model continues."""
-        if continue_final and (not messages or messages[-1].get("role") != "assistant"):
-            raise RequestError("continuing the final message needs an assistant message last.")
+        last = messages[-1] if messages else {}
+        if continue_final and (last.get("role") != "assistant" or last.get("tool_calls")):
+            raise FinalMessageError("continuing the final message needs the last message to be an assistant message "
+                                    "with text (the reply to continue).")
         # all the request's text the template may write, before the tokenizer meets it
         for field, value in (("messages", messages), ("tools", tools), ("chat_template_kwargs", template_kwargs)):
             check_encodable(value, field)

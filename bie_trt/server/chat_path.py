@@ -11,6 +11,7 @@ import pydantic
 from ..chat.reply_processor import ReplyProcessor
 from ..chat.tool_calls import CallCheck, ToolSetup
 from ..errors import BieError
+from ..executor.prompt_encoder import FinalMessageError
 from ..executor.streams import RequestStream
 from .errors import ApiError
 from .generation import submit
@@ -54,6 +55,8 @@ def chat_encoder(state: ServerState, req: ChatRequest) -> tuple[Callable[[], lis
         try:
             return state.engine.encode_chat(messages, tools.tools, req.chat_template_kwargs,
                                             req.continue_final_message)
+        except FinalMessageError as e:
+            raise ApiError(400, str(e), "continue_final_message") from None
         except (jinja2.TemplateError, BieError) as e:   # e.g. a template that insists on alternating roles
             raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
 

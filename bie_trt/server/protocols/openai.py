@@ -303,6 +303,7 @@ class ChatRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: TemplateKwargs = None
     # vLLM's: the last message is an assistant reply the client began (a prefill); the model continues it
+    # (which message can be continued is the prompt encoder's to say, as for the SDK's encode_chat)
     continue_final_message: bool = False
 
     @field_validator("messages")
@@ -313,14 +314,6 @@ class ChatRequest(SamplingRequest):
                 raise ValueError(f"messages[{i}] is a tool message without tool_call_id; send the id of the call "
                                  f"it answers")
         return messages
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _an_assistant_message_to_continue(cls, value: bool, info: ValidationInfo) -> bool:
-        messages = info.data.get("messages") or []
-        if value and (not messages or messages[-1].role != "assistant" or messages[-1].tool_calls):
-            raise ValueError("needs the last message to be an assistant message with text (the reply to continue)")
-        return value
 
 
 class TokenizeRequest(_Strict):
