@@ -36,7 +36,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
     return SamplingParams(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids,
-        seed=None if req.seed is None else req.seed + choice, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        seed=None if req.seed is None else req.seed + choice,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos, logprobs=logprobs,
         structured_outputs=constraint, logit_bias=req.logit_bias, min_tokens=req.min_tokens,
         # a reply shaped whole by a constraint has no reasoning block: there is nothing for a budget to bound
