@@ -144,6 +144,8 @@ AGENT_ASK = [{"role": "user", "content": "Refactor this repository."}]
     ("/v1/chat/completions", {"messages": AGENT_ASK, "max_tokens": 1}),
     ("/v1/messages", {"messages": AGENT_ASK, "max_tokens": 1}),
     ("/v1/responses", {"input": AGENT_ASK, "max_output_tokens": 1}),
+    ("/v1/chat/completions", {"messages": AGENT_ASK, "max_tokens": 1, "stream": True}),
+    ("/v1/messages/count_tokens", {"messages": AGENT_ASK}),
 ])
 def test_a_request_takes_one_thread_hop_before_the_engine(small, monkeypatch, path, body):
     """Encoding (the chat template), the sampling parameters, the grammar and the start run together in
