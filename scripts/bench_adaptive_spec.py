@@ -126,19 +126,19 @@ def run(args: argparse.Namespace) -> dict:
         # first-call costs out of the timings; the adaptive engines measure their step costs here
         engines[name].generate("The weather today", SamplingParams(temperature=0, max_tokens=args.warmup_tokens,
                                                                     ignore_eos=True))
-        if engines[name].adaptive is not None:
-            engines[name].adaptive.trace = []
+        if engines[name].core.spec.adaptive is not None:
+            engines[name].core.spec.adaptive.trace = []
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = {name: {task: [] for task in prompts} for name in configs}
     # the tokens each draft ran before the timed requests
-    forwarded = {name: getattr(engine.proposer, "tokens_forwarded", 0) for name, engine in engines.items()}
+    forwarded = {name: getattr(engine.core.spec.proposer, "tokens_forwarded", 0) for name, engine in engines.items()}
     for repeat in range(args.repeats):
         for task, prompt in prompts.items():
             for name, engine in engines.items():   # round-robin: the host's noise falls on all alike
                 engine.reset_prefix_cache()
                 runs[name][task].append(timed_generate(engine, prompt, params))
-                if engine.adaptive is not None:
-                    runs[name][task][-1]["trace"], engine.adaptive.trace = engine.adaptive.trace, []
+                if engine.core.spec.adaptive is not None:
+                    runs[name][task][-1]["trace"], engine.core.spec.adaptive.trace = engine.core.spec.adaptive.trace, []
             print(json.dumps({"repeat": repeat, "task": task, "tokens_per_s": {
                 name: round(r[task][-1]["decode_tokens"] / max(r[task][-1]["decode_s"], 1e-9), 2)
                 for name, r in runs.items()}}), flush=True)
@@ -208,8 +208,9 @@ def summarise(args: argparse.Namespace, configs: dict, prompts: dict, engines: d
                     "cpu clock (decode tokens per CPU second of this process) is the steadier one, wall beside it",
             "warmup_tokens": args.warmup_tokens,
             "adaptive_bookkeeping_us_per_step": round(1e6 * bookkeeping_seconds(max(args.gammas)), 2),
-            "draft_tokens_forwarded_timed": {n: e.proposer.tokens_forwarded - forwarded[n]
-                                             for n, e in engines.items() if hasattr(e.proposer, "tokens_forwarded")},
+            "draft_tokens_forwarded_timed": {n: e.core.spec.proposer.tokens_forwarded - forwarded[n]
+                                             for n, e in engines.items()
+                                             if hasattr(e.core.spec.proposer, "tokens_forwarded")},
             "tokens_per_s": tables, "ratios": ratios, "ratio_spread_over_repeats": spread,
             "ratios_per_repeat": per_repeat, "identical_to_plain": identical,
             "adaptive_expected_vs_emitted": realised,

@@ -38,7 +38,7 @@ def a_b_a(engine_dir: str, prompt_tokens: int, host_gb: float, device: str, seed
     engine = BieEngine(EngineConfig(engine_dir=engine_dir, device=device, max_num_seqs=1,
                                     max_model_len=prompt_tokens + 64, host_kv_cache_gb=host_gb,
                                     speculative={"method": "none"}))
-    vocab = engine.runner.model_config.vocab_size
+    vocab = engine.core.runner.model_config.vocab_size
     rng = random.Random(seed)
     a, b = ([rng.randrange(10, vocab) for _ in range(prompt_tokens)] for _ in range(2))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -63,7 +63,7 @@ def passkey(engine: str, filler: str, context: int, seed: int) -> dict:
             answers.append({"depth": depth, "key": key, "answer": text, "found": str(key) in text})
             print(fmt, depth, key, repr(text), flush=True)
         out[fmt] = {"found": f"{sum(a['found'] for a in answers)}/{len(answers)}", "answers": answers,
-                    "kv": dataclasses.asdict(eng.runner.kv_config), "seconds": round(time.time() - start, 1)}
+                    "kv": dataclasses.asdict(eng.core.runner.kv_config), "seconds": round(time.time() - start, 1)}
         del eng
     return out
 

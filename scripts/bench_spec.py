@@ -115,7 +115,7 @@ def run_self_draft_part(args: argparse.Namespace) -> dict:
     for task, prompt in list(self_draft_prompts(text).items())[:1 if args.smoke else None]:
         row: dict = {"task": task}
         for name, engine in engines.items():
-            draft = engine.runner.manifest.draft
+            draft = engine.core.runner.manifest.draft
             out = engine.generate(prompt, params)
             s = out.spec_decode
             row["prompt_tokens"] = out.usage.prompt_tokens

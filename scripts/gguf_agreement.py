@@ -82,8 +82,8 @@ def main() -> None:
         engine = BieEngine(EngineConfig(engine_dir=engine_dir, device="cpu", kv_cache_dtype="fp16"))
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         outs = [engine.generate(p, params).token_ids for p in prompts]
-        result["engines"].append({"engine": engine_dir, "source": engine.runner.manifest.source.checkpoint,
-                                  "weight_group_size": engine.runner.manifest.source.weight_group_size,
+        result["engines"].append({"engine": engine_dir, "source": engine.core.runner.manifest.source.checkpoint,
+                                  "weight_group_size": engine.core.runner.manifest.source.weight_group_size,
                                   "file_weights": file_weights[engine_dir],
                                   "tokens": outs, "against": {name: agreement(outs, reference, args.tokens)
                                                               for name, reference in references.items()}})

@@ -97,7 +97,8 @@ def main() -> None:
             print(f"{v:>28} depth {depth:.2f} key {key} -> {out.text!r}", flush=True)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            kv = {**previous.get("kv", {}), **{v: dataclasses.asdict(e.runner.kv_config) for v, e in engines.items()}}
+            kv = {**previous.get("kv", {}),
+                  **{v: dataclasses.asdict(e.core.runner.kv_config) for v, e in engines.items()}}
             args.out.write_text(json.dumps({
                 "context": args.context, "ending": ENDINGS[args.ending], "prompt_tokens": len(ids),
                 "summary": summary(rows), "kv": kv,

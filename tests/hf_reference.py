@@ -61,7 +61,7 @@ def hf_model(ckpt: Checkpoint):
 def run_engine_logits(engine: BieEngine, ids: list[int], continuation: list[int], scatter: bool,
                       chunk: int) -> list[torch.Tensor]:
     """Prefill `ids` in chunks (logits for every position), then decode the given continuation."""
-    runner: ModelRunner = engine.runner
+    runner: ModelRunner = engine.core.runner
     blocks = runner.block_manager()
     if scatter:
         order = list(blocks.free_fp)

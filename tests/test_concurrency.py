@@ -33,8 +33,8 @@ def test_batched_greedy_equals_one_at_a_time(tiny_engine, kv):
     engine = BieEngine(EngineConfig(engine_dir=str(tiny_engine), device="cpu", max_model_len=256,
                                     chunked_prefill_size=16, **kv))
     steps = []
-    execute = engine.runner.execute
-    engine.runner.execute = lambda batch, drafts=None: (steps.append([n for _, n in batch.chunks])
+    execute = engine.core.runner.execute
+    engine.core.runner.execute = lambda batch, drafts=None: (steps.append([n for _, n in batch.chunks])
                                                         or execute(batch, drafts))
     together = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
     assert any(1 in s and max(s) > 1 for s in steps)     # prompt chunks ran in the same steps as decodes
@@ -71,7 +71,7 @@ def test_an_engine_error_reaches_every_stream_and_the_engine_recovers(engine, mo
     def broken(inputs, quantise=()):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(engine.runner, "forward", broken)
+    monkeypatch.setattr(engine.core.runner, "forward", broken)
     streams = [engine.stream(p, SamplingParams(max_tokens=4)) for p in ("Hi", "Hello there")]
     for stream in streams:
         with pytest.raises(RuntimeError, match="kernel exploded"):

@@ -57,7 +57,7 @@ def tier_bytes(directory: Path) -> int:
 def reference(tiny_engine) -> BieEngine:
     """The engine with no disk tier: the replies every damaged directory must still give."""
     bie = engine(tiny_engine, Path("unused"), disk_kv_cache_gb=0)
-    assert bie.disk is None and bie.stats().disk_kv == {}
+    assert bie.core.disk is None and bie.stats().disk_kv == {}
     return bie
 
 
@@ -77,7 +77,7 @@ def cold(reference: BieEngine, ids: list[int]) -> list[int]:
 def block_file(bie: BieEngine, ids: list[int], b: int) -> Path:
     """The file of block b of prompt `ids` (found by the token ids its header records)."""
     want = ids[b * 16:(b + 1) * 16]
-    return next(f for f in files(bie.disk.root) if read_header(f)["token_ids"] == want)
+    return next(f for f in files(bie.core.disk.root) if read_header(f)["token_ids"] == want)
 
 
 def restart_through_the_server(tiny_engine: Path, directory: Path, length: int) -> dict:
@@ -154,7 +154,7 @@ DAMAGES = [flip_a_byte, truncate, another_engines, another_blocks]
 def test_a_damaged_or_foreign_file_is_skipped_logged_and_deleted(tiered, reference, caplog, damage):
     ids = prompt(40 + DAMAGES.index(damage), 200)
     tiered.generate(ids, PARAMS)
-    tiered.disk.flush()
+    tiered.core.disk.flush()
     victim = block_file(tiered, ids, 11)   # the last block a hit covers: FP16, in the window
     damage(victim)
     tiered.reset_prefix_cache()   # the device forgets the prompt; the disk is read as after a restart
@@ -165,18 +165,18 @@ def test_a_damaged_or_foreign_file_is_skipped_logged_and_deleted(tiered, referen
     assert got.usage.cached_tokens < 192   # not the whole prompt: the damaged block was computed again
     assert len(records) == 1 and f"skipped and deleted {victim}" in records[0].getMessage()
     assert tiered.stats().disk_kv["bad_files"] == bad + 1
-    tiered.disk.flush()   # ... and persisted again, whole
-    assert read_cache_file(victim, cache_identity(tiered.runner))[0] == ids[176:192]
+    tiered.core.disk.flush()   # ... and persisted again, whole
+    assert read_cache_file(victim, cache_identity(tiered.core.runner))[0] == ids[176:192]
 
 
 def test_a_read_only_directory_is_read_and_never_written(tiny_engine, tiered, reference, tmp_path, caplog):
     ids, other = prompt(5, 200), prompt(6, 100)
     tiered.generate(ids, PARAMS)
-    tiered.disk.flush()
-    (tmp_path / tiered.disk.dir.name).mkdir()
+    tiered.core.disk.flush()
+    (tmp_path / tiered.core.disk.dir.name).mkdir()
     for b in range(12):   # the prompt's files, as a server that ran on this directory left them
         f = block_file(tiered, ids, b)
-        (tmp_path / tiered.disk.dir.name / f.name).write_bytes(f.read_bytes())
+        (tmp_path / tiered.core.disk.dir.name / f.name).write_bytes(f.read_bytes())
     before = {f: f.stat().st_size for f in files(tmp_path)}
     lock = (["chattr", "+i"], ["chattr", "-i"]) if os.geteuid() == 0 else None   # root writes past mode bits
     dirs = [tmp_path, *tmp_path.glob("bie-kv-*")]
@@ -240,13 +240,13 @@ def test_a_full_disk_degrades_to_not_cached(tiny_engine, reference, small_tmpfs,
 
 def test_the_bound_holds_under_a_stream_of_distinct_prompts(tiny_engine, tiered, tmp_path):
     tiered.generate(prompt(9, 120), PARAMS)
-    tiered.disk.flush()
-    one = max(f.stat().st_size for f in files(tiered.disk.root))   # an FP16 block's file
+    tiered.core.disk.flush()
+    one = max(f.stat().st_size for f in files(tiered.core.disk.root))   # an FP16 block's file
     bound = 12 * one
     bie = engine(tiny_engine, tmp_path, disk_kv_cache_gb=bound / 2**30)
     for seed in range(10, 16):
         bie.generate(prompt(seed, 120), PARAMS)
-        bie.disk.flush()
+        bie.core.disk.flush()
         assert tier_bytes(tmp_path) <= bound
     stats = bie.stats().disk_kv
     assert stats["evictions"] > 0 and stats["used_bytes"] == tier_bytes(tmp_path)
@@ -259,14 +259,14 @@ def test_the_bound_holds_under_a_stream_of_distinct_prompts(tiny_engine, tiered,
 def test_two_servers_on_one_directory_one_writes_the_other_reads(tiny_engine, tiered, caplog):
     ids, other = prompt(20, 150), prompt(21, 150)
     tiered.generate(ids, PARAMS)
-    tiered.disk.flush()
+    tiered.core.disk.flush()
     with logged(caplog) as records:
-        reader = engine(tiny_engine, tiered.disk.root)
+        reader = engine(tiny_engine, tiered.core.disk.root)
     assert len(records) == 1 and "another bie-trt server writes" in records[0].getMessage()
     assert reader.generate(ids, PARAMS).usage.cached_tokens == 144   # what the writer wrote before it started
     reader.generate(other, PARAMS)
     reader.close()
-    first_block = tiered.disk.dir / f"{block_key(None, other[:16]).hex()}{SUFFIX}"
+    first_block = tiered.core.disk.dir / f"{block_key(None, other[:16]).hex()}{SUFFIX}"
     assert reader.stats().disk_kv["written_bytes"] == 0 and not first_block.exists()
 
 
@@ -277,10 +277,10 @@ def test_inspect_cache_lists_each_engines_blocks(tiered):
 
     from bie_trt.cli import main
 
-    root = tiered.disk.root
-    assert tiered.disk.dir == root / engine_dirname(cache_identity(tiered.runner))
+    root = tiered.core.disk.root
+    assert tiered.core.disk.dir == root / engine_dirname(cache_identity(tiered.core.runner))
     tiered.generate(prompt(30, 100), PARAMS)
-    tiered.disk.flush()
+    tiered.core.disk.flush()
     out = CliRunner().invoke(main, ["inspect-cache", str(root), "--json"])
     assert out.exit_code == 0, out.output
     (entry,) = json.loads(out.stdout)["engines"]
@@ -404,12 +404,12 @@ def test_engines_whose_identities_differ_in_one_value_keep_apart(tiny_engine, ti
     deletes it; the first still reads its prompt back whole."""
     ids = prompt(50, 150)
     tiered.generate(ids, PARAMS)
-    tiered.disk.flush()
-    mine = {f: f.stat().st_size for f in files(tiered.disk.root) if f.parent == tiered.disk.dir}
-    other = engine(tiny_engine, tiered.disk.root, kv_window=32)
-    ours, theirs = cache_identity(tiered.runner), cache_identity(other.runner)
+    tiered.core.disk.flush()
+    mine = {f: f.stat().st_size for f in files(tiered.core.disk.root) if f.parent == tiered.core.disk.dir}
+    other = engine(tiny_engine, tiered.core.disk.root, kv_window=32)
+    ours, theirs = cache_identity(tiered.core.runner), cache_identity(other.core.runner)
     assert ours.keys() == theirs.keys() and ours["kv_layout"].keys() == theirs["kv_layout"].keys() and ours != theirs
-    assert other.disk.dir != tiered.disk.dir
+    assert other.core.disk.dir != tiered.core.disk.dir
     assert other.generate(ids, PARAMS).usage.cached_tokens == 0
     other.close()
     assert {f: f.stat().st_size for f in mine if f.exists()} == mine and other.stats().disk_kv["bad_files"] == 0

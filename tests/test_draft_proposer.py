@@ -279,7 +279,7 @@ def test_smollm2_as_its_own_draft_proposes_the_targets_greedy_tokens(build, text
     context) proposes 4 tokens a step, accepted up to the first mismatch: >= 95% accepted."""
     engine_dir = build(draft_checkpoint="smollm2-135m", draft_vocab_size=49152)
     target = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu", kv_cache_dtype="int4_asym"))
-    proposer = DraftModelProposer(engine_dir, target.runner)
+    proposer = DraftModelProposer(engine_dir, target.core.runner)
     proposed = accepted = 0
     for start in (0, 5000):
         prompt = text_ids[start:start + 120]

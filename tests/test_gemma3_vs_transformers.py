@@ -61,7 +61,7 @@ def real_gemma3(build):
 
 
 def test_the_engine_reads_the_checkpoint_as_gemma3(tiny_gemma3):
-    cfg = tiny_gemma3[0].runner.model.cfg
+    cfg = tiny_gemma3[0].core.runner.model.cfg
     assert cfg.architecture == "Gemma3ForCausalLM" and cfg.qk_norm and cfg.sandwich_norms
     assert cfg.sliding_layers == (0, 1) and cfg.window_of(0) == 24 and cfg.window_of(2) == 0
     assert (cfg.norm_offset, cfg.embed_scale, cfg.hidden_act) == (1.0, 8.0, "gelu_tanh")
@@ -144,6 +144,7 @@ def test_real_gemma3_chats_with_the_shipped_template_and_ends_replies_at_the_end
     """The GGUF carries no chat template: the build gave the engine the shipped one; <end_of_turn> ends a reply."""
     engine = real_gemma3[0]
     end_of_turn = engine.tokenizer.convert_tokens_to_ids("<end_of_turn>")
-    assert end_of_turn in engine.eos_ids and engine.tokenizer.chat_template == read_chat_template("gemma3")
+    assert end_of_turn in engine.core.requests.eos_ids
+    assert engine.tokenizer.chat_template == read_chat_template("gemma3")
     ids = engine.encode([{"role": "user", "content": "Hi"}])
     assert engine.tokenizer.decode(ids) == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"

@@ -86,9 +86,9 @@ def test_greedy_tokens_equal_transformers_and_again_through_a_prefix_hit(gemma4_
     _, ids, continuation, _ = gemma4_reference
     assert len(ids) > 2 * CHUNK
     assert engine.generate(ids, greedy()).token_ids == continuation
-    hits = engine.scheduler.prefix_hit_tokens
+    hits = engine.core.scheduler.prefix_hit_tokens
     assert engine.generate(ids, greedy()).token_ids == continuation
-    assert engine.scheduler.prefix_hit_tokens >= hits + 64   # the prompt's whole blocks came from the cache
+    assert engine.core.scheduler.prefix_hit_tokens >= hits + 64   # the prompt's whole blocks came from the cache
 
 
 def test_the_built_engines_logits_equal_transformers(gemma4_reference, engine):
@@ -128,7 +128,7 @@ def test_chat_template_writes_gemma4_turns_and_its_stop_tokens_end_a_reply(engin
                     '<|tool_response>response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>Sunny.<turn|>\n'
                     '<|turn>user\nThanks.<turn|>\n<|turn>model\n')
     ids = engine.tokenizer.convert_tokens_to_ids(["<turn|>", "<|tool_response>", "<|turn>"])
-    assert {ids[0], ids[1]} <= engine.eos_ids and ids[2] not in engine.eos_ids
+    assert {ids[0], ids[1]} <= engine.core.requests.eos_ids and ids[2] not in engine.core.requests.eos_ids
 
 
 def test_the_graphs_static_step_feeds_the_per_layer_rows(gemma4_reference):

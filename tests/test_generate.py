@@ -93,12 +93,12 @@ def test_prompt_limits_and_bad_params(engine):
 
 def test_blocks_return_to_the_pool(engine):
     # num_free_fp counts blocks kept for the prefix cache too: nobody holds them, any request may take them
-    free = engine.blocks.num_free_fp
+    free = engine.core.blocks.num_free_fp
     stream = engine.stream("Hello there", SamplingParams(temperature=0, max_tokens=30))
     next(stream)
-    assert engine.blocks.num_free_fp < free
+    assert engine.core.blocks.num_free_fp < free
     stream.close()  # a consumer that stops early
-    assert engine.blocks.num_free_fp == free
+    assert engine.core.blocks.num_free_fp == free
 
 
 def test_seed_zero_is_reproducible_and_not_the_unseeded_draw(engine):
@@ -125,8 +125,8 @@ def test_unseeded_requests_draw_fresh_entropy_in_each_new_engine_and_seeded_ones
 
 
 def test_request_errors_name_the_problem_and_the_fix_and_leave_nothing_behind(engine):
-    vocab = engine.runner.model_config.vocab_size
-    free = engine.blocks.num_free_fp
+    vocab = engine.core.runner.model_config.vocab_size
+    free = engine.core.blocks.num_free_fp
     edited = SamplingParams()
     edited.top_p = 2.0                   # edited after construction: checked again when submitted
     cases = [
@@ -157,7 +157,7 @@ def test_request_errors_name_the_problem_and_the_fix_and_leave_nothing_behind(en
             call()
         assert isinstance(e.value, RequestError) and str(e.value) == message
     stats = engine.stats()
-    assert stats.running == stats.waiting == 0 and engine.blocks.num_free_fp == free
+    assert stats.running == stats.waiting == 0 and engine.core.blocks.num_free_fp == free
 
 
 def test_min_tokens_holds_stop_strings_back_as_vllm_does(engine):

@@ -465,7 +465,7 @@ def test_a_host_tier_too_small_for_the_prompt_degrades_to_recompute(tiny_engine)
     small.generate(B, PARAMS)
     again = small.generate(A, PARAMS)
     host = small.stats().host_kv
-    assert 0 < host["used_bytes"] <= host["capacity_bytes"] and small.blocks.host.num_dropped > 0
+    assert 0 < host["used_bytes"] <= host["capacity_bytes"] and small.core.blocks.host.num_dropped > 0
     assert again.usage.cached_tokens < 0.95 * PROMPT_LEN
     assert again.token_ids == want.token_ids
 

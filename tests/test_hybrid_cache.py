@@ -224,16 +224,16 @@ def record_steps(engine: BieEngine, monkeypatch) -> list[tuple[int, int, int, in
     """After each schedule (the step's blocks taken, before its forward): (first position, rows, sliding blocks
     in use, full-layer blocks in use) of the one running sequence, read from the block manager."""
     steps = []
-    schedule = engine.scheduler.schedule
+    schedule = engine.core.scheduler.schedule
 
     def recording():
         batch = schedule()
         (seq, n), = batch.chunks
-        steps.append((seq.num_cached, n + batch.lookahead.get(seq, 0), engine.blocks.sliding.usage()["used"],
-                      engine.blocks.usage(False)["used"]))
+        steps.append((seq.num_cached, n + batch.lookahead.get(seq, 0), engine.core.blocks.sliding.usage()["used"],
+                      engine.core.blocks.usage(False)["used"]))
         return batch
 
-    monkeypatch.setattr(engine.scheduler, "schedule", recording)
+    monkeypatch.setattr(engine.core.scheduler, "schedule", recording)
     return steps
 
 
@@ -249,7 +249,7 @@ def assert_bounded(steps: list[tuple[int, int, int, int]], window: int) -> None:
 def test_sliding_blocks_stay_bounded_while_the_full_layers_grow(tiny_gemma3_engine, monkeypatch):
     engine = tiny_gemma3_engine
     engine.reset_prefix_cache()
-    monkeypatch.setattr(engine.scheduler, "chunked_prefill_size", 32)   # the prompt in 4 chunks
+    monkeypatch.setattr(engine.core.scheduler, "chunked_prefill_size", 32)   # the prompt in 4 chunks
     steps = record_steps(engine, monkeypatch)
     out = engine.generate(prompt(engine, 100), SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
     assert len(out.token_ids) == 300 and [n for _, n, _, _ in steps[:4]] == [32, 32, 32, 4]
@@ -280,16 +280,17 @@ def test_the_engines_admission_asks_for_the_sliding_blocks_its_first_step_takes(
     engine's admission asks of the sliding pool (the hit's parked blocks and the first chunk's new ones) is
     what the admitting step then takes from it."""
     engine = tiny_gemma3_engine
-    sliding = engine.blocks.sliding
+    sliding = engine.core.blocks.sliding
     params = SamplingParams(temperature=0, max_tokens=1)
     engine.reset_prefix_cache()
     a = prompt(engine, 300)
     engine.generate(a[:100], params)
     asked, taken = [], []
-    can_admit, schedule = engine.blocks.can_admit, engine.scheduler.schedule
+    blocks = engine.core.blocks
+    can_admit, schedule = blocks.can_admit, engine.core.scheduler.schedule
 
     def asking(hit, num_tokens, seq=None):
-        asked.append((sliding.admission_need(engine.blocks.prompt_keys(seq), len(hit), num_tokens), sliding.num_free))
+        asked.append((sliding.admission_need(blocks.prompt_keys(seq), len(hit), num_tokens), sliding.num_free))
         return can_admit(hit, num_tokens, seq)
 
     def scheduling():
@@ -297,8 +298,8 @@ def test_the_engines_admission_asks_for_the_sliding_blocks_its_first_step_takes(
         taken.append(sliding.num_free)
         return batch
 
-    monkeypatch.setattr(engine.blocks, "can_admit", asking)
-    monkeypatch.setattr(engine.scheduler, "schedule", scheduling)
+    monkeypatch.setattr(engine.core.blocks, "can_admit", asking)
+    monkeypatch.setattr(engine.core.scheduler, "schedule", scheduling)
     out = engine.generate(a[:140], params)
     (need, free), after = asked[0], taken[0]
     assert out.usage.cached_tokens == 96 and need == free - after == 2 + 3   # blocks 4 and 5 parked, 6..8 new
@@ -323,9 +324,9 @@ def test_sliding_blocks_stay_bounded_over_a_4096_token_generation(build, tmp_pat
 def test_a_hybrid_engine_keeps_no_host_or_disk_tier_and_refuses_cache_files(tiny_gemma3_engine, tmp_path):
     """The tiers would have to carry the sliding layers' blocks with the full layers' ones: off, and said so."""
     engine = tiny_gemma3_engine
-    assert engine.blocks.host is None and engine.stats().host_kv["capacity_bytes"] == 0
+    assert engine.core.blocks.host is None and engine.stats().host_kv["capacity_bytes"] == 0
     config = dataclasses.replace(engine.config, kv_cache_dir=str(tmp_path))
-    assert open_disk_tier(config, engine.runner, engine.model_name) is None
+    assert open_disk_tier(config, engine.core.runner, engine.model_name) is None
     with pytest.raises(CacheFileError, match="sliding-window layers"):
         engine.save_cache(prompt(engine, 40), tmp_path / "prompt.kv")
     assert not (tmp_path / "prompt.kv").exists()

@@ -34,7 +34,7 @@ def test_8gb_profile_engine_uses_int8_head_with_the_plans_bytes(build, smollm2_e
     assert head_bytes == next(i["bytes"] for i in plan["items"] if i["name"] == "lm_head")
     int8 = BieEngine(EngineConfig(engine_dir=str(engine_dir), device="cpu"))
     fp16 = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu"))
-    assert isinstance(int8.runner.model.lm_head, Int8Rows)
+    assert isinstance(int8.core.runner.model.lm_head, Int8Rows)
     prompt = "The Eiffel Tower is in"
     a = int8.generate(prompt, SamplingParams(temperature=0, max_tokens=6))
     b = fp16.generate(prompt, SamplingParams(temperature=0, max_tokens=6))

@@ -9,7 +9,7 @@ from bie_trt.builder.key_centering import calibration_pass
 
 def test_each_gemma3_layer_calibrates_keys_of_its_own(tiny_gemma3_engine):
     """The tiny Gemma 3: layers 0 and 1 slide, layer 2 is full (index 0 in both groups)."""
-    keys = calibration_pass(tiny_gemma3_engine.runner.model, list(range(3, 67)), skip=16).keys
+    keys = calibration_pass(tiny_gemma3_engine.core.runner.model, list(range(3, 67)), skip=16).keys
     assert keys.shape[:3] == (3, 2, 48)
     assert all(keys[i].abs().max() > 0 for i in range(3))
     assert all((keys[i] - keys[j]).abs().max() > 1e-3 for i in range(3) for j in range(i))

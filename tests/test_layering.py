@@ -249,6 +249,33 @@ def engine_api(engine_py: Path) -> tuple[set[str], set[str], set[str]]:
     return attributes, methods, assigned
 
 
+def facade_mirrors(engine_py: Path) -> list[str]:
+    """What BieEngine holds beyond its public attributes and its own parts (FACADE_PARTS: the core, the prompt
+    encoder, the loop thread): an attribute any method sets, a property, or a __getattr__ passing reads on,
+    each a copy of the core's inside that callers would read instead of `core`."""
+    cls = next(n for n in ast.walk(ast.parse(engine_py.read_text())) if isinstance(n, ast.ClassDef)
+               and n.name == "BieEngine")
+    own: set[str] = set()
+    for node in cls.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) in ("PUBLIC_ATTRIBUTES", "FACADE_PARTS")
+                                                for t in node.targets):
+            own |= set(ast.literal_eval(node.value))
+    bad = []
+    for f in cls.body:
+        if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if f.name == "__getattr__" or any(getattr(d, "id", getattr(d, "attr", None)) in ("property", "cached_property")
+                                          for d in f.decorator_list):
+            bad.append(f"BieEngine.{f.name}:{f.lineno} passes reads on to the core")
+        for n in ast.walk(f):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
+                n, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in (e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])):
+                if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self" and t.attr not in own:
+                    bad.append(f"BieEngine.{f.name}:{t.lineno} sets self.{t.attr}")
+    return bad
+
+
 def engine_names(tree: ast.AST) -> set[str]:
     """The names a module calls an engine by: `engine`, and every name it binds to a `BieEngine(...)`."""
     return {"engine"} | {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
@@ -294,6 +321,13 @@ def test_the_server_uses_only_the_engines_public_api():
                                                   f"{attributes - assigned}"
 
 
+def test_the_facade_holds_no_copy_of_the_cores_inside():
+    """Tests and benchmarks reach the runner, scheduler, blocks, ... through `BieEngine.core`; a mirror of one
+    on the facade would be read by callers above the engine as if it were its API."""
+    bad = facade_mirrors(ROOT / "bie_trt" / "executor" / "engine.py")
+    assert not bad, "BieEngine mirrors its core (read it through engine.core instead):\n" + "\n".join(bad)
+
+
 def test_model_families_are_declared_by_their_configs_not_known_to_the_executor():
     bad = family_knowledge(ROOT / "bie_trt")
     assert not bad, "model-family knowledge in the executor (declare it on ModelConfig):\n" + "\n".join(bad)
@@ -323,3 +357,15 @@ def test_the_facade_and_family_checks_see_their_faults(tmp_path):
     assert engine_api(pkg / "executor" / "engine.py") == ({"tokenizer"}, {"stream"}, {"tokenizer", "runner"})
     assert family_knowledge(pkg) == ["bie_trt/executor/builder.py:1 imports bie_trt.config_gemma3",
                                      "bie_trt/executor/builder.py:4 reads .family"]
+    assert facade_mirrors(pkg / "executor" / "engine.py") == ["BieEngine.__init__:4 sets self.runner"]
+    (pkg / "executor" / "engine.py").write_text(
+        "import functools\nclass BieEngine:\n    PUBLIC_ATTRIBUTES = ('tokenizer',)\n    FACADE_PARTS = ('core',)\n"
+        "    def __init__(self):\n        self.core, self.tokenizer = None, None\n"
+        "    def warm(self):\n        self.core.blocks, self.eos_ids = None, ()\n        self.steps += 1\n"
+        "    @property\n    def scheduler(self):\n        return self.core.scheduler\n"
+        "    @functools.cached_property\n    def disk(self):\n        return self.core.disk\n"
+        "    def __getattr__(self, name):\n        return getattr(self.core, name)\n")
+    assert facade_mirrors(pkg / "executor" / "engine.py") == [
+        "BieEngine.warm:8 sets self.eos_ids", "BieEngine.warm:9 sets self.steps",
+        "BieEngine.scheduler:11 passes reads on to the core", "BieEngine.disk:14 passes reads on to the core",
+        "BieEngine.__getattr__:16 passes reads on to the core"]

@@ -80,6 +80,6 @@ def test_a_step_never_runs_more_tokens_than_the_plan_holds_activations_for(smoll
     assert reserved == activation_workspace_bytes(runner.model_config, planned, block_size=runner.kv_config.block_size)
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
     engine = BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", speculative=ngram))
-    assert engine.scheduler.max_num_batched_tokens == planned     # not 512 + 4 x 6
+    assert engine.core.scheduler.max_num_batched_tokens == planned     # not 512 + 4 x 6
     with pytest.raises(EngineError, match=f"max_num_batched_tokens {planned + 1} is above the {planned} tokens"):
         BieEngine(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_num_batched_tokens=planned + 1))

@@ -183,7 +183,7 @@ def test_a_long_document_asked_again_is_found_in_a_quantised_cache(smollm2_engin
     writer = engine.stream(document, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     for _ in range(48):                         # A is past the document by more than its window, still running
         next(writer)
-    assert all(e < 0 for e in engine.scheduler.running[0].block_table[1:20])   # the document is quantised
+    assert all(e < 0 for e in engine.core.scheduler.running[0].block_table[1:20])   # the document is quantised
     asked = []
     for question in questions:
         hits = engine.stats().prefix_hit_tokens

@@ -56,7 +56,7 @@ def engine(tiny):
 
 
 def assert_slots_free(engine: BieEngine) -> None:
-    states = engine.runner.pools.recurrent
+    states = engine.core.runner.pools.recurrent
     assert sorted(states.free) == list(range(states.num_slots)) and not states.logs
 
 
@@ -104,7 +104,7 @@ def test_a_preempted_sequence_recomputes_its_state_to_the_same_tokens(tiny, engi
     small = BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu", max_model_len=128, num_kv_blocks=12))
     prompts = [prompt(90, seed) for seed in (11, 12, 13)]
     together = [o.token_ids for o in small.generate(prompts, greedy())]
-    assert small.scheduler.num_preemptions > 0
+    assert small.core.scheduler.num_preemptions > 0
     assert together == [engine.generate(p, greedy()).token_ids for p in prompts]
     assert_slots_free(small)
 
@@ -112,7 +112,7 @@ def test_a_preempted_sequence_recomputes_its_state_to_the_same_tokens(tiny, engi
 def test_an_aborted_sequence_gives_its_slot_back(engine):
     stream = engine.stream(prompt(60, 21), greedy(50))
     next(iter(stream))
-    states = engine.runner.pools.recurrent
+    states = engine.core.runner.pools.recurrent
     assert len(states.free) == states.num_slots - 1
     stream.close()
     assert_slots_free(engine)
@@ -127,31 +127,31 @@ def test_a_returning_3000_token_prompt_resumes_from_its_saved_state(engine, unca
     """The second time a 3,000-token prompt comes, all but its last partial block is a prefix hit: the full
     layers share their KV blocks, the linear-attention layers start from the state saved at the hit's end; the
     greedy tokens are those of an engine without a prefix cache (which computes all 3,000 again)."""
-    ids, block = prompt(3000, 32), engine.blocks.block_size
+    ids, block = prompt(3000, 32), engine.core.blocks.block_size
     alone = uncached.generate(ids, greedy(logprobs=3))
     assert engine.generate(ids, greedy()).token_ids == alone.token_ids
-    queried, hits = engine.scheduler.prefix_queried_tokens, engine.scheduler.prefix_hit_tokens
+    queried, hits = engine.core.scheduler.prefix_queried_tokens, engine.core.scheduler.prefix_hit_tokens
     again = engine.generate(ids, greedy(logprobs=3))
     assert again.token_ids == alone.token_ids
     assert_same_logprobs(again.logprobs, alone.logprobs)
-    cached = engine.scheduler.prefix_hit_tokens - hits
-    assert engine.scheduler.prefix_queried_tokens - queried == 3000
+    cached = engine.core.scheduler.prefix_hit_tokens - hits
+    assert engine.core.scheduler.prefix_queried_tokens - queried == 3000
     assert cached == (3000 - 1) // block * block == 2992 and cached >= 0.9 * 3000
-    assert uncached.scheduler.prefix_hit_tokens == 0 and uncached.blocks.snapshots is None
+    assert uncached.core.scheduler.prefix_hit_tokens == 0 and uncached.core.blocks.snapshots is None
     assert_slots_free(engine)
 
 
 def test_a_longer_prompt_resumes_from_a_shorter_ones_boundary(engine, uncached):
     """A prompt that extends an earlier one (a conversation's next turn) hits up to the boundary saved for the
     earlier one, not past it: no state was saved later, though more of its KV blocks are cached."""
-    first, block = prompt(200, 33), engine.blocks.block_size
+    first, block = prompt(200, 33), engine.core.blocks.block_size
     engine.generate(first, greedy())
     longer = first + prompt(150, 34)
-    hits = engine.scheduler.prefix_hit_tokens
+    hits = engine.core.scheduler.prefix_hit_tokens
     got, want = engine.generate(longer, greedy(logprobs=3)), uncached.generate(longer, greedy(logprobs=3))
     assert got.token_ids == want.token_ids
     assert_same_logprobs(got.logprobs, want.logprobs)
-    assert engine.scheduler.prefix_hit_tokens - hits == (200 - 1) // block * block
+    assert engine.core.scheduler.prefix_hit_tokens - hits == (200 - 1) // block * block
 
 
 def test_ngram_speculation_rolls_the_state_back_to_the_same_tokens(tiny, engine):
@@ -180,16 +180,16 @@ def test_a_qwen35_draft_is_refused(tiny, tmp_path):
 def test_recurrent_state_memory_is_constant_over_1000_generated_tokens(engine):
     """The state slots are the same tensors, of the same bytes, at every step of a 1,000-token generation,
     while the full-attention layers' blocks grow with the text."""
-    states = engine.runner.pools.recurrent
+    states = engine.core.runner.pools.recurrent
     tensors, nbytes = (states.conv, states.delta), states.nbytes()
     seq_blocks = []
     stream = engine.stream(prompt(20, 41), greedy(1000))
     for event in stream:
         assert states.conv is tensors[0] and states.delta is tensors[1]
         assert states.nbytes() == nbytes
-        seq_blocks += [len(s.block_table) for s in engine.scheduler.running]
+        seq_blocks += [len(s.block_table) for s in engine.core.scheduler.running]
     assert len(event.output.token_ids) == 1000
-    assert seq_blocks[0] <= 2 and max(seq_blocks) >= 1000 // engine.blocks.block_size
+    assert seq_blocks[0] <= 2 and max(seq_blocks) >= 1000 // engine.core.blocks.block_size
     assert_slots_free(engine)
 
 
@@ -204,13 +204,13 @@ def test_a_snapshot_interval_lets_a_prompt_that_shares_only_a_start_resume(tiny,
     every = BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu", state_snapshot_interval=32))
     first = prompt(200, 35)
     every.generate(first, greedy())
-    assert len(every.blocks.snapshots) == 200 // 32
+    assert len(every.core.blocks.snapshots) == 200 // 32
     other = first[:100] + prompt(60, 36)
-    hits = every.scheduler.prefix_hit_tokens
+    hits = every.core.scheduler.prefix_hit_tokens
     got, want = every.generate(other, greedy(logprobs=3)), uncached.generate(other, greedy(logprobs=3))
     assert got.token_ids == want.token_ids
     assert_same_logprobs(got.logprobs, want.logprobs)
-    assert every.scheduler.prefix_hit_tokens - hits == 96
+    assert every.core.scheduler.prefix_hit_tokens - hits == 96
     with pytest.raises(EngineError, match="multiple of the KV block size"):
         BieEngine(EngineConfig(engine_dir=str(tiny[1]), device="cpu", state_snapshot_interval=24))
 
@@ -221,7 +221,7 @@ def test_an_engine_planned_without_snapshots_keeps_prefix_caching_off(tiny, tmp_
                                   "--max-num-seqs", "1", "--state-snapshots", "0"])
     assert r.exit_code == 0, r.output
     bare = BieEngine(EngineConfig(engine_dir=str(tmp_path / "engine"), device="cpu"))
-    assert bare.runner.pools.recurrent.num_snapshots == 0 and bare.blocks.cache is None
+    assert bare.core.runner.pools.recurrent.num_snapshots == 0 and bare.core.blocks.cache is None
     ids = prompt(80, 37)
     assert bare.generate(ids, greedy()).token_ids == bare.generate(ids, greedy()).token_ids
-    assert bare.scheduler.prefix_hit_tokens == 0
+    assert bare.core.scheduler.prefix_hit_tokens == 0

@@ -48,7 +48,7 @@ def qwen3(request, build, tmp_path_factory, smollm2_checkpoint):
 
 
 def test_the_engine_reads_the_checkpoint_as_qwen3(qwen3):
-    cfg = qwen3[0].runner.model.cfg
+    cfg = qwen3[0].core.runner.model.cfg
     assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm and not cfg.qkv_bias
     assert (cfg.head_dim, cfg.q_size) == (32, 128) and cfg.q_size != cfg.hidden_size
 

@@ -75,7 +75,7 @@ POISON = [28, 28, 28, 28, 28, 28, 28, 28]   # a prompt no other request sends
 def test_a_fault_in_a_step_fails_only_that_steps_request(engine, monkeypatch):
     """Request A's decode step raises inside the engine once B waits for the slot A holds: A gets a 500
     with an OpenAI error body, B is served in full and equals a run alone, every block comes back."""
-    forward, poisoned = engine.runner.forward, set()
+    forward, poisoned = engine.core.runner.forward, set()
 
     def faulty(inputs, quantise=()):
         for seq_input in inputs:
@@ -86,7 +86,7 @@ def test_a_fault_in_a_step_fails_only_that_steps_request(engine, monkeypatch):
                 raise RuntimeError("injected fault in the forward pass")
         return forward(inputs, quantise)
 
-    monkeypatch.setattr(engine.runner, "forward", faulty)
+    monkeypatch.setattr(engine.core.runner, "forward", faulty)
     errors = engine.stats().requests.get("error", 0)
     alone = engine.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
     with serving(engine) as base, httpx.Client(timeout=120) as http, ThreadPoolExecutor(2) as pool:

@@ -77,7 +77,7 @@ def test_batched_greedy_is_identical_and_proposals_are_accepted(spec, expected):
     assert sum(o.spec_decode["num_accepted_tokens"] for o in outs) == stats["num_accepted_tokens"]
     # the last timed step's context: what its sequences had in the cache, on average
     lengths = [len(spec.tokenizer(p)["input_ids"]) for p in PROMPTS]
-    assert min(lengths) <= spec.adaptive.costs.context < max(lengths) + GREEDY.max_tokens
+    assert min(lengths) <= spec.core.spec.adaptive.costs.context < max(lengths) + GREEDY.max_tokens
     assert idle(spec)
 
 
@@ -85,7 +85,7 @@ def set_costs(engine: BieEngine, monkeypatch, verify_ratio: float, proposal_rati
     """The adaptive engine's step costs as if measured, and held there for the test (its own timings no longer
     recorded): a verify of any width `verify_ratio` plain steps, proposing (a draft step, a lookup)
     `proposal_ratio` (set on the loop thread, between steps)."""
-    adaptive = engine.adaptive
+    adaptive = engine.core.spec.adaptive
     costs = StepCosts(adaptive.gamma_max, adaptive.costs.per_token)
     for _ in range(MEASURE_SAMPLES + 2):   # the first of each is cold, and the others wait for a plain step
         costs.record_target(1, 1.0)
@@ -105,16 +105,17 @@ def set_costs(engine: BieEngine, monkeypatch, verify_ratio: float, proposal_rati
 def test_adaptive_gamma_steps_aside_and_back_and_changes_no_token(spec, expected, monkeypatch):
     """Verifying made to look 50 plain steps dear: the requests decode plainly (no probes either: nothing could
     pay); made as cheap as a plain step: they speculate. The tokens are plain decoding's either way."""
-    assert spec.adaptive is not None
-    steps = spec.adaptive.steps_by_gamma
+    assert spec.core.spec.adaptive is not None
+    steps = spec.core.spec.adaptive.steps_by_gamma
     short = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)   # greedy: the first 10 of `expected`
     set_costs(spec, monkeypatch, 50.0)
-    before, judged, drafts = list(steps), spec.adaptive.engine.tried[0], spec.stats().spec_decode["num_drafts"]
+    adaptive = spec.core.spec.adaptive
+    before, judged, drafts = list(steps), adaptive.engine.tried[0], spec.stats().spec_decode["num_drafts"]
     assert [o.token_ids for o in spec.generate(PROMPTS[:2], short)] == [e[:10] for e in expected[:2]]
     plain_steps, speculating = steps[0] - before[0], sum(steps[1:]) - sum(before[1:])
     assert plain_steps >= 5 and speculating == 0 and spec.stats().spec_decode["num_drafts"] == drafts
     # what the lookups found was judged by the tokens the plain steps drew (quoting prompts: mostly right)
-    assert spec.adaptive.engine.tried[0] > judged * 0.98 ** plain_steps + 1
+    assert spec.core.spec.adaptive.engine.tried[0] > judged * 0.98 ** plain_steps + 1
     set_costs(spec, monkeypatch, 1.0)
     before = list(steps)
     out = spec.generate(PROMPTS[2], short)
@@ -129,15 +130,15 @@ def test_a_draft_that_does_not_pay_runs_no_draft_step_and_no_verify(tiny_draft_e
     verified; the tokens are plain decoding's."""
     spec = BieEngine(EngineConfig(engine_dir=str(tiny_draft_engine), device="cpu",
                                   speculative={"method": "draft_model", "num_speculative_tokens": 4}))
-    assert spec.adaptive is not None and spec.adaptive.costs.per_token   # the draft's default
+    assert spec.core.spec.adaptive is not None and spec.core.spec.adaptive.costs.per_token   # the draft's default
     plain = BieEngine(EngineConfig(engine_dir=str(tiny_draft_engine), device="cpu", speculative={"method": "none"}))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     set_costs(spec, monkeypatch, 1.1, 1.0)
     out = spec.generate(PROMPTS[2], params)
     assert out.token_ids == plain.generate(PROMPTS[2], params).token_ids
-    assert spec.proposer.tokens_forwarded == 0 and sum(spec.proposer.steps.values()) == 0
-    assert out.spec_decode["num_drafts"] == 0 and spec.adaptive.steps_by_gamma == [11, 0, 0, 0, 0]
-    assert spec.adaptive.probes == 0
+    assert spec.core.spec.proposer.tokens_forwarded == 0 and sum(spec.core.spec.proposer.steps.values()) == 0
+    assert out.spec_decode["num_drafts"] == 0 and spec.core.spec.adaptive.steps_by_gamma == [11, 0, 0, 0, 0]
+    assert spec.core.spec.adaptive.probes == 0
 
 
 def test_a_prefix_cache_hit_keeps_the_tokens(spec, expected):
@@ -201,8 +202,8 @@ def test_after_each_verify_a_table_holds_only_the_blocks_its_cached_tokens_fill(
         seen = []
 
         def look() -> None:   # on the loop thread, between two steps
-            size = spec.blocks.block_size
-            seen.extend((len(s.block_table), -(-s.num_cached // size)) for s in spec.scheduler.running)
+            size = spec.core.blocks.block_size
+            seen.extend((len(s.block_table), -(-s.num_cached // size)) for s in spec.core.scheduler.running)
             looked.set()
 
         spec._on_loop(look)

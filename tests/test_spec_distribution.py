@@ -70,7 +70,7 @@ def histograms(engine_dir: Path, speculative: dict | None, logit_bias: dict[int,
                              logit_bias=logit_bias) for i in range(N)]
     outs = engine.generate([prompt] * N, params)
     tokens = torch.tensor([o.token_ids for o in outs])   # [N, POSITIONS]
-    vocab = engine.runner.model_config.vocab_size
+    vocab = engine.core.runner.model_config.vocab_size
     counts = torch.stack([torch.bincount(tokens[:, i], minlength=vocab) for i in range(POSITIONS)])
     return counts, engine.stats().spec_decode
 

@@ -48,7 +48,7 @@ def no_blank(tiny) -> dict[int, float]:
     """logit_bias against the tokens that are only whitespace: the random model draws near-uniformly from
     what the grammar allows, and JSON allows indentation between any two tokens, so it would write
     blank lines until max_tokens runs out. (A trained model writes JSON as it saw it.)"""
-    vocab = tiny.runner.model_config.vocab_size
+    vocab = tiny.core.runner.model_config.vocab_size
     texts = tiny.tokenizer.convert_ids_to_tokens(list(range(vocab)))
     spaces = str.maketrans({"Ġ": " ", "Ċ": "\n", "ĉ": "\t", "č": "\r"})   # byte-level BPE's stand-ins
     return {i: -100.0 for i, t in enumerate(texts) if t and not t.translate(spaces).strip()}

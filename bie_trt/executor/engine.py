@@ -32,25 +32,24 @@ from .streams import RequestStream
 
 class BieEngine:
     # What a caller above the executor (the server, a replica deployment) reads on an engine: these
-    # attributes and the public methods. The rest (core, runner, scheduler, blocks, ...) is the engine's
-    # inside, which tests look into between steps; tests/test_layering.py holds the server to this list.
+    # attributes and the public methods. The engine's inside (its runner, scheduler, blocks, disk tier,
+    # speculation) is reached through one attribute, `core`, which tests and benchmarks look into between
+    # steps; no copy of the core's parts sits here. tests/test_layering.py holds the server to this list and
+    # __init__ to these attributes and the facade's own parts (FACADE_PARTS).
     PUBLIC_ATTRIBUTES = ("config", "tokenizer", "model_name", "max_model_len", "vocab_size", "max_num_seqs")
+    FACADE_PARTS = ("core", "prompts", "loop")
 
     def __init__(self, config: EngineConfig | str):
         self.config = config if isinstance(config, EngineConfig) else EngineConfig(engine_dir=str(config))
         # the core first: it checks the manifest before anything reads the tokenizer files
-        self.core = EngineCore(self.config)
-        self.tokenizer = self.core.tokenizer
+        self.core = core = EngineCore(self.config)
+        self.tokenizer = core.tokenizer
         self.prompts = PromptEncoder(self.tokenizer, self.config.chat_template_kwargs)
-        self.loop = EngineThread(self.core)
-        core = self.core
-        self.runner, self.scheduler, self.blocks, self.disk = core.runner, core.scheduler, core.blocks, core.disk
-        self.model_name = self.runner.manifest.model_name
+        self.loop = EngineThread(core)
+        self.model_name = core.runner.manifest.model_name
         self.max_model_len = core.max_model_len
-        self.vocab_size = self.runner.model_config.vocab_size   # the model's: token ids run 0 .. vocab_size - 1
-        self.max_num_seqs = self.scheduler.max_num_seqs         # requests the loop runs at once
-        self.speculative, self.proposer, self.adaptive = core.spec.config, core.spec.proposer, core.spec.adaptive
-        self.eos_ids = core.requests.eos_ids
+        self.vocab_size = core.runner.model_config.vocab_size   # the model's: token ids run 0 .. vocab_size - 1
+        self.max_num_seqs = core.scheduler.max_num_seqs         # requests the loop runs at once
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
@@ -150,7 +149,7 @@ class BieEngine:
         split by the engine's parser, unless an output constraint (`constrained`, or tool_choice's) shapes the
         whole reply; its calls read in the model family's format, passing `check` where given."""
         inside = None if constrained or tools.constraint is not None else self.reasoning_start(prompt_ids)
-        return ReplyProcessor(tools.parser(check, self.runner.model_config.declared.tool_parser), inside)
+        return ReplyProcessor(tools.parser(check, self.core.runner.model_config.declared.tool_parser), inside)
 
     def reasoning_parser(self, name: str | None = None) -> str:
         """The reasoning parser `name` stands for with this engine's model family and chat template (auto: the
@@ -159,7 +158,8 @@ class BieEngine:
         if name is None:
             return self.core.reasoning_parser
         try:
-            return resolve_parser(name, str(self.tokenizer.chat_template or ""), self.runner.model_config.declared)
+            return resolve_parser(name, str(self.tokenizer.chat_template or ""),
+                                 self.core.runner.model_config.declared)
         except ValueError as e:
             raise RequestError(str(e)) from None
 
@@ -179,10 +179,12 @@ class BieEngine:
     def reset_prefix_cache(self) -> None:
         """Forget the cached blocks no request holds, in both tiers (benchmarks use it to measure cold
         prefills)."""
+        core = self.core
+
         def reset() -> None:
-            self.blocks.reset_prefix_cache()
+            core.blocks.reset_prefix_cache()
             # the host tier's memory goes now, with the quantisations queued before it (in order)
-            self.runner.launch_moves(self.scheduler.take_moves())
+            core.runner.launch_moves(core.scheduler.take_moves())
 
         self.loop.call_and_wait(reset)
 
@@ -190,12 +192,12 @@ class BieEngine:
     def save_cache(self, prompt: str | list[int] | list[dict], path: str | Path, chat: bool = False) -> dict:
         """Write the prompt's KV blocks to `path` (atomically), prefilling it first unless it is cached.
         -> {"file", "tokens" (prompt tokens the file covers), "blocks", "bytes"}."""
-        ids = self.encode(prompt, chat)
+        ids, core = self.encode(prompt, chat), self.core
         self.generate(ids, SamplingParams(max_tokens=1, temperature=0))   # a hit, or the prefill that caches it
         cached: list[CachedBlock] = []
-        self.loop.call_and_wait(lambda: cached.extend(copy_out(self.blocks, self.runner, self.scheduler, ids)))
-        size = write_cache_file(Path(path), cache_identity(self.runner), ids, cached)
-        return {"file": str(path), "tokens": len(cached) * self.blocks.block_size, "blocks": len(cached),
+        self.loop.call_and_wait(lambda: cached.extend(copy_out(core.blocks, core.runner, core.scheduler, ids)))
+        size = write_cache_file(Path(path), cache_identity(core.runner), ids, cached)
+        return {"file": str(path), "tokens": len(cached) * core.blocks.block_size, "blocks": len(cached),
                 "bytes": size}
 
     def load_cache(self, path: str | Path, prompt: str | list[int] | list[dict] | None = None,
@@ -203,12 +205,13 @@ class BieEngine:
         """Put a cache file's blocks into the prefix cache (on the device while it has room), so that a
         request with its prompt hits them. CacheFileError (one line) for a file this engine cannot use, or
         one saved for another prompt than `prompt` when given. -> {"file", "tokens", "blocks"}."""
-        ids, cached = read_cache_file(Path(path), cache_identity(self.runner))
+        core = self.core
+        ids, cached = read_cache_file(Path(path), cache_identity(core.runner))
         if prompt is not None and self.encode(prompt, chat) != ids:
             raise CacheFileError(f"{path}: saved for another prompt ({len(ids)} tokens) than this one.")
         taken: list[int] = []
-        self.loop.call_and_wait(lambda: taken.append(adopt(self.blocks, self.runner, self.scheduler, cached)))
-        return {"file": str(path), "tokens": taken[0] * self.blocks.block_size, "blocks": taken[0]}
+        self.loop.call_and_wait(lambda: taken.append(adopt(core.blocks, core.runner, core.scheduler, cached)))
+        return {"file": str(path), "tokens": taken[0] * core.blocks.block_size, "blocks": taken[0]}
 
     def stats(self) -> EngineStats:
         """Read from any thread without stopping the loop: each number is read atomically, so a snapshot
@@ -218,5 +221,5 @@ class BieEngine:
     def close(self) -> None:
         """Finish the disk tier's writes and let go of its directory (a server does this as it stops; another
         engine on the same directory may then write it). The engine still serves, persisting nothing."""
-        if self.disk is not None:
-            self.disk.close()
+        if self.core.disk is not None:
+            self.core.disk.close()
