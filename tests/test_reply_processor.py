@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bie_trt.chat.reply_processor import ReplyProcessor
-from bie_trt.chat.tool_calls import ToolSetup
+from bie_trt.chat.tool_calls import TOOL_PARSERS, ToolSetup
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -68,3 +68,27 @@ def test_the_whole_reply():
 def test_an_unknown_tool_parser_is_refused():
     with pytest.raises(ValueError, match="tool parser 'pythonic'"):
         ToolSetup.of(TOOLS, "auto").parser(tool_parser="pythonic")
+
+
+def reads_no_calls(text: str, names, check) -> tuple[str | None, list]:
+    """A model family's tool parser that never finds a call (as one for another family's format would)."""
+    return text, []
+
+
+@pytest.mark.parametrize("size", [3, 1000])
+@pytest.mark.parametrize("choice, text", [
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo"}'),
+    ("required", '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')])
+def test_calls_under_tool_choices_grammar_are_taken_from_its_structure_not_the_familys_parser(
+        monkeypatch, choice, text, size):
+    monkeypatch.setitem(TOOL_PARSERS, "no_calls", reads_no_calls)
+    setup = ToolSetup.of(TOOLS, choice)
+    whole = ReplyProcessor(setup.parser(tool_parser="no_calls"), None).reply(text, "stop")
+    assert (whole.content, whole.finish_reason) == (None, "tool_calls")
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [("get_weather", {"city": "Oslo"})]
+    streamed = joined(ReplyProcessor(setup.parser(tool_parser="no_calls"), None), text, size)
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == \
+        [("get_weather", {"city": "Oslo"})] and streamed["content"] == ""
+    # the same family parser is the one a free reply is read by: there, the call it cannot read stays prose
+    free = ReplyProcessor(ToolSetup.of(TOOLS, "auto").parser(tool_parser="no_calls"), None).reply(CALL, "stop")
+    assert (free.content, free.tool_calls, free.finish_reason) == (CALL, [], "stop")

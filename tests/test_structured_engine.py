@@ -5,6 +5,7 @@ bad requests fail eagerly and the engine goes on. Bulk checks run on the tiny ra
 tokenizer, seconds per run); a few run on SmolLM2 itself."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -293,6 +294,23 @@ def test_chat_enforced_tool_calls_always_parse_and_validate(tiny, no_blank, choi
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
         if isinstance(choice, dict):
             assert [c.name for c in reply.tool_calls] == ["get_time"]
+
+
+def test_a_forced_call_is_taken_from_its_grammar_whatever_tool_parser_the_family_declares(tiny, no_blank,
+                                                                                            monkeypatch):
+    """An engine whose model family declares a tool parser that finds no call (one for another format) still
+    returns the named function's call: a reply tool_choice's grammar shaped is read by the grammar's structure."""
+    from bie_trt.chat.tool_calls import TOOL_PARSERS
+    from bie_trt.config import FAMILIES
+
+    model = tiny.core.runner.model_config
+    monkeypatch.setitem(TOOL_PARSERS, "no_calls", lambda text, names, check: (text, []))
+    monkeypatch.setitem(FAMILIES, model.family, dataclasses.replace(model.declared, tool_parser="no_calls"))
+    assert tiny.core.runner.model_config.declared.tool_parser == "no_calls"
+    reply = tiny.chat(ASK, SamplingParams(temperature=1.0, seed=0, max_tokens=48, logit_bias=no_blank),
+                      tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert [c.name for c in reply.tool_calls] == ["get_time"] and reply.finish_reason == "tool_calls", reply
+    jsonschema.validate(json.loads(reply.tool_calls[0].arguments), TIME["function"]["parameters"])
 
 
 def test_chat_auto_leaves_prose_as_content_and_bad_tool_choices_are_refused(tiny):

@@ -18,14 +18,14 @@ from ..errors import RequestError
 from ..sampling_params import StructuredOutputs
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-# The reply formats a model family may declare (ModelFamily.tool_parser): "hermes" reads both of the above.
-TOOL_PARSERS = ("hermes",)
 PYTHON_TAG = "<|python_tag|>"     # Llama-3.1 may open a JSON call with it
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _PROBE = "bie_trt_probe_function"
 
 
 CallCheck = Callable[["ToolCall"], bool]   # whether a parsed call is one (a tool's own rule on its arguments)
+# A model family's reader of a free reply: (text, the tools' names, a CallCheck) -> (prose, calls).
+FreeParser = Callable[[str, "set[str] | None", "CallCheck | None"], "tuple[str | None, list[ToolCall]]"]
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,11 @@ def parse_tool_calls(text: str, names: set[str] | None = None, check: CallCheck 
     return (content if content.strip() else None), until_repeat(calls)
 
 
+# The reply formats a model family may declare (ModelFamily.tool_parser), each the reader of a free ("auto")
+# reply: "hermes" reads both formats above. A reply tool_choice's grammar shapes is never handed to one.
+TOOL_PARSERS: dict[str, FreeParser] = {"hermes": parse_tool_calls}
+
+
 def held_back(text: str) -> int:
     """Where streamed prose must pause: the start of a Hermes tag, or of a partial one at the end
     (`<tool_c`), or 0 while the reply may still be a bare JSON call or is only whitespace so far."""
@@ -288,14 +293,16 @@ def _arguments_object(arguments: str) -> Any:
 class ReplyParser:
     """One choice's reply -> OpenAI's message (`message`) or its stream of deltas (`feed`, then `finish`).
 
-    mode "none": all prose. "auto": the model's own call format among prose. "required": the JSON array
-    of `required_schema`. "named": the reply is the arguments of `function`, streamed as they come.
+    mode "none": all prose. "auto": the model's own call format among prose, read by `free` (the model
+    family's parser). Under tool_choice's grammar the calls are taken from the grammar's structure, whatever
+    the family writes: "required": the JSON array of `required_schema`; "named": the reply is the arguments
+    of `function` (the object `parameters_of` constrains it to), streamed as they come.
     A stream reassembles to what `message` gives for the same text, call ids aside. `check`: a rule a
     free ("auto") reply's call must also pass to be one (a custom tool's grammar)."""
 
     def __init__(self, mode: str, names: set[str] | None = None, function: str | None = None,
-                 check: CallCheck | None = None):
-        self.mode, self.names, self.function, self.check = mode, names, function, check
+                 check: CallCheck | None = None, free: FreeParser = parse_tool_calls):
+        self.mode, self.names, self.function, self.check, self.free = mode, names, function, check, free
         self.text, self.sent, self.calls = "", 0, 0
         self._named_id = new_call_id() if mode == "named" else ""
 
@@ -306,7 +313,7 @@ class ReplyParser:
             calls = parse_required(text, self.names)
             return (text, []) if calls is None else (None, calls)
         if self.mode == "auto":
-            return parse_tool_calls(text, self.names, self.check)
+            return self.free(text, self.names, self.check)
         return text, []
 
     @staticmethod
@@ -413,8 +420,12 @@ class ToolSetup:
         return self.constraint or other
 
     def parser(self, check: CallCheck | None = None, tool_parser: str = "hermes") -> ReplyParser:
-        """A reply's parser, reading calls in the model family's format (`tool_parser`)."""
+        """A reply's parser: a free reply's calls read in the model family's format (`tool_parser`, one of
+        TOOL_PARSERS); a reply tool_choice's grammar shapes read by the grammar's structure alone, so that
+        a family's parser never decides what a forced call was."""
+        names = {t["function"]["name"] for t in self.tools or []}
+        if self.mode != "auto":
+            return ReplyParser(self.mode, names, self.function, check)
         if tool_parser not in TOOL_PARSERS:
             raise ValueError(f"tool parser {tool_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
-        names = {t["function"]["name"] for t in self.tools or []}
-        return ReplyParser(self.mode, names, self.function, check)
+        return ReplyParser(self.mode, names, self.function, check, TOOL_PARSERS[tool_parser])
