@@ -22,6 +22,7 @@ OPTIONS = {
     "kv_window": INT4 + ["--kv-window", "256"],
     "kv_rotation": INT4 + ["--kv-rotation", "none"],
     "kv_key_centering": INT4 + ["--kv-key-centering"],
+    "kv_key_scale": INT4 + ["--kv-key-scale"],
 }
 COMMON = ["--profile", "cpu", "--max-model-len", "512"]
 
@@ -67,7 +68,7 @@ def test_the_kv_options_are_declared_once():
     from bie_trt.config import _KV_OPTION_FIELDS, EngineConfig
 
     names = {f.name for f in dataclasses.fields(KVOverrides)}
-    assert names == set(_KV_OPTION_FIELDS) and "kv_key_scale" in names
+    assert names == set(_KV_OPTION_FIELDS) == set(OPTIONS)   # and plan and build price each one alike
     for options in (BuildOptions, EngineConfig):
         assert issubclass(options, KVOverrides) and not names & set(vars(options)["__annotations__"])
     given = BuildOptions("ckpt", "out", kv_window=256, kv_rotation="none")
