@@ -95,8 +95,7 @@ def test_chat_template_and_skip_verify_reach_the_engine(smollm2_engine, monkeypa
 
 def fake_engine(config):
     """What serve reads of an engine before it builds the app."""
-    return SimpleNamespace(config=config, model_name="m", max_model_len=1, runner=SimpleNamespace(max_num_seqs=1),
-                           close=lambda: None)
+    return SimpleNamespace(config=config, model_name="m", max_model_len=1, max_num_seqs=1, close=lambda: None)
 
 
 def test_the_disk_tier_is_on_by_default_and_its_options_reach_the_engine(tiny_engine, monkeypatch, tmp_path):
