@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ VERSION = "3.22.1"
 INSTALL = (f"npm install --prefix ~/.cache/bie-trt/llama-cpp node-llama-cpp@{VERSION} "
            f"@node-llama-cpp/linux-x64@{VERSION}")
 _SCRIPT = Path(__file__).with_name("llama_cpp_greedy.mjs")
+_LOGITS_SCRIPT = Path(__file__).with_name("llama_cpp_logits.mjs")
 
 
 def cache_dir() -> Path:
@@ -50,20 +52,42 @@ def prompt_windows(ids: list[int], lead: list[int], count: int, length: int) -> 
     return [lead + body[i * step:i * step + width] for i in range(count)]
 
 
-def greedy(model: str | Path, prompts: list[list[int]], tokens: int, context: int = 4096,
-           threads: int | None = None, timeout: float = 1800) -> dict:
-    """{"tokens": [[ids]] (each prompt's `tokens` greedy continuations), "prefill_s": [...], "decode_s": [...]}:
-    prefill is the time to the first new token, decode the time of the rest."""
+def _node(script: Path, job: dict, timeout: float):
     why = missing()
     if why:
         raise RuntimeError(why)
-    job = {"module": str(module_path()), "model": str(model), "prompts": prompts, "tokens": tokens,
-           "context": context, "threads": threads or os.cpu_count()}
-    run = subprocess.run(["node", str(_SCRIPT)], input=json.dumps(job), capture_output=True, text=True,
-                         timeout=timeout)
+    run = subprocess.run(["node", str(script)], input=json.dumps({"module": str(module_path()), **job}),
+                         capture_output=True, text=True, timeout=timeout)
     if run.returncode:
         raise RuntimeError(f"node-llama-cpp failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def greedy(model: str | Path, prompts: list[list[int]], tokens: int, context: int = 4096,
+           threads: int | None = None, timeout: float = 1800, options: dict | None = None) -> dict:
+    """{"tokens": [[ids]] (each prompt's `tokens` greedy continuations), "prefill_s": [...], "decode_s": [...]}:
+    prefill is the time to the first new token, decode the time of the rest. `options`: node-llama-cpp's
+    createContext options (e.g. {"flashAttention": false}) over its defaults."""
+    return _node(_SCRIPT, {"model": str(model), "prompts": prompts, "tokens": tokens, "context": context,
+                           "threads": threads or os.cpu_count(), "options": options or {}}, timeout)
+
+
+def next_token_logprobs(model: str | Path, sequences: list[list[int]], starts: list[int], top: int = 40,
+                        context: int = 4096, threads: int | None = None, timeout: float = 1800,
+                        options: dict | None = None) -> list[list[dict[int, float]]]:
+    """llama.cpp's log-probabilities of its `top` likeliest next tokens at every position of each sequence from
+    its start on, the sequence evaluated as one prompt (teacher-forced): [sequence][position] -> {id: logprob}."""
+    rows = _node(_LOGITS_SCRIPT, {"model": str(model), "sequences": sequences, "starts": starts, "top": top,
+                                  "context": context, "threads": threads or os.cpu_count(),
+                                  "options": options or {}}, timeout)
+    out = []
+    for seq in rows:
+        out.append([])
+        for row in seq:
+            logits = {int(i): float(v) for i, v in row["top"]}
+            norm = max(logits.values()) + math.log(row["total"])   # total = sum(exp(logit - max)) over the vocabulary
+            out[-1].append({i: v - norm for i, v in logits.items()})
+    return out
 
 
 def main() -> None:

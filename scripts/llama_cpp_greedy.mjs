@@ -1,6 +1,6 @@
 // Greedy continuations by llama.cpp (node-llama-cpp's prebuilt CPU build) of token-id prompts.
 // stdin: {"module": ".../node-llama-cpp/dist/index.js", "model": "FILE.gguf", "prompts": [[ids]], "tokens": N,
-//         "context": N, "threads": N}; stdout: {"tokens": [[ids]], "prefill_s": [..], "decode_s": [..]}
+//         "context": N, "threads": N, "options": {createContext options}}; stdout: {"tokens": [[ids]], "prefill_s": [..], "decode_s": [..]}
 import {readFileSync} from "node:fs";
 import {pathToFileURL} from "node:url";
 
@@ -11,7 +11,8 @@ const model = await llama.loadModel({modelPath: job.model, gpuLayers: 0});
 const out = {tokens: [], prefill_s: [], decode_s: []};
 for (const prompt of job.prompts) {
     // a fresh context a prompt: nothing is reused between prompts
-    const context = await model.createContext({contextSize: job.context, threads: job.threads, batchSize: 512});
+    const context = await model.createContext({contextSize: job.context, threads: job.threads, batchSize: 512,
+                                               ...(job.options ?? {})});
     const sequence = context.getSequence();
     const got = [];
     const start = performance.now();

@@ -4,6 +4,7 @@ skipped, naming the install command, without node or the package)."""
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,35 @@ def test_greedy_tokens_equal_llama_cpps_on_the_coder_file(build):
     # both run the file's own weights; what may differ is float summation order, so a near-tie may flip once
     same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
     assert same >= PROMPTS * TOKENS - 1, (ours, theirs)
+
+
+@pytest.mark.slow
+def test_llama_cpps_next_token_logprobs_are_transformers_on_the_same_file():
+    """llama.cpp's teacher-forced log-probabilities (normalised over the whole vocabulary, not its top tokens) are
+    transformers' on the file's weights, up to llama.cpp's rounding, and its context options reach it."""
+    if why := llama_cpp.missing():
+        pytest.skip(why)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_checkpoint("smollm2-135m.gguf")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    text = load_eval_text("builtin:python-docs")[:2_000]
+    seq = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)(text).input_ids[:120]
+    start = 100
+    with torch.no_grad():
+        ours = torch.log_softmax(model(torch.tensor([seq])).logits[0, start:].double(), -1)
+    runs = [llama_cpp.next_token_logprobs(path, [seq], [start], top=20, context=256, options=opts)[0]
+            for opts in ({}, {"flashAttention": False})]
+    assert runs[0] != runs[1]   # the option reached llama.cpp: its other attention path rounds otherwise
+    for rows in runs:
+        assert len(rows) == len(seq) - start
+        spread = []
+        for i, row in enumerate(rows):
+            top5 = sorted(row, key=row.get, reverse=True)[:5]
+            # normalised over the vocabulary: the 20 listed carry at most all of its mass
+            assert sum(math.exp(v) for v in row.values()) <= 1 + 1e-6
+            # llama.cpp rounds its activations to 8 bits before each product: near, not equal
+            assert top5[0] == int(ours[i].argmax()) or float(ours[i].max() - ours[i, top5[0]]) < 0.3, (i, row)
+            spread += [abs(row[t] - float(ours[i, t])) for t in top5]
+        assert max(spread) < 0.5 and sum(spread) / len(spread) < 0.15, spread
