@@ -141,3 +141,54 @@ def test_every_key_shifts_by_the_same_mean(tiny_engine, dtype):
         return runner.forward([SeqInput(tokens, 0, list(range(3)), all_logits=True)])[0]
 
     torch.testing.assert_close(logits(True), logits(False), atol=1e-4, rtol=1e-4)
+
+
+# Layer 1's q_proj and k_proj of a tiny Llama multiplied by this: its scores grow 144-fold and softmax turns
+# sharp, so INT4's rounding of keys with no offset and channels alike (nothing for centering or the scale to fix)
+# moves that layer's attention by 0.33, FP8's by 0.12 (bound 0.2).
+SHARP_LAYER, SHARP = 1, 12.0
+
+
+@pytest.fixture(scope="module")
+def sharp_engine(build, tmp_path_factory, smollm2_checkpoint):
+    from bie_trt.builder.checkpoint.quantize import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("sharp-llama")
+    hf = write_tiny_hf(root / "hf", smollm2_checkpoint, seed=5, num_attention_heads=2, num_key_value_heads=1)
+    weights = load_file(str(hf / "model.safetensors"))
+    for proj in ("q_proj", "k_proj"):
+        name = f"model.layers.{SHARP_LAYER}.self_attn.{proj}.weight"
+        weights[name] = (weights[name].float() * SHARP).half()
+    save_file(weights, str(hf / "model.safetensors"))
+    ckpt = quantize_checkpoint(hf, root / "awq", group_size=32)
+    return build(checkpoint=str(ckpt), max_model_len=1024, kv_cache_dtype="int4_asym", kv_group_size=32)
+
+
+def over_bound(choice: dict) -> list[int]:
+    """The layers whose recorded attention error, with the key scale as chosen for each, exceeds the bound."""
+    scale = choice["key_scale"]
+    return [li for li, e in enumerate(scale["attention_error_per_layer"])
+            if e is not None and e[li in scale["layers"]] > choice["attention_bound"]["bound"]]
+
+
+def test_a_layer_no_setting_rescues_is_reported_with_fp8_as_the_fix(sharp_engine):
+    """Neither centering nor the key scale brings the sharp layer within the bound: the manifest says so, names
+    FP8 (measured within it), and `inspect` shows it."""
+    choice = json.loads((sharp_engine / "manifest.json").read_text())["kv_choice"]
+    bound = choice["attention_bound"]
+    assert bound["met"] is False and bound["layers_over"] == over_bound(choice) == [SHARP_LAYER], choice
+    assert bound["worst"]["layer"] == SHARP_LAYER and bound["worst"]["attention_error"] > bound["bound"]
+    assert bound["fp8_worst_attention_error"] <= bound["bound"] and bound["fix"] == "--kv-cache-dtype fp8"
+    assert f"layers [{SHARP_LAYER}]" in bound["why"] and bound["why"].endswith("build with --kv-cache-dtype fp8")
+    shown = CliRunner().invoke(main, ["inspect", str(sharp_engine)])
+    assert shown.exit_code == 0, shown.output
+    assert "attention error bound 0.2: NOT met" in shown.output and "--kv-cache-dtype fp8" in shown.output
+
+
+def test_a_model_the_chosen_settings_rescue_meets_the_bound(offset_engine):
+    """The offset layer centering fixes leaves every layer within the bound, and no fix is named."""
+    choice = json.loads((offset_engine / "manifest.json").read_text())["kv_choice"]
+    assert choice["attention_bound"]["met"] is True and over_bound(choice) == [], choice
+    assert "fix" not in choice["attention_bound"]
+    shown = CliRunner().invoke(main, ["inspect", str(offset_engine)])
+    assert "attention error bound 0.2: met (worst" in shown.output
