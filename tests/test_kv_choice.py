@@ -185,6 +185,29 @@ def test_a_layer_no_setting_rescues_is_reported_with_fp8_as_the_fix(sharp_engine
     assert "attention error bound 0.2: NOT met" in shown.output and "--kv-cache-dtype fp8" in shown.output
 
 
+def test_where_fp8_misses_the_bound_too_fp16_is_named():
+    """Queries 16x sharper in layer 1 of a synthetic calibration: INT4 0.31 there (0.08 in layer 0), FP8 0.10.
+    Against a bound of 0.05 neither meets it; the FP8 figure the INT4 check reports is what an FP8 build's own
+    check measures."""
+    from bie_trt.builder.key_centering import Calibration
+    from bie_trt.model.synthetic import tiny_llama
+
+    g = torch.Generator().manual_seed(3)
+    cfg = tiny_llama(hidden_size=256, num_heads=4, num_kv_heads=1, num_layers=2)
+    keys, values = torch.randn(2, 1, 256, cfg.head_dim, generator=g), torch.randn(2, 1, 256, cfg.head_dim, generator=g)
+    queries = {li: torch.randn(4, 256, cfg.head_dim, generator=g) * (16 if li == 1 else 1) for li in range(2)}
+    calibration, mean = Calibration(keys, values, queries, cfg.head_dim ** -0.5), keys.mean(dim=2)
+    checks = {}
+    for dtype in ("int4_asym", "fp8"):
+        kv = KVCacheConfig(dtype=dtype)
+        _, _, chosen = kv_choice.choose_key_transforms(calibration, cfg, mean, kv, None, None)
+        checks[dtype] = kv_choice.check_attention_bound(calibration, cfg, mean, kv, None, None, chosen, bound=0.05)
+    int4, fp8 = checks["int4_asym"], checks["fp8"]
+    assert (int4["met"], int4["layers_over"], fp8["met"], fp8["layers_over"]) == (False, [0, 1], False, [1]), checks
+    assert int4["fp8_worst_attention_error"] == fp8["worst"]["attention_error"] > 0.05
+    assert int4["fix"] == fp8["fix"] == "--kv-cache-dtype fp16" and "over it too" in int4["why"]
+
+
 def test_a_model_the_chosen_settings_rescue_meets_the_bound(offset_engine):
     """The offset layer centering fixes leaves every layer within the bound, and no fix is named."""
     choice = json.loads((offset_engine / "manifest.json").read_text())["kv_choice"]
