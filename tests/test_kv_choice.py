@@ -183,6 +183,7 @@ def test_a_layer_no_setting_rescues_is_reported_with_fp8_as_the_fix(sharp_engine
     shown = CliRunner().invoke(main, ["inspect", str(sharp_engine)])
     assert shown.exit_code == 0, shown.output
     assert "attention error bound 0.2: NOT met" in shown.output and "--kv-cache-dtype fp8" in shown.output
+    assert f"| KV cache quality | {bound['why']} |" in (sharp_engine / "README.md").read_text()
 
 
 def test_where_fp8_misses_the_bound_too_fp16_is_named():
