@@ -32,7 +32,7 @@ from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
 from .engine_docs import render
 from .fused_linears import fused_linear, gguf_head
-from .kv_choice import choose_key_centering, choose_key_scale
+from .kv_choice import check_attention_bound, choose_key_transforms
 
 if TYPE_CHECKING:
     from .key_centering import Calibration
@@ -173,14 +173,17 @@ def _choose_key_transforms(m: ModelConfig, weights: dict[str, torch.Tensor], tok
     mean = calibration.keys.mean(dim=2)
     weights["kv.key_mean"] = mean.half()
     stored = mean.half().float()   # decided against the stored (fp16) mean: the one the runtime subtracts
-    kv, choice = choose_key_centering(calibration.keys, stored, kv, opts.kv_key_centering)
-    log(f"KV key centering {'on' if kv.key_centering else 'off'}: {choice['why']}")
-    kv, key_scale, choice["key_scale"] = choose_key_scale(
-        calibration, m, stored if kv.key_centering else None, kv, opts.kv_key_scale)
+    chosen, key_scale, choice = choose_key_transforms(calibration, m, stored, kv, opts.kv_key_centering,
+                                                      opts.kv_key_scale)
     weights["kv.key_scale"] = key_scale.half()
-    log(f"KV key scale {'on' if kv.key_scale else 'off'} (layers {choice['key_scale']['layers']}): "
+    log(f"KV key centering {'on' if chosen.key_centering else 'off'}: {choice['why']}")
+    log(f"KV key scale {'on' if chosen.key_scale else 'off'} (layers {choice['key_scale']['layers']}): "
         f"{choice['key_scale']['why']}")
-    return kv, choice
+    choice["attention_bound"] = check_attention_bound(calibration, m, stored, kv, opts.kv_key_centering,
+                                                      opts.kv_key_scale, choice)
+    if not choice["attention_bound"]["met"]:
+        log(f"warning: {choice['attention_bound']['why']}")
+    return chosen, choice
 
 
 def tune_kernels(model: ModelConfig, profile: BuildProfile, group_size: int) -> dict:

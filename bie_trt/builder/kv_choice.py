@@ -181,3 +181,66 @@ def choose_key_scale(calibration: Any, model: Any, mean: torch.Tensor | None, kv
               # per layer, the attention error [without, with] the scale (None: a layer with no keys of its own)
               "attention_error_per_layer": errors}
     return dataclasses.replace(kv, key_scale=bool(layers)), scale, record
+
+
+# --- What the chosen settings still leave ---------------------------------------------------------------------
+# The attention error (as measured above) a layer may keep once centering and the key scale are chosen. Measured
+# engines: Qwen2.5-Coder-0.5B as chosen (worst layer 0.11) +0.04% perplexity at 2k, +0.38% at 8k; with centering
+# only (layer 0 at 0.72) +2.8% at 2k; Gemma-3-270M before the key scale (worst 0.25) +0.61% at 32k
+# (docs/kv-cache-quality.md).
+ATTENTION_ERROR_BOUND = 0.2
+
+
+def choose_key_transforms(calibration: Any, model: Any, mean: torch.Tensor, kv: KVCacheConfig,
+                          centering: bool | None, scale: bool | None
+                          ) -> tuple[KVCacheConfig, torch.Tensor, dict[str, Any]]:
+    """Key centering, then the key scale over keys centred as decided: the KV config, the scale to store and the
+    manifest's `kv_choice` record. `mean` [L, Hkv, D] is the one the cache subtracts; `centering`, `scale`: the
+    build options (None: measured)."""
+    kv, choice = choose_key_centering(calibration.keys, mean, kv, centering)
+    kv, key_scale, choice["key_scale"] = choose_key_scale(calibration, model, mean if kv.key_centering else None,
+                                                          kv, scale)
+    return kv, key_scale, choice
+
+
+def chosen_attention_errors(key_scale_record: dict[str, Any]) -> dict[int, float]:
+    """Layer -> its measured attention error with the key scale as chosen for it (its own keys only)."""
+    scaled = set(key_scale_record["layers"])
+    return {li: e[1] if li in scaled else e[0]
+            for li, e in enumerate(key_scale_record["attention_error_per_layer"]) if e is not None}
+
+
+def check_attention_bound(calibration: Any, model: Any, mean: torch.Tensor, kv: KVCacheConfig,
+                          centering: bool | None, scale: bool | None, chosen: dict[str, Any],
+                          bound: float | None = None) -> dict[str, Any]:
+    """Whether the chosen settings (`chosen`: choose_key_transforms' record for `kv`'s cache type) keep every
+    layer's measured attention error within `bound` (None: ATTENTION_ERROR_BOUND), and where they do not, which
+    cache type does: FP8 as its own build would choose centering and scale for it (measured here), else FP16.
+    `kv` is the config before centering and the scale were chosen, `centering`/`scale` the build options."""
+    bound = ATTENTION_ERROR_BOUND if bound is None else bound
+    fmt = chosen["measured_format"]
+    if kv.dtype == "fp16":
+        return {"bound": bound, "met": True, "why": "an FP16 cache: nothing is quantised"}
+    errors = chosen_attention_errors(chosen["key_scale"])
+    over = sorted(li for li, e in errors.items() if e > bound)
+    worst = max(errors, key=errors.get)
+    record: dict[str, Any] = {"bound": bound, "format": fmt, "met": not over, "layers_over": over,
+                              "worst": {"layer": worst, "attention_error": errors[worst]}}
+    if not over:
+        return record
+    fix = "fp16"
+    if kv.dtype != "fp8":
+        _, _, fp8 = choose_key_transforms(calibration, model, mean, dataclasses.replace(kv, dtype="fp8"),
+                                          centering, scale)
+        fp8_worst = max(chosen_attention_errors(fp8["key_scale"]).values())
+        record["fp8_worst_attention_error"] = fp8_worst
+        if fp8_worst <= bound:
+            fix = "fp8"
+    record["fix"] = f"--kv-cache-dtype {fix}"
+    record["why"] = (f"{fmt} keys with the chosen centering and key scale still move attention by more than "
+                     f"{bound} in layers {over} (worst {errors[worst]:.3f}, layer {worst}); "
+                     + (f"FP8 measured {record['fp8_worst_attention_error']:.3f} at worst"
+                        + (", over it too" if fix == "fp16" else "") + ": " if "fp8_worst_attention_error" in record
+                        else "")
+                     + f"build with {record['fix']}")
+    return record

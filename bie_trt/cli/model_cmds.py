@@ -131,6 +131,12 @@ def _kv_choice_lines(choice: Mapping[str, Any] | None) -> list[str]:
             errors = [e for e in scale["attention_error_per_layer"] if e is not None]
             lines += ["  attention error per layer without the key scale: " + " ".join(f"{e[0]:.3f}" for e in errors),
                       "  with it: " + " ".join(f"{e[1]:.3f}" for e in errors)]
+    bound = choice.get("attention_bound")   # none before the check existed, or where nothing was measured
+    if bound is not None and "format" in bound:
+        worst = bound["worst"]
+        lines.append(f"  attention error bound {bound['bound']}: " +
+                     (f"met (worst {worst['attention_error']:.3f}, layer {worst['layer']})" if bound["met"]
+                      else f"NOT met: {bound['why']}"))
     return lines
 
 
