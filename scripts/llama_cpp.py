@@ -77,6 +77,21 @@ def next_token_logprobs(model: str | Path, sequences: list[list[int]], starts: l
                         options: dict | None = None) -> list[list[dict[int, float]]]:
     """llama.cpp's log-probabilities of its `top` likeliest next tokens at every position of each sequence from
     its start on, the sequence evaluated as one prompt (teacher-forced): [sequence][position] -> {id: logprob}."""
+    return [[row for row, _ in seq] for seq in _logprob_rows(model, sequences, starts, top, context, threads,
+                                                             timeout, options)]
+
+
+def following_logprobs(model: str | Path, sequence: list[int], top: int = 40, context: int = 4096,
+                       threads: int | None = None, timeout: float = 1800, options: dict | None = None
+                       ) -> tuple[list[dict[int, float]], list[float]]:
+    """llama.cpp over one sequence as one prompt (teacher-forced): at each position but the last, its `top`
+    likeliest next tokens' log-probs and the log-prob of the token that does follow (what perplexity needs)."""
+    rows = _logprob_rows(model, [sequence], [0], top, context, threads, timeout, options)[0][:-1]
+    return [r for r, _ in rows], [f for _, f in rows]
+
+
+def _logprob_rows(model, sequences, starts, top, context, threads, timeout, options):
+    """[sequence][position] -> ({id: log-prob} of its top tokens, the following token's log-prob or None)."""
     rows = _node(_LOGITS_SCRIPT, {"model": str(model), "sequences": sequences, "starts": starts, "top": top,
                                   "context": context, "threads": threads or os.cpu_count(),
                                   "options": options or {}}, timeout)
@@ -86,7 +101,8 @@ def next_token_logprobs(model: str | Path, sequences: list[list[int]], starts: l
         for row in seq:
             logits = {int(i): float(v) for i, v in row["top"]}
             norm = max(logits.values()) + math.log(row["total"])   # total = sum(exp(logit - max)) over the vocabulary
-            out[-1].append({i: v - norm for i, v in logits.items()})
+            following = row.get("following")
+            out[-1].append(({i: v - norm for i, v in logits.items()}, None if following is None else following - norm))
     return out
 
 

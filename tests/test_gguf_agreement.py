@@ -3,10 +3,6 @@
 rounding (scripts/ggml_cpu_arithmetic.py) equal to the `gguf` package's Q8_0."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
@@ -16,19 +12,8 @@ from bie_trt.builder.checkpoint.gguf_checkpoint import GGUFCheckpoint
 from bie_trt.builder.checkpoint.registry import resolve_checkpoint
 from bie_trt.errors import CheckpointError
 from bie_trt.kernels.gguf_blocks import dequantize
+from scripts_dir import load_script
 
-SCRIPTS = Path(__file__).parents[1] / "scripts"
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(SCRIPTS))   # the scripts import their neighbours (report, llama_cpp)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return module
 
 
 def _real(name: str) -> GGUFCheckpoint:
@@ -70,7 +55,7 @@ def test_prompts_carry_the_tokenizers_lead_once_each(lead):
     """A text's ids as Gemma's tokenizer gives them start with its BOS (2): every prompt window starts with
     exactly one, as llama.cpp and transformers are given (without the lead only the first window would have
     it); Qwen's tokenizer adds nothing and its windows are the text's alone."""
-    llama_cpp = _script("llama_cpp")
+    llama_cpp = load_script("llama_cpp")
     ids = lead + list(range(10, 410))
     prompts = llama_cpp.prompt_windows(ids, lead, 5, 100)
     assert all(len(p) == 100 and p[:len(lead)] == lead and 2 not in p[len(lead):] for p in prompts)
@@ -80,7 +65,7 @@ def test_prompts_carry_the_tokenizers_lead_once_each(lead):
 def test_the_emulated_q8_0_activation_rounding_is_the_gguf_packages():
     """ggml rounds each activation row to Q8_0 before a Q5_0/Q8_0 product: the emulation equals the `gguf`
     package's Q8_0 quantise-dequantise (it rounds half away from zero, x86 half to even: equal off ties)."""
-    ggml = _script("ggml_cpu_arithmetic")
+    ggml = load_script("ggml_cpu_arithmetic")
     x = np.random.default_rng(0).standard_normal((16, 1024)).astype(np.float32) * 3
     x[0, :32] = 0   # an all-zero block: scale 0
     want = gguf.quants.dequantize(gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
@@ -91,7 +76,7 @@ def test_the_emulated_q8_0_activation_rounding_is_the_gguf_packages():
 def test_the_emulated_q8_k_rounding_keeps_each_blocks_peak_and_127_levels():
     """Q8_K (before Q4_K/Q5_K/Q6_K products; the `gguf` package has no Q8_K): each block of 256 on a grid of
     its peak / 127, the peak itself exact, and within half a step of every input."""
-    ggml = _script("ggml_cpu_arithmetic")
+    ggml = load_script("ggml_cpu_arithmetic")
     x = torch.from_numpy(np.random.default_rng(1).standard_normal((4, 512)).astype(np.float32))
     y = ggml.round_q8_k(x)
     blocks, got = x.reshape(-1, 256), y.reshape(-1, 256)

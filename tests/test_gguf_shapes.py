@@ -3,18 +3,14 @@ hole: scripts/shaped_gguf.py): their config read as llama.cpp reads it, and thei
 each tensor's own bytes."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from bie_trt.builder.build import BuildOptions, open_checkpoint, plan_for, resolve_kv
 from bie_trt.builder.checkpoint.gguf_checkpoint import GGUFCheckpoint
 from bie_trt.profiles import resolve_profile
+from scripts_dir import load_script
 
-_spec = importlib.util.spec_from_file_location("shaped_gguf", Path(__file__).parents[1] / "scripts" / "shaped_gguf.py")
-shaped = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(shaped)
+shaped = load_script("shaped_gguf")
 
 
 @pytest.mark.parametrize("name, scalar", [("gemma-3-27b", 5376 // 32), ("gemma-3-1b", 256)])

@@ -2,6 +2,7 @@
 explicit option wins, and the engine runs with the setting its manifest records."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -207,6 +208,35 @@ def test_where_fp8_misses_the_bound_too_fp16_is_named():
     assert (int4["met"], int4["layers_over"], fp8["met"], fp8["layers_over"]) == (False, [0, 1], False, [1]), checks
     assert int4["fp8_worst_attention_error"] == fp8["worst"]["attention_error"] > 0.05
     assert int4["fix"] == fp8["fix"] == "--kv-cache-dtype fp16" and "over it too" in int4["why"]
+
+
+def test_a_hybrid_models_sliding_layers_keep_fp16_keys_and_are_not_weighed():
+    """Gemma 3's sliding layers keep their keys in an FP16 pool of their own: a sliding layer whose keys carry a
+    large offset and whose queries are 16x sharp (INT4 would move it far past the bound) turns on neither
+    centering nor its key scale and does not fail the bound; the full layer beside it is measured as before."""
+    from bie_trt.builder.key_centering import Calibration
+    from bie_trt.model.synthetic import tiny_llama
+
+    g = torch.Generator().manual_seed(3)
+    cfg = dataclasses.replace(tiny_llama(hidden_size=256, num_heads=4, num_kv_heads=1, num_layers=2),
+                              layer_types=("full_attention", "sliding_attention"), sliding_window=64)
+    keys, values = torch.randn(2, 1, 256, cfg.head_dim, generator=g), torch.randn(2, 1, 256, cfg.head_dim, generator=g)
+    keys[1] += 50.0 * torch.randn(cfg.head_dim, generator=g)
+    queries = {li: torch.randn(4, 256, cfg.head_dim, generator=g) * (16 if li == 1 else 1) for li in range(2)}
+    calibration, mean = Calibration(keys, values, queries, cfg.head_dim ** -0.5), keys.mean(dim=2)
+    kv = KVCacheConfig(dtype="int4_asym")
+    assert kv_choice.quantised_layers(cfg) == [0]
+    chosen, scale, choice = kv_choice.choose_key_transforms(calibration, cfg, mean, kv, None, None)
+    assert choice["key_error_per_layer"]["without_centering"][1] > 1 > kv_choice.KEY_ERROR_BOUND   # measured, ...
+    assert not chosen.key_centering and "layer 0" in choice["why"], choice                        # ... not weighed
+    errors = choice["key_scale"]["attention_error_per_layer"]
+    assert errors[1] is None and errors[0] is not None and (scale[1] == 1).all()
+    bound = kv_choice.check_attention_bound(calibration, cfg, mean, kv, None, None, choice)
+    assert bound["met"] and bound["worst"]["layer"] == 0, bound
+    # the same layer as a full one is over the bound: what the sliding layer escaped is real
+    full = dataclasses.replace(cfg, layer_types=("full_attention", "full_attention"), sliding_window=None)
+    _, _, choice = kv_choice.choose_key_transforms(calibration, full, mean, kv, None, None)
+    assert not kv_choice.check_attention_bound(calibration, full, mean, kv, None, None, choice)["met"]
 
 
 def test_a_model_the_chosen_settings_rescue_meets_the_bound(offset_engine):

@@ -59,17 +59,28 @@ def relative_key_error(keys: torch.Tensor, mean: torch.Tensor | None, kv: KVCach
     return err.pow(2).mean(dim=(2, 3)).sqrt() / variation.pow(2).mean(dim=(2, 3)).sqrt().clamp_min(1e-12)
 
 
+def quantised_layers(model: Any) -> list[int]:
+    """The layers whose keys the cache stores quantised: those owning a full-attention cache. A hybrid model's
+    sliding layers keep theirs in FP16 (their own bounded pool), a KV-shared or linear-attention layer owns none,
+    so nothing about their keys is rounded and nothing is measured or decided for them."""
+    return [li for li in range(model.num_layers) if model.cache_kind(li) == "full_attention"]
+
+
 def choose_key_centering(keys: torch.Tensor, mean: torch.Tensor, kv: KVCacheConfig, explicit: bool | None,
-                         bound: float | None = None) -> tuple[KVCacheConfig, dict[str, Any]]:
+                         bound: float | None = None, layers: list[int] | None = None
+                         ) -> tuple[KVCacheConfig, dict[str, Any]]:
     """The KV config with key centering decided, and the record the manifest keeps as `kv_choice`.
 
     `explicit`: the build option (None: not given). A family default already on (Gemma 3) stays on.
-    `bound`: None is KEY_ERROR_BOUND."""
+    `bound`: None is KEY_ERROR_BOUND. `layers`: those the decision weighs (quantised_layers; None: every one);
+    the record lists every layer's error."""
     bound = KEY_ERROR_BOUND if bound is None else bound
     off = relative_key_error(keys, None, kv)
     on = relative_key_error(keys, mean, kv)
-    worst_off, worst_on = off.max().item(), on.max().item()
-    layer, head = divmod(int(off.argmax()), off.shape[1])
+    weighed = list(range(keys.shape[0])) if layers is None else layers
+    worst_off, worst_on = off[weighed].max().item(), on[weighed].max().item()
+    layer, head = divmod(int(off[weighed].argmax()), off.shape[1])
+    layer = weighed[layer]
     measured = f"worst key error without centering {worst_off:.3f} (layer {layer}, KV head {head}), with {worst_on:.3f}"
     if explicit is not None:
         centering, why = explicit, "set by the build option"
@@ -154,17 +165,19 @@ def choose_key_scale(calibration: Any, model: Any, mean: torch.Tensor | None, kv
     unscaled) and the record the manifest keeps as `kv_choice.key_scale`.
 
     `calibration`: key_centering.Calibration; `model`: its ModelConfig (each layer's KV heads and head_dim);
-    `mean`: the mean key the cache subtracts ([L, Hkv, D], or None without centering). A layer is scaled where
-    its measured attention error falls by at least `min_gain` (None: KEY_SCALE_MIN_GAIN); `explicit` (the build
-    option) True scales every layer, False none, and the measurements are recorded either way."""
+    `mean`: the mean key the cache subtracts ([L, Hkv, D], or None without centering). A quantised layer
+    (quantised_layers) is scaled where its measured attention error falls by at least `min_gain` (None:
+    KEY_SCALE_MIN_GAIN); `explicit` (the build option) True scales every quantised layer, False none, and the
+    measurements are recorded either way."""
     min_gain = KEY_SCALE_MIN_GAIN if min_gain is None else min_gain
     keys = calibration.keys if mean is None else calibration.keys - mean[:, :, None]
     scale = torch.ones(keys.shape[0], keys.shape[1], keys.shape[3])
     errors: list[list[float] | None] = []
     layers = []
+    quantised = set(quantised_layers(model))
     for li in range(keys.shape[0]):
         q = calibration.queries.get(li)
-        if q is None or model.kv_source(li) != li:   # no keys of its own (linear attention, a KV-shared layer)
+        if q is None or li not in quantised:   # keys kept in FP16, or none of its own
             errors.append(None)
             continue
         h, d = model.kv_heads_of(li), model.head_dim_of(li)
@@ -178,7 +191,7 @@ def choose_key_scale(calibration: Any, model: Any, mean: torch.Tensor | None, kv
            f"measured: attention error through the cache's quantiser falls by at least {min_gain:.0%} in "
            f"{len(layers)} of {sum(e is not None for e in errors)} layers")
     record = {"layers": layers, "why": why, "min_gain": min_gain,
-              # per layer, the attention error [without, with] the scale (None: a layer with no keys of its own)
+              # per layer, the attention error [without, with] the scale (None: a layer whose keys are not quantised)
               "attention_error_per_layer": errors}
     return dataclasses.replace(kv, key_scale=bool(layers)), scale, record
 
@@ -197,14 +210,14 @@ def choose_key_transforms(calibration: Any, model: Any, mean: torch.Tensor, kv: 
     """Key centering, then the key scale over keys centred as decided: the KV config, the scale to store and the
     manifest's `kv_choice` record. `mean` [L, Hkv, D] is the one the cache subtracts; `centering`, `scale`: the
     build options (None: measured)."""
-    kv, choice = choose_key_centering(calibration.keys, mean, kv, centering)
+    kv, choice = choose_key_centering(calibration.keys, mean, kv, centering, layers=quantised_layers(model))
     kv, key_scale, choice["key_scale"] = choose_key_scale(calibration, model, mean if kv.key_centering else None,
                                                           kv, scale)
     return kv, key_scale, choice
 
 
 def chosen_attention_errors(key_scale_record: dict[str, Any]) -> dict[int, float]:
-    """Layer -> its measured attention error with the key scale as chosen for it (its own keys only)."""
+    """Layer -> its measured attention error with the key scale as chosen for it (quantised layers only)."""
     scaled = set(key_scale_record["layers"])
     return {li: e[1] if li in scaled else e[0]
             for li, e in enumerate(key_scale_record["attention_error_per_layer"]) if e is not None}

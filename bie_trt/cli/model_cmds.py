@@ -128,9 +128,11 @@ def _kv_choice_lines(choice: Mapping[str, Any] | None) -> list[str]:
     if scale := choice.get("key_scale"):   # engines built before the key scale have no record of it
         lines.append(f"  key scale in layers {scale['layers'] or 'none'}: {scale['why']}")
         if "attention_error_per_layer" in scale:
-            errors = [e for e in scale["attention_error_per_layer"] if e is not None]
-            lines += ["  attention error per layer without the key scale: " + " ".join(f"{e[0]:.3f}" for e in errors),
-                      "  with it: " + " ".join(f"{e[1]:.3f}" for e in errors)]
+            errors = scale["attention_error_per_layer"]   # None: a layer whose keys are not quantised
+
+            def row(i: int) -> str:
+                return " ".join("-" if e is None else f"{e[i]:.3f}" for e in errors)
+            lines += ["  attention error per layer without the key scale: " + row(0), "  with it: " + row(1)]
     bound = choice.get("attention_bound")   # none before the check existed, or where nothing was measured
     if bound is not None and "format" in bound:
         worst = bound["worst"]
