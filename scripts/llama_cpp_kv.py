@@ -25,15 +25,19 @@ CACHE_TYPES = ("F16", "Q8_0", "Q4_0")
 
 def kl_over_top(reference: list[dict[int, float]], other: list[dict[int, float]]) -> float:
     """Mean KL(reference ‖ other) over positions, each over the reference's listed tokens that `other` lists
-    too, both renormalised over them."""
-    total = 0.0
+    too, both renormalised over them (positions where none is shared left out)."""
+    def normalised(logp: list[float]) -> list[float]:
+        top = max(logp)
+        z = top + math.log(sum(math.exp(x - top) for x in logp))
+        return [x - z for x in logp]
+
+    kl = []
     for a, b in zip(reference, other):
         ids = [t for t in a if t in b]
-        la = [a[t] for t in ids]
-        lb = [b[t] for t in ids]
-        za, zb = math.log(sum(map(math.exp, la))), math.log(sum(map(math.exp, lb)))
-        total += sum(math.exp(x - za) * ((x - za) - (y - zb)) for x, y in zip(la, lb))
-    return total / len(reference)
+        if ids:   # none only where the two runs' 40 likeliest tokens are disjoint
+            la, lb = normalised([a[t] for t in ids]), normalised([b[t] for t in ids])
+            kl.append(sum(math.exp(x) * (x - y) for x, y in zip(la, lb)))
+    return sum(kl) / len(kl)
 
 
 def main() -> None:

@@ -202,8 +202,9 @@ def test_where_fp8_misses_the_bound_too_fp16_is_named():
     checks = {}
     for dtype in ("int4_asym", "fp8"):
         kv = KVCacheConfig(dtype=dtype)
-        _, _, chosen = kv_choice.choose_key_transforms(calibration, cfg, mean, kv, None, None)
-        checks[dtype] = kv_choice.check_attention_bound(calibration, cfg, mean, kv, None, None, chosen, bound=0.05)
+        _, scale, chosen = kv_choice.choose_key_transforms(calibration, cfg, mean, kv, None, None)
+        checks[dtype] = kv_choice.check_attention_bound(calibration, cfg, mean, kv, None, None, chosen, scale,
+                                                        bound=0.05)
     int4, fp8 = checks["int4_asym"], checks["fp8"]
     assert (int4["met"], int4["layers_over"], fp8["met"], fp8["layers_over"]) == (False, [0, 1], False, [1]), checks
     assert int4["fp8_worst_attention_error"] == fp8["worst"]["attention_error"] > 0.05
@@ -231,12 +232,58 @@ def test_a_hybrid_models_sliding_layers_keep_fp16_keys_and_are_not_weighed():
     assert not chosen.key_centering and "layer 0" in choice["why"], choice                        # ... not weighed
     errors = choice["key_scale"]["attention_error_per_layer"]
     assert errors[1] is None and errors[0] is not None and (scale[1] == 1).all()
-    bound = kv_choice.check_attention_bound(calibration, cfg, mean, kv, None, None, choice)
+    bound = kv_choice.check_attention_bound(calibration, cfg, mean, kv, None, None, choice, scale)
     assert bound["met"] and bound["worst"]["layer"] == 0, bound
     # the same layer as a full one is over the bound: what the sliding layer escaped is real
     full = dataclasses.replace(cfg, layer_types=("full_attention", "full_attention"), sliding_window=None)
-    _, _, choice = kv_choice.choose_key_transforms(calibration, full, mean, kv, None, None)
-    assert not kv_choice.check_attention_bound(calibration, full, mean, kv, None, None, choice)["met"]
+    _, scale, choice = kv_choice.choose_key_transforms(calibration, full, mean, kv, None, None)
+    assert not kv_choice.check_attention_bound(calibration, full, mean, kv, None, None, choice, scale)["met"]
+
+
+def test_the_bound_is_checked_where_rope_has_turned_the_calibrated_offset_away():
+    """A key offset in a slowly turning RoPE channel (channel 31 of 64 at base 10,000: 1.3e-4 rad a position),
+    centred with the mean of the calibration text: INT4 rounds it well there (0.13), but 8k positions on RoPE has
+    turned the offset 1 rad away from the one mean subtracted, and INT4 moves attention by 0.36 (FP8: 0.14). The
+    check measures the text moved up to the engine's last position, and names FP8 for an 8k engine."""
+    from bie_trt.builder.key_centering import Calibration
+    from bie_trt.model.synthetic import tiny_llama
+
+    g = torch.Generator().manual_seed(3)
+    cfg = tiny_llama(hidden_size=256, num_heads=4, num_kv_heads=1, num_layers=1)
+    keys = torch.randn(1, 1, 256, cfg.head_dim, generator=g)
+    keys[..., 31] += 30.0
+    calibration = Calibration(keys, torch.randn(1, 1, 256, cfg.head_dim, generator=g),
+                              {0: 2 * torch.randn(4, 256, cfg.head_dim, generator=g)}, cfg.head_dim ** -0.5)
+    mean, kv = keys.mean(dim=2), KVCacheConfig(dtype="int4_asym")
+    chosen, scale, choice = kv_choice.choose_key_transforms(calibration, cfg, mean, kv, True, False)
+    # shifted by nothing, the check measures what the choice measured
+    near = kv_choice.attention_errors(calibration, cfg, mean, chosen, scale, [0])
+    assert near[0] == (choice["key_scale"]["attention_error_per_layer"][0][0], 0)
+
+    def check(max_position: int) -> dict:
+        return kv_choice.check_attention_bound(calibration, cfg, mean, kv, True, False, choice, scale, max_position)
+
+    assert check(1024)["met"]
+    far = check(8192)
+    assert not far["met"] and far["worst"]["shifted_by"] == 8192 - 256 and far["worst"]["attention_error"] > 0.3
+    assert far["fix"] == "--kv-cache-dtype fp8" and "at up to 7,936 positions on" in far["why"], far
+
+
+def test_shifting_post_rope_keys_is_rope_at_the_later_position():
+    from bie_trt.kernels.rope import Rope, cos_sin, inverse_frequencies
+    from bie_trt.model.synthetic import tiny_llama
+
+    cfg = tiny_llama(hidden_size=256, num_heads=4, num_kv_heads=1, num_layers=1)
+    inv = inverse_frequencies(cfg)
+    x = torch.randn(2, 5, cfg.head_dim, generator=torch.Generator().manual_seed(0))
+    at = torch.arange(5) + 100
+
+    def rope(positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = cos_sin(positions, inv, torch.float32)
+        return Rope.apply(x, cos[:, 0], sin[:, 0])
+
+    # fp32 angles of ~5,000 rad carry ~1e-4 of rounding
+    torch.testing.assert_close(kv_choice.shifted(rope(at), inv, 5000), rope(at + 5000), atol=2e-3, rtol=2e-3)
 
 
 def test_a_model_the_chosen_settings_rescue_meets_the_bound(offset_engine):

@@ -1,4 +1,4 @@
-"""The per-channel key scale chosen per layer at build (builder/kv_choice.py): the scale against the math it
+"""The key scale (per channel, one value for both channels of a RoPE pair) chosen per layer at build (builder/kv_choice.py): the scale against the math it
 claims, the attention error against a float64 loop, the choice against what it measured, and an engine that
 runs with the scale its manifest records -- exact for attention where nothing is quantised."""
 from __future__ import annotations
@@ -27,26 +27,48 @@ def product(q: torch.Tensor, k: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return (q_ms * s.double() ** 2).sum(-1) * (k_ms / s.double() ** 2).sum(-1)
 
 
-def test_the_scale_balances_queries_and_keys_channel_by_channel():
-    """s_c² = rms(k_c)/rms(q_c) minimises ‖q∘s‖·‖k/s‖ (Cauchy–Schwarz): no perturbation of it does better;
-    it is normalised to a geometric mean of 1 per head."""
+def test_the_scale_balances_queries_and_keys_pair_by_pair():
+    """s² = rms(k)/rms(q) over each RoPE pair (channels i and i + D/2) minimises ‖q∘s‖·‖k/s‖ among scales equal
+    within pairs (Cauchy–Schwarz): no such perturbation of it does better; it is normalised to a geometric mean
+    of 1 per head."""
     g = torch.Generator().manual_seed(0)
     H, Hkv, T, D = 4, 2, 200, 16
     spread = torch.exp2(torch.linspace(-3, 3, D))
     q = torch.randn(H, T, D, generator=g) / spread                    # small where the keys are large
     k = torch.randn(Hkv, T, D, generator=g) * spread
     s = balanced_key_scale(q, k)
-    assert s.shape == (Hkv, D)
+    assert s.shape == (Hkv, D) and torch.equal(s[:, :D // 2], s[:, D // 2:])
     torch.testing.assert_close(s.log().mean(-1), torch.zeros(Hkv), atol=1e-5, rtol=0)
-    # the ratio of two channels' scales is the square root of the ratio of their k-rms over q-rms
-    k_rms, q_rms = k.pow(2).mean(1).sqrt(), q.unflatten(0, (Hkv, -1)).pow(2).mean((1, 2)).sqrt()
-    want = (k_rms / q_rms).sqrt()
-    torch.testing.assert_close(s[:, 1:] / s[:, :1], want[:, 1:] / want[:, :1], rtol=1e-4, atol=0)
+    # the ratio of two pairs' scales is the square root of the ratio of their k-rms over q-rms (loops, float64)
+    want = torch.zeros(Hkv, D // 2, dtype=torch.float64)
+    for h in range(Hkv):
+        for i in range(D // 2):
+            pair = [i, i + D // 2]
+            k_rms = k[h][:, pair].double().pow(2).mean().sqrt()
+            q_rms = q[2 * h:2 * h + 2][..., pair].double().pow(2).mean().sqrt()
+            want[h, i] = (k_rms / q_rms).sqrt()
+    torch.testing.assert_close(s[:, 1:D // 2].double() / s[:, :1], want[:, 1:] / want[:, :1], rtol=1e-4, atol=0)
     best = product(q, k, s)
     assert (best < 0.5 * product(q, k, torch.ones(Hkv, D))).all()   # far better than no scale here
     for _ in range(20):
-        nudged = s * torch.exp(0.2 * torch.randn(Hkv, D, generator=g))
-        assert (product(q, k, nudged) >= best * (1 - 1e-9)).all()
+        nudge = torch.exp(0.2 * torch.randn(Hkv, D // 2, generator=g))
+        assert (product(q, k, s * nudge.repeat(1, 2)) >= best * (1 - 1e-9)).all()
+
+
+def test_a_pair_scale_turns_with_rope_and_a_channel_scale_would_not():
+    """RoPE turns channels i and i + D/2 together: with one scale on both, scaling then turning is turning then
+    scaling, so the scale fitted on the calibration's positions fits every later one."""
+    from bie_trt.builder.kv_choice import shifted
+    from bie_trt.kernels.rope import inverse_frequencies
+
+    cfg = tiny_llama(hidden_size=256, num_heads=4, num_kv_heads=1, num_layers=1)
+    g = torch.Generator().manual_seed(4)
+    D = cfg.head_dim
+    q, k = torch.randn(4, 64, D, generator=g), torch.randn(1, 64, D, generator=g) * torch.exp2(torch.linspace(-4, 4, D))
+    s, inv = balanced_key_scale(q, k)[:, None], inverse_frequencies(cfg)
+    torch.testing.assert_close(shifted(k, inv, 9000) / s, shifted(k / s, inv, 9000), atol=1e-4, rtol=1e-4)
+    per_channel = torch.exp2(torch.linspace(-2, 2, D))
+    assert not torch.allclose(shifted(k, inv, 9000) / per_channel, shifted(k / per_channel, inv, 9000), atol=1e-2)
 
 
 def test_the_scale_stays_within_its_range_for_a_dead_channel():
@@ -96,7 +118,11 @@ def test_a_layer_is_scaled_where_its_measured_error_falls_and_nowhere_else():
     assert record["layers"] == [1] and chosen.key_scale, record
     assert errors[1][1] < (1 - KEY_SCALE_MIN_GAIN) * errors[1][0]          # measured to help where chosen
     assert not errors[0][1] < (1 - KEY_SCALE_MIN_GAIN) * errors[0][0]      # and not where it was left off
-    assert (scale[0] == 1).all() and scale[1, 0, :4].min() > 4 * scale[1, 0, 4:].max()
+    # the four outlier channels' RoPE pairs (i and i + D/2) take the large scale, every other pair a small one
+    D = scale.shape[-1]
+    outliers = torch.zeros(D, dtype=torch.bool)
+    outliers[:4] = outliers[D // 2:D // 2 + 4] = True
+    assert (scale[0] == 1).all() and scale[1, 0, outliers].min() > 4 * scale[1, 0, ~outliers].max()
     assert record["why"].startswith("measured")
     # the stored scale is the one measured: fp16-exact
     assert torch.equal(scale, scale.half().float())

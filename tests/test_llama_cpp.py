@@ -92,3 +92,17 @@ def test_llama_cpps_next_token_logprobs_are_transformers_on_the_same_file():
             assert top5[0] == int(ours[i].argmax()) or float(ours[i].max() - ours[i, top5[0]]) < 0.3, (i, row)
             spread += [abs(row[t] - float(ours[i, t])) for t in top5]
         assert max(spread) < 0.5 and sum(spread) / len(spread) < 0.15, spread
+
+
+def test_llama_cpps_kv_divergence_is_kl_of_both_renormalised_over_shared_top_tokens():
+    """scripts/llama_cpp_kv.py's divergence, against torch's arithmetic: token 4 (listed by one run only) is left
+    out, a log-prob of -900 does not underflow into a domain error, and a position with nothing shared is
+    skipped."""
+    import torch
+
+    kl_over_top = load_script("llama_cpp_kv").kl_over_top
+    a, b = {1: -0.1, 2: -2.5, 3: -900.0, 4: -3.0}, {1: -0.2, 2: -1.9, 3: -5.0}
+    p = torch.tensor([-0.1, -2.5, -900.0], dtype=torch.float64).log_softmax(0)
+    q = torch.tensor([-0.2, -1.9, -5.0], dtype=torch.float64).log_softmax(0)
+    want = float((p.exp() * (p - q)).sum())
+    assert kl_over_top([a, {7: -0.1}], [b, {8: -0.1}]) == pytest.approx(want, rel=1e-9)

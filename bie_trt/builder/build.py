@@ -151,12 +151,12 @@ def calibrate_keys(model: ModelConfig, weights: dict[str, torch.Tensor], tokeniz
 
 
 def _choose_key_transforms(m: ModelConfig, weights: dict[str, torch.Tensor], tokenizer_dir: Path, kv: KVCacheConfig,
-                           opts: KVOverrides, log: Callable[[str], None]) -> tuple[KVCacheConfig, dict]:
-    """The KV config with key centering and the key scale decided, and the manifest's record of why; the
-    calibrated mean key and scale go into `weights`. A model whose layers' keys differ in shape (Gemma 4's
-    512-wide full heads beside 256-wide sliding ones) gets neither: the one [layers, KV heads, head dim] tensor
-    each, calibrated through one pool of one width, cannot hold them (not measured; its INT4 cache rounds
-    unscaled, uncentred keys)."""
+                           opts: KVOverrides, max_len: int, log: Callable[[str], None]) -> tuple[KVCacheConfig, dict]:
+    """The KV config with key centering and the key scale decided, and the manifest's record of why (the bound
+    checked at positions up to `max_len`); the calibrated mean key and scale go into `weights`. A model whose
+    layers' keys differ in shape (Gemma 4's 512-wide full heads beside 256-wide sliding ones) gets neither: the
+    one [layers, KV heads, head dim] tensor each, calibrated through one pool of one width, cannot hold them (not
+    measured; its INT4 cache rounds unscaled, uncentred keys)."""
     if not m.keys_share_one_shape:
         for given, option in ((opts.kv_key_centering, "--kv-key-centering"), (opts.kv_key_scale, "--kv-key-scale")):
             if given:
@@ -180,7 +180,7 @@ def _choose_key_transforms(m: ModelConfig, weights: dict[str, torch.Tensor], tok
     log(f"KV key scale {'on' if chosen.key_scale else 'off'} (layers {choice['key_scale']['layers']}): "
         f"{choice['key_scale']['why']}")
     choice["attention_bound"] = check_attention_bound(calibration, m, stored, kv, opts.kv_key_centering,
-                                                      opts.kv_key_scale, choice)
+                                                      opts.kv_key_scale, choice, key_scale.half().float(), max_len)
     if not choice["attention_bound"]["met"]:
         log(f"warning: {choice['attention_bound']['why']}")
     return chosen, choice
@@ -356,7 +356,7 @@ def build_engine(opts: BuildOptions, log: Callable[[str], None] = print) -> Path
         fallback = m.declared.chat_template   # Gemma's: its GGUF releases carry none
         if fallback is not None and not has_chat_template(tmp):
             (tmp / "chat_template.jinja").write_text(read_chat_template(fallback))
-        kv, kv_choice = _choose_key_transforms(m, weights, tmp, kv, opts, log)
+        kv, kv_choice = _choose_key_transforms(m, weights, tmp, kv, opts, max_len, log)
         save_file(weights, str(tmp / ef.WEIGHTS))
         manifest = {
             "schema_version": ef.SCHEMA_VERSION,

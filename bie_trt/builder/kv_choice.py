@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..config import KVCacheConfig
+from ..kernels.rope import Rope, cos_sin
 from ..kv.quant import dequantize_fp8, dequantize_int4_asym, quantize_fp8, quantize_int4_asym
 from ..kv.rotation import rotate
 
@@ -114,16 +115,25 @@ KEY_SCALE_RANGE = 2.0 ** 6
 
 
 def balanced_key_scale(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The scale s [Hkv, D] that balances each channel's share of the INT4 error in q·k, from queries [H, T, D]
+    """The scale s [Hkv, D] that balances each RoPE pair's share of the INT4 error in q·k, from queries [H, T, D]
     and keys [Hkv, T, D] as they are quantised (centred, when centering is on).
 
     Keys stored as k/s and queries read as q·s leave q·k unchanged. After the Hadamard rotation INT4's rounding
     error e is spread evenly over the channels, its size set by the stored keys' magnitude, so the score's error
-    (q∘s)·e grows with ‖q∘s‖·‖k/s‖; by Cauchy–Schwarz that is smallest when s_c² = rms(k_c) / rms(q_c), the
-    queries of each KV head's group pooled. Normalised to a geometric mean of 1 per head, within KEY_SCALE_RANGE."""
-    h_kv = keys.shape[0]
-    q_rms = queries.unflatten(0, (h_kv, -1)).pow(2).mean(dim=(1, 2)).sqrt()   # [Hkv, D]
-    k_rms = keys.pow(2).mean(dim=1).sqrt()
+    (q∘s)·e grows with ‖q∘s‖·‖k/s‖; by Cauchy–Schwarz that is smallest when s² = rms(k)/rms(q), here taken
+    over each RoPE pair (channels i and i + D/2), the queries of each KV head's group pooled. One scale for both
+    channels of a pair commutes with RoPE, which turns each pair by its position: a per-channel scale fits how
+    the calibration's first 512 positions happen to split a slow pair's energy, and thousands of positions on
+    RoPE has moved it to the other channel (on SmolLM2 the attention error grew from 0.17 to 0.49 at 32k with
+    per-channel scales, and stays at 0.18 with per-pair ones). Normalised to a geometric mean of 1 per head,
+    within KEY_SCALE_RANGE."""
+    h_kv, d = keys.shape[0], keys.shape[-1]
+
+    def pair_rms(ms: torch.Tensor) -> torch.Tensor:   # [Hkv, D] mean squares -> each pair's rms, on both channels
+        return ms.unflatten(-1, (2, d // 2)).mean(-2).repeat(1, 2).sqrt()
+
+    q_rms = pair_rms(queries.unflatten(0, (h_kv, -1)).pow(2).mean(dim=(1, 2)))
+    k_rms = pair_rms(keys.pow(2).mean(dim=1))
     floor = 1e-6
     s = (k_rms.clamp_min(floor) / q_rms.clamp_min(floor)).sqrt()
     s = s / s.log().mean(dim=-1, keepdim=True).exp()
@@ -198,9 +208,9 @@ def choose_key_scale(calibration: Any, model: Any, mean: torch.Tensor | None, kv
 
 # --- What the chosen settings still leave ---------------------------------------------------------------------
 # The attention error (as measured above) a layer may keep once centering and the key scale are chosen. Measured
-# engines: Qwen2.5-Coder-0.5B as chosen (worst layer 0.11) +0.04% perplexity at 2k, +0.38% at 8k; with centering
-# only (layer 0 at 0.72) +2.8% at 2k; Gemma-3-270M before the key scale (worst 0.25) +0.61% at 32k
-# (docs/kv-cache-quality.md).
+# engines: Qwen2.5-Coder-0.5B as chosen (worst layer 0.11 as calibrated) +0.04% perplexity at 2k, +0.38% at 8k,
+# and at 32k, where RoPE has turned its layer 0 to 1.07, +3.5%; with centering only (layer 0 at 0.72) +2.8% at
+# 2k; Gemma-3-270M (worst 0.23 over 32k positions) +0.51% at 32k (docs/kv-cache-quality.md).
 ATTENTION_ERROR_BOUND = 0.2
 
 
@@ -216,42 +226,89 @@ def choose_key_transforms(calibration: Any, model: Any, mean: torch.Tensor, kv: 
     return kv, key_scale, choice
 
 
-def chosen_attention_errors(key_scale_record: dict[str, Any]) -> dict[int, float]:
-    """Layer -> its measured attention error with the key scale as chosen for it (quantised layers only)."""
-    scaled = set(key_scale_record["layers"])
-    return {li: e[1] if li in scaled else e[0]
-            for li, e in enumerate(key_scale_record["attention_error_per_layer"]) if e is not None}
+def shifted(x: torch.Tensor, inv_freq: torch.Tensor, positions: int) -> torch.Tensor:
+    """Post-RoPE queries or keys [..., T, D] as the same text would give them `positions` further on: RoPE turned
+    on by as much. q·k of every pair is unchanged; what moves is each key against the one calibrated mean."""
+    cos, sin = cos_sin(torch.tensor([positions]), inv_freq, torch.float32)
+    return Rope.apply(x, cos[0], sin[0])
+
+
+def attention_errors(calibration: Any, model: Any, mean: torch.Tensor, kv: KVCacheConfig, key_scale: torch.Tensor,
+                     shifts: list[int]) -> dict[int, tuple[float, int]]:
+    """Quantised layer -> (its worst attention error through `kv`'s quantiser over the calibration text moved to
+    each of `shifts` positions further on, the shift of the worst). `kv.key_centering` says whether `mean` is
+    subtracted; `key_scale` [L, Hkv, D] is the stored scale (ones where a layer is unscaled).
+
+    Why shifts: RoPE turns a key's offset with its position, so the post-RoPE mean calibrated over the first 512
+    positions is not the offset of keys 30,000 positions on. On Qwen2.5-Coder-0.5B layer 0 the INT4 error is 0.11
+    on the calibration text and 1.07 at 32,768 positions on (docs/kv-cache-quality.md)."""
+    rope = Rope(model, torch.device("cpu"))
+    out = {}
+    for li in quantised_layers(model):
+        q = calibration.queries.get(li)
+        if q is None:
+            continue
+        h, d = model.kv_heads_of(li), model.head_dim_of(li)
+        inv, s = rope.inv_freq_of(li), key_scale[li, :h, None, :d]
+        worst = (-1.0, 0)
+        for shift in shifts:
+            keys = shifted(calibration.keys[li, :h, :, :d], inv, shift)
+            if kv.key_centering:
+                keys = keys - mean[li, :h, None, :d]
+            read = round_trip_keys(keys / s, kv) * s
+            e = attention_error(shifted(q[..., :d], inv, shift), keys, calibration.values[li, :h, :, :d], read,
+                                calibration.softmax_scale)
+            worst = max(worst, (e, shift))
+        out[li] = (round(worst[0], 4), worst[1])
+    return out
+
+
+def position_shifts(max_position: int, calibrated: int) -> list[int]:
+    """Where the bound is checked: the calibration text where it is, and moved an eighth, a quarter, half and all
+    the way to the engine's last positions."""
+    far = max(max_position - calibrated, 0)
+    return sorted({0, far // 8, far // 4, far // 2, far})
 
 
 def check_attention_bound(calibration: Any, model: Any, mean: torch.Tensor, kv: KVCacheConfig,
                           centering: bool | None, scale: bool | None, chosen: dict[str, Any],
-                          bound: float | None = None) -> dict[str, Any]:
-    """Whether the chosen settings (`chosen`: choose_key_transforms' record for `kv`'s cache type) keep every
-    layer's measured attention error within `bound` (None: ATTENTION_ERROR_BOUND), and where they do not, which
-    cache type does: FP8 as its own build would choose centering and scale for it (measured here), else FP16.
-    `kv` is the config before centering and the scale were chosen, `centering`/`scale` the build options."""
+                          key_scale: torch.Tensor, max_position: int = 0, bound: float | None = None
+                          ) -> dict[str, Any]:
+    """Whether the chosen settings (`chosen`: choose_key_transforms' record for `kv`'s cache type, `key_scale` the
+    scale it chose) keep every quantised layer's attention error within `bound` (None: ATTENTION_ERROR_BOUND) at
+    every position up to `max_position` (position_shifts), and where they do not, which cache type does: FP8 as
+    its own build would choose centering and scale for it (measured the same way), else FP16. `kv` is the
+    config before centering and the scale were chosen, `centering`/`scale` the build options."""
     bound = ATTENTION_ERROR_BOUND if bound is None else bound
     fmt = chosen["measured_format"]
     if kv.dtype == "fp16":
         return {"bound": bound, "met": True, "why": "an FP16 cache: nothing is quantised"}
-    errors = chosen_attention_errors(chosen["key_scale"])
+    shifts = position_shifts(max_position, calibration.keys.shape[2])
+    measured = attention_errors(calibration, model, mean, dataclasses.replace(kv, key_centering=chosen["key_centering"]),
+                                key_scale, shifts)
+    errors = {li: e for li, (e, _) in measured.items()}
     over = sorted(li for li, e in errors.items() if e > bound)
     worst = max(errors, key=errors.get)
     record: dict[str, Any] = {"bound": bound, "format": fmt, "met": not over, "layers_over": over,
-                              "worst": {"layer": worst, "attention_error": errors[worst]}}
+                              "positions_shifted": shifts,
+                              "worst": {"layer": worst, "attention_error": errors[worst],
+                                        "shifted_by": measured[worst][1]},
+                              # per quantised layer, its worst error over the shifts
+                              "attention_error_per_layer": {str(li): e for li, e in errors.items()}}
     if not over:
         return record
     fix = "fp16"
     if kv.dtype != "fp8":
-        _, _, fp8 = choose_key_transforms(calibration, model, mean, dataclasses.replace(kv, dtype="fp8"),
-                                          centering, scale)
-        fp8_worst = max(chosen_attention_errors(fp8["key_scale"]).values())
+        fp8_kv, fp8_scale, fp8 = choose_key_transforms(calibration, model, mean, dataclasses.replace(kv, dtype="fp8"),
+                                                       centering, scale)
+        fp8_worst = max(e for e, _ in attention_errors(calibration, model, mean, fp8_kv, fp8_scale, shifts).values())
         record["fp8_worst_attention_error"] = fp8_worst
         if fp8_worst <= bound:
             fix = "fp8"
     record["fix"] = f"--kv-cache-dtype {fix}"
+    where = f" at up to {shifts[-1]:,} positions on" if shifts[-1] else ""
     record["why"] = (f"{fmt} keys with the chosen centering and key scale still move attention by more than "
-                     f"{bound} in layers {over} (worst {errors[worst]:.3f}, layer {worst}); "
+                     f"{bound} in layers {over}{where} (worst {errors[worst]:.3f}, layer {worst}); "
                      + (f"FP8 measured {record['fp8_worst_attention_error']:.3f} at worst"
                         + (", over it too" if fix == "fp16" else "") + ": " if "fp8_worst_attention_error" in record
                         else "")
