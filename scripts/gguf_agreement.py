@@ -5,13 +5,13 @@ tokenizer puts one before a text), each continued greedily for
 --tokens tokens by each reference (--reference, repeatable: `transformers`, fp32 on the weights the `gguf`
 package dequantises; `llama.cpp`, node-llama-cpp's CPU build on the file, scripts/llama_cpp.py) and by each
 engine with an FP16 KV cache. `prefix` counts the tokens up to the first disagreement (after it the two
-continue different texts); `same_position` counts positions that agree anyway. `forced` asks each engine for its greedy next token after the
-prompt and each reference's own first i tokens, i = 0..--tokens-1 (teacher-forced: one divergence does not carry
-over), and lists where it differs with both tokens' log-probs; for llama.cpp `llama_cpp_self` lists where
-its greedy tokens differ from its own teacher-forced top token over the same sequence (its decode path against
-its prompt path). Each engine must be built from
-the file itself (`bie-trt build --checkpoint FILE.gguf`): one built from anything else, a conversion of the same
-file included (a built-in name without `.gguf`), is refused unless --converted is given, and each engine's
+continue different texts); `same_position` counts positions that agree anyway. `forced` asks each engine for its
+greedy next token after the prompt and each reference's own first i tokens, i = 0..--tokens-1 (teacher-forced:
+one divergence does not carry over), and lists where it differs with the margin between the two tokens; for
+llama.cpp, `llama_cpp_self` lists where its greedy tokens differ from its own top token over the same sequence
+evaluated as one prompt (its decode path against its prompt path). Each engine must be built from the file
+itself (`bie-trt build --checkpoint FILE.gguf`): one built from anything else, a conversion of the same file
+included (a built-in name without `.gguf`), is refused unless --converted is given, and each engine's
 `file_weights` in the JSON says which it is.
 
     python scripts/gguf_agreement.py --gguf FILE.gguf --engine engines/a --reference transformers \\

@@ -1,6 +1,7 @@
-"""The key scale (per channel, one value for both channels of a RoPE pair) chosen per layer at build (builder/kv_choice.py): the scale against the math it
-claims, the attention error against a float64 loop, the choice against what it measured, and an engine that
-runs with the scale its manifest records -- exact for attention where nothing is quantised."""
+"""The key scale (per channel, one value for both channels of a RoPE pair) chosen per layer at build
+(builder/kv_choice.py): the scale against the math it claims, the attention error against a float64 loop, the
+choice against what it measured, and an engine that runs with the scale its manifest records -- exact for
+attention where nothing is quantised."""
 from __future__ import annotations
 
 import json
