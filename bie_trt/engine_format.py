@@ -17,7 +17,7 @@ from .config import KVCacheConfig, ModelConfig
 from .errors import EngineError
 from .jsonio import read_json_object
 
-SCHEMA_VERSION = 2   # 2: kv.key_mean in the weights
+SCHEMA_VERSION = 3   # 2: kv.key_mean in the weights; 3: kv.key_mean is the pre-RoPE mean
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 DRAFT_DIR = "draft"            # the speculative draft model: its WEIGHTS, DRAFT_VOCAB and DRAFT_HEAD

@@ -459,6 +459,7 @@ def activation_workspace_bytes(
     the layers; on top of them the larger of:
       attention: normed T*H + qkv T*(q+2kv) + attention output T*q + o_proj output T*H
                  + the block-wise online-softmax scores T*heads*block_size in fp32
+                 + centred keys' offset coefficients T*q in fp32 (kernels/key_offset.py)
       MLP:       normed T*H + gate_up T*2I + silu(gate)*up T*I + down output T*H
       DeltaNet:  `deltanet_workspace_bytes` (Qwen3.5's linear-attention layers)
     For 8B models the MLP phase dominates (the T*2I gate_up product); Qwen3.5-9B's DeltaNet phase is larger.
@@ -473,7 +474,7 @@ def activation_workspace_bytes(
     residual = (t * h + 2 * t * head_dim) * dtype_bytes
     q_rows = q_size * (2 if model.attn_output_gate else 1)
     attention = (t * h + t * (q_rows + 2 * kv_size) + t * q_size + t * h) * dtype_bytes
-    attention += t * model.num_heads * block_size * FP32
+    attention += t * model.num_heads * block_size * FP32 + t * q_size * FP32
     mlp = (t * h + 2 * t * i + t * i + t * h) * dtype_bytes
     deltanet = deltanet_workspace_bytes(model, t, dtype_bytes) if model.linear_layers else 0
     return residual + max(attention, mlp, deltanet)
@@ -601,7 +602,7 @@ def solve_plan(
     weights = _weights(model, weight_group_size, lm_head_dtype, embedding, linear_bytes=linear_bytes,
                        stored_head_bytes=lm_head_bytes)
     weights.append(PlanItem("kv_key_mean", model.num_layers * model.kv_size * FP16,
-                            "fp16 mean key per layer and KV head, subtracted before quantising")
+                            "fp16 pre-RoPE mean key per layer and KV head, subtracted before RoPE")
                    if model.keys_share_one_shape else
                    PlanItem("kv_key_mean", 0, "none: key centering is off (the layers' keys differ in shape)"))
     weights.append(PlanItem("kv_key_scale", model.num_layers * model.kv_size * FP16,

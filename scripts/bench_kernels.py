@@ -151,8 +151,8 @@ def bench_fused_layer(args: argparse.Namespace, time_ms: Callable[[Callable], fl
     slot = torch.tensor([3], device=DEVICE)
     inv = inverse_frequencies(cfg).to(DEVICE)
     args_ = (cfg.num_heads, cfg.num_kv_heads, pos, inv, None, True, False)
-    q = qkv_epilogue_triton(qkv, *args_, pools[0], 0, slot, slot)
-    q_ref = qkv_epilogue_ref(qkv, *args_, pools[1], 0, slot, slot)
+    q, _ = qkv_epilogue_triton(qkv, *args_, pools[0], 0, slot, slot)
+    q_ref, _ = qkv_epilogue_ref(qkv, *args_, pools[1], 0, slot, slot)
     rows[f"qkv_epilogue_1x{qkv.shape[1]}"] = {
         "max_abs_err": max(assert_close(q, q_ref, 2e-2), assert_close(pools[0].k, pools[1].k, 2e-2)),
         **roof(qkv.nbytes + q.nbytes + 2 * cfg.kv_size * 2,

@@ -48,12 +48,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from bie_trt.config import KVCacheConfig
+from bie_trt.config import KVCacheConfig, ModelConfig
 from bie_trt.kernels import triton_attention as attn
 from bie_trt.kernels import triton_int8 as int8
 from bie_trt.kernels import triton_ops as ops
 from bie_trt.kernels import triton_w4 as w4
 from bie_trt.kernels.int8_rows import Int8Rows
+from bie_trt.kernels.key_offset import KeyOffset
 from bie_trt.kernels.reference import QKNorm
 from bie_trt.kernels.step_inputs import TILE_ROWS, StepTiles
 from bie_trt.kernels.w4_layout import W4Weight
@@ -104,7 +105,8 @@ VERIFY_ROWS = 6         # γ + 1 of the verify launch
 
 def attention_launches() -> list[Launch]:
     """Decode (batch 1 and 8), a 512-token prefill chunk and a batch-4 verify's tiled launch, for each KV cache dtype and, over a
-    quantised pool, each tile loop (v1, v2; over FP16 v2 runs v1's)."""
+    quantised pool, each tile loop (v1, v2; over FP16 v2 runs v1's). Over a quantised pool the keys are centred
+    (what the build chooses for offset-carrying models, and the variant with more to hold in registers)."""
     model = dataclasses.replace(llama3_8b(), num_layers=1)
     scale = model.head_dim ** -0.5
     # Off the GPU the wrappers pick interpreter-friendly tiles and one partition, so pass what
@@ -120,36 +122,46 @@ def attention_launches() -> list[Launch]:
             decode = attn.default_config(True, group_pad, variant=variant)
             for batch in (1, 8):
                 q = torch.empty(batch, model.num_heads, model.head_dim, dtype=torch.float16)
+                offset = centred(q, model, dtype)
                 table = torch.zeros(batch, width, dtype=torch.int32)
                 lens = torch.full((batch,), CONTEXT, dtype=torch.int32)
                 parts = attn.default_num_partitions(batch * model.num_kv_heads, width // decode["tile_blocks"],
                                                     H200_SMS)
                 out += record_launches(
                     lambda: attn.paged_decode_attention(q, pools, 0, table, lens, scale, num_partitions=parts,
-                                                        config=decode),
+                                                        config=decode, offset=offset),
                     f"decode {dtype}{tag} batch {batch}", needs_fp8=dtype == "fp8")
             q = torch.empty(PREFILL_CHUNK, model.num_heads, model.head_dim, dtype=torch.float16)
+            offset = centred(q, model, dtype)
             pos = torch.arange(CONTEXT - PREFILL_CHUNK, CONTEXT, dtype=torch.int32)
             config = attn.default_config(True, group_pad, quantised_prefill=dtype != "fp16", variant=variant)
             config["num_partitions"] = attn.default_num_partitions(
                 PREFILL_CHUNK // config["block_m"] * model.num_kv_heads, width // config["tile_blocks"], H200_SMS)
             out += record_launches(
                 lambda: attn.paged_prefill_attention(q, pools, 0, torch.zeros(width, dtype=torch.int32), pos, scale,
-                                                     config=config),
+                                                     config=config, offset=offset),
                 f"prefill {dtype}{tag} chunk {PREFILL_CHUNK}", needs_fp8=dtype == "fp8")
             # a verify graph's tiled launch: batch 4, γ + 1 = 6 rows a sequence, a tile per sequence and
             # one more each for rows crossing a window block (empty here)
             tiles = torch.tensor(StepTiles.layout([VERIFY_ROWS] * 4) + [(0, 0, 0)] * 4, dtype=torch.int32)
             q = torch.empty(4 * VERIFY_ROWS, model.num_heads, model.head_dim, dtype=torch.float16)
+            offset = centred(q, model, dtype)
             pos = torch.full((4 * VERIFY_ROWS,), CONTEXT - 1, dtype=torch.int32)
             config = attn.default_config(True, group_pad, quantised_prefill=dtype != "fp16", variant=variant)
             config["num_partitions"] = attn.default_num_partitions(len(tiles) * model.num_kv_heads,
                                                                    width // config["tile_blocks"], H200_SMS)
             out += record_launches(
                 lambda: attn.paged_tile_attention(q, pools, 0, tiles, torch.zeros(len(tiles), width, dtype=torch.int32),
-                                                  pos, scale, TILE_ROWS, config=config),
+                                                  pos, scale, TILE_ROWS, config=config, offset=offset),
                 f"verify {dtype}{tag} batch 4 rows {VERIFY_ROWS}", needs_fp8=dtype == "fp8")
     return out
+
+
+def centred(q: torch.Tensor, model: ModelConfig, dtype: str) -> KeyOffset | None:
+    """The centred keys' offset a launch over a quantised pool reads (kernels/key_offset.py), None over FP16."""
+    if dtype == "fp16":
+        return None
+    return KeyOffset(torch.empty(q.shape, dtype=torch.float32), torch.empty(model.head_dim // 2))
 
 
 def w4_launches() -> list[Launch]:

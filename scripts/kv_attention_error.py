@@ -19,6 +19,7 @@ import bie_trt.model.llama as llama
 from bie_trt.config import EngineConfig, KVCacheConfig
 from bie_trt.eval_texts import load_eval_text, text_token_ids
 from bie_trt.executor.model_runner import ModelRunner
+from bie_trt.kernels.key_offset import turned
 from bie_trt.kernels.step_inputs import SeqInput
 from bie_trt.kv.pool import allocate_kv
 from bie_trt.kv.quant import dequantize_fp8, dequantize_int4_asym, quantize_fp8, quantize_int4_asym
@@ -41,7 +42,8 @@ def fp8(x: torch.Tensor, rotated: bool) -> torch.Tensor:
 
 
 def settings(mean_key: torch.Tensor) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (keys' round trip, values' round trip), keys Hadamard-rotated as the cache stores them."""
+    """name -> (keys' round trip, values' round trip), keys Hadamard-rotated as the cache stores them; `mean_key`
+    [T, D] is what centering subtracts from each key (the pre-RoPE mean turned to its position)."""
     return {
         "int4 g128": (lambda k: int4(k, 128, True), lambda v: int4(v, 128, False)),
         "int4 g64 (profile default)": (lambda k: int4(k, 64, True), lambda v: int4(v, 64, False)),
@@ -81,9 +83,9 @@ def main() -> None:
     epilogue = llama.ops.qkv_epilogue
 
     def recording(*args, **kw):   # the q each layer attends with, in layer order
-        q = epilogue(*args, **kw)
+        q, offset = epilogue(*args, **kw)
         queries.append(q.float().clone())
-        return q
+        return q, offset
 
     llama.ops.qkv_epilogue = recording
     kv = KVCacheConfig(dtype="fp16")
@@ -107,7 +109,7 @@ def main() -> None:
         q = queries[li].reshape(n, cfg.num_heads, cfg.head_dim)[:, :group]
         k, v = keys[gi, 0], values[gi, 0]
         layers.append((li, q, k, v, attention(q, k, k, v, v, model.scale, a.window),
-                       settings(model.key_mean[li, 0].float())))
+                       settings(turned(model.key_mean[li, 0], torch.arange(n), model.rope.inv_freq_of(li)))))
     for name in settings(torch.zeros(cfg.head_dim)):
         cells = []
         for li, q, k, v, o, quantisers in layers:

@@ -42,7 +42,11 @@ def assert_cache_holds_transformed_keys(engine_dir: Path, dtype: str) -> ModelRu
     quantize_block(runner.pools, None, table, table)
     for layer in range(runner.model_config.num_layers):
         k_raw = dequantize_blocks(raw.pools, layer, table)[0][:, :len(tokens)]
-        mean = model.key_mean[layer].float()[:, None] if kv.key_centering else 0
+        # the pre-RoPE mean, turned to each key's position (kernels/key_offset.py), written out here
+        angle = torch.arange(len(tokens)).double()[:, None] * model.rope.inv_freq_of(layer).double()[None, :]
+        c, s = angle.cos().float(), angle.sin().float()
+        m1, m2 = model.key_mean[layer].float()[:, None].chunk(2, dim=-1)
+        mean = torch.cat([m1 * c - m2 * s, m2 * c + m1 * s], dim=-1) if kv.key_centering else 0
         scale = model.key_scale[layer].float()[:, None] if kv.key_scale else 1
         expected = rotate((k_raw - mean) / scale)
         k_fp = dequantize_blocks(runner.pools, layer, table)[0][:, :len(tokens)]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bie_trt.builder.checkpoint.registry import resolve_checkpoint
+from bie_trt.engine_format import SCHEMA_VERSION
 from bie_trt.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,8 @@ def test_an_agent_finishes_its_turn_against_the_server(tmp_path):
     except CheckpointError as e:
         pytest.skip(f"needs the Qwen2.5-Coder-0.5B pieces (`bash scripts/setup.sh` installs them): {e}")
     engine = agents_dir.parent / "engines" / "coder-fp16"   # built once (about two minutes), kept
-    if not (engine / "manifest.json").exists():
+    manifest = engine / "manifest.json"
+    if not manifest.exists() or json.loads(manifest.read_text()).get("schema_version") != SCHEMA_VERSION:
         subprocess.run([sys.executable, "-m", "bie_trt.cli", "build", "--checkpoint", "qwen2.5-coder-0.5b",
                         "--max-model-len", "32768", "--kv-cache-dtype", "fp16", "--out", str(engine), "--force"],
                        check=True)

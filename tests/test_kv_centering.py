@@ -26,6 +26,17 @@ def hf(smollm2_checkpoint):
     return hf_model(Checkpoint(smollm2_checkpoint))
 
 
+def turn(x: torch.Tensor, positions: torch.Tensor, model, sign: int = 1) -> torch.Tensor:
+    """x [..., T, D] turned by RoPE (sign -1: turned back) at `positions` [T], written out from the model's
+    config (rotate-half pairs i, i + D/2 at angle position · theta^(-2i/D)), float64."""
+    d = x.shape[-1]
+    inv = model.config.rope_parameters["rope_theta"] ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = positions.double()[:, None] * inv[None, :]
+    c, s = angle.cos(), sign * angle.sin()
+    x1, x2 = x.double()[..., :d // 2], x.double()[..., d // 2:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
 def hf_keys(model, ids: list[int]) -> torch.Tensor:
     """Post-RoPE keys from transformers' own cache: [L, Hkv, T, D]."""
     with torch.no_grad():
@@ -39,7 +50,9 @@ def test_built_key_mean_is_the_mean_transformers_keys(smollm2_engine, hf):
 
     stored = load_file(str(smollm2_engine / WEIGHTS))["kv.key_mean"]
     ids = calibration_ids(AutoTokenizer.from_pretrained(smollm2_engine))
-    expected = hf_keys(hf, ids)[:, :, SKIP_POSITIONS:].mean(dim=2)
+    # the mean before RoPE: transformers' post-RoPE keys turned back by their positions
+    positions = torch.arange(SKIP_POSITIONS, len(ids))
+    expected = turn(hf_keys(hf, ids)[:, :, SKIP_POSITIONS:], positions, hf, -1).mean(dim=2).float()
     assert stored.dtype == torch.float16 and stored.shape == expected.shape
     assert expected.abs().max() > 1.0   # a real offset, not zeros
     torch.testing.assert_close(stored.float(), expected, atol=2e-2, rtol=1e-2)
@@ -51,6 +64,7 @@ def test_centering_reduces_int4_key_error_on_unseen_text(smollm2_engine, hf, lee
     mean = load_file(str(smollm2_engine / WEIGHTS))["kv.key_mean"].float()
     ids = AutoTokenizer.from_pretrained(smollm2_engine)(lee_text.read_text())["input_ids"][:256]
     keys = hf_keys(hf, ids)[:, :, SKIP_POSITIONS:]
+    offsets = turn(mean[:, :, None], torch.arange(SKIP_POSITIONS, len(ids)), hf).float()   # the mean turned to each key
 
     def rms_int4_error(x: torch.Tensor) -> float:
         x = rotate(x)
@@ -58,7 +72,7 @@ def test_centering_reduces_int4_key_error_on_unseen_text(smollm2_engine, hf, lee
         return (dequantize_int4_asym(packed, scale, zero, 64) - x).pow(2).mean().sqrt().item()
 
     # Errors are measured in the same (rotated) key space: rotation and centering are both exact for q·k.
-    plain, centred = rms_int4_error(keys), rms_int4_error(keys - mean[:, :, None])
+    plain, centred = rms_int4_error(keys), rms_int4_error(keys - offsets)
     assert centred < 0.8 * plain, (plain, centred)
 
 

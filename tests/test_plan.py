@@ -488,9 +488,10 @@ def test_activation_workspace_is_the_attention_phase_when_the_mlp_is_narrow():
     model = dataclasses.replace(tiny(), intermediate_size=64)   # hidden 256, 4 heads, 2 KV heads of 64
     t = 8
     residual = (t * 256 + 2 * t * 64) * 2
-    attention = (t * 256 + t * (256 + 2 * 128) + t * 256 + t * 256) * 2 + t * 4 * 16 * 4
+    # + the online softmax's fp32 scores (4 heads x 16 a token) and the centred keys' fp32 offset coefficients (q)
+    attention = (t * 256 + t * (256 + 2 * 128) + t * 256 + t * 256) * 2 + t * 4 * 16 * 4 + t * 256 * 4
     mlp = (t * 256 + 2 * t * 64 + t * 64 + t * 256) * 2
-    assert mlp < attention and activation_workspace_bytes(model, t) == residual + attention == 28672
+    assert mlp < attention and activation_workspace_bytes(model, t) == residual + attention == 36864
 
 
 def test_the_activations_cover_a_whole_step_with_the_drafts_proposals(llama, ti):

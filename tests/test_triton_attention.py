@@ -346,3 +346,38 @@ def test_a_sliding_window_skips_the_blocks_below_it(variant: str, kind: tuple[st
     assert_close(paged_decode_attention(q[-1:], pools, 1, t, lens, SCALE, config=config, window=window), ref[-1:])
     tiles = torch.tensor(StepTiles.layout([5], 2), dtype=torch.int32, device=DEVICE)
     assert_close(paged_tile_attention(q, pools, 1, tiles, t, positions, SCALE, 2, config=config, window=window), ref)
+
+
+@pytest.mark.parametrize("variant,kind,act", [pytest.param("v1", ("fp16", 64), torch.float32, id="v1-fp16"),
+                                              pytest.param("v1", ("int4_asym", 32), torch.float32, id="v1-int4-g32"),
+                                              pytest.param("v2", ("int4_asym", 32), torch.float32, id="v2-int4-g32"),
+                                              pytest.param("v1", ("int4_asym", 32), torch.float16,
+                                                           id="v1-int4-g32-fp16-activations")])
+def test_centred_keys_get_their_offset_back_as_the_reference_adds_it(variant: str, kind: tuple[str, int],
+                                                                     act: torch.dtype) -> None:
+    """With centred keys every score gets q·R(p)m back (key_offset.py): decode and a prefill chunk, each row
+    with its own coefficients, against the reference; the offset moves the output well past the tolerance, so
+    a kernel that drops it, or turns it to another position, fails. With fp16 activations the kernel's
+    coefficients go into fp16 products in two parts; coefficients of 300 (what a large offset gives) must still
+    come back to the reference's fp32 sum."""
+    from bie_trt.kernels.key_offset import KeyOffset
+    from bie_trt.kernels.rope import inverse_frequencies
+
+    inv = inverse_frequencies(model_config()).to(DEVICE)
+    pools, tables, lens, q = decode_batch(*kind, act=act, seed=5)
+    g = torch.Generator().manual_seed(6)
+    size = 3 if act == torch.float32 else 300
+    offset = KeyOffset((size * torch.randn(q.shape, generator=g)).to(DEVICE), inv)
+    out = paged_decode_attention(q, pools, 1, tables, lens, SCALE, num_partitions=2, config={"variant": variant},
+                                 offset=offset)
+    ref = paged_decode_attention_ref(q, pools, 1, tables, lens, SCALE, offset=offset)
+    assert_close(out, ref)
+    assert (ref - paged_decode_attention_ref(q, pools, 1, tables, lens, SCALE)).abs().max() > 0.1
+
+    table, n = tables[2], 6   # the last 6 tokens of the 70-token sequence as a chunk
+    positions = torch.arange(70 - n, 70, dtype=torch.int32, device=DEVICE)
+    qc = torch.randn(n, HQ, D, generator=g).to(DEVICE, act)
+    chunk = KeyOffset((3 * torch.randn(qc.shape, generator=g)).to(DEVICE), inv)
+    out = paged_prefill_attention(qc, pools, 0, table, positions, SCALE,
+                                  config={"block_m": 2, "num_partitions": 2, "variant": variant}, offset=chunk)
+    assert_close(out, paged_attention_ref(qc, pools, 0, table, positions, SCALE, offset=chunk))

@@ -219,10 +219,13 @@ def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v
     # a different scale per KV head and channel, 1/8..8 as calibrated scales spread
     key_scale = torch.exp2(torch.rand(Hkv, D, generator=g) * 6 - 3).to(DEVICE, dtype) if scale else None
     args = (Hq, Hkv, positions, inv_freq, mean, rotate_k, rotate_v)
-    q = qkv_epilogue_triton(qkv, *args, pools, 1, blocks, offsets, norms, key_scale)
-    q_ref = qkv_epilogue_ref(qkv, *args, ref_pools, 1, blocks, offsets, norms, key_scale)
+    q, off = qkv_epilogue_triton(qkv, *args, pools, 1, blocks, offsets, norms, key_scale)
+    q_ref, off_ref = qkv_epilogue_ref(qkv, *args, ref_pools, 1, blocks, offsets, norms, key_scale)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(q, q_ref, rtol=tol, atol=tol)
+    assert (off is None and off_ref is None) if not centre else off.dtype == torch.float32
+    if centre:
+        torch.testing.assert_close(off, off_ref, rtol=tol, atol=tol * 10)
     torch.testing.assert_close(pools.k, ref_pools.k, rtol=tol, atol=tol)
     torch.testing.assert_close(pools.v, ref_pools.v, rtol=tol, atol=tol)
 
@@ -230,16 +233,17 @@ def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v
     ang = positions.double().cpu()[:, None] * inv_freq.double().cpu()[None, :]
     c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
 
-    def turned(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        if qk_norm:
-            x = x / (x.pow(2).mean(-1, keepdim=True) + norms.eps).sqrt() * weight.double().cpu()
+    def normed(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return x / (x.pow(2).mean(-1, keepdim=True) + norms.eps).sqrt() * weight.double().cpu() if qk_norm else x
+
+    def turned(x: torch.Tensor) -> torch.Tensor:
         a, b = x[..., :D // 2], x[..., D // 2:]
         return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
 
-    k = turned(qkv.double().cpu()[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D), norms and norms.k)
-    if centre:
-        k = k - mean.double().cpu()
-    k_plain = k
+    k_raw = normed(qkv.double().cpu()[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D), norms and norms.k)
+    # centering subtracts the mean before RoPE: the key at p is stored as R(p)(k - m)
+    k = turned(k_raw - mean.double().cpu()) if centre else turned(k_raw)
+    k_plain = turned(k_raw)
     if scale:
         k = k / key_scale.double().cpu()
     if rotate_k:
@@ -247,9 +251,13 @@ def test_qkv_epilogue(dtype: torch.dtype, centre: bool, rotate_k: bool, rotate_v
     for t in range(T):
         got = pools.k[1, blocks[t], :, offsets[t]].double().cpu()
         torch.testing.assert_close(got, k[t], rtol=5e-3 if dtype == torch.float16 else 1e-4, atol=5e-3)
-    # Every query head's scores against the stored keys are its scores against the plain keys: q·k unchanged.
-    q_plain = turned(qkv.double().cpu()[:, :Hq * D].view(T, Hq, D), norms and norms.q)
+    # Every query head's scores against the stored keys, plus what centering adds back, are its scores against
+    # the plain keys: q·k unchanged.
+    q_plain = turned(normed(qkv.double().cpu()[:, :Hq * D].view(T, Hq, D), norms and norms.q))
     kv_of = torch.arange(Hq) // (Hq // Hkv)
     scores = torch.einsum("thd,shd->hts", q.double().cpu(), k[:, kv_of])
+    if centre:
+        from bie_trt.kernels.key_offset import KeyOffset, scores as offset_scores
+        scores = scores + offset_scores(KeyOffset(off.cpu(), inv_freq.cpu()), positions.cpu(), torch.float32).double()
     torch.testing.assert_close(scores, torch.einsum("thd,shd->hts", q_plain, k_plain[:, kv_of]),
                                rtol=2e-2 if dtype == torch.float16 else 1e-3, atol=0.2 if dtype == torch.float16 else 1e-2)

@@ -32,7 +32,7 @@ from .checkpoint.registry import resolve_checkpoint
 from .checkpoint.tokenizer_match import check_same_tokenizer
 from .engine_docs import render
 from .fused_linears import fused_linear, gguf_head
-from .kv_choice import check_attention_bound, choose_key_transforms
+from .kv_choice import check_attention_bound, choose_key_transforms, pre_rope_mean
 
 if TYPE_CHECKING:
     from .key_centering import Calibration
@@ -170,7 +170,7 @@ def _choose_key_transforms(m: ModelConfig, weights: dict[str, torch.Tensor], tok
                 {"key_centering": False, "why": why, "key_scale": {"layers": [], "why": why}})
     log("calibrating the KV key mean and scale (one forward pass over a fixed text)")
     calibration = calibrate_keys(m, weights, tokenizer_dir)
-    mean = calibration.keys.mean(dim=2)
+    mean = pre_rope_mean(calibration, m)
     weights["kv.key_mean"] = mean.half()
     stored = mean.half().float()   # decided against the stored (fp16) mean: the one the runtime subtracts
     chosen, key_scale, choice = choose_key_transforms(calibration, m, stored, kv, opts.kv_key_centering,

@@ -1,16 +1,17 @@
-"""Key centering: a fixed mean key per layer and KV head, subtracted before keys reach the cache.
+"""Key centering: the calibrated mean key per layer and KV head, subtracted before keys reach the cache.
 
 Keys share a large component across tokens: on SmolLM2 the mean key's RMS is larger than the
 RMS of what varies from token to token. Per-token INT4 (and FP8's per-token absmax) spends its
-levels covering that shared offset. Subtracting any fixed vector m is exact for attention: a
-query q scores every key as q·(k − m) = q·k − q·m, one constant per query, which softmax
-ignores. With m near the keys' mean, INT4 rounding error falls by about a third
-(tests/test_kv_centering.py measures it). m is measured once, at build time, on a short fixed text.
-The build turns it on where the keys' measured rounding error calls for it (kv_choice.py: Qwen2's k_proj
-bias makes the mean nearly the whole key in a few layers); on SmolLM2 it stays off (it cuts the KL divergence
-from the FP16 cache but not perplexity). Gemma 3 builds always turn it on (config_gemma3.FAMILY.kv_defaults): there
-its k-normed keys' mean is most of each key, and centering cuts INT4's KL divergence from FP16 3.5-fold
-(docs/kv-cache-quality.md).
+levels covering that shared offset. The offset is fixed before RoPE, so the mean is taken there
+(the calibration's post-RoPE keys turned back by their positions) and subtracted before RoPE: the
+cache holds R(p)(k − m) at every position p, and attention adds q·R(p)m back to each score exactly
+(kernels/key_offset.py). A post-RoPE mean subtracted as one fixed vector would need nothing added
+back (one constant per query), but RoPE turns the true offset away from it as positions grow: on
+Qwen2.5-Coder-0.5B at 32k that cost +3.5% perplexity. m is measured once, at build time, on a short
+fixed text. The build turns it on where the keys' measured rounding error calls for it (kv_choice.py:
+Qwen2's k_proj bias makes the mean nearly the whole key in a few layers); on SmolLM2 it stays off.
+Gemma 3 builds always turn it on (config_gemma3.FAMILY.kv_defaults): there its k-normed keys' mean is
+most of each key (docs/kv-cache-quality.md).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Calibration:
     values: torch.Tensor
     queries: dict[int, torch.Tensor]
     softmax_scale: float
+    first_position: int = SKIP_POSITIONS   # the position of the first key kept
 
 
 @torch.inference_mode()
@@ -78,7 +80,7 @@ def calibration_pass(model: LlamaModel, token_ids: list[int], skip: int = SKIP_P
         out[attention] = found
         return out.float().cpu()
 
-    return Calibration(rows(pools.k), rows(pools.v), queries, model.scale)
+    return Calibration(rows(pools.k), rows(pools.v), queries, model.scale, skip)
 
 
 def calibration_ids(tokenizer) -> list[int]:

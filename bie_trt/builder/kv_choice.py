@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..config import KVCacheConfig
+from ..kernels.key_offset import turned, unturned
 from ..kernels.rope import Rope, cos_sin
 from ..kv.quant import dequantize_fp8, dequantize_int4_asym, quantize_fp8, quantize_int4_asym
 from ..kv.rotation import rotate
@@ -51,10 +52,11 @@ def round_trip_keys(keys: torch.Tensor, kv: KVCacheConfig) -> torch.Tensor:
     return rotate(y) if rotated else y
 
 
-def relative_key_error(keys: torch.Tensor, mean: torch.Tensor | None, kv: KVCacheConfig) -> torch.Tensor:
-    """Per layer and KV head [L, Hkv]: RMS of the rounding error of keys [L, Hkv, T, D] (with `mean` [L, Hkv, D]
-    subtracted first, when given) over the RMS of the keys' variation about their own mean."""
-    centred = keys - (mean.unsqueeze(2) if mean is not None else 0)
+def relative_key_error(keys: torch.Tensor, offsets: torch.Tensor | None, kv: KVCacheConfig) -> torch.Tensor:
+    """Per layer and KV head [L, Hkv]: RMS of the rounding error of keys [L, Hkv, T, D] (with `offsets` (the
+    centering's, `key_offsets`) subtracted first, when given) over the RMS of the keys' variation about their own
+    mean."""
+    centred = keys - (offsets if offsets is not None else 0)
     err = round_trip_keys(centred, kv) - centred
     variation = keys - keys.mean(dim=2, keepdim=True)
     return err.pow(2).mean(dim=(2, 3)).sqrt() / variation.pow(2).mean(dim=(2, 3)).sqrt().clamp_min(1e-12)
@@ -67,17 +69,18 @@ def quantised_layers(model: Any) -> list[int]:
     return [li for li in range(model.num_layers) if model.cache_kind(li) == "full_attention"]
 
 
-def choose_key_centering(keys: torch.Tensor, mean: torch.Tensor, kv: KVCacheConfig, explicit: bool | None,
+def choose_key_centering(keys: torch.Tensor, offsets: torch.Tensor, kv: KVCacheConfig, explicit: bool | None,
                          bound: float | None = None, layers: list[int] | None = None
                          ) -> tuple[KVCacheConfig, dict[str, Any]]:
     """The KV config with key centering decided, and the record the manifest keeps as `kv_choice`.
 
+    `offsets` [L, Hkv, T, D]: what centering subtracts from each calibration key (`key_offsets`).
     `explicit`: the build option (None: not given). A family default already on (Gemma 3) stays on.
     `bound`: None is KEY_ERROR_BOUND. `layers`: those the decision weighs (quantised_layers; None: every one);
     the record lists every layer's error."""
     bound = KEY_ERROR_BOUND if bound is None else bound
     off = relative_key_error(keys, None, kv)
-    on = relative_key_error(keys, mean, kv)
+    on = relative_key_error(keys, offsets, kv)
     weighed = list(range(keys.shape[0])) if layers is None else layers
     worst_off, worst_on = off[weighed].max().item(), on[weighed].max().item()
     layer, head = divmod(int(off[weighed].argmax()), off.shape[1])
@@ -158,12 +161,14 @@ def attention_error(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
 
 def layer_key_scale(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv: KVCacheConfig,
-                    softmax_scale: float) -> tuple[torch.Tensor, float, float]:
+                    softmax_scale: float, offsets: torch.Tensor | float = 0.0) -> tuple[torch.Tensor, float, float]:
     """One layer: its balanced key scale [Hkv, D] (fp16-rounded, as stored) and the attention error through the
-    cache's quantiser without and with it. `keys` as they reach the quantiser (centred when centering is on)."""
+    cache's quantiser without and with it. `keys` as they reach the quantiser (centred when centering is on);
+    `offsets` [Hkv, T, D]: what centering took from them, which attention adds back."""
     s = balanced_key_scale(queries, keys).half().float()
-    without = attention_error(queries, keys, values, round_trip_keys(keys, kv), softmax_scale)
-    with_scale = attention_error(queries, keys, values, round_trip_keys(keys / s[:, None], kv) * s[:, None],
+    exact = keys + offsets
+    without = attention_error(queries, exact, values, round_trip_keys(keys, kv) + offsets, softmax_scale)
+    with_scale = attention_error(queries, exact, values, round_trip_keys(keys / s[:, None], kv) * s[:, None] + offsets,
                                  softmax_scale)
     return s, without, with_scale
 
@@ -175,12 +180,13 @@ def choose_key_scale(calibration: Any, model: Any, mean: torch.Tensor | None, kv
     unscaled) and the record the manifest keeps as `kv_choice.key_scale`.
 
     `calibration`: key_centering.Calibration; `model`: its ModelConfig (each layer's KV heads and head_dim);
-    `mean`: the mean key the cache subtracts ([L, Hkv, D], or None without centering). A quantised layer
+    `mean`: the pre-RoPE mean key the cache subtracts ([L, Hkv, D], or None without centering). A quantised layer
     (quantised_layers) is scaled where its measured attention error falls by at least `min_gain` (None:
     KEY_SCALE_MIN_GAIN); `explicit` (the build option) True scales every quantised layer, False none, and the
     measurements are recorded either way."""
     min_gain = KEY_SCALE_MIN_GAIN if min_gain is None else min_gain
-    keys = calibration.keys if mean is None else calibration.keys - mean[:, :, None]
+    offsets = key_offsets(calibration, model, mean) if mean is not None else torch.zeros_like(calibration.keys)
+    keys = calibration.keys - offsets
     scale = torch.ones(keys.shape[0], keys.shape[1], keys.shape[3])
     errors: list[list[float] | None] = []
     layers = []
@@ -192,7 +198,7 @@ def choose_key_scale(calibration: Any, model: Any, mean: torch.Tensor | None, kv
             continue
         h, d = model.kv_heads_of(li), model.head_dim_of(li)
         s, without, with_scale = layer_key_scale(q[..., :d], keys[li, :h, :, :d], calibration.values[li, :h, :, :d],
-                                                 kv, calibration.softmax_scale)
+                                                 kv, calibration.softmax_scale, offsets[li, :h, :, :d])
         errors.append([round(without, 4), round(with_scale, 4)])
         if explicit if explicit is not None else with_scale < (1 - min_gain) * without:
             scale[li, :h, :d] = s
@@ -219,17 +225,38 @@ def choose_key_transforms(calibration: Any, model: Any, mean: torch.Tensor, kv: 
                           centering: bool | None, scale: bool | None
                           ) -> tuple[KVCacheConfig, torch.Tensor, dict[str, Any]]:
     """Key centering, then the key scale over keys centred as decided: the KV config, the scale to store and the
-    manifest's `kv_choice` record. `mean` [L, Hkv, D] is the one the cache subtracts; `centering`, `scale`: the
-    build options (None: measured)."""
-    kv, choice = choose_key_centering(calibration.keys, mean, kv, centering, layers=quantised_layers(model))
+    manifest's `kv_choice` record. `mean` [L, Hkv, D] is the pre-RoPE mean the cache subtracts; `centering`,
+    `scale`: the build options (None: measured)."""
+    kv, choice = choose_key_centering(calibration.keys, key_offsets(calibration, model, mean), kv, centering,
+                                      layers=quantised_layers(model))
     kv, key_scale, choice["key_scale"] = choose_key_scale(calibration, model, mean if kv.key_centering else None,
                                                           kv, scale)
     return kv, key_scale, choice
 
 
+def calibration_positions(calibration: Any) -> torch.Tensor:
+    """The positions [T] the calibration's keys and queries sat at (past its skipped first ones)."""
+    return torch.arange(calibration.keys.shape[2]) + calibration.first_position
+
+
+def pre_rope_mean(calibration: Any, model: Any) -> torch.Tensor:
+    """[L, Hkv, D]: each layer's mean key before RoPE (the calibration's keys turned back by their positions), the
+    offset key centering subtracts before RoPE turns it (kernels/key_offset.py)."""
+    rope, positions = Rope(model, torch.device("cpu")), calibration_positions(calibration)
+    return torch.stack([unturned(calibration.keys[li], positions, rope.inv_freq_of(li)).mean(dim=1)
+                        for li in range(calibration.keys.shape[0])])
+
+
+def key_offsets(calibration: Any, model: Any, mean: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """[L, Hkv, T, D]: what centering subtracts from each calibration key (the keys moved `shift` positions on):
+    the pre-RoPE mean `mean` [L, Hkv, D] turned to the key's position."""
+    rope, positions = Rope(model, torch.device("cpu")), calibration_positions(calibration) + shift
+    return torch.stack([turned(mean[li], positions, rope.inv_freq_of(li)) for li in range(mean.shape[0])])
+
+
 def shifted(x: torch.Tensor, inv_freq: torch.Tensor, positions: int) -> torch.Tensor:
     """Post-RoPE queries or keys [..., T, D] as the same text would give them `positions` further on: RoPE turned
-    on by as much. q·k of every pair is unchanged; what moves is each key against the one calibrated mean."""
+    on by as much. q·k of every pair is unchanged; what moves is how the keys' rounding falls."""
     cos, sin = cos_sin(torch.tensor([positions]), inv_freq, torch.float32)
     return Rope.apply(x, cos[0], sin[0])
 
@@ -237,13 +264,15 @@ def shifted(x: torch.Tensor, inv_freq: torch.Tensor, positions: int) -> torch.Te
 def attention_errors(calibration: Any, model: Any, mean: torch.Tensor, kv: KVCacheConfig, key_scale: torch.Tensor,
                      shifts: list[int]) -> dict[int, tuple[float, int]]:
     """Quantised layer -> (its worst attention error through `kv`'s quantiser over the calibration text moved to
-    each of `shifts` positions further on, the shift of the worst). `kv.key_centering` says whether `mean` is
-    subtracted; `key_scale` [L, Hkv, D] is the stored scale (ones where a layer is unscaled).
+    each of `shifts` positions further on, the shift of the worst). `kv.key_centering` says whether `mean` (the
+    pre-RoPE mean, turned to each key's position) is subtracted; `key_scale` [L, Hkv, D] is the stored scale (ones
+    where a layer is unscaled).
 
-    Why shifts: RoPE turns a key's offset with its position, so the post-RoPE mean calibrated over the first 512
-    positions is not the offset of keys 30,000 positions on. On Qwen2.5-Coder-0.5B layer 0 the INT4 error is 0.12
-    on the calibration text and 0.97 at 32,768 positions on (docs/kv-cache-quality.md)."""
-    rope = Rope(model, torch.device("cpu"))
+    Why shifts: RoPE turns each key pair with its position, so what the quantiser sees of a key (its channels'
+    split of each pair's energy, against a fixed scale) is not what the calibration's first 512 positions showed:
+    a post-RoPE mean subtracted as a fixed vector moved Qwen2.5-Coder-0.5B's layer 0 INT4 error from 0.12 there to
+    0.97 at 32,768 positions on; the pre-RoPE mean turned with each key keeps it at 0.04 (docs/kv-cache-quality.md)."""
+    rope, positions = Rope(model, torch.device("cpu")), calibration_positions(calibration)
     out = {}
     for li in quantised_layers(model):
         q = calibration.queries.get(li)
@@ -254,9 +283,9 @@ def attention_errors(calibration: Any, model: Any, mean: torch.Tensor, kv: KVCac
         worst = (-1.0, 0)
         for shift in shifts:
             keys = shifted(calibration.keys[li, :h, :, :d], inv, shift)
-            if kv.key_centering:
-                keys = keys - mean[li, :h, None, :d]
-            read = round_trip_keys(keys / s, kv) * s
+            # what the cache stores keys without, and attention adds back exactly (kernels/key_offset.py)
+            off = turned(mean[li, :h, :d], positions + shift, inv) if kv.key_centering else 0
+            read = round_trip_keys((keys - off) / s, kv) * s + off
             e = attention_error(shifted(q[..., :d], inv, shift), keys, calibration.values[li, :h, :, :d], read,
                                 calibration.softmax_scale)
             worst = max(worst, (e, shift))

@@ -53,9 +53,10 @@ def kv_options(default_from: str, build_defaults: bool) -> Callable[[Callable], 
                      help="Hadamard-rotate keys (hadamard), keys and values (hadamard_kv), or nothing (none) "
                           f"before quantising; tames outlier channels. {rotation_d}"),
         click.option("--kv-key-centering/--no-kv-key-centering", default=None,
-                     help="Subtract the calibrated mean key before quantising: exact for attention, lower KL "
-                          "divergence; lower perplexity on Gemma 3, not on SmolLM2 (docs/kv-cache-quality.md). "
-                          f"{centering_d}"),
+                     help="Subtract the calibrated pre-RoPE mean key from each key before RoPE, attention adding "
+                          "its turned image back: exact for attention, and INT4/FP8 then spend their range on what "
+                          "varies (Qwen2's k_proj bias, Gemma 3's k-normed keys) at every position "
+                          f"(docs/kv-cache-quality.md). {centering_d}"),
         click.option("--kv-key-scale/--no-kv-key-scale", default=None,
                      help="Divide keys by a calibrated per-channel scale before quantising (queries multiplied by "
                           "it, so q·k is unchanged), in the layers where the build measured that it lowers the "

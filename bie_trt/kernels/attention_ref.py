@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from ..kv.pool import KVPools
 from ..kv.quant import dequantize_blocks
+from . import key_offset
+from .key_offset import KeyOffset
 
 
 def paged_attention_ref(
@@ -27,10 +29,11 @@ def paged_attention_ref(
     scale: float,
     blocks_per_tile: int = 1,
     window: int = 0,
+    offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H_q, D] over one sequence's cache; query t sees tokens j <= positions[t] (and, with
     `window` > 0 (a sliding-window layer), j > positions[t] - window: the blocks below every query's window
-    are never read).
+    are never read). `offset`: with centred keys, each score's q·R(p)m added back (key_offset.py).
 
     The chunk's own K/V must already be in the cache. Query head h reads kv head
     h // (H_q // H_kv). Returns [T, H_q, D] in q's dtype. `blocks_per_tile` > 1 folds
@@ -61,7 +64,10 @@ def paged_attention_ref(
         k, v = k[:, :valid], v[:, :valid]
         j = torch.arange(first * B, first * B + valid, device=q.device)
         visible = (j[None, :] <= pos[:, None]) & (j[None, :] >= lo[:, None])  # [T, valid]
-        s = torch.einsum("htgd,hjd->htgj", qg, k) * scale
+        s = torch.einsum("htgd,hjd->htgj", qg, k)
+        if offset is not None:   # [H_q, T, j] -> [H_kv, T, group, j]
+            s = s + key_offset.scores(offset, j, q.dtype).unflatten(0, (Hkv, group)).transpose(1, 2)
+        s = s * scale
         s = s.masked_fill(~visible[None, :, None, :], -torch.inf)
         # A query may see nothing in a block (an early query of a chunk before its window's first block is
         # read): subtracting 0 instead of a -inf max keeps exp at a clean 0 rather than NaN.
@@ -140,7 +146,7 @@ def _visible(tile: _Tile, block_size: int, window: int = 0) -> torch.Tensor:
 
 
 def paged_prefills_dense(q: torch.Tensor, pools: KVPools, layer: int, plan: DensePrefills,
-                         scale: float, window: int = 0) -> list[torch.Tensor]:
+                         scale: float, window: int = 0, offset: KeyOffset | None = None) -> list[torch.Tensor]:
     """`paged_attention_ref` of each chunk of a step (as `plan` lays them out), computed as dense masked
     attention over row tiles: the CPU path, one fused softmax per tile instead of a loop per block. Every
     block the tables name is dequantised once; the mask gives each row exactly its own chunk's entries up
@@ -158,7 +164,11 @@ def paged_prefills_dense(q: torch.Tensor, pools: KVPools, layer: int, plan: Dens
             # zero them, as the kernel's masked loads never read them.
             k, v = (side.masked_fill_(unseen[None, :, None], 0) for side in (k, v))
         qt = torch.cat([q[s:s + n] for s, n in tile.rows]).float().transpose(0, 1)
-        o = F.scaled_dot_product_attention(qt[None], k[None], v[None], attn_mask=visible, scale=scale,
+        mask: torch.Tensor = visible
+        if offset is not None:   # centred keys: q·R(p)m added to each score, as a float mask before softmax
+            rows = offset.rows(torch.cat([torch.arange(s, s + n, device=q.device) for s, n in tile.rows]))
+            mask = (key_offset.scores(rows, tile.col_pos, q.dtype) * scale).masked_fill(~visible, -torch.inf)
+        o = F.scaled_dot_product_attention(qt[None], k[None], v[None], attn_mask=mask, scale=scale,
                                            enable_gqa=H_kv != q.shape[1])
         out += o[0].transpose(0, 1).to(q.dtype).split([n for _, n in tile.rows])
     return out
@@ -193,7 +203,7 @@ def tile_chunks(tiles: torch.Tensor, tables: torch.Tensor) -> list[tuple[int, in
 
 def paged_tile_attention_ref(q: torch.Tensor, pools: KVPools, layer: int, tiles: torch.Tensor, tables: torch.Tensor,
                              positions: torch.Tensor, scale: float, plan: DensePrefills | None = None,
-                             window: int = 0) -> torch.Tensor:
+                             window: int = 0, offset: KeyOffset | None = None) -> torch.Tensor:
     """The twin of the tiled attention: each tile's rows attend through its table as `paged_attention_ref`
     does (dense over row tiles, `paged_prefills_dense`; `plan` is that layout when the caller keeps it
     across layers). Rows of no tile get zeros."""
@@ -201,7 +211,7 @@ def paged_tile_attention_ref(q: torch.Tensor, pools: KVPools, layer: int, tiles:
         plan = DensePrefills.build(tile_chunks(tiles, tables), positions, pools.cfg.block_size)
     out = torch.zeros_like(q)
     spans = [span for tile in plan.tiles for span in tile.rows]
-    for (first, n), rows in zip(spans, paged_prefills_dense(q, pools, layer, plan, scale, window)):
+    for (first, n), rows in zip(spans, paged_prefills_dense(q, pools, layer, plan, scale, window, offset)):
         out[first:first + n] = rows
     return out
 
@@ -215,6 +225,7 @@ def paged_decode_attention_ref(
     scale: float,
     blocks_per_tile: int = 1,
     window: int = 0,
+    offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q [S, H_q, D], each attending its context_lens[s] cached tokens through
     `paged_attention_ref`; a length-0 slot (CUDA-graph padding) gives zeros."""
@@ -223,7 +234,7 @@ def paged_decode_attention_ref(
         if n > 0:
             pos = torch.tensor([n - 1], device=q.device)
             out[s] = paged_attention_ref(q[s:s + 1], pools, layer, block_tables[s], pos, scale, blocks_per_tile,
-                                         window)[0]
+                                         window, offset.rows(slice(s, s + 1)) if offset is not None else None)[0]
     return out
 
 

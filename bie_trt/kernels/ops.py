@@ -20,6 +20,7 @@ from .attention_ref import (DensePrefills, paged_decode_attention_ref, paged_pre
                             tile_chunks)
 from .gguf_blocks import BlockWeight, block_linear_ref
 from .int8_rows import Int8Rows
+from .key_offset import KeyOffset
 from .w4_layout import W4Weight
 
 if TYPE_CHECKING:
@@ -138,15 +139,18 @@ def write_kv(pools: KVPools, layer: int, k: torch.Tensor, v: torch.Tensor,
 def qkv_epilogue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
                  inv_freq: torch.Tensor, key_mean: torch.Tensor | None, rotate_keys: bool, rotate_values: bool,
                  pools: KVPools, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
-                 qk_norm: ref.QKNorm | None = None, key_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """qkv rows -> attention's q [T, H_q, D]; the per-head q/k norms (Qwen3), RoPE, key centering, the
-    per-channel key scale and rotation applied, K/V written."""
+                 qk_norm: ref.QKNorm | None = None, key_scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, KeyOffset | None]:
+    """qkv rows -> attention's q [T, H_q, D] and, with key centering (key_mean, the pre-RoPE mean key), what
+    attention adds back for it; the per-head q/k norms (Qwen3), RoPE, key centering, the per-pair key scale and
+    rotation applied, K/V written."""
     if use_triton(qkv):
         from .triton_ops import qkv_epilogue_triton as fn
     else:
         fn = ref.qkv_epilogue_ref
-    return fn(qkv, num_heads, num_kv_heads, positions, inv_freq, key_mean, rotate_keys, rotate_values,
-              pools, layer, slot_blocks, slot_offsets, qk_norm, key_scale)
+    q, coefficients = fn(qkv, num_heads, num_kv_heads, positions, inv_freq, key_mean, rotate_keys, rotate_values,
+                         pools, layer, slot_blocks, slot_offsets, qk_norm, key_scale)
+    return q, KeyOffset(coefficients, inv_freq) if coefficients is not None else None
 
 
 def quantize_block(pools: KVPools, fp_block: int, q_block: int) -> None:
@@ -169,19 +173,22 @@ def attention_config() -> dict:
 
 
 def paged_decode_attention(q: torch.Tensor, pools: KVPools, layer: int, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                           context_lens: torch.Tensor, scale: float, window: int = 0,
+                           offset: KeyOffset | None = None) -> torch.Tensor:
     """One query per sequence, q [S, H_q, D]; block_tables int32 [S, max_blocks]. `window` > 0 (a
-    sliding-window layer): each query sees the last `window` positions only, the blocks below unread."""
+    sliding-window layer): each query sees the last `window` positions only, the blocks below unread.
+    `offset`: what centred keys' scores get back (key_offset.py), or None."""
     if use_triton(q):
         from .triton_attention import paged_decode_attention as kernel
 
-        return kernel(q, pools, layer, block_tables, context_lens, scale, config=attention_config(), window=window)
+        return kernel(q, pools, layer, block_tables, context_lens, scale, config=attention_config(), window=window,
+                      offset=offset)
     return paged_decode_attention_ref(q, pools, layer, block_tables, context_lens, scale, CPU_BLOCKS_PER_TILE,
-                                      window)
+                                      window, offset)
 
 
 def paged_prefill_attentions(q: torch.Tensor, pools: KVPools, layer: int, meta: StepMetadata,
-                             scale: float, window: int = 0) -> list[torch.Tensor]:
+                             scale: float, window: int = 0, offset: KeyOffset | None = None) -> list[torch.Tensor]:
     """Attention of each multi-token chunk of a step, meta.prefills' (first row, tokens, table) each, q [T, H_q, D]
     (the chunks already written). On the CPU, dense masked attention over tiles of the chunks' rows, laid out
     at the first layer and kept in `meta` for the others."""
@@ -189,14 +196,15 @@ def paged_prefill_attentions(q: torch.Tensor, pools: KVPools, layer: int, meta: 
         from .triton_attention import paged_prefill_attention as kernel
 
         return [kernel(q[s:s + n], pools, layer, table, meta.positions[s:s + n], scale, config=attention_config(),
-                       window=window) for s, n, table in meta.prefills]
+                       window=window, offset=offset.rows(slice(s, s + n)) if offset is not None else None)
+                for s, n, table in meta.prefills]
     if meta.dense_prefills is None:
         meta.dense_prefills = DensePrefills.build(meta.prefills, meta.positions, pools.cfg.block_size)
-    return paged_prefills_dense(q, pools, layer, meta.dense_prefills, scale, window)
+    return paged_prefills_dense(q, pools, layer, meta.dense_prefills, scale, window, offset)
 
 
 def paged_tile_attention(q: torch.Tensor, pools: KVPools, layer: int, tiles: StepTiles, scale: float,
-                         window: int = 0) -> torch.Tensor:
+                         window: int = 0, offset: KeyOffset | None = None) -> torch.Tensor:
     """Every row of a tiled step (a speculative verify of many sequences, decodes beside it) in one launch,
     each query tile through its own table (`StepTiles`), q [T, H_q, D]. On the CPU, dense masked
     attention over the tiles, laid out at the first layer and kept in `tiles` for the others."""
@@ -204,11 +212,11 @@ def paged_tile_attention(q: torch.Tensor, pools: KVPools, layer: int, tiles: Ste
         from .triton_attention import paged_tile_attention as kernel
 
         return kernel(q, pools, layer, tiles.tiles, tiles.tables, tiles.positions, scale, tiles.block_m,
-                      config=attention_config(), window=window)
+                      config=attention_config(), window=window, offset=offset)
     if tiles.dense is None:
         tiles.dense = DensePrefills.build(tile_chunks(tiles.tiles, tiles.tables), tiles.positions, pools.cfg.block_size)
     return paged_tile_attention_ref(q, pools, layer, tiles.tiles, tiles.tables, tiles.positions, scale, tiles.dense,
-                                    window)
+                                    window, offset)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ..kv.pool import KVPools
 from ..kv.rotation import rotate
+from . import key_offset
 from .rope import Rope, cos_sin
 from .w4_layout import W4Weight
 
@@ -57,25 +58,28 @@ class QKNorm(NamedTuple):
 def qkv_epilogue_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
                      inv_freq: torch.Tensor, key_mean: torch.Tensor | None, rotate_keys: bool, rotate_values: bool,
                      pools: KVPools, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
-                     qk_norm: QKNorm | None = None, key_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The qkv projection's rows [T, (H_q + 2 H_kv) D] -> attention's q [T, H_q, D]; K and V into the cache.
+                     qk_norm: QKNorm | None = None, key_scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The qkv projection's rows [T, (H_q + 2 H_kv) D] -> attention's q [T, H_q, D] and, with key_mean, the
+    offset coefficients [T, H_q, D] (key_offset.py); K and V into the cache.
 
-    With qk_norm, each q and k head RMS-normalised first; then RoPE on q and k (rotate-half convention,
-    cos and sin rounded to the activation dtype), the calibrated mean key subtracted (key_mean [H_kv, D],
-    or None), keys divided by the calibrated per-channel scale and queries multiplied by their KV head's
-    (key_scale [H_kv, D], or None), then the Hadamard rotation of q and k (and of v with rotate_values), and K/V written to
-    their FP16-tail slots."""
+    With qk_norm, each q and k head RMS-normalised first; the calibrated pre-RoPE mean key subtracted from k
+    (key_mean [H_kv, D], or None); RoPE on q and k (rotate-half convention, cos and sin rounded to the activation
+    dtype); q's offset coefficients against the mean; keys divided by the calibrated per-pair scale and queries
+    multiplied by their KV head's (key_scale [H_kv, D], or None), then the Hadamard rotation of q and k (and of v
+    with rotate_values), and K/V written to their FP16-tail slots."""
     D = pools.k.shape[-1]
     T = qkv.shape[0]
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
     q, k = q.reshape(T, num_heads, D), k.reshape(T, num_kv_heads, D)
     if qk_norm is not None:
         q, k = rms_norm_ref(q, qk_norm.q, qk_norm.eps)[0], rms_norm_ref(k, qk_norm.k, qk_norm.eps)[0]
+    if key_mean is not None:   # before RoPE: the cache holds R(p)(k - m), attention adds q·R(p)m back
+        k = k - key_mean.to(k.dtype)
     cos, sin = cos_sin(positions, inv_freq, qkv.dtype)
     q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
     v = v.view(T, num_kv_heads, D)
-    if key_mean is not None:   # every score of a query shifts by q·m: softmax is unchanged
-        k = k - key_mean
+    offset = key_offset.coefficients(q, key_mean) if key_mean is not None else None
     if key_scale is not None:   # (q·s)·(k/s) = q·k: the scale only moves where INT4 spends its range
         q = q * key_scale.repeat_interleave(num_heads // num_kv_heads, dim=0)
         k = k / key_scale
@@ -84,4 +88,4 @@ def qkv_epilogue_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, posit
     if rotate_values:
         v = rotate(v)
     write_kv_ref(pools, layer, k, v, slot_blocks, slot_offsets)
-    return q
+    return q, offset

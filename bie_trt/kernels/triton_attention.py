@@ -37,6 +37,7 @@ import torch
 
 from ..kv.pool import KVPools
 from .arrival import arrival_counters
+from .key_offset import KeyOffset
 from .attention_ref import (paged_attention_ref, paged_decode_attention_ref,  # noqa: F401 (the twins)
                             paged_tile_attention_ref)
 
@@ -298,6 +299,34 @@ def _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale, SLIDING: tl.constexpr):
 
 
 @_jit()
+def _offset_scores(s, off_ptr, inv_ptr, q_off, row_ok, kv, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    """s [ROWS, TILE] plus q·R(p)m of each row against the keys at positions kv (centred keys, key_offset.py):
+    Σ_i A_i cos(p θ_i) + B_i sin(p θ_i), the rows' coefficients [A | B] read where q's row is in off_ptr (fp32,
+    laid out as q; L1-resident after the first tile), cos and sin rounded to the activation dtype as RoPE's are.
+
+    16 pairs a step (tl.dot's smallest K), so the offset adds only [TILE, 16] tiles to the registers the K and V
+    tiles already fill. The offset can be most of a key, and what is added back must cancel what the epilogue
+    took to about fp32's precision: in fp16/bf16 each coefficient goes in as two parts, its rounding and what
+    that rounding left (2^-22 of it in fp16), each a product in the activation dtype accumulated in fp32."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    PAIRS: tl.constexpr = 16
+    p = kv.to(tl.float32)[:, None]
+    for j0 in tl.static_range(0, HALF, PAIRS):
+        j = j0 + tl.arange(0, PAIRS)
+        angle = p * tl.load(inv_ptr + j)[None, :]
+        for part in tl.static_range(2):   # the cos and the sin terms
+            coef = tl.load(off_ptr + q_off[:, None] + part * HALF + j[None, :], mask=row_ok[:, None], other=0.0)
+            turn = tl.trans(tl.cos(angle).to(DTYPE) if part == 0 else tl.sin(angle).to(DTYPE))
+            if DTYPE == tl.float32:
+                s = tl.dot(coef, turn, acc=s, input_precision="ieee")
+            else:
+                high = coef.to(DTYPE)
+                s = tl.dot(high, turn, acc=s)
+                s = tl.dot((coef - high.to(tl.float32)).to(DTYPE), turn, acc=s)
+    return s
+
+
+@_jit()
 def _partition_start(q_ptr, q_off, row_ok, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr):
     """A tile loop's channel halves, the rows' q halves and the empty softmax state (m, l, acc_a, acc_b)."""
     ch_a, ch_b = _channel_halves(HEAD_DIM, KV_MODE == 1)
@@ -312,12 +341,13 @@ def _partition_start(q_ptr, q_off, row_ok, ROWS: tl.constexpr, HEAD_DIM: tl.cons
 
 @_jit()
 def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
-                  k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+                  k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, off_ptr, inv_ptr,
                   stride_fp_blk, stride_fp_head, stride_fp_tok,
                   stride_qd_blk, stride_qd_head, stride_qd_tok,
                   stride_sc_blk, stride_sc_head, stride_sc_tok, stride_sc_grp,
                   ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr, SLIDING: tl.constexpr):
+                  KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr, SLIDING: tl.constexpr,
+                  CENTRED: tl.constexpr):
     """v1: each tile's quantised K and V are dequantised into [TILE, HEAD_DIM // 2] halves that tl.dot
     takes as they are. Returns the partition's (m, l, acc_a, acc_b) over channel halves a and b."""
     ch_a, ch_b, q_a, q_b, m_i, l_i, acc_a, acc_b = _partition_start(q_ptr, q_off, row_ok, ROWS, HEAD_DIM, KV_MODE)
@@ -342,6 +372,8 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
             if has_plain:
                 s = _plain_scores(s, q_a, q_b, k_ptr, table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
                                   stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
+        if CENTRED:
+            s = _offset_scores(s, off_ptr, inv_ptr, q_off, row_ok, kv, HEAD_DIM, DTYPE)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale, SLIDING)
 
         if KV_MODE == 0:
@@ -426,12 +458,13 @@ def _spread_groups(x, ROWS: tl.constexpr, NG: tl.constexpr, HG: tl.constexpr):
 
 @_jit()
 def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
-                  k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr,
+                  k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, off_ptr, inv_ptr,
                   stride_fp_blk, stride_fp_head, stride_fp_tok,
                   stride_qd_blk, stride_qd_head, stride_qd_tok,
                   stride_sc_blk, stride_sc_head, stride_sc_tok,
                   ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr, SLIDING: tl.constexpr):
+                  KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr, SLIDING: tl.constexpr,
+                  CENTRED: tl.constexpr):
     """v2 over a quantised pool: no dequantised K/V tile. Per group g of a quantised row,
         score = scale_g · (q_g · codes_g) + zero_g · Σ_{c∈g} q_c          (INT4; FP8: scale · (q · codes))
         acc_g += max(scale_g) · ((P ⊙ scale_g / max(scale_g)) · codes_g) + (P · zero_g) ⊗ 1
@@ -462,6 +495,8 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
         if has_plain:
             s = _plain_scores(s, q_a, q_b, k_ptr, table, kv, live, slot, kv_head, stride_fp_blk, stride_fp_head,
                               stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
+        if CENTRED:
+            s = _offset_scores(s, off_ptr, inv_ptr, q_off, row_ok, kv, HEAD_DIM, DTYPE)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kv, pos, lo, qk_scale, SLIDING)
 
         acc_a = acc_a * alpha[:, None]
@@ -490,7 +525,7 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
 @_jit(do_not_specialize=("num_queries", "num_partitions", "stride_table"))
 def _paged_attention_kernel(
     q_ptr, pos_ptr, table_ptr, tile_ptr,
-    k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+    k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, off_ptr, inv_ptr,
     m_ws_ptr, l_ws_ptr, acc_ws_ptr, cnt_ptr, out_ptr,
     num_queries, num_partitions, qk_scale, window,
     stride_q_tok, stride_q_head, stride_table, stride_out_tok, stride_out_head,
@@ -500,13 +535,15 @@ def _paged_attention_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr,
-    LENGTHS: tl.constexpr, V2: tl.constexpr, TILE_MAP: tl.constexpr, SLIDING: tl.constexpr,
+    LENGTHS: tl.constexpr, V2: tl.constexpr, TILE_MAP: tl.constexpr, SLIDING: tl.constexpr, CENTRED: tl.constexpr,
 ):
     """pos_ptr: each query's position, or with LENGTHS each decode sequence's length (position + 1).
     V2 picks `_partition_v2` for the tile loop (a quantised pool only), else `_partition_v1`.
     TILE_MAP: query tile i is tile_ptr[i] = (first query, queries <= BLOCK_M, its row of table_ptr), so
     the runs of many sequences (each with its own view of the cache) share one launch; a tile of 0
-    queries (a CUDA graph's padding) does nothing. Otherwise tile i is queries i·BLOCK_M.. on table row i."""
+    queries (a CUDA graph's padding) does nothing. Otherwise tile i is queries i·BLOCK_M.. on table row i.
+    CENTRED: the keys are stored centred; off_ptr holds each query row's offset coefficients (laid out as q)
+    and inv_ptr the RoPE inverse frequencies, and every score gets q·R(p)m back (key_offset.py)."""
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -553,17 +590,17 @@ def _paged_attention_kernel(
     if V2:
         m_i, l_i, acc_a, acc_b = _partition_v2(
             q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
-            k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr,
+            k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, off_ptr, inv_ptr,
             stride_fp_blk, stride_fp_head, stride_fp_tok, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok,
-            ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE, SLIDING)
+            ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE, SLIDING, CENTRED)
     else:
         m_i, l_i, acc_a, acc_b = _partition_v1(
             q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, pos, lo, first_kv, kv_head, qk_scale,
-            k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+            k_ptr, v_ptr, kq_ptr, vq_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, off_ptr, inv_ptr,
             stride_fp_blk, stride_fp_head, stride_fp_tok, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, stride_sc_grp,
-            ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE, SLIDING)
+            ROWS, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE, SLIDING, CENTRED)
 
     ch_a, ch_b = _channel_halves(HEAD_DIM, KV_MODE == 1)
     out_row = qi * stride_out_tok + q_head * stride_out_head
@@ -676,10 +713,12 @@ def _check_inputs(q: torch.Tensor, pools: KVPools, table: torch.Tensor) -> None:
 def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.Tensor, stride_table: int,
                      table_width: int, positions: torch.Tensor, lengths: bool, scale: float, block_m: int,
                      num_partitions: int | None, cfg: dict, out: torch.Tensor | None = None,
-                     tiles: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                     tiles: torch.Tensor | None = None, window: int = 0,
+                     offset: KeyOffset | None = None) -> torch.Tensor:
     """One launch over (query tiles, kv heads, partitions); `positions` holds lengths when `lengths`;
     `tiles` int32 [N, 3] lays the query tiles out (the kernel's TILE_MAP), else BLOCK_M queries each;
-    `window` > 0: each query sees only the last `window` positions up to its own."""
+    `window` > 0: each query sees only the last `window` positions up to its own; `offset`: centred keys'
+    scores get q·R(p)m back (key_offset.py)."""
     num_queries, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = pools.k.shape[2], pools.k.shape[3]
     group = num_q_heads // num_kv_heads
@@ -708,10 +747,18 @@ def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.T
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"attention output {tuple(out.shape)} must have q's shape {tuple(q.shape)}, channels contiguous.")
+    if offset is not None:
+        coefficients = offset.coefficients
+        if coefficients.shape != q.shape or coefficients.stride() != q.stride() or coefficients.dtype != torch.float32:
+            raise ValueError(f"key offset coefficients {tuple(coefficients.shape)} must be fp32 laid out as q "
+                             f"{tuple(q.shape)}.")
+        off, inv = coefficients, offset.inv_freq.to(device=q.device, dtype=torch.float32)
+    else:   # never dereferenced without CENTRED
+        off = inv = q
     launch = {key: cfg[key] for key in ("num_warps", "num_stages") if key in cfg}
     _paged_attention_kernel[(num_q_tiles, num_kv_heads, parts)](
         q, positions, table, table if tiles is None else tiles,
-        k, v, kq, vq, ks, vs, kz, vz,
+        k, v, kq, vq, ks, vs, kz, vz, off, inv,
         m_ws, l_ws, acc_ws, arrival_counters(q.device, num_q_tiles * num_kv_heads), out,
         num_queries, parts, scale * math.log2(math.e), window,
         q.stride(0), q.stride(1), stride_table, out.stride(0), out.stride(1),
@@ -722,7 +769,7 @@ def _paged_attention(q: torch.Tensor, pools: KVPools, layer: int, table: torch.T
         BLOCK_SIZE=block_size, TILE=tile, HEAD_DIM=head_dim, KV_MODE=mode,
         QUANT_GROUP=pools.cfg.group_size if mode == _INT4 else 1, DTYPE=_tl_dtype(q.dtype), LENGTHS=lengths,
         V2=cfg["variant"] == "v2" and mode != _FP16_ONLY, TILE_MAP=tiles is not None, SLIDING=window > 0,
-        **launch,
+        CENTRED=offset is not None, **launch,
     )
     return out
 
@@ -738,6 +785,7 @@ def paged_decode_attention(
     config: dict | None = None,
     out: torch.Tensor | None = None,
     window: int = 0,
+    offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """One query token per sequence, q [S, H_q, D], attending all context_lens[s] cached tokens -> [S, H_q, D].
 
@@ -752,7 +800,7 @@ def paged_decode_attention(
     # the kernel reads lengths: each query sits at its sequence's last position
     context_lens = context_lens.to(device=q.device, dtype=torch.int32)   # no copy when it already is
     return _paged_attention(q, pools, layer, block_tables, block_tables.stride(0), block_tables.shape[1],
-                            context_lens, True, scale, 1, num_partitions, cfg, out, window=window)
+                            context_lens, True, scale, 1, num_partitions, cfg, out, window=window, offset=offset)
 
 
 def paged_prefill_attention(
@@ -764,6 +812,7 @@ def paged_prefill_attention(
     scale: float,
     config: dict | None = None,
     window: int = 0,
+    offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Chunk attention of one sequence, q [T, H_q, D]: query t sees cached tokens j <= positions[t] -> [T, H_q, D].
 
@@ -777,7 +826,7 @@ def paged_prefill_attention(
                           quantised_prefill=_kv_mode(pools) != _FP16_ONLY)
     pos = positions.to(device=q.device, dtype=torch.int32)
     return _paged_attention(q, pools, layer, block_table, 0, block_table.shape[0], pos, False, scale,
-                            cfg["block_m"], None, cfg, window=window)
+                            cfg["block_m"], None, cfg, window=window, offset=offset)
 
 
 def paged_tile_attention(
@@ -792,6 +841,7 @@ def paged_tile_attention(
     config: dict | None = None,
     out: torch.Tensor | None = None,
     window: int = 0,
+    offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Attention of every row of a step in one launch, q [T, H_q, D]: query tile i holds rows
     tiles[i, 0] .. + tiles[i, 1] (at most `block_m`), which read the cache through tables[tiles[i, 2]];
@@ -809,4 +859,4 @@ def paged_tile_attention(
                           quantised_prefill=_kv_mode(pools) != _FP16_ONLY)
     pos = positions.to(device=q.device, dtype=torch.int32)   # no copy when it already is
     return _paged_attention(q, pools, layer, tables, tables.stride(0), tables.shape[1], pos, False, scale,
-                            block_m, None, cfg, out, tiles, window)
+                            block_m, None, cfg, out, tiles, window, offset)

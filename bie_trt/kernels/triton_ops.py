@@ -175,8 +175,8 @@ def _head_norm(x, w_ptr, eps, D: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, scale_ptr, qn_ptr, kn_ptr, q_out_ptr, kc_ptr, vc_ptr,
-                         blocks_ptr, offsets_ptr, eps,
+def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, scale_ptr, qn_ptr, kn_ptr, q_out_ptr, off_out_ptr,
+                         kc_ptr, vc_ptr, blocks_ptr, offsets_ptr, eps,
                          stride_qkv, stride_qo, stride_cb, stride_ch, stride_cs,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr,
                          CENTRE: tl.constexpr, SCALE_K: tl.constexpr, ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr,
@@ -198,6 +198,11 @@ def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, scale_ptr, qn
         if QK_NORM:
             q = _head_norm(q, qn_ptr, eps, D, DTYPE)
         q = _rope(q, cos, sin, D, DTYPE)
+        if CENTRE:   # q's offset coefficients [A | B] against its KV head's pre-RoPE mean (key_offset.py)
+            m1, m2 = _halves(tl.load(mean_ptr + (head // (NUM_HEADS // NUM_KV_HEADS)) * D + d).to(tl.float32), D)
+            q1, q2 = _halves(q, D)
+            off = tl.reshape(tl.permute(tl.join(q1 * m1 + q2 * m2, q2 * m1 - q1 * m2), (1, 0)), (D,))
+            tl.store(off_out_ptr + t * stride_qo + head * D + d, off)
         if SCALE_K:   # times its KV head's key scale: q·k is unchanged by keys stored divided by it
             s = tl.load(scale_ptr + (head // (NUM_HEADS // NUM_KV_HEADS)) * D + d).to(tl.float32)
             q = (q * s).to(DTYPE).to(tl.float32)
@@ -209,9 +214,9 @@ def _qkv_epilogue_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, mean_ptr, scale_ptr, qn
         k = tl.load(row + (NUM_HEADS + kv_head) * D + d).to(tl.float32)
         if QK_NORM:
             k = _head_norm(k, kn_ptr, eps, D, DTYPE)
-        k = _rope(k, cos, sin, D, DTYPE)
-        if CENTRE:
+        if CENTRE:   # before RoPE: the cache holds R(p)(k - m)
             k = (k - tl.load(mean_ptr + kv_head * D + d).to(tl.float32)).to(DTYPE).to(tl.float32)
+        k = _rope(k, cos, sin, D, DTYPE)
         if SCALE_K:
             k = (k / tl.load(scale_ptr + kv_head * D + d).to(tl.float32)).to(DTYPE).to(tl.float32)
         if ROTATE_K:
@@ -229,7 +234,7 @@ def qkv_epilogue_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, po
                         inv_freq: torch.Tensor, key_mean: torch.Tensor | None, rotate_keys: bool, rotate_values: bool,
                         pools: KVPools, layer: int, slot_blocks: torch.Tensor,
                         slot_offsets: torch.Tensor, qk_norm: QKNorm | None = None,
-                        key_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        key_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch for everything between the qkv projection and attention; twin of `qkv_epilogue_ref`."""
     T = qkv.shape[0]
     D = pools.k.shape[-1]
@@ -238,19 +243,21 @@ def qkv_epilogue_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, po
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    offset = torch.empty((T, num_heads, D), dtype=torch.float32, device=qkv.device) if key_mean is not None else None
     if T == 0:
-        return q
+        return q, offset
     kc, vc = pools.k[layer], pools.v[layer]
     mean = key_mean if key_mean is not None else inv_freq   # never read without CENTRE
     scale = key_scale if key_scale is not None else inv_freq   # never read without SCALE_K
     q_norm, k_norm, eps = qk_norm if qk_norm is not None else (None, None, 0.0)   # no pointers: nothing to read
     _qkv_epilogue_kernel[(T, num_heads + num_kv_heads)](
-        qkv, positions, inv_freq, mean, scale, q_norm, k_norm, q, kc, vc, slot_blocks, slot_offsets, eps,
+        qkv, positions, inv_freq, mean, scale, q_norm, k_norm, q, offset if offset is not None else q, kc, vc,
+        slot_blocks, slot_offsets, eps,
         qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=D, LOG2_D=D.bit_length() - 1, CENTRE=key_mean is not None,
         SCALE_K=key_scale is not None, ROTATE_K=rotate_keys, ROTATE_V=rotate_values, QK_NORM=qk_norm is not None,
         num_warps=1 if D <= 64 else 2)
-    return q
+    return q, offset
 
 
 # --- The fused block quantiser ------------------------------------------------------------------

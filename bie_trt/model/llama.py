@@ -18,6 +18,7 @@ from ..config import KVCacheConfig, ModelConfig
 from ..kernels import ops
 from ..kernels.gguf_blocks import BlockWeight, from_tensors, is_stored
 from ..kernels.int8_rows import Int8Rows
+from ..kernels.key_offset import KeyOffset
 from ..kernels.reference import QKNorm
 from ..kernels.rope import Rope
 from ..kernels.step_inputs import SeqInput, StepMetadata
@@ -250,6 +251,10 @@ class LlamaModel:
             return pools.sliding, self.group_index[li], meta.sliding
         return pools, self.group_index[li], meta
 
+    def _key_mean_of(self, li: int) -> torch.Tensor:
+        """Layer li's pre-RoPE mean key [its KV heads, its head_dim] (stored padded to the widest layer's)."""
+        return self.key_mean[li, :self.cfg.kv_heads_of(li), :self.cfg.head_dim_of(li)]
+
     def _key_scale_of(self, li: int) -> torch.Tensor:
         """Layer li's key scale [its KV heads, its head_dim] (the stored one is padded to the widest layer's)."""
         return self.key_scale[li, :self.cfg.kv_heads_of(li), :self.cfg.head_dim_of(li)]
@@ -263,9 +268,11 @@ class LlamaModel:
         if cfg.attn_output_gate:   # Qwen3.5: qkv's last q_size columns gate the attention output
             qkv, gate = qkv[:, :-cfg.q_size].contiguous(), qkv[:, -cfg.q_size:]
         if not self.owns_cache[li]:   # Gemma 4's KV-shared layer: q only, reading the source layer's cache
-            q = shared_query(qkv, cfg.num_heads, layer.qk_norm.q, cfg.rms_norm_eps, meta.rope_positions,
-                             self.rope.inv_freq_of(li), rotates_keys(pools.cfg),
-                             self._key_scale_of(cfg.kv_source(li)) if scales_keys(pools.cfg) else None)
+            source = cfg.kv_source(li)
+            q, offset = shared_query(qkv, cfg.num_heads, layer.qk_norm.q, cfg.rms_norm_eps, meta.rope_positions,
+                                     self.rope.inv_freq_of(li), rotates_keys(pools.cfg),
+                                     self._key_scale_of(source) if scales_keys(pools.cfg) else None,
+                                     self._key_mean_of(source) if centres_keys(pools.cfg) else None)
         else:
             heads = cfg.kv_heads_of(li)
             if cfg.value_norm:
@@ -274,21 +281,23 @@ class LlamaModel:
             # The q/k head norms (Qwen3), RoPE, the calibrated key centering and key scale, and the Hadamard
             # rotation of q and k (v too with hadamard_kv), K/V into the FP16 tail: one launch (the runner checked
             # key_mean and key_scale exist).
-            q = ops.qkv_epilogue(qkv, cfg.num_heads, heads, meta.rope_positions, self.rope.inv_freq_of(li),
-                                 self.key_mean[li] if centres_keys(pools.cfg) else None, rotates_keys(pools.cfg),
-                                 rotates_values(pools.cfg), pools, gi, meta.slot_blocks, meta.slot_offsets,
-                                 layer.qk_norm, self.key_scale[li] if scales_keys(pools.cfg) else None)
+            q, offset = ops.qkv_epilogue(qkv, cfg.num_heads, heads, meta.rope_positions, self.rope.inv_freq_of(li),
+                                         self.key_mean[li] if centres_keys(pools.cfg) else None,
+                                         rotates_keys(pools.cfg), rotates_values(pools.cfg), pools, gi,
+                                         meta.slot_blocks, meta.slot_offsets, layer.qk_norm,
+                                         self.key_scale[li] if scales_keys(pools.cfg) else None)
         if self.recorded_queries is not None:
             self.recorded_queries[li] = q.float()
         if meta.quantise and self.owns_cache[li]:
             ops.quantize_layer_blocks(pools, gi, *meta.quantise)
         window = self.rope.windows[li]
         if meta.all_decode:   # a decode-only step (the graphs'): no gather and scatter of rows
-            out = ops.paged_decode_attention(q, pools, gi, meta.decode_tables, meta.decode_lens, self.scale, window)
+            out = ops.paged_decode_attention(q, pools, gi, meta.decode_tables, meta.decode_lens, self.scale, window,
+                                             offset)
         elif meta.tiles is not None:   # short inputs (a verify): one launch, each through its own table
-            out = ops.paged_tile_attention(q, pools, gi, meta.tiles, self.scale, window)
+            out = ops.paged_tile_attention(q, pools, gi, meta.tiles, self.scale, window, offset)
         else:
-            out = self._mixed_attention(gi, q, meta, pools, window)
+            out = self._mixed_attention(gi, q, meta, pools, window, offset)
         if rotates_values(pools.cfg):
             out = rotate(out)
         out = out.flatten(1)
@@ -297,12 +306,13 @@ class LlamaModel:
         return self._residual(out, layer.linears["o"], h, layer.post_attn_norm)
 
     def _mixed_attention(self, gi: int, q: torch.Tensor, meta: StepMetadata, pools: KVPools,
-                         window: int) -> torch.Tensor:
+                         window: int, offset: KeyOffset | None) -> torch.Tensor:
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = ops.paged_decode_attention(q[meta.decode_rows], pools, gi, meta.decode_tables,
-                                                               meta.decode_lens, self.scale, window)
-        chunks = ops.paged_prefill_attentions(q, pools, gi, meta, self.scale, window)
+            rows = meta.decode_rows
+            out[rows] = ops.paged_decode_attention(q[rows], pools, gi, meta.decode_tables, meta.decode_lens,
+                                                   self.scale, window, offset.rows(rows) if offset is not None else None)
+        chunks = ops.paged_prefill_attentions(q, pools, gi, meta, self.scale, window, offset)
         for (start, n, _), rows in zip(meta.prefills, chunks):
             out[start:start + n] = rows
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.key_offset import KeyOffset, coefficients
 from ..kernels.rope import Rope, cos_sin
 from ..kv.rotation import rotate
 
@@ -26,16 +27,18 @@ def with_normed_values(qkv: torch.Tensor, q_size: int, kv_heads: int, head_dim: 
 
 
 def shared_query(q: torch.Tensor, num_heads: int, q_norm: torch.Tensor, eps: float, positions: torch.Tensor,
-                 inv_freq: torch.Tensor, rotate_q: bool, key_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 inv_freq: torch.Tensor, rotate_q: bool, key_scale: torch.Tensor | None = None,
+                 key_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, KeyOffset | None]:
     """A KV-shared layer's q rows [T, H_q x D] -> attention's q [T, H_q, D]: normed, turned, multiplied by the
-    source layer's key scale (key_scale [H_kv, D], or None) and rotated as the cache's keys are (key centering
-    shifts every score of a query alike, so q needs nothing for it). Nothing is written: the layer owns no
-    cache."""
+    source layer's key scale (key_scale [H_kv, D], or None) and rotated as the cache's keys are; with the
+    source layer's keys centred (key_mean [H_kv, D], its pre-RoPE mean), what attention adds back for them
+    (key_offset.py). Nothing is written: the layer owns no cache."""
     q = q.unflatten(-1, (num_heads, -1))
     qf = q.float()
     q = (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + eps) * q_norm.float()).to(q.dtype)
     cos, sin = cos_sin(positions, inv_freq, q.dtype)
     q = Rope.apply(q, cos, sin)
+    offset = KeyOffset(coefficients(q, key_mean), inv_freq) if key_mean is not None else None
     if key_scale is not None:
         q = q * key_scale.repeat_interleave(num_heads // key_scale.shape[0], dim=0)
-    return rotate(q) if rotate_q else q
+    return rotate(q) if rotate_q else q, offset
