@@ -12,7 +12,7 @@ partial-softmax workspace is left out (it is written and read once, ~1 MB at 64k
 roofline fraction follow from the median time of `triton.testing.do_bench` (L2 flushed between
 runs). torch SDPA over a contiguous fp16 cache of the same length is timed alongside.
 
-    python scripts/bench_attention.py [--tune] [--variants v1,v2] [--out benchmarks/results/attention.json]
+    python scripts/bench_attention.py [--tune] [--variants v1,v2] [--centred] [--out benchmarks/results/attention.json]
 
 Needs a CUDA GPU: without one it prints why and exits with status 2.
 """
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bie_trt.config import KVCacheConfig, ModelConfig
+from bie_trt.kernels.key_offset import KeyOffset
 from bie_trt.kv.pool import KVPools, allocate_pools, encode_quant_block
 
 BLOCK = 16
@@ -112,9 +113,19 @@ def check(args: argparse.Namespace, kv_dtype: str, variant: str, gen: torch.Gene
     pools, table, lens, _ = build_cache(args, kv_dtype, args.check_context, gen)
     q = torch.randn(args.batch, args.heads, args.head_dim, device="cuda", dtype=torch.float16, generator=gen)
     scale = args.head_dim**-0.5
-    out = paged_decode_attention(q, pools, 0, table, lens, scale, config={"variant": variant})
-    ref = paged_decode_attention_ref(q, pools, 0, table, lens, scale)
+    offset = key_offset(args, q, gen)
+    out = paged_decode_attention(q, pools, 0, table, lens, scale, config={"variant": variant}, offset=offset)
+    ref = paged_decode_attention_ref(q, pools, 0, table, lens, scale, offset=offset)
     return (out.float() - ref.float()).abs().max().item()
+
+
+def key_offset(args: argparse.Namespace, q: torch.Tensor, gen: torch.Generator) -> KeyOffset | None:
+    """With --centred, offset coefficients for q's rows (of the size a large offset gives) and Llama's RoPE
+    frequencies; else None."""
+    if not args.centred:
+        return None
+    inv = 500000.0 ** (-torch.arange(0, args.head_dim, 2, device="cuda", dtype=torch.float32) / args.head_dim)
+    return KeyOffset(30 * torch.randn(q.shape, device="cuda", generator=gen), inv)
 
 
 def tune_grid(default_parts: int) -> list[dict]:
@@ -140,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     ap.add_argument("--tune", action="store_true", help="sweep partitions x tile_blocks x num_warps; report the best")
+    ap.add_argument("--centred", action="store_true",
+                    help="keys centred (bie_trt/kernels/key_offset.py): every score gets its q·R(p)m back, what "
+                         "an engine whose build turned key centering on runs")
     ap.add_argument("--check-context", type=int, default=1000, help="context of the correctness check (0: skip)")
     ap.add_argument("--out", default="benchmarks/results/attention.json")
     args = ap.parse_args(argv)
@@ -162,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "bandwidth_bytes_per_s": args.bandwidth,
         "shapes": {"batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                    "group_size": args.group_size, "sink": args.sink, "window": args.window, "block": BLOCK},
-        "check_max_abs_diff": {}, "results": [],
+        "centred": args.centred, "check_max_abs_diff": {}, "results": [],
     }
     runs = [(kv, variant) for kv in kv_dtypes for variant in args.variants.split(",") if kv != "fp16" or variant == "v1"]
     if args.check_context:
@@ -184,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     for (kv_dtype, variant), context in itertools.product(runs, contexts):
         pools, table, lens, quant_blocks = build_cache(args, kv_dtype, context, gen)
         q = torch.randn(args.batch, args.heads, args.head_dim, device="cuda", dtype=torch.float16, generator=gen)
+        offset = key_offset(args, q, gen)
         nbytes = bytes_read(args, kv_dtype, context, quant_blocks)
         tiles = default_config(True, triton.next_power_of_2(args.heads // args.kv_heads), variant=variant)
         default = {"num_partitions": default_num_partitions(args.batch * args.kv_heads,
@@ -194,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in configs:
             run_cfg = {"variant": variant, **{k: v for k, v in cfg.items() if k != "num_partitions"}}
             fn = lambda: paged_decode_attention(q, pools, 0, table, lens, scale,  # noqa: E731
-                                                num_partitions=cfg["num_partitions"], config=run_cfg)
+                                                num_partitions=cfg["num_partitions"], config=run_cfg, offset=offset)
             try:
                 timed.append((time_ms(fn, args), cfg))
             except Exception as e:  # a config the compiler rejects (e.g. out of shared memory) is skipped
