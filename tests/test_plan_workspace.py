@@ -55,8 +55,9 @@ class PeakTensorBytes(TorchDispatchMode):
 def test_activation_formula_matches_a_measured_chunk(smollm2_engine, monkeypatch, chunk):
     runner = ModelRunner(EngineConfig(engine_dir=str(smollm2_engine), device="cpu", max_num_seqs=1))
     # one KV block per softmax step, as the GPU kernel walks the cache (the CPU runs dense tiles instead)
-    monkeypatch.setattr(ops, "paged_prefill_attentions", lambda q, pools, layer, meta, scale, window=0: [
-        paged_attention_ref(q[s:s + n], pools, layer, table, meta.positions[s:s + n], scale, window=window)
+    monkeypatch.setattr(ops, "paged_prefill_attentions", lambda q, pools, layer, meta, scale, window=0, offset=None: [
+        paged_attention_ref(q[s:s + n], pools, layer, table, meta.positions[s:s + n], scale, window=window,
+                            offset=offset.rows(slice(s, s + n)) if offset is not None else None)
         for s, n, table in meta.prefills])
     ids = torch.randint(0, 1000, (chunk,))
     table = list(range(chunk // 16 + 1))
