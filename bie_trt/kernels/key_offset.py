@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from .rope import Rope, cos_sin
+
 
 class KeyOffset(NamedTuple):
     """What attention adds back for centred keys: each query row's coefficients [T, H_q, D] fp32 ([A | B]) and
@@ -39,9 +41,10 @@ def coefficients(q: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
 
 
 def angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [S, D / 2] of each key position's RoPE angles: fp32, rounded to `dtype` as RoPE's are."""
-    a = positions.float()[:, None] * inv_freq.float()[None, :]
-    return a.cos().to(dtype).float(), a.sin().to(dtype).float()
+    """cos and sin [S, D / 2] of each key position's RoPE angles, as RoPE's own `cos_sin` rounds them, in fp32."""
+    cos, sin = cos_sin(positions, inv_freq.float(), dtype)
+    half = inv_freq.shape[0]
+    return cos[:, 0, :half].float(), sin[:, 0, :half].float()
 
 
 def scores(offset: KeyOffset, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -52,16 +55,14 @@ def scores(offset: KeyOffset, positions: torch.Tensor, dtype: torch.dtype) -> to
     return torch.einsum("thi,si->hts", a, cos) + torch.einsum("thi,si->hts", b, sin)
 
 
-def turned(mean: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """R(p)m [..., S, D]: the pre-RoPE mean [..., D] turned to each of `positions` [S] (fp32), the offset a
+def turned(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (the pre-RoPE mean) turned by RoPE to each of `positions` [S] -> [..., S, D] fp32: the offset a
     centred key at p is stored without."""
-    cos, sin = angles(positions, inv_freq, torch.float32)
-    m1, m2 = mean.float()[..., None, :].chunk(2, dim=-1)
-    return torch.cat([m1 * cos - m2 * sin, m2 * cos + m1 * sin], dim=-1)
+    cos, sin = cos_sin(positions, inv_freq.float(), torch.float32)
+    return Rope.apply(x.float()[..., None, :], cos[:, 0], sin[:, 0])
 
 
 def unturned(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Post-RoPE keys [..., S, D] at `positions` [S] turned back to before RoPE (fp32)."""
-    cos, sin = angles(positions, inv_freq, torch.float32)
-    k1, k2 = keys.float().chunk(2, dim=-1)
-    return torch.cat([k1 * cos + k2 * sin, k2 * cos - k1 * sin], dim=-1)
+    cos, sin = cos_sin(-positions, inv_freq.float(), torch.float32)
+    return Rope.apply(keys.float(), cos[:, 0], sin[:, 0])
