@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         q = torch.randn(args.batch, args.heads, args.head_dim, device="cuda", dtype=torch.float16, generator=gen)
         offset = key_offset(args, q, gen)
         nbytes = bytes_read(args, kv_dtype, context, quant_blocks)
-        tiles = default_config(True, triton.next_power_of_2(args.heads // args.kv_heads), variant=variant)
+        tiles = default_config(True, triton.next_power_of_2(args.heads // args.kv_heads), quantised=kv_dtype != "fp16",
+                               variant=variant)
         default = {"num_partitions": default_num_partitions(args.batch * args.kv_heads,
                                                             triton.cdiv(table.shape[1], tiles["tile_blocks"]), sms),
                    "tile_blocks": tiles["tile_blocks"], "num_warps": tiles["num_warps"]}

@@ -7,7 +7,9 @@ architecture: shared memory per block (opt-in maximum), at most 255 registers pe
 registers x threads <= 65536 per block; a W4 GEMV, at most the registers its tile is assumed to
 need by the grid choice's occupancy model (`triton_w4.GEMV_TILES`). A kernel that passes cannot fail to launch for lack of
 registers or shared memory (the usual "out of resources" errors); it says nothing about speed or
-numerical correctness, which the GPU tests cover.
+numerical correctness, which the GPU tests cover. One proxy for speed is reported, not checked: the
+`wait/ahead` column counts an attention tile loop's global loads that the same iteration waits for
+against those read one iteration ahead (`loop_waits`).
 
 How: the wrappers (`paged_decode_attention`, `paged_prefill_attention`, `w4_linear_triton` for
 every config of `candidate_configs`, the small ops) run on CPU tensors of the real dtypes and
@@ -119,7 +121,7 @@ def attention_launches() -> list[Launch]:
         width = CONTEXT // kv.block_size
         for variant in attn.VARIANTS if dtype != "fp16" else ("v1",):
             tag = f" {variant}" if dtype != "fp16" else ""
-            decode = attn.default_config(True, group_pad, variant=variant)
+            decode = attn.default_config(True, group_pad, quantised=dtype != "fp16", variant=variant)
             for batch in (1, 8):
                 q = torch.empty(batch, model.num_heads, model.head_dim, dtype=torch.float16)
                 offset = centred(q, model, dtype)
@@ -134,7 +136,7 @@ def attention_launches() -> list[Launch]:
             q = torch.empty(PREFILL_CHUNK, model.num_heads, model.head_dim, dtype=torch.float16)
             offset = centred(q, model, dtype)
             pos = torch.arange(CONTEXT - PREFILL_CHUNK, CONTEXT, dtype=torch.int32)
-            config = attn.default_config(True, group_pad, quantised_prefill=dtype != "fp16", variant=variant)
+            config = attn.default_config(True, group_pad, quantised=dtype != "fp16", prefill=True, variant=variant)
             config["num_partitions"] = attn.default_num_partitions(
                 PREFILL_CHUNK // config["block_m"] * model.num_kv_heads, width // config["tile_blocks"], H200_SMS)
             out += record_launches(
@@ -147,7 +149,7 @@ def attention_launches() -> list[Launch]:
             q = torch.empty(4 * VERIFY_ROWS, model.num_heads, model.head_dim, dtype=torch.float16)
             offset = centred(q, model, dtype)
             pos = torch.full((4 * VERIFY_ROWS,), CONTEXT - 1, dtype=torch.int32)
-            config = attn.default_config(True, group_pad, quantised_prefill=dtype != "fp16", variant=variant)
+            config = attn.default_config(True, group_pad, quantised=dtype != "fp16", prefill=True, variant=variant)
             config["num_partitions"] = attn.default_num_partitions(len(tiles) * model.num_kv_heads,
                                                                    width // config["tile_blocks"], H200_SMS)
             out += record_launches(
@@ -280,6 +282,42 @@ def shared_traffic(asm: dict[str, str]) -> dict[str, Any]:
             "staged": re.findall(r"ttg\.local_alloc %\S+ : \(tensor<([0-9x]+x\w+),", asm.get("ttgir", ""))}
 
 
+def loop_waits(ttgir: str) -> dict[str, int] | None:
+    """What the first loop holding a tl.dot (an attention kernel's tile loop) waits for, from the TTGIR: the
+    global loads of its body (`tt.load`; outside any branch of it) whose result the same iteration uses,
+    against those only handed to the next iteration (read one iteration ahead), loads inside a branch of the
+    body, and the asynchronous copies Triton's pipeliner made. Each waited load puts a whole memory latency
+    on the iteration unless other warps cover it; a loop that waits for none keeps its reads in flight
+    while it computes. None when no loop holds a tl.dot."""
+    lines = ttgir.splitlines()
+    for start, head in enumerate(lines):
+        if " = scf.for " not in head:
+            continue
+        body, depth = [], 1
+        for line in lines[start + 1:]:
+            depth += line.count("{") - line.count("}")
+            if depth <= 0:
+                break
+            body.append((depth, line))
+        if not any(" tt.dot " in line or "warp_group_dot" in line for _, line in body):
+            continue
+        counts = {"waited": 0, "read_ahead": 0, "in_branches": 0, "async_copies": 0}
+        for k, (level, line) in enumerate(body):
+            if "ttg.async_copy_global_to_local" in line:
+                counts["async_copies"] += 1
+            found = re.match(r"\s*(%[\w.]+) = tt\.load ", line)
+            if not found:
+                continue
+            if level > 1:   # inside a region of the body (an scf.if)
+                counts["in_branches"] += 1
+                continue
+            use = re.compile(re.escape(found.group(1)) + r"(?![\w#])")
+            used = any(use.search(later) and not later.lstrip().startswith("scf.yield") for _, later in body[k + 1:])
+            counts["waited" if used else "read_ahead"] += 1
+        return counts
+    return None
+
+
 def gemv_register_budget(launch: Launch) -> int | None:
     """The registers `triton_w4.gemv_grid` assumes a W4 GEMV launch's tile needs (None: not a GEMV)."""
     if launch.fn is not w4._w4_gemv_kernel:
@@ -326,7 +364,8 @@ def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[s
     if scratch:
         problems.append(f"needs {scratch} B of global scratch (triton.set_allocator)")
     row.update(res, problems=problems, smem=smem, num_warps=meta.num_warps, num_stages=meta.num_stages,
-               global_scratch=scratch, hash=kernel.hash, ptx=shared_traffic(kernel.asm))
+               global_scratch=scratch, hash=kernel.hash, ptx=shared_traffic(kernel.asm),
+               loop=loop_waits(kernel.asm.get("ttgir", "")))
     return row
 
 
@@ -356,8 +395,8 @@ def run(archs: list[int], match: str | None = None) -> list[dict[str, Any]]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'arch':<6}{'kernel':<33}{'regs':>5}{'spill st/ld':>12}{'smem':>8}{'st.sh/cp.as':>12}{'warps':>6}"
-            f"{'stg':>4}  {'status':<12}variant")
+    head = (f"{'arch':<6}{'kernel':<33}{'regs':>5}{'spill st/ld':>12}{'smem':>8}{'st.sh/cp.as':>12}{'wait/ahead':>11}"
+            f"{'warps':>6}{'stg':>4}  {'status':<12}variant")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -365,9 +404,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if "regs" in r:
             spill = f"{r['spill_stores']}/{r['spill_loads']}"
             shared = f"{r['ptx']['st_shared']}/{r['ptx']['cp_async']}"
-            res = f"{r['regs']:>5}{spill:>12}{r['smem']:>8}{shared:>12}"
+            loop = f"{r['loop']['waited']}/{r['loop']['read_ahead']}" if r.get("loop") else "-"
+            res = f"{r['regs']:>5}{spill:>12}{r['smem']:>8}{shared:>12}{loop:>11}"
         else:
-            res = f"{'-':>5}{'-':>12}{'-':>8}{'-':>12}"
+            res = f"{'-':>5}{'-':>12}{'-':>8}{'-':>12}{'-':>11}"
         print(f"sm_{r['arch']:<3}{r['kernel']:<33}{res}{r['num_warps']:>6}{r['num_stages']:>4}  "
               f"{r['status']:<12}{r['variants'][0]}{more}")
         # An error's last line is its cause; the lines above locate it in the kernel source.

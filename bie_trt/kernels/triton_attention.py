@@ -139,18 +139,48 @@ def _nibbles_f16(packed):
 
 
 @_jit()
-def _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, rows, stride_sc_grp,
-                  TILE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
-    """Even and odd channels [TILE, HEAD_DIM // 2] of INT4 rows: x = q · scale + zero per group of channels."""
-    # Byte j carries channels 2j and 2j+1, both in group j // (QUANT_GROUP // 2); laying the
-    # bytes out as [group, byte in group] lets one scale and zero per group broadcast.
+def _int4_groups(TILE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT_GROUP: tl.constexpr):
+    """INT4 bytes laid out as [group, byte in group]: byte j carries channels 2j and 2j+1, both in group
+    j // (QUANT_GROUP // 2), so one scale and zero per group broadcast over the group's bytes."""
     g = tl.arange(0, HEAD_DIM // QUANT_GROUP)
-    byte = g[:, None] * (QUANT_GROUP // 2) + tl.arange(0, QUANT_GROUP // 2)[None, :]
-    mask = rows[:, None, None]
-    packed = tl.load(qd_ptr + qd_off[:, None, None] + byte[None, :, :], mask=mask, other=0)
-    sc_grp = sc_off[:, None, None] + (g * stride_sc_grp)[None, :, None]
-    scale = tl.load(sc_ptr + sc_grp, mask=mask, other=0.0).to(DTYPE)
-    zero = tl.load(zr_ptr + sc_grp, mask=mask, other=0.0).to(DTYPE)
+    return g, g[:, None] * (QUANT_GROUP // 2) + tl.arange(0, QUANT_GROUP // 2)[None, :]
+
+
+@_jit()
+def _quant_record(sc_ptr, zr_ptr, sc_off, rows, stride_sc_grp, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr):
+    """A tile's quantised rows' record as stored: INT4 scale and zero [TILE, groups, 1]; FP8 the scale [TILE]
+    (returned twice). Rows not in `rows` get 0. Nothing is done to the values here: a record read a tile
+    ahead must not be touched before the tile that uses it, or the read is waited for at once."""
+    if KV_MODE == 1:
+        g, byte = _int4_groups(TILE, HEAD_DIM, QUANT_GROUP)
+        sc_grp = sc_off[:, None, None] + (g * stride_sc_grp)[None, :, None]
+        scale = tl.load(sc_ptr + sc_grp, mask=rows[:, None, None], other=0.0)
+        zero = tl.load(zr_ptr + sc_grp, mask=rows[:, None, None], other=0.0)
+    else:
+        scale = tl.load(sc_ptr + sc_off, mask=rows, other=0.0)
+        zero = scale
+    return scale, zero
+
+
+@_jit()
+def _quant_codes(qd_ptr, qd_off, rows, ch_a, ch_b, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr):
+    """A tile's quantised rows' codes as stored: INT4 the packed bytes [TILE, groups, bytes in group] (returned
+    twice); FP8 the two channel halves [TILE, HEAD_DIM // 2]. Rows not in `rows` get code 0."""
+    if KV_MODE == 1:
+        g, byte = _int4_groups(TILE, HEAD_DIM, QUANT_GROUP)
+        a = tl.load(qd_ptr + qd_off[:, None, None] + byte[None, :, :], mask=rows[:, None, None], other=0)
+        b = a
+    else:
+        a = tl.load(qd_ptr + qd_off[:, None] + ch_a[None, :], mask=rows[:, None], other=0.0)
+        b = tl.load(qd_ptr + qd_off[:, None] + ch_b[None, :], mask=rows[:, None], other=0.0)
+    return a, b
+
+
+@_jit()
+def _dequant_int4(packed, scale, zero, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    """Even and odd channels [TILE, HEAD_DIM // 2] of INT4 rows: x = q · scale + zero per group of channels."""
     lo, hi = _nibbles_f16(packed)
     if _PTX_NIBBLES or DTYPE != tl.float16:
         even = (lo.to(DTYPE) * scale + zero).to(DTYPE)
@@ -166,12 +196,18 @@ def _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, rows, stride_sc_grp,
 
 
 @_jit()
-def _dequant_fp8(qd_ptr, sc_ptr, qd_off, sc_off, rows, ch_a, ch_b, DTYPE: tl.constexpr):
-    """Both channel halves of FP8 e4m3 rows: x = q · scale, one scale per token."""
-    scale = tl.load(sc_ptr + sc_off, mask=rows, other=0.0).to(tl.float32)[:, None]
-    a = tl.load(qd_ptr + qd_off[:, None] + ch_a[None, :], mask=rows[:, None], other=0.0)
-    b = tl.load(qd_ptr + qd_off[:, None] + ch_b[None, :], mask=rows[:, None], other=0.0)
-    return (a.to(tl.float32) * scale).to(DTYPE), (b.to(tl.float32) * scale).to(DTYPE)
+def _dequant(a, b, scale, zero, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr,
+             DTYPE: tl.constexpr):
+    """A K or V tile's two channel halves [TILE, HEAD_DIM // 2] from its codes (`_quant_codes`) and record
+    (`_quant_record`); rows the loads masked are 0 (code 0, record 0), so a tile's FP16 rows can be added as a
+    separate product."""
+    if KV_MODE == 1:
+        x_a, x_b = _dequant_int4(a, scale.to(DTYPE), zero.to(DTYPE), TILE, HEAD_DIM, DTYPE)
+    else:
+        row_scale = scale.to(tl.float32)[:, None]
+        x_a = (a.to(tl.float32) * row_scale).to(DTYPE)
+        x_b = (b.to(tl.float32) * row_scale).to(DTYPE)
+    return x_a, x_b
 
 
 @_jit()
@@ -179,20 +215,6 @@ def _load_plain_tile(fp_ptr, fp_off, plain, ch_a, ch_b, DTYPE: tl.constexpr):
     """A K or V tile's two channel halves [TILE, HEAD_DIM // 2] from the FP16 pool; rows not in `plain` are 0."""
     a = tl.load(fp_ptr + fp_off[:, None] + ch_a[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
     b = tl.load(fp_ptr + fp_off[:, None] + ch_b[None, :], mask=plain[:, None], other=0.0).to(DTYPE)
-    return a, b
-
-
-@_jit()
-def _load_quant_tile(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, quant, ch_a, ch_b, stride_sc_grp,
-                     TILE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr,
-                     QUANT_GROUP: tl.constexpr, DTYPE: tl.constexpr):
-    """A K or V tile's two channel halves from the quantised pool; rows not in `quant` are 0 (masked
-    loads give code, scale and zero 0), so a tile's FP16 rows can be added as a separate product."""
-    if KV_MODE == 1:
-        a, b = _dequant_int4(qd_ptr, sc_ptr, zr_ptr, qd_off, sc_off, quant, stride_sc_grp, TILE, HEAD_DIM,
-                             QUANT_GROUP, DTYPE)
-    else:
-        a, b = _dequant_fp8(qd_ptr, sc_ptr, qd_off, sc_off, quant, ch_a, ch_b, DTYPE)
     return a, b
 
 
@@ -258,17 +280,32 @@ def _merge_partitions(m_ws_ptr, l_ws_ptr, acc_ws_ptr, ws_row, row_ok, num_partit
 
 
 @_jit()
-def _tile_rows(table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
-               stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-               SLIDING: tl.constexpr):
-    """Tile t's token positions, which of them are FP16 (`plain`) and quantised (`quant`) rows, and
-    the quantised rows' code and record offsets (other rows point at block 0, never read). Positions
-    below first_kv (under every row's sliding window) are not live: their blocks may be gone."""
+def _tile_positions(t, first_kv, context, TILE: tl.constexpr, SLIDING: tl.constexpr):
+    """Tile t's token positions and which are live: below `context` and, in a sliding-window layer, not
+    below first_kv (under every row's window, where the blocks may be gone)."""
     kv = t * TILE + tl.arange(0, TILE)
     live = kv < context
     if SLIDING:   # a constexpr: full-attention kernels compile without the bound (registers)
         live = live & (kv >= first_kv)
-    entry = tl.load(table + kv // BLOCK_SIZE, mask=live, other=0)
+    return kv, live
+
+
+@_jit()
+def _tile_entries(table, t, first_kv, context, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                  SLIDING: tl.constexpr):
+    """The block-table entry of each of tile t's positions (0 where the position is not live)."""
+    kv, live = _tile_positions(t, first_kv, context, TILE, SLIDING)
+    return tl.load(table + kv // BLOCK_SIZE, mask=live, other=0)
+
+
+@_jit()
+def _tile_rows(entry, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+               stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+               SLIDING: tl.constexpr):
+    """Tile t's token positions, which of them are FP16 (`plain`) and quantised (`quant`) rows, and
+    the quantised rows' code and record offsets (other rows point at block 0, never read), from the
+    tile's block-table entries (`_tile_entries`)."""
+    kv, live = _tile_positions(t, first_kv, context, TILE, SLIDING)
     plain = live & (entry >= 0)
     quant = live & (entry < 0)
     slot = kv % BLOCK_SIZE
@@ -277,7 +314,26 @@ def _tile_rows(table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_he
     qd_off = q_blk * stride_qd_blk + kv_head * stride_qd_head + slot * stride_qd_tok
     sc_off = q_blk * stride_sc_blk + kv_head * stride_sc_head + slot * stride_sc_tok
     has_plain = tl.max(plain.to(tl.int32), 0) > 0
-    return kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain
+    return kv, live, plain, quant, slot, qd_off, sc_off, has_plain
+
+
+@_jit()
+def _tile_quant(kq_ptr, vq_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, entry, t, first_kv, context, kv_head, ch_a, ch_b,
+                stride_qd_blk, stride_qd_head, stride_qd_tok, stride_sc_blk, stride_sc_head, stride_sc_tok,
+                stride_sc_grp, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                KV_MODE: tl.constexpr, QUANT_GROUP: tl.constexpr, SLIDING: tl.constexpr):
+    """Everything tile t reads from the quantised pool, from its block-table entries: K's and V's codes
+    (`_quant_codes`, two each) and records (`_quant_record`, scale and zero each), as stored."""
+    _, _, _, quant, _, qd_off, sc_off, _ = _tile_rows(
+        entry, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+        stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE, SLIDING)
+    k_a, k_b = _quant_codes(kq_ptr, qd_off, quant, ch_a, ch_b, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP)
+    v_a, v_b = _quant_codes(vq_ptr, qd_off, quant, ch_a, ch_b, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP)
+    k_scale, k_zero = _quant_record(ks_ptr, kz_ptr, sc_off, quant, stride_sc_grp, TILE, HEAD_DIM, KV_MODE,
+                                    QUANT_GROUP)
+    v_scale, v_zero = _quant_record(vs_ptr, vz_ptr, sc_off, quant, stride_sc_grp, TILE, HEAD_DIM, KV_MODE,
+                                    QUANT_GROUP)
+    return k_a, k_b, v_a, v_b, k_scale, k_zero, v_scale, v_zero
 
 
 @_jit()
@@ -351,21 +407,44 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
     """v1: each tile's quantised K and V are dequantised into [TILE, HEAD_DIM // 2] halves that tl.dot
     takes as they are. Returns the partition's (m, l, acc_a, acc_b) over channel halves a and b."""
     ch_a, ch_b, q_a, q_b, m_i, l_i, acc_a, acc_b = _partition_start(q_ptr, q_off, row_ok, ROWS, HEAD_DIM, KV_MODE)
+    # Over a quantised pool a tile's block-table entries are read two tiles ahead and the rest of what it
+    # reads (codes and records) one tile ahead, at addresses from entries that have already arrived: no
+    # load a tile issues is waited for by that tile. Read where they were used, the table and then the
+    # records at the addresses it gave were two dependent loads every tile waited for (Triton's pipeliner
+    # prefetched the codes but not the 2-byte record gathers, and read the table again in each layout that
+    # used it), and it stops prefetching codes whose addresses come from a loop-carried entry. The
+    # read-ahead stops at the partition's end. An FP16-only pool keeps the pipeliner's prefetch (its
+    # tiles, 4x the bytes of INT4 codes, would not fit in registers).
+    part_end = tl.minimum(context, tile_end * TILE)
+    if KV_MODE != 0:
+        entry = _tile_entries(table, tile_begin, first_kv, part_end, BLOCK_SIZE, TILE, SLIDING)
+        entry_next = _tile_entries(table, tile_begin + 1, first_kv, part_end, BLOCK_SIZE, TILE, SLIDING)
+        kc_a, kc_b, vc_a, vc_b, k_scale, k_zero, v_scale, v_zero = _tile_quant(
+            kq_ptr, vq_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, entry, tile_begin, first_kv, part_end, kv_head,
+            ch_a, ch_b, stride_qd_blk, stride_qd_head, stride_qd_tok, stride_sc_blk, stride_sc_head,
+            stride_sc_tok, stride_sc_grp, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, SLIDING)
     for t in range(tile_begin, tile_end):
-        kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
-            table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+        if KV_MODE == 0:
+            entry = _tile_entries(table, t, first_kv, context, BLOCK_SIZE, TILE, SLIDING)
+        kv, live, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
+            entry, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE, SLIDING)
+        if KV_MODE != 0:
+            entry_after = _tile_entries(table, t + 2, first_kv, part_end, BLOCK_SIZE, TILE, SLIDING)
+            kn_a, kn_b, vn_a, vn_b, kn_scale, kn_zero, vn_scale, vn_zero = _tile_quant(
+                kq_ptr, vq_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, entry_next, t + 1, first_kv, part_end, kv_head,
+                ch_a, ch_b, stride_qd_blk, stride_qd_head, stride_qd_tok, stride_sc_blk, stride_sc_head,
+                stride_sc_tok, stride_sc_grp, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, SLIDING)
 
-        # The quantised body is nearly every tile, so its loads stay unconditional (and free to be
-        # software-pipelined); only the few tiles holding sink or window blocks visit the FP16 pool,
-        # as a second product: each pool's loads give 0 for the other's rows. (Merging the rows into
-        # one tile instead made every tile move its dequantised K/V into the FP16 load's layout.)
+        # The quantised body is nearly every tile, so its products stay unconditional; only the few
+        # tiles holding sink or window blocks visit the FP16 pool, as a second product: each pool's loads
+        # give 0 for the other's rows. (Merging the rows into one tile instead made every tile move its
+        # dequantised K/V into the FP16 load's layout.)
         if KV_MODE == 0:
             fp_off = _fp_offsets(entry, plain, slot, kv_head, stride_fp_blk, stride_fp_head, stride_fp_tok)
             k_a, k_b = _load_plain_tile(k_ptr, fp_off, plain, ch_a, ch_b, DTYPE)
         else:
-            k_a, k_b = _load_quant_tile(kq_ptr, ks_ptr, kz_ptr, qd_off, sc_off, quant, ch_a, ch_b, stride_sc_grp,
-                                        TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
+            k_a, k_b = _dequant(kc_a, kc_b, k_scale, k_zero, TILE, HEAD_DIM, KV_MODE, DTYPE)
         s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
         s += tl.dot(q_b, tl.trans(k_b), input_precision="ieee")
         if KV_MODE != 0:
@@ -379,8 +458,7 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
         if KV_MODE == 0:
             v_a, v_b = _load_plain_tile(v_ptr, fp_off, plain, ch_a, ch_b, DTYPE)
         else:
-            v_a, v_b = _load_quant_tile(vq_ptr, vs_ptr, vz_ptr, qd_off, sc_off, quant, ch_a, ch_b, stride_sc_grp,
-                                        TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, DTYPE)
+            v_a, v_b = _dequant(vc_a, vc_b, v_scale, v_zero, TILE, HEAD_DIM, KV_MODE, DTYPE)
         p = p.to(DTYPE)
         acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a, input_precision="ieee")
         acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision="ieee")
@@ -388,6 +466,9 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
             if has_plain:
                 acc_a, acc_b = _plain_values(acc_a, acc_b, p, v_ptr, table, kv, live, slot, kv_head, stride_fp_blk,
                                              stride_fp_head, stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
+            entry, entry_next = entry_next, entry_after
+            kc_a, kc_b, vc_a, vc_b, k_scale, k_zero, v_scale, v_zero = (
+                kn_a, kn_b, vn_a, vn_b, kn_scale, kn_zero, vn_scale, vn_zero)
     return m_i, l_i, acc_a, acc_b
 
 
@@ -477,8 +558,9 @@ def _partition_v2(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
     # [ROWS, NG]: the sum of q over each group, what the group's zero multiplies
     q_sum = tl.sum(tl.reshape(q_a.to(tl.float32) + q_b.to(tl.float32), (ROWS, NG, HG)), 2)
     for t in range(tile_begin, tile_end):
-        kv, live, entry, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
-            table, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
+        entry = _tile_entries(table, t, first_kv, context, BLOCK_SIZE, TILE, SLIDING)
+        kv, live, plain, quant, slot, qd_off, sc_off, has_plain = _tile_rows(
+            entry, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE, SLIDING)
         v_a, v_b = _codes_v2(vq_ptr, qd_off, quant, ch_a, ch_b, HEAD_DIM, KV_MODE, DTYPE)
         v_scale, v_zero = _record_v2(vs_ptr, sc_off, quant, TILE, NG, KV_MODE)
@@ -661,29 +743,35 @@ def default_num_partitions(programs_per_partition: int, max_tiles: int, sms: int
     return max(1, min(wanted, max_tiles))
 
 
-def default_config(on_gpu: bool, group_pad: int, quantised_prefill: bool = False, variant: str = "v1") -> dict:
-    """Tile sizes when the caller gives none. On the GPU a step reads 4 blocks of KV, and a prefill
-    program holds about 64 score rows (a few queries times the heads of a group). A prefill over a
-    quantised cache reads 2 blocks a step: with 4, its dequantised K/V on top of the 64-row tile
-    spilled registers (`scripts/compile_check.py`, INT4: 240 B a thread on sm_90 and 972 B on sm_86
-    under Triton 3.9, 516 B on sm_86 under 3.6); with 2 it spills at most 84 B (sm_86, 3.9) and
-    nothing on sm_90 under 3.6. v2's quantised prefill holds one product per group: it reads 1 block
-    a step for about 32 rows with 8 warps, where INT4 spills nothing on sm_86 and sm_89 under Triton
-    3.6 and 3.9 nor on sm_90 under 3.6, and 52 B a thread on sm_90 under 3.9 (2 blocks and 64 rows
-    with 8 warps: 204 B on sm_86, 184 B on sm_90, 3.9). The interpreter gets small tiles."""
+def default_config(on_gpu: bool, group_pad: int, quantised: bool = False, prefill: bool = False,
+                   variant: str = "v1") -> dict:
+    """Tile sizes when the caller gives none (`quantised`: the cache has a quantised pool; `prefill`: a
+    chunk or verify launch, several queries a tile). On the GPU a step reads 4 blocks of KV, and a prefill
+    program holds about 64 score rows (a few queries times the heads of a group). v1's decode over a
+    quantised pool holds the next tile's codes and records beside the current tile's dequantised K/V: with
+    4 warps that spilled on sm_90 (Triton 3.9, Llama-3-8B shapes: 40 B a thread, 44 B with centred keys),
+    with 8 it spills nothing on sm_86, sm_89 or sm_90. A prefill over a quantised cache reads 2 blocks a
+    step: with 4, its dequantised K/V on top of the 64-row tile spilled registers (`scripts/compile_check.py`,
+    INT4: 240 B a thread on sm_90 and 972 B on sm_86 under Triton 3.9, 516 B on sm_86 under 3.6). v2's
+    quantised prefill holds one product per group: it reads 1 block a step for about 32 rows with 8 warps,
+    where INT4 spills nothing on sm_86 and sm_89 under Triton 3.6 and 3.9 nor on sm_90 under 3.6, and 52 B a
+    thread on sm_90 under 3.9 (2 blocks and 64 rows with 8 warps: 204 B on sm_86, 184 B on sm_90, 3.9).
+    The interpreter gets small tiles."""
     if not on_gpu:
         return {"variant": variant, "tile_blocks": 2, "block_m": max(1, 16 // group_pad), "num_warps": 4}
-    if quantised_prefill and variant == "v2":
+    if quantised and prefill and variant == "v2":
         return {"variant": variant, "tile_blocks": 1, "block_m": max(1, 32 // group_pad), "num_warps": 8}
-    if quantised_prefill:
+    if quantised and prefill:
         # 32 score rows, not 64: on an H200 under Triton 3.6, v1's INT4 prefill over 64 rows (Llama-3-8B
         # heads, 512 queries) returned wrong outputs (max |Δ| 3.9 against the reference) and crashed with
         # an illegal address at 1 block a step or 8 warps, where 32 rows matched (5e-3).
         return {"variant": variant, "tile_blocks": 2, "block_m": max(1, 32 // group_pad), "num_warps": 4}
-    return {"variant": variant, "tile_blocks": 4, "block_m": max(1, 64 // group_pad), "num_warps": 4}
+    warps = 8 if quantised and variant == "v1" else 4
+    return {"variant": variant, "tile_blocks": 4, "block_m": max(1, 64 // group_pad), "num_warps": warps}
 
 
-def _resolve_config(config: dict | None, device: torch.device, group_pad: int, quantised_prefill: bool = False) -> dict:
+def _resolve_config(config: dict | None, device: torch.device, group_pad: int, quantised: bool,
+                    prefill: bool) -> dict:
     cfg = dict(config or {})
     unknown = set(cfg) - _CONFIG_KEYS
     if unknown:
@@ -691,7 +779,7 @@ def _resolve_config(config: dict | None, device: torch.device, group_pad: int, q
     variant = cfg.get("variant", "v1")
     if variant not in VARIANTS:
         raise ValueError(f"unknown paged-attention variant {variant!r}; use one of {', '.join(VARIANTS)}.")
-    return {**default_config(device.type == "cuda", group_pad, quantised_prefill, variant), **cfg}
+    return {**default_config(device.type == "cuda", group_pad, quantised, prefill, variant), **cfg}
 
 
 def _check_inputs(q: torch.Tensor, pools: KVPools, table: torch.Tensor) -> None:
@@ -796,7 +884,8 @@ def paged_decode_attention(
     goes to `out` when given.
     """
     _check_inputs(q, pools, block_tables)
-    cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]))
+    cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]),
+                          quantised=_kv_mode(pools) != _FP16_ONLY, prefill=False)
     # the kernel reads lengths: each query sits at its sequence's last position
     context_lens = context_lens.to(device=q.device, dtype=torch.int32)   # no copy when it already is
     return _paged_attention(q, pools, layer, block_tables, block_tables.stride(0), block_tables.shape[1],
@@ -823,7 +912,7 @@ def paged_prefill_attention(
     """
     _check_inputs(q, pools, block_table)
     cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]),
-                          quantised_prefill=_kv_mode(pools) != _FP16_ONLY)
+                          quantised=_kv_mode(pools) != _FP16_ONLY, prefill=True)
     pos = positions.to(device=q.device, dtype=torch.int32)
     return _paged_attention(q, pools, layer, block_table, 0, block_table.shape[0], pos, False, scale,
                             cfg["block_m"], None, cfg, window=window, offset=offset)
@@ -856,7 +945,7 @@ def paged_tile_attention(
     if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 3:
         raise TypeError(f"tiles must be int32 [N, 3] (first row, rows, table row), not {tiles.dtype} {tuple(tiles.shape)}.")
     cfg = _resolve_config(config, q.device, triton.next_power_of_2(q.shape[1] // pools.k.shape[2]),
-                          quantised_prefill=_kv_mode(pools) != _FP16_ONLY)
+                          quantised=_kv_mode(pools) != _FP16_ONLY, prefill=True)
     pos = positions.to(device=q.device, dtype=torch.int32)   # no copy when it already is
     return _paged_attention(q, pools, layer, tables, tables.stride(0), tables.shape[1], pos, False, scale,
                             block_m, None, cfg, out, tiles, window, offset)
