@@ -7,9 +7,11 @@ architecture: shared memory per block (opt-in maximum), at most 255 registers pe
 registers x threads <= 65536 per block; a W4 GEMV, at most the registers its tile is assumed to
 need by the grid choice's occupancy model (`triton_w4.GEMV_TILES`). A kernel that passes cannot fail to launch for lack of
 registers or shared memory (the usual "out of resources" errors); it says nothing about speed or
-numerical correctness, which the GPU tests cover. One proxy for speed is reported, not checked: the
+numerical correctness, which the GPU tests cover. Two proxies for speed are reported, not checked: the
 `wait/ahead` column counts an attention tile loop's global loads that the same iteration waits for
-against those read one iteration ahead (`loop_waits`).
+against those read one iteration ahead (`loop_waits`), and `KB/SM` what one SM keeps in flight for the
+loop (its resident programs, `triton_w4.resident_programs`, times the bytes each reads ahead or copies
+asynchronously an iteration).
 
 How: the wrappers (`paged_decode_attention`, `paged_prefill_attention`, `w4_linear_triton` for
 every config of `candidate_configs`, the small ops) run on CPU tensors of the real dtypes and
@@ -282,13 +284,29 @@ def shared_traffic(asm: dict[str, str]) -> dict[str, Any]:
             "staged": re.findall(r"ttg\.local_alloc %\S+ : \(tensor<([0-9x]+x\w+),", asm.get("ttgir", ""))}
 
 
+_ELEMENT_BYTES = {"i1": 1, "i8": 1, "i16": 2, "f16": 2, "bf16": 2, "i32": 4, "f32": 4, "i64": 8, "f64": 8}
+
+
+def tensor_bytes(line: str) -> int:
+    """Bytes of the first tensor of pointers in a TTGIR line (`tensor<64x2x32x!tt.ptr<i8>, ...>`: 4096)."""
+    found = re.search(r"tensor<([0-9x]+)x!tt\.ptr<(\w+)>", line)
+    if not found:
+        return 0
+    numel = 1
+    for dim in found.group(1).split("x"):
+        numel *= int(dim)
+    element = found.group(2)
+    return numel * _ELEMENT_BYTES.get(element, 1 if element.startswith("f8") else 4)
+
+
 def loop_waits(ttgir: str) -> dict[str, int] | None:
     """What the first loop holding a tl.dot (an attention kernel's tile loop) waits for, from the TTGIR: the
     global loads of its body (`tt.load`; outside any branch of it) whose result the same iteration uses,
     against those only handed to the next iteration (read one iteration ahead), loads inside a branch of the
-    body, and the asynchronous copies Triton's pipeliner made. Each waited load puts a whole memory latency
-    on the iteration unless other warps cover it; a loop that waits for none keeps its reads in flight
-    while it computes. None when no loop holds a tl.dot."""
+    body, and the asynchronous copies Triton's pipeliner made; with the bytes each iteration reads ahead and
+    copies asynchronously (one stage). Each waited load puts a whole memory latency on the iteration unless
+    other warps cover it; a loop that waits for none keeps its reads in flight while it computes. None when
+    no loop holds a tl.dot."""
     lines = ttgir.splitlines()
     for start, head in enumerate(lines):
         if " = scf.for " not in head:
@@ -301,10 +319,12 @@ def loop_waits(ttgir: str) -> dict[str, int] | None:
             body.append((depth, line))
         if not any(" tt.dot " in line or "warp_group_dot" in line for _, line in body):
             continue
-        counts = {"waited": 0, "read_ahead": 0, "in_branches": 0, "async_copies": 0}
+        counts = {"waited": 0, "read_ahead": 0, "in_branches": 0, "async_copies": 0,
+                  "read_ahead_bytes": 0, "async_bytes": 0}
         for k, (level, line) in enumerate(body):
             if "ttg.async_copy_global_to_local" in line:
                 counts["async_copies"] += 1
+                counts["async_bytes"] += tensor_bytes(line)
             found = re.match(r"\s*(%[\w.]+) = tt\.load ", line)
             if not found:
                 continue
@@ -312,8 +332,11 @@ def loop_waits(ttgir: str) -> dict[str, int] | None:
                 counts["in_branches"] += 1
                 continue
             use = re.compile(re.escape(found.group(1)) + r"(?![\w#])")
-            used = any(use.search(later) and not later.lstrip().startswith("scf.yield") for _, later in body[k + 1:])
-            counts["waited" if used else "read_ahead"] += 1
+            if any(use.search(later) and not later.lstrip().startswith("scf.yield") for _, later in body[k + 1:]):
+                counts["waited"] += 1
+            else:
+                counts["read_ahead"] += 1
+                counts["read_ahead_bytes"] += tensor_bytes(line)
         return counts
     return None
 
@@ -363,9 +386,14 @@ def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[s
     scratch = getattr(meta, "global_scratch_size", 0)
     if scratch:
         problems.append(f"needs {scratch} B of global scratch (triton.set_allocator)")
+    loop = loop_waits(kernel.asm.get("ttgir", ""))
+    if loop and res["regs"]:
+        # what one SM keeps in flight for the loop: its resident programs times each one's next-tile reads
+        resident = w4.resident_programs(res["regs"], meta.num_warps, w4.sm_limits(1, arch), smem)
+        ahead = loop["read_ahead_bytes"] + loop["async_bytes"]
+        loop.update(resident_per_sm=resident, in_flight_per_sm=resident * ahead)
     row.update(res, problems=problems, smem=smem, num_warps=meta.num_warps, num_stages=meta.num_stages,
-               global_scratch=scratch, hash=kernel.hash, ptx=shared_traffic(kernel.asm),
-               loop=loop_waits(kernel.asm.get("ttgir", "")))
+               global_scratch=scratch, hash=kernel.hash, ptx=shared_traffic(kernel.asm), loop=loop)
     return row
 
 
@@ -396,7 +424,7 @@ def run(archs: list[int], match: str | None = None) -> list[dict[str, Any]]:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (f"{'arch':<6}{'kernel':<33}{'regs':>5}{'spill st/ld':>12}{'smem':>8}{'st.sh/cp.as':>12}{'wait/ahead':>11}"
-            f"{'warps':>6}{'stg':>4}  {'status':<12}variant")
+            f"{'KB/SM':>8}{'warps':>6}{'stg':>4}  {'status':<12}variant")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -405,9 +433,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             spill = f"{r['spill_stores']}/{r['spill_loads']}"
             shared = f"{r['ptx']['st_shared']}/{r['ptx']['cp_async']}"
             loop = f"{r['loop']['waited']}/{r['loop']['read_ahead']}" if r.get("loop") else "-"
-            res = f"{r['regs']:>5}{spill:>12}{r['smem']:>8}{shared:>12}{loop:>11}"
+            flight = f"{r['loop']['in_flight_per_sm'] / 1024:.1f}" if r.get("loop") else "-"
+            res = f"{r['regs']:>5}{spill:>12}{r['smem']:>8}{shared:>12}{loop:>11}{flight:>8}"
         else:
-            res = f"{'-':>5}{'-':>12}{'-':>8}{'-':>12}{'-':>11}"
+            res = f"{'-':>5}{'-':>12}{'-':>8}{'-':>12}{'-':>11}{'-':>8}"
         print(f"sm_{r['arch']:<3}{r['kernel']:<33}{res}{r['num_warps']:>6}{r['num_stages']:>4}  "
               f"{r['status']:<12}{r['variants'][0]}{more}")
         # An error's last line is its cause; the lines above locate it in the kernel source.

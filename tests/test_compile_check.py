@@ -94,10 +94,11 @@ def test_loop_waits_counts_what_the_iteration_waits_for():
     sys.path.insert(0, str(ROOT / "scripts"))
     from compile_check import loop_waits
 
-    assert loop_waits(TTGIR) == {"waited": 1, "read_ahead": 1, "in_branches": 1, "async_copies": 1}
+    assert loop_waits(TTGIR) == {"waited": 1, "read_ahead": 1, "in_branches": 1, "async_copies": 1,
+                                 "read_ahead_bytes": 64 * 4, "async_bytes": 64}
     # an iteration that converts what it read ahead waits for it after all
     converted = TTGIR.replace("%s = tt.dot", "%n2 = arith.extsi %next : tensor<64xi32, #blocked>\n      %s = tt.dot")
-    assert loop_waits(converted)["waited"] == 2
+    assert loop_waits(converted)["waited"] == 2 and loop_waits(converted)["read_ahead_bytes"] == 0
     assert loop_waits(TTGIR.replace(" tt.dot ", " arith.addf ")) is None   # no tile loop at all
 
 

@@ -14,6 +14,7 @@ from bie_trt.kernels.triton_w4 import (  # noqa: E402
     gemv_grid,
     gemv_grid_for,
     resident_ctas,
+    resident_programs,
     sm_limits,
 )
 
@@ -53,6 +54,17 @@ def test_residency_by_hand() -> None:
     assert resident_ctas(GemvTile(64, 32, 2, 32), sm_limits(28, 86)) == 16
     assert resident_ctas(GemvTile(64, 32, 2, 32), sm_limits(132, 90)) == 32
     assert resident_ctas(GemvTile(64, 32, 8, 32), sm_limits(28, 86)) == 6
+
+
+def test_residency_with_shared_memory_by_hand() -> None:
+    # registers would let eight 4-warp programs of 64 regs in; 48 KB each (+1 KB reserved) fits twice
+    # in sm_86's 100 KB and four times in sm_90's 228 KB
+    assert resident_programs(64, 4, sm_limits(28, 86)) == 8
+    assert resident_programs(64, 4, sm_limits(28, 86), shared=48 * 1024) == 2
+    assert resident_programs(64, 4, sm_limits(132, 90), shared=48 * 1024) == 4
+    # the attention decode's 8 warps at 224 registers: one program an SM, whatever its 30 KB
+    assert resident_programs(224, 8, sm_limits(132, 90), shared=30720) == 1
+    assert resident_programs(224, 4, sm_limits(132, 90), shared=30720) == 2
 
 
 def test_the_fewest_programs_that_make_whole_waves() -> None:

@@ -319,11 +319,15 @@ class SmLimits:
     num_sms: int
     max_warps: int          # resident warps per SM
     max_ctas: int           # resident blocks per SM
+    shared: int             # shared memory per SM, bytes
     regs: int = 65536       # register file per SM
 
 
-# (max warps, max blocks) per SM by compute capability (CUDA programming guide, occupancy table).
-_ARCH_LIMITS = {86: (48, 16), 89: (48, 24), 90: (64, 32)}
+# (max warps, max blocks, shared memory) per SM by compute capability (CUDA programming guide,
+# occupancy table and shared memory capacity).
+_ARCH_LIMITS = {86: (48, 16, 100 * 1024), 89: (48, 24, 100 * 1024), 90: (64, 32, 228 * 1024)}
+# Shared memory the system keeps for each resident block (compute capability 8.0 and later).
+_RESERVED_SHARED = 1024
 
 
 def sm_limits(num_sms: int, arch: int) -> SmLimits:
@@ -331,11 +335,19 @@ def sm_limits(num_sms: int, arch: int) -> SmLimits:
     return SmLimits(num_sms, *_ARCH_LIMITS.get(arch, _ARCH_LIMITS[86]))
 
 
+def resident_programs(regs: int, num_warps: int, sm: SmLimits, shared: int = 0) -> int:
+    """How many programs of `num_warps` warps, each thread holding `regs` registers and the block
+    `shared` bytes of shared memory, one SM runs at once (registers go out a warp at a time, in
+    units of 256)."""
+    warp_regs = -(-regs * 32 // 256) * 256
+    fit = min(sm.max_warps // num_warps, sm.regs // warp_regs // num_warps, sm.max_ctas)
+    return min(fit, sm.shared // (shared + _RESERVED_SHARED)) if shared else fit
+
+
 def resident_ctas(tile: GemvTile, sm: SmLimits) -> int:
-    """How many of `tile`'s programs one SM runs at once (registers go out a warp at a time, in
-    units of 256; shared memory is a few hundred bytes and never the limit)."""
-    warp_regs = -(-tile.regs * 32 // 256) * 256
-    return min(sm.max_warps // tile.num_warps, sm.regs // warp_regs // tile.num_warps, sm.max_ctas)
+    """How many of `tile`'s programs one SM runs at once (its shared memory is a few hundred bytes and
+    never the limit)."""
+    return resident_programs(tile.regs, tile.num_warps, sm)
 
 
 @dataclass(frozen=True)
