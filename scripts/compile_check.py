@@ -10,8 +10,7 @@ registers or shared memory (the usual "out of resources" errors); it says nothin
 numerical correctness, which the GPU tests cover. Two proxies for speed are reported, not checked: the
 `wait/ahead` column counts an attention tile loop's global loads that the same iteration waits for
 against those read one iteration ahead (`loop_waits`), and `KB/SM` what one SM keeps in flight for the
-loop (its resident programs, `triton_w4.resident_programs`, times the bytes each reads ahead or copies
-asynchronously an iteration).
+loop (its resident programs, `triton_w4.resident_programs`, times the bytes each has on its way).
 
 How: the wrappers (`paged_decode_attention`, `paged_prefill_attention`, `w4_linear_triton` for
 every config of `candidate_configs`, the small ops) run on CPU tensors of the real dtypes and
@@ -299,14 +298,29 @@ def tensor_bytes(line: str) -> int:
     return numel * _ELEMENT_BYTES.get(element, 1 if element.startswith("f8") else 4)
 
 
+def _split_operands(text: str) -> list[str]:
+    """Top-level comma-separated parts of an operand list (commas inside <...> or (...) do not split)."""
+    parts, depth, word = [], 0, ""
+    for ch in text:
+        depth += ch in "<([{"
+        depth -= ch in ">)]}"
+        if ch == "," and depth == 0:
+            parts.append(word.strip())
+            word = ""
+        else:
+            word += ch
+    return parts + [word.strip()] if word.strip() else parts
+
+
 def loop_waits(ttgir: str) -> dict[str, int] | None:
     """What the first loop holding a tl.dot (an attention kernel's tile loop) waits for, from the TTGIR: the
     global loads of its body (`tt.load`; outside any branch of it) whose result the same iteration uses,
-    against those only handed to the next iteration (read one iteration ahead), loads inside a branch of the
-    body, and the asynchronous copies Triton's pipeliner made; with the bytes each iteration reads ahead and
-    copies asynchronously (one stage). Each waited load puts a whole memory latency on the iteration unless
-    other warps cover it; a loop that waits for none keeps its reads in flight while it computes. None when
-    no loop holds a tl.dot."""
+    against those only handed on to later iterations (read ahead), loads inside a branch of the body, and
+    the asynchronous copies Triton's pipeliner made. Each waited load puts a whole memory latency on the
+    iteration unless other warps cover it; a loop that waits for none keeps its reads in flight while it
+    computes. `in_flight_bytes`: what one program has on its way at once, each read-ahead load's bytes times
+    the iterations it is carried before use (followed through the loop's yields), plus one stage of the
+    asynchronous copies. None when no loop holds a tl.dot."""
     lines = ttgir.splitlines()
     for start, head in enumerate(lines):
         if " = scf.for " not in head:
@@ -319,24 +333,41 @@ def loop_waits(ttgir: str) -> dict[str, int] | None:
             body.append((depth, line))
         if not any(" tt.dot " in line or "warp_group_dot" in line for _, line in body):
             continue
-        counts = {"waited": 0, "read_ahead": 0, "in_branches": 0, "async_copies": 0,
-                  "read_ahead_bytes": 0, "async_bytes": 0}
+        # the loop's carried values: iter_args(%a = %init, ...) in order, and what the body yields for each
+        carried = re.search(r"iter_args\((.*?)\) ->", head)
+        names = [part.split(" = ")[0] for part in _split_operands(carried.group(1))] if carried else []
+        final = next((line for level, line in reversed(body) if level == 1 and "scf.yield" in line), "")
+        yielded = _split_operands(final.split("scf.yield", 1)[1].split(" : ")[0]) if final else []
+
+        def used(name: str, after: int) -> bool:
+            use = re.compile(re.escape(name) + r"(?![\w#])")
+            return any(use.search(later) and not later.lstrip().startswith("scf.yield") for _, later in body[after:])
+
+        def carried_for(name: str) -> int:
+            """Iterations a value yielded by the body travels through the carried values before use."""
+            steps = 0
+            while name in yielded and steps < len(names):
+                steps += 1
+                name = names[yielded.index(name)]
+                if used(name, 0):
+                    break
+            return steps
+
+        counts = {"waited": 0, "read_ahead": 0, "in_branches": 0, "async_copies": 0, "in_flight_bytes": 0}
         for k, (level, line) in enumerate(body):
             if "ttg.async_copy_global_to_local" in line:
                 counts["async_copies"] += 1
-                counts["async_bytes"] += tensor_bytes(line)
+                counts["in_flight_bytes"] += tensor_bytes(line)
             found = re.match(r"\s*(%[\w.]+) = tt\.load ", line)
             if not found:
                 continue
             if level > 1:   # inside a region of the body (an scf.if)
                 counts["in_branches"] += 1
-                continue
-            use = re.compile(re.escape(found.group(1)) + r"(?![\w#])")
-            if any(use.search(later) and not later.lstrip().startswith("scf.yield") for _, later in body[k + 1:]):
+            elif used(found.group(1), k + 1):
                 counts["waited"] += 1
             else:
                 counts["read_ahead"] += 1
-                counts["read_ahead_bytes"] += tensor_bytes(line)
+                counts["in_flight_bytes"] += tensor_bytes(line) * max(1, carried_for(found.group(1)))
         return counts
     return None
 
@@ -390,8 +421,7 @@ def check_one(launch: Launch, target: GPUTarget, src: ASTSource, options: dict[s
     if loop and res["regs"]:
         # what one SM keeps in flight for the loop: its resident programs times each one's next-tile reads
         resident = w4.resident_programs(res["regs"], meta.num_warps, w4.sm_limits(1, arch), smem)
-        ahead = loop["read_ahead_bytes"] + loop["async_bytes"]
-        loop.update(resident_per_sm=resident, in_flight_per_sm=resident * ahead)
+        loop.update(resident_per_sm=resident, in_flight_per_sm=resident * loop["in_flight_bytes"])
     row.update(res, problems=problems, smem=smem, num_warps=meta.num_warps, num_stages=meta.num_stages,
                global_scratch=scratch, hash=kernel.hash, ptx=shared_traffic(kernel.asm), loop=loop)
     return row

@@ -173,6 +173,25 @@ def test_v2_small_values_keep_fp16_precision(kind: tuple[str, int]) -> None:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kind", [("int4_asym", 32), ("fp8", 64)], ids=["int4-g32", "fp8"])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_decode_many_quantised_tiles_a_partition(variant: str, kind: tuple[str, int], parts: int) -> None:
+    """181 tokens, nine quantised blocks between an FP16 sink and tail and one FP16 block among them: six
+    tiles, every one after the first read ahead (v1 carries a tile's codes and records for two iterations,
+    its table entries for three), each with its own scales; a tile that took another's record, the wrong
+    tile's codes, or another tile's view of which rows are FP16, moves the output far past the bound."""
+    pools = poisoned_pools(*kind, torch.float32)
+    table = Cache(pools, seed=21).sequence(181, set(range(1, 11)) - {4})
+    tables = torch.tensor([table], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([181], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(22)).to(DEVICE)
+    for layer in range(LAYERS):
+        out = paged_decode_attention(q, pools, layer, tables, lens, SCALE, num_partitions=parts,
+                                     config={"variant": variant})
+        assert_close(out, paged_decode_attention_ref(q, pools, layer, tables, lens, SCALE))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_more_partitions_than_tiles_and_empty_slot(variant: str) -> None:
     """Most partitions hold no tile; a length-0 slot (CUDA-graph padding) yields zeros and no NaN."""
     pools, tables, lens, q = decode_batch("int4_asym", 64, seed=5)

@@ -407,20 +407,26 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
     """v1: each tile's quantised K and V are dequantised into [TILE, HEAD_DIM // 2] halves that tl.dot
     takes as they are. Returns the partition's (m, l, acc_a, acc_b) over channel halves a and b."""
     ch_a, ch_b, q_a, q_b, m_i, l_i, acc_a, acc_b = _partition_start(q_ptr, q_off, row_ok, ROWS, HEAD_DIM, KV_MODE)
-    # Over a quantised pool a tile's block-table entries are read two tiles ahead and the rest of what it
-    # reads (codes and records) one tile ahead, at addresses from entries that have already arrived: no
-    # load a tile issues is waited for by that tile. Read where they were used, the table and then the
-    # records at the addresses it gave were two dependent loads every tile waited for (Triton's pipeliner
-    # prefetched the codes but not the 2-byte record gathers, and read the table again in each layout that
-    # used it), and it stops prefetching codes whose addresses come from a loop-carried entry. The
-    # read-ahead stops at the partition's end. An FP16-only pool keeps the pipeliner's prefetch (its
-    # tiles, 4x the bytes of INT4 codes, would not fit in registers).
+    # Over a quantised pool what a tile reads (codes and records) is read two tiles ahead and its block-table
+    # entries three, at addresses from entries that have already arrived: no load is waited for by the
+    # iteration that issues it, and each program keeps two tiles of codes on their way while it computes.
+    # Read where they were used, the table and then the records at the addresses it gave were two dependent
+    # loads every tile waited for (Triton's pipeliner prefetched the codes but not the 2-byte record
+    # gathers, and read the table again in each layout that used it; it does not prefetch loads whose
+    # addresses come from a loop-carried entry). The read-ahead stops at the partition's end. An FP16-only
+    # pool keeps the pipeliner's prefetch (its tiles, 4x the bytes of INT4 codes, would not fit in
+    # registers). `entry` itself only says which of the tile's rows are FP16.
     part_end = tl.minimum(context, tile_end * TILE)
     if KV_MODE != 0:
         entry = _tile_entries(table, tile_begin, first_kv, part_end, BLOCK_SIZE, TILE, SLIDING)
         entry_next = _tile_entries(table, tile_begin + 1, first_kv, part_end, BLOCK_SIZE, TILE, SLIDING)
+        entry_far = _tile_entries(table, tile_begin + 2, first_kv, part_end, BLOCK_SIZE, TILE, SLIDING)
         kc_a, kc_b, vc_a, vc_b, k_scale, k_zero, v_scale, v_zero = _tile_quant(
             kq_ptr, vq_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, entry, tile_begin, first_kv, part_end, kv_head,
+            ch_a, ch_b, stride_qd_blk, stride_qd_head, stride_qd_tok, stride_sc_blk, stride_sc_head,
+            stride_sc_tok, stride_sc_grp, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, SLIDING)
+        kn_a, kn_b, vn_a, vn_b, kn_scale, kn_zero, vn_scale, vn_zero = _tile_quant(
+            kq_ptr, vq_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, entry_next, tile_begin + 1, first_kv, part_end, kv_head,
             ch_a, ch_b, stride_qd_blk, stride_qd_head, stride_qd_tok, stride_sc_blk, stride_sc_head,
             stride_sc_tok, stride_sc_grp, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, SLIDING)
     for t in range(tile_begin, tile_end):
@@ -430,9 +436,9 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
             entry, t, first_kv, context, kv_head, stride_qd_blk, stride_qd_head, stride_qd_tok,
             stride_sc_blk, stride_sc_head, stride_sc_tok, BLOCK_SIZE, TILE, SLIDING)
         if KV_MODE != 0:
-            entry_after = _tile_entries(table, t + 2, first_kv, part_end, BLOCK_SIZE, TILE, SLIDING)
-            kn_a, kn_b, vn_a, vn_b, kn_scale, kn_zero, vn_scale, vn_zero = _tile_quant(
-                kq_ptr, vq_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, entry_next, t + 1, first_kv, part_end, kv_head,
+            entry_after = _tile_entries(table, t + 3, first_kv, part_end, BLOCK_SIZE, TILE, SLIDING)
+            kf_a, kf_b, vf_a, vf_b, kf_scale, kf_zero, vf_scale, vf_zero = _tile_quant(
+                kq_ptr, vq_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, entry_far, t + 2, first_kv, part_end, kv_head,
                 ch_a, ch_b, stride_qd_blk, stride_qd_head, stride_qd_tok, stride_sc_blk, stride_sc_head,
                 stride_sc_tok, stride_sc_grp, BLOCK_SIZE, TILE, HEAD_DIM, KV_MODE, QUANT_GROUP, SLIDING)
 
@@ -466,9 +472,11 @@ def _partition_v1(q_ptr, q_off, row_ok, table, tile_begin, tile_end, context, po
             if has_plain:
                 acc_a, acc_b = _plain_values(acc_a, acc_b, p, v_ptr, table, kv, live, slot, kv_head, stride_fp_blk,
                                              stride_fp_head, stride_fp_tok, ch_a, ch_b, BLOCK_SIZE, DTYPE)
-            entry, entry_next = entry_next, entry_after
+            entry, entry_next, entry_far = entry_next, entry_far, entry_after
             kc_a, kc_b, vc_a, vc_b, k_scale, k_zero, v_scale, v_zero = (
                 kn_a, kn_b, vn_a, vn_b, kn_scale, kn_zero, vn_scale, vn_zero)
+            kn_a, kn_b, vn_a, vn_b, kn_scale, kn_zero, vn_scale, vn_zero = (
+                kf_a, kf_b, vf_a, vf_b, kf_scale, kf_zero, vf_scale, vf_zero)
     return m_i, l_i, acc_a, acc_b
 
 
@@ -746,17 +754,21 @@ def default_num_partitions(programs_per_partition: int, max_tiles: int, sms: int
 def default_config(on_gpu: bool, group_pad: int, quantised: bool = False, prefill: bool = False,
                    variant: str = "v1") -> dict:
     """Tile sizes when the caller gives none (`quantised`: the cache has a quantised pool; `prefill`: a
-    chunk or verify launch, several queries a tile). On the GPU a step reads 4 blocks of KV, and a prefill
-    program holds about 64 score rows (a few queries times the heads of a group). v1's decode over a
-    quantised pool holds the next tile's codes and records beside the current tile's dequantised K/V: with
-    4 warps that spilled on sm_90 (Triton 3.9, Llama-3-8B shapes: 40 B a thread, 44 B with centred keys),
-    with 8 it spills nothing on sm_86, sm_89 or sm_90. A prefill over a quantised cache reads 2 blocks a
-    step: with 4, its dequantised K/V on top of the 64-row tile spilled registers (`scripts/compile_check.py`,
-    INT4: 240 B a thread on sm_90 and 972 B on sm_86 under Triton 3.9, 516 B on sm_86 under 3.6). v2's
-    quantised prefill holds one product per group: it reads 1 block a step for about 32 rows with 8 warps,
-    where INT4 spills nothing on sm_86 and sm_89 under Triton 3.6 and 3.9 nor on sm_90 under 3.6, and 52 B a
-    thread on sm_90 under 3.9 (2 blocks and 64 rows with 8 warps: 204 B on sm_86, 184 B on sm_90, 3.9).
-    The interpreter gets small tiles."""
+    chunk or verify launch, several queries a tile). On the GPU a step reads 4 blocks of KV, and a
+    prefill program holds about 64 score rows (a few queries times the heads of a group).
+
+    v1's decode over a quantised pool holds the next two tiles' codes and records beside the current
+    tile's dequantised K/V: at 4 blocks a step that spilled (Llama-3-8B shapes, Triton 3.9: 132-144 B a
+    thread on sm_90 with 8 warps); at 2 blocks and 4 warps it spills nothing on sm_86, sm_89 or sm_90
+    under 3.9 (about 200 registers: two programs an SM, four tiles of codes on their way) and 4-12 B
+    under 3.6, whose ptxas holds it to 168 registers (three programs an SM). One tile ahead at 4 blocks
+    and 8 warps was one program an SM with one tile on its way.
+
+    A prefill over a quantised cache reads 2 blocks a step: with 4, its dequantised K/V on top of the
+    64-row tile spilled registers (`scripts/compile_check.py`, INT4: 240 B a thread on sm_90 and 972 B
+    on sm_86 under Triton 3.9, 516 B on sm_86 under 3.6). v2's quantised prefill holds one product per
+    group: it reads 1 block a step for about 32 rows with 8 warps (2 blocks and 64 rows with 8 warps
+    spilled 204 B on sm_86, 184 B on sm_90, 3.9). The interpreter gets small tiles."""
     if not on_gpu:
         return {"variant": variant, "tile_blocks": 2, "block_m": max(1, 16 // group_pad), "num_warps": 4}
     if quantised and prefill and variant == "v2":
@@ -766,8 +778,9 @@ def default_config(on_gpu: bool, group_pad: int, quantised: bool = False, prefil
         # heads, 512 queries) returned wrong outputs (max |Δ| 3.9 against the reference) and crashed with
         # an illegal address at 1 block a step or 8 warps, where 32 rows matched (5e-3).
         return {"variant": variant, "tile_blocks": 2, "block_m": max(1, 32 // group_pad), "num_warps": 4}
-    warps = 8 if quantised and variant == "v1" else 4
-    return {"variant": variant, "tile_blocks": 4, "block_m": max(1, 64 // group_pad), "num_warps": warps}
+    if quantised and variant == "v1":
+        return {"variant": variant, "tile_blocks": 2, "block_m": max(1, 64 // group_pad), "num_warps": 4}
+    return {"variant": variant, "tile_blocks": 4, "block_m": max(1, 64 // group_pad), "num_warps": 4}
 
 
 def _resolve_config(config: dict | None, device: torch.device, group_pad: int, quantised: bool,
