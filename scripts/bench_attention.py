@@ -107,16 +107,18 @@ def bench_sdpa(args: argparse.Namespace, context: int, gen: torch.Generator) -> 
 
 
 def check(args: argparse.Namespace, kv_dtype: str, variant: str, gen: torch.Generator) -> float:
-    """max |Δ| of the kernel against the reference twin on a short context of the same layout."""
+    """max |Δ| of the kernel against the reference twin on a short context of the same layout, split into the
+    default partitions and into one (one program reading every tile ahead of the next)."""
     from bie_trt.kernels.triton_attention import paged_decode_attention, paged_decode_attention_ref
 
     pools, table, lens, _ = build_cache(args, kv_dtype, args.check_context, gen)
     q = torch.randn(args.batch, args.heads, args.head_dim, device="cuda", dtype=torch.float16, generator=gen)
     scale = args.head_dim**-0.5
     offset = key_offset(args, q, gen)
-    out = paged_decode_attention(q, pools, 0, table, lens, scale, config={"variant": variant}, offset=offset)
-    ref = paged_decode_attention_ref(q, pools, 0, table, lens, scale, offset=offset)
-    return (out.float() - ref.float()).abs().max().item()
+    ref = paged_decode_attention_ref(q, pools, 0, table, lens, scale, offset=offset).float()
+    return max((paged_decode_attention(q, pools, 0, table, lens, scale, num_partitions=parts,
+                                       config={"variant": variant}, offset=offset).float() - ref).abs().max().item()
+               for parts in (None, 1))
 
 
 def key_offset(args: argparse.Namespace, q: torch.Tensor, gen: torch.Generator) -> KeyOffset | None:
