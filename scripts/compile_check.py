@@ -312,64 +312,82 @@ def _split_operands(text: str) -> list[str]:
     return parts + [word.strip()] if word.strip() else parts
 
 
-def loop_waits(ttgir: str) -> dict[str, int] | None:
-    """What the first loop holding a tl.dot (an attention kernel's tile loop) waits for, from the TTGIR: the
-    global loads of its body (`tt.load`; outside any branch of it) whose result the same iteration uses,
-    against those only handed on to later iterations (read ahead), loads inside a branch of the body, and
-    the asynchronous copies Triton's pipeliner made. Each waited load puts a whole memory latency on the
-    iteration unless other warps cover it; a loop that waits for none keeps its reads in flight while it
-    computes. `in_flight_bytes`: what one program has on its way at once, each read-ahead load's bytes times
-    the iterations it is carried before use (followed through the loop's yields), plus one stage of the
-    asynchronous copies. None when no loop holds a tl.dot."""
-    lines = ttgir.splitlines()
-    for start, head in enumerate(lines):
-        if " = scf.for " not in head:
-            continue
-        body, depth = [], 1
-        for line in lines[start + 1:]:
-            depth += line.count("{") - line.count("}")
-            if depth <= 0:
+def _loop_body(lines: list[str], start: int) -> list[tuple[int, str]]:
+    """The lines of the scf.for opened at lines[start], each with its depth of nesting in the body (1: the
+    body itself, more: inside a region of it, such as an scf.if)."""
+    body, depth = [], 1
+    for line in lines[start + 1:]:
+        depth += line.count("{") - line.count("}")
+        if depth <= 0:
+            break
+        body.append((depth, line))
+    return body
+
+
+def _loop_reads(head: str, body: list[tuple[int, str]]) -> dict[str, int]:
+    """`loop_waits` of one loop, with `bytes`: what the body's unconditional loads and copies read."""
+    # the loop's carried values: iter_args(%a = %init, ...) in order, and what the body yields for each
+    carried = re.search(r"iter_args\((.*?)\) ->", head)
+    names = [part.split(" = ")[0] for part in _split_operands(carried.group(1))] if carried else []
+    final = next((line for level, line in reversed(body) if level == 1 and "scf.yield" in line), "")
+    yielded = _split_operands(final.split("scf.yield", 1)[1].split(" : ")[0]) if final else []
+
+    def used(name: str, after: int) -> bool:
+        use = re.compile(re.escape(name) + r"(?![\w#])")
+        return any(use.search(later) and not later.lstrip().startswith("scf.yield") for _, later in body[after:])
+
+    def carried_for(name: str) -> int:
+        """Iterations a value yielded by the body travels through the carried values before use."""
+        steps = 0
+        while name in yielded and steps < len(names):
+            steps += 1
+            name = names[yielded.index(name)]
+            if used(name, 0):
                 break
-            body.append((depth, line))
-        if not any(" tt.dot " in line or "warp_group_dot" in line for _, line in body):
+        return steps
+
+    counts = {"waited": 0, "read_ahead": 0, "in_branches": 0, "async_copies": 0, "in_flight_bytes": 0,
+              "bytes": 0}
+    for k, (level, line) in enumerate(body):
+        if "ttg.async_copy_global_to_local" in line and level == 1:
+            counts["async_copies"] += 1
+            counts["in_flight_bytes"] += tensor_bytes(line)
+            counts["bytes"] += tensor_bytes(line)
+        found = re.match(r"\s*(%[\w.]+) = tt\.load ", line)
+        if not found:
             continue
-        # the loop's carried values: iter_args(%a = %init, ...) in order, and what the body yields for each
-        carried = re.search(r"iter_args\((.*?)\) ->", head)
-        names = [part.split(" = ")[0] for part in _split_operands(carried.group(1))] if carried else []
-        final = next((line for level, line in reversed(body) if level == 1 and "scf.yield" in line), "")
-        yielded = _split_operands(final.split("scf.yield", 1)[1].split(" : ")[0]) if final else []
+        if level > 1:   # inside a region of the body (an scf.if)
+            counts["in_branches"] += 1
+            continue
+        counts["bytes"] += tensor_bytes(line)
+        if used(found.group(1), k + 1):
+            counts["waited"] += 1
+            counts["in_flight_bytes"] += tensor_bytes(line)
+        else:
+            counts["read_ahead"] += 1
+            counts["in_flight_bytes"] += tensor_bytes(line) * max(1, carried_for(found.group(1)))
+    return counts
 
-        def used(name: str, after: int) -> bool:
-            use = re.compile(re.escape(name) + r"(?![\w#])")
-            return any(use.search(later) and not later.lstrip().startswith("scf.yield") for _, later in body[after:])
 
-        def carried_for(name: str) -> int:
-            """Iterations a value yielded by the body travels through the carried values before use."""
-            steps = 0
-            while name in yielded and steps < len(names):
-                steps += 1
-                name = names[yielded.index(name)]
-                if used(name, 0):
-                    break
-            return steps
-
-        counts = {"waited": 0, "read_ahead": 0, "in_branches": 0, "async_copies": 0, "in_flight_bytes": 0}
-        for k, (level, line) in enumerate(body):
-            if "ttg.async_copy_global_to_local" in line:
-                counts["async_copies"] += 1
-                counts["in_flight_bytes"] += tensor_bytes(line)
-            found = re.match(r"\s*(%[\w.]+) = tt\.load ", line)
-            if not found:
-                continue
-            if level > 1:   # inside a region of the body (an scf.if)
-                counts["in_branches"] += 1
-            elif used(found.group(1), k + 1):
-                counts["waited"] += 1
-            else:
-                counts["read_ahead"] += 1
-                counts["in_flight_bytes"] += tensor_bytes(line) * max(1, carried_for(found.group(1)))
-        return counts
-    return None
+def loop_waits(ttgir: str) -> dict[str, int] | None:
+    """What a kernel's main loop (of its scf.for loops holding a tl.dot, or else of all, the one whose body
+    reads the most bytes: an attention kernel's tile loop, a GEMV's weight loop) waits for, from the TTGIR: the global loads of its body
+    (`tt.load`; outside any branch of it) whose result the same iteration uses, against those only handed
+    on to later iterations (read ahead), loads inside a branch of the body, and the asynchronous copies
+    Triton's pipeliner made. Each waited load puts a whole memory latency on the iteration unless other
+    warps cover it; a loop that waits for none keeps its reads in flight while it computes.
+    `in_flight_bytes`: what one program can have on its way at once: every load of an iteration (a waited
+    one is on its way while the iteration waits, though one that waits for another's address is not on its
+    way with it), a read-ahead load times the iterations it is carried before use (followed through the
+    loop's yields), and one stage of the asynchronous copies. None when the kernel has no loop that reads."""
+    lines = ttgir.splitlines()
+    bodies = [(head, _loop_body(lines, start)) for start, head in enumerate(lines) if " = scf.for " in head]
+    # a loop with a tl.dot is the work; a partition merge's loop can read more bytes an iteration
+    dots = [(head, body) for head, body in bodies if any(" tt.dot " in line or "warp_group_dot" in line
+                                                         for _, line in body)]
+    loops = [_loop_reads(head, body) for head, body in dots or bodies]
+    main = max(loops, key=lambda loop: loop["bytes"], default=None)
+    return main if main and main["bytes"] else None
 
 
 def gemv_register_budget(launch: Launch) -> int | None:

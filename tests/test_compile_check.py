@@ -63,12 +63,15 @@ def compile_check(tmp_path: Path, archs: list[int], runtime_only: bool) -> list[
     assert quantised_v1
     for r in quantised_v1:
         assert r["loop"]["waited"] == 0 and r["loop"]["read_ahead"] > 0, r
+    # the W4 linears read each K-step's scales and zeros (and the GEMV its x) a step ahead too
+    w4 = [r for r in rows if r["status"] == "ok" and r["kernel"] in ("_w4_gemv_kernel", "_w4_mma_kernel")]
+    assert w4 and all(r["loop"]["waited"] == 0 for r in w4), [r for r in w4 if r["loop"]["waited"]][:1]
     return rows
 
 
 # A tile loop as Triton's TTGIR prints it (trimmed): a load the iteration uses, one handed to the next
 # iteration, one carried two iterations (through %far into %ahead, which the body uses), one in a branch,
-# a pipelined copy; then a loop without a dot, which is not the tile loop.
+# a pipelined copy; then a loop reading fewer bytes, which is not the main loop.
 TTGIR = """
     %r:3 = scf.for %t = %lo to %hi step %c1 iter_args(%acc = %z, %ahead = %a0, %far = %f0) -> (tensor<16x64xf32, #mma>, tensor<64xi32, #blocked>, tensor<64x2x32xi8, #blocked>)  : i32 {
       %used = tt.load %p0, %m0 : tensor<64x!tt.ptr<f16>, #blocked> loc(#loc1)
@@ -97,13 +100,19 @@ def test_loop_waits_counts_what_the_iteration_waits_for():
     sys.path.insert(0, str(ROOT / "scripts"))
     from compile_check import loop_waits
 
-    # in flight: the codes' 4096 B for two iterations, the entries' 256 B (yielded, never used: one), the copy's 64 B
+    # in flight: the codes' 4096 B for two iterations, the entries' 256 B (yielded, never used: one), the copy's
+    # 64 B, and the 128 B the iteration waits for
     assert loop_waits(TTGIR) == {"waited": 1, "read_ahead": 2, "in_branches": 1, "async_copies": 1,
-                                 "in_flight_bytes": 2 * 4096 + 64 * 4 + 64}
+                                 "in_flight_bytes": 2 * 4096 + 256 + 64 + 128, "bytes": 128 + 256 + 4096 + 64}
     # an iteration that converts what it read ahead waits for it after all
     converted = TTGIR.replace("%s = tt.dot", "%n2 = arith.extsi %next : tensor<64xi32, #blocked>\n      %s = tt.dot")
     assert loop_waits(converted)["waited"] == 2
     # codes used one iteration after their load (yielded straight into %ahead) are in flight once
     direct = TTGIR.replace("scf.yield %b, %far, %codes", "scf.yield %b, %codes, %far")
-    assert loop_waits(direct)["in_flight_bytes"] == 4096 + 64 * 4 + 64
-    assert loop_waits(TTGIR.replace(" tt.dot ", " arith.addf ")) is None   # no tile loop at all
+    assert loop_waits(direct)["in_flight_bytes"] == 4096 + 256 + 64 + 128
+    # the main loop: of the loops with a tl.dot (else of all), the one that reads the most
+    small = TTGIR.replace("64x2x32x!tt.ptr<i8>", "1x!tt.ptr<i8>").replace("tensor<64x", "tensor<1x")
+    assert loop_waits(small)["waited"] == 1 and loop_waits(small)["bytes"] == 2 + 4 + 1 + 1
+    merge = loop_waits(small.replace(" tt.dot ", " arith.addf "))
+    assert merge["waited"] == 0 and merge["read_ahead"] == 1 and merge["bytes"] == 16 * 4
+    assert loop_waits(TTGIR.split("%merge")[0].replace("scf.for", "scf.while")) is None   # no loop at all

@@ -88,14 +88,30 @@ def _split_planes(x):
 @triton.jit
 def _load_step(qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw, live_rows, stride_qn, stride_sn,
                GROUP: tl.constexpr):
-    """One K-step's packed words [BN, BKW] and its group's scale and zero [BN], for rows < live_rows."""
+    """One K-step's packed words [BN, BKW] and its group's scale and zero [BN], for rows < live_rows, as
+    stored: a step read ahead is converted where it is used, or the read is waited for at once."""
     mask = offs_n < live_rows
     words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (kw + offs_w)[None, :],
                     mask=mask[:, None], other=0, eviction_policy="evict_first")
-    group = kw * 8 // GROUP
-    scale = tl.load(s_ptr + offs_n * stride_sn + group, mask=mask, other=0).to(tl.float32)
-    zero = tl.load(z_ptr + offs_n * stride_sn + group, mask=mask, other=0).to(tl.float32)
+    scale, zero = _load_group(s_ptr, z_ptr, offs_n, kw, live_rows, stride_sn, GROUP)
     return words, scale, zero
+
+
+@triton.jit
+def _load_group(s_ptr, z_ptr, offs_n, kw, live_rows, stride_sn, GROUP: tl.constexpr):
+    """The scale and zero [BN] of the group holding packed word kw, for rows < live_rows, as stored."""
+    mask = offs_n < live_rows
+    group = kw * 8 // GROUP
+    scale = tl.load(s_ptr + offs_n * stride_sn + group, mask=mask, other=0)
+    zero = tl.load(z_ptr + offs_n * stride_sn + group, mask=mask, other=0)
+    return scale, zero
+
+
+@triton.jit
+def _load_k(ptr, kw, offs_k, kw_end):
+    """[BK] of a K-long vector (x, the norm weights) at packed word kw, as stored; 0 at or past kw_end."""
+    k = kw * 8 + offs_k
+    return tl.load(ptr + k, mask=k < kw_end * 8, other=0)
 
 
 @triton.jit
@@ -113,8 +129,13 @@ def _row_rstd(x_ptr, offs_m, mask_m, stride_xm, K, eps, BLOCK: tl.constexpr):
 @triton.jit
 def _normed(x, rstd, nw_ptr, offs_k, DTYPE: tl.constexpr):
     """x [BM, BK] -> norm(x) · weight rounded to the activation dtype, as the standalone norm stores it."""
-    w = tl.load(nw_ptr + offs_k).to(tl.float32)
-    return (x.to(tl.float32) * rstd[:, None] * w[None, :]).to(DTYPE)
+    return _norm_times(x, rstd, tl.load(nw_ptr + offs_k), DTYPE)
+
+
+@triton.jit
+def _norm_times(x, rstd, w, DTYPE: tl.constexpr):
+    """`_normed` with the norm weights w [BK] already read."""
+    return (x.to(tl.float32) * rstd[:, None] * w.to(tl.float32)[None, :]).to(DTYPE)
 
 
 @triton.jit
@@ -192,27 +213,33 @@ def _w4_gemv_kernel(
     kw_end = tl.minimum(kw_start + KW_PER_SPLIT, KW)
     words, scale, zero = _load_step(qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw_start,
                                     tl.where(kw_start < kw_end, N, 0), stride_qn, stride_sn, GROUP)
+    x = _load_k(x_ptr, kw_start, offs_k, kw_end)
+    nw = _load_k(nw_ptr, kw_start, offs_k, kw_end) if NORM else x
     for kw in range(kw_start, kw_end, BLOCK_KW):
-        # Request the next step now (nothing past the slice's end) so it is in flight meanwhile.
+        # Request the next step now (nothing past the slice's end) so it is in flight meanwhile: the
+        # weights, their scales and zeros, and x (and the norm weights) too, an L2 read that every step
+        # otherwise waited for.
         next_words, next_scale, next_zero = _load_step(
             qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw + BLOCK_KW,
             tl.where(kw + BLOCK_KW < kw_end, N, 0), stride_qn, stride_sn, GROUP)
-        x = tl.load(x_ptr + kw * 8 + offs_k)
+        next_x = _load_k(x_ptr, kw + BLOCK_KW, offs_k, kw_end)
+        next_nw = _load_k(nw_ptr, kw + BLOCK_KW, offs_k, kw_end) if NORM else next_x
         if NORM:
-            x = tl.reshape(_normed(x[None, :], rstd, nw_ptr, kw * 8 + offs_k, x_ptr.dtype.element_ty), (BLOCK_K,))
+            x = tl.reshape(_norm_times(x[None, :], rstd, nw, x_ptr.dtype.element_ty), (BLOCK_K,))
         x0, x1, x2, x3, x4, x5, x6, x7 = _split_planes(x.to(tl.float32))
+        z32 = zero.to(tl.float32)
         # Explicit FMAs: Triton is moving to no fp contraction by default.
-        t = _nibble(words, 0, zero, nib_mask, FLOAT_ZERO) * x0[None, :]
-        t = tl.fma(_nibble(words, 1, zero, nib_mask, FLOAT_ZERO), x1[None, :], t)
-        t = tl.fma(_nibble(words, 2, zero, nib_mask, FLOAT_ZERO), x2[None, :], t)
-        t = tl.fma(_nibble(words, 3, zero, nib_mask, FLOAT_ZERO), x3[None, :], t)
-        t = tl.fma(_nibble(words, 4, zero, nib_mask, FLOAT_ZERO), x4[None, :], t)
-        t = tl.fma(_nibble(words, 5, zero, nib_mask, FLOAT_ZERO), x5[None, :], t)
-        t = tl.fma(_nibble(words, 6, zero, nib_mask, FLOAT_ZERO), x6[None, :], t)
-        t = tl.fma(_nibble(words, 7, zero, nib_mask, FLOAT_ZERO), x7[None, :], t)
+        t = _nibble(words, 0, z32, nib_mask, FLOAT_ZERO) * x0[None, :]
+        t = tl.fma(_nibble(words, 1, z32, nib_mask, FLOAT_ZERO), x1[None, :], t)
+        t = tl.fma(_nibble(words, 2, z32, nib_mask, FLOAT_ZERO), x2[None, :], t)
+        t = tl.fma(_nibble(words, 3, z32, nib_mask, FLOAT_ZERO), x3[None, :], t)
+        t = tl.fma(_nibble(words, 4, z32, nib_mask, FLOAT_ZERO), x4[None, :], t)
+        t = tl.fma(_nibble(words, 5, z32, nib_mask, FLOAT_ZERO), x5[None, :], t)
+        t = tl.fma(_nibble(words, 6, z32, nib_mask, FLOAT_ZERO), x6[None, :], t)
+        t = tl.fma(_nibble(words, 7, z32, nib_mask, FLOAT_ZERO), x7[None, :], t)
         # The group's scale multiplies the row sums, not every weight.
-        acc += tl.sum(t, axis=1) * scale
-        words, scale, zero = next_words, next_scale, next_zero
+        acc += tl.sum(t, axis=1) * scale.to(tl.float32)
+        words, scale, zero, x, nw = next_words, next_scale, next_zero, next_x, next_nw
 
     mask = offs_n < N
     bias_rows = tl.where(mask, offs_n, 0)
@@ -252,31 +279,42 @@ def _w4_mma_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     kw_start = pid_k * KW_PER_SPLIT
     kw_end = tl.minimum(kw_start + KW_PER_SPLIT, KW)
+    # The scales and zeros, 2-byte gathers that Triton's pipeliner does not prefetch, and the norm weights
+    # are read a step ahead (nothing past the slice's end); the pipeliner prefetches x and the words.
+    scale, zero = _load_group(s_ptr, z_ptr, offs_n, kw_start, tl.where(kw_start < kw_end, N, 0), stride_sn, GROUP)
+    if NORM:
+        nw = _load_k(nw_ptr, kw_start, offs_k, kw_end)
     for kw in range(kw_start, kw_end, BLOCK_KW):
+        next_scale, next_zero = _load_group(s_ptr, z_ptr, offs_n, kw + BLOCK_KW,
+                                            tl.where(kw + BLOCK_KW < kw_end, N, 0), stride_sn, GROUP)
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (kw * 8 + offs_k)[None, :],
                     mask=mask_m[:, None], other=0)
         if NORM:
-            a = _normed(a, rstd, nw_ptr, kw * 8 + offs_k, x_ptr.dtype.element_ty)
-        words, scale, zero = _load_step(qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw, N,
-                                        stride_qn, stride_sn, GROUP)
+            next_nw = _load_k(nw_ptr, kw + BLOCK_KW, offs_k, kw_end)
+            a = _norm_times(a, rstd, nw, x_ptr.dtype.element_ty)
+            nw = next_nw
+        words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (kw + offs_w)[None, :],
+                        mask=mask_n[:, None], other=0, eviction_policy="evict_first")
+        z32 = zero.to(tl.float32)
         # Three rounds of interleaving put weight k = 8·word + i back in K order; like the
         # splits in the GEMV, they only renumber registers.
         even = tl.interleave(
-            tl.interleave(_nibble(words, 0, zero, nib_mask, FLOAT_ZERO), _nibble(words, 4, zero, nib_mask, FLOAT_ZERO)),
-            tl.interleave(_nibble(words, 2, zero, nib_mask, FLOAT_ZERO), _nibble(words, 6, zero, nib_mask, FLOAT_ZERO)))
+            tl.interleave(_nibble(words, 0, z32, nib_mask, FLOAT_ZERO), _nibble(words, 4, z32, nib_mask, FLOAT_ZERO)),
+            tl.interleave(_nibble(words, 2, z32, nib_mask, FLOAT_ZERO), _nibble(words, 6, z32, nib_mask, FLOAT_ZERO)))
         odd = tl.interleave(
-            tl.interleave(_nibble(words, 1, zero, nib_mask, FLOAT_ZERO), _nibble(words, 5, zero, nib_mask, FLOAT_ZERO)),
-            tl.interleave(_nibble(words, 3, zero, nib_mask, FLOAT_ZERO), _nibble(words, 7, zero, nib_mask, FLOAT_ZERO)))
+            tl.interleave(_nibble(words, 1, z32, nib_mask, FLOAT_ZERO), _nibble(words, 5, z32, nib_mask, FLOAT_ZERO)),
+            tl.interleave(_nibble(words, 3, z32, nib_mask, FLOAT_ZERO), _nibble(words, 7, z32, nib_mask, FLOAT_ZERO)))
         w = tl.interleave(even, odd)
         if BLOCK_M < BLOCK_K:
             # Few rows: q - z is a small integer, exact in any float type, so the tensor cores
             # take it as is and the scale multiplies the smaller [BLOCK_M, BLOCK_N] product.
-            acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PRECISION) * scale[None, :]
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PRECISION) * scale.to(tl.float32)[None, :]
         else:
             # Many rows: scaling each weight once is cheaper; (q - z) · s is rounded once to the
             # activation dtype, as the reference's dense weight is.
-            w = (w * scale[:, None]).to(a.dtype)
+            w = (w * scale.to(tl.float32)[:, None]).to(a.dtype)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        scale, zero = next_scale, next_zero
 
     mask = mask_m[:, None] & mask_n[None, :]
     bias_rows = tl.where(mask_n, offs_n, 0)
