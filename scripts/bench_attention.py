@@ -133,7 +133,7 @@ def key_offset(args: argparse.Namespace, q: torch.Tensor, gen: torch.Generator) 
 def tune_grid(default_parts: int) -> list[dict]:
     parts = sorted({max(1, default_parts // 2), default_parts, 2 * default_parts})
     return [{"num_partitions": p, "tile_blocks": t, "num_warps": w}
-            for p, t, w in itertools.product(parts, (2, 4, 8), (4, 8))]
+            for p, t, w in itertools.product(parts, (1, 2, 4), (4, 8))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -758,8 +758,9 @@ def default_config(on_gpu: bool, group_pad: int, quantised: bool = False, prefil
     prefill program holds about 64 score rows (a few queries times the heads of a group).
 
     v1's decode over a quantised pool holds the next two tiles' codes and records beside the current
-    tile's dequantised K/V: at 4 blocks a step that spilled (Llama-3-8B shapes, Triton 3.9: 132-144 B a
-    thread on sm_90 with 8 warps); at 2 blocks and 4 warps it spills nothing on sm_86, sm_89 or sm_90
+    tile's dequantised K/V: at 4 blocks a step and 4 warps that spilled (Llama-3-8B shapes, Triton 3.9:
+    132-144 B a thread on sm_90; with 8 warps it fits, one program an SM, as many bytes on their way as
+    the default's two); at 2 blocks and 4 warps it spills nothing on sm_86, sm_89 or sm_90
     under 3.9 (about 200 registers: two programs an SM, four tiles of codes on their way) and 4-12 B
     under 3.6, whose ptxas holds it to 168 registers (three programs an SM). One tile ahead at 4 blocks
     and 8 warps was one program an SM with one tile on its way.
