@@ -90,11 +90,16 @@ def _load_step(qw_ptr, s_ptr, z_ptr, offs_n, offs_w, kw, live_rows, stride_qn, s
                GROUP: tl.constexpr):
     """One K-step's packed words [BN, BKW] and its group's scale and zero [BN], for rows < live_rows, as
     stored: a step read ahead is converted where it is used, or the read is waited for at once."""
-    mask = offs_n < live_rows
-    words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (kw + offs_w)[None, :],
-                    mask=mask[:, None], other=0, eviction_policy="evict_first")
+    words = _load_words(qw_ptr, offs_n, offs_w, kw, live_rows, stride_qn)
     scale, zero = _load_group(s_ptr, z_ptr, offs_n, kw, live_rows, stride_sn, GROUP)
     return words, scale, zero
+
+
+@triton.jit
+def _load_words(qw_ptr, offs_n, offs_w, kw, live_rows, stride_qn):
+    """One K-step's packed words [BN, BKW] from word kw, for rows < live_rows (read once: evicted first)."""
+    return tl.load(qw_ptr + offs_n[:, None] * stride_qn + (kw + offs_w)[None, :],
+                   mask=(offs_n < live_rows)[:, None], other=0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -293,8 +298,7 @@ def _w4_mma_kernel(
             next_nw = _load_k(nw_ptr, kw + BLOCK_KW, offs_k, kw_end)
             a = _norm_times(a, rstd, nw, x_ptr.dtype.element_ty)
             nw = next_nw
-        words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (kw + offs_w)[None, :],
-                        mask=mask_n[:, None], other=0, eviction_policy="evict_first")
+        words = _load_words(qw_ptr, offs_n, offs_w, kw, N, stride_qn)
         z32 = zero.to(tl.float32)
         # Three rounds of interleaving put weight k = 8·word + i back in K order; like the
         # splits in the GEMV, they only renumber registers.
